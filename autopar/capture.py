@@ -1,0 +1,198 @@
+"""Capture a training step as an aten-level FX graph with shapes on every node.
+
+We reuse ``torch.export`` (non-strict, so ordinary Python models trace) on a wrapper module that runs
+forward and loss, then decompose to core aten ops, the level at which DTensor registers its sharding
+strategies. Backward is not captured: autopar takes the "forward graph + differentiable collectives"
+design (design.md §9), so the cost model prices each forward op together with its backward, and at run
+time autograd derives the backward of the sharded program.
+
+Export runs on fake tensors, so a model built on the meta device (hundreds of billions of parameters) is
+captured without allocating it. This module is not for pricing or placing: it only records what the
+program is.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind
+
+from .errors import UnsupportedModelError
+
+_MODEL_PREFIX = "model."
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+class TrainingStep(nn.Module):
+    """``loss = loss_fn(model(*inputs), targets)``: the forward half of one training step."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is None:
+            return self.model(*args)
+        *inputs, targets = args
+        out = self.model(*inputs)
+        return self.loss_fn(out, targets) if targets is not None else self.loss_fn(out)
+
+
+@dataclass
+class CapturedGraph:
+    """The decomposed forward+loss graph and what each placeholder stands for."""
+
+    graph_module: fx.GraphModule
+    params: dict[str, str]  # placeholder name -> parameter fqn (model-relative)
+    buffers: dict[str, str]  # placeholder name -> buffer fqn
+    constants: dict[str, torch.Tensor]  # placeholder name -> lifted constant tensor
+    user_inputs: list[str]  # placeholder names of example inputs, then targets (if any)
+    loss_node: str  # name of the node whose value is the scalar loss
+    tie_keys: dict[str, str] = field(default_factory=dict)  # node name -> key shared by repeated layers
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def node(self, name: str) -> fx.Node:
+        return self._nodes_by_name()[name]
+
+    def _nodes_by_name(self) -> dict[str, fx.Node]:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {n.name: n for n in self.graph.nodes}
+        return self._by_name
+
+    def param_shapes(self) -> dict[str, torch.Size]:
+        return {fqn: self.node(name).meta["val"].shape for name, fqn in self.params.items()}
+
+    def num_params(self) -> int:
+        return sum(int(self.node(n).meta["val"].numel()) for n in self.params)
+
+    def layer_count(self) -> int:
+        """How many repeated layers the tie keys found (0 when the model has none)."""
+        counts = Counter(self.tie_keys.values())
+        return max(counts.values(), default=0) if counts else 0
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    example_targets: torch.Tensor | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> CapturedGraph:
+    """Export ``loss_fn(model(*example_inputs), example_targets)`` and decompose it to core aten."""
+    step = TrainingStep(model, loss_fn)
+    args = tuple(example_inputs) + ((example_targets,) if example_targets is not None else ())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(step, args, strict=False).run_decompositions()
+    except Exception as exc:  # export's own errors are long; keep the first line and the cause
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModelError(
+            f"could not capture {type(model).__name__} with torch.export: {first}"
+        ) from exc
+    return _describe(exported)
+
+
+def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
+    gm = exported.graph_module
+    params, buffers, constants, user_inputs = {}, {}, {}, []
+    for spec in exported.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = _strip_prefix(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = _strip_prefix(spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[name] = exported.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+    outputs = exported.graph_signature.output_specs
+    loss = outputs[0].arg.name
+    _check_scalar_loss(gm, loss)
+    captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss)
+    captured.tie_keys = _tie_repeated_layers(gm.graph, params)
+    return captured
+
+
+def _check_scalar_loss(gm: fx.GraphModule, loss: str) -> None:
+    val = next(n for n in gm.graph.nodes if n.name == loss).meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.numel() != 1:
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+        raise UnsupportedModelError(
+            f"the training step must return a scalar loss, got {shape}: pass loss_fn (and targets)"
+        )
+
+
+def _strip_prefix(fqn: str) -> str:
+    return fqn[len(_MODEL_PREFIX):] if fqn.startswith(_MODEL_PREFIX) else fqn
+
+
+def module_path(node: fx.Node) -> str:
+    """Model-relative path of the innermost module that produced ``node`` ('' for the loss)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path[len("model"):].lstrip(".") if path.startswith("model") else path
+    return path
+
+
+def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str]) -> dict[str, str]:
+    """Give nodes of repeated layers (``layers.0.*``, ``layers.1.*``...) one shared key.
+
+    A key is the module path with layer indices replaced by ``*``, the op, and the node's ordinal among
+    nodes of the same path and op. Nodes whose groups disagree on shapes or arguments keep their own
+    name as key, so tying never changes what a node computes, only how many decisions the solver makes.
+    """
+    keys: dict[str, str] = {}
+    ordinal: Counter = Counter()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            fqn = params.get(node.name)
+            keys[node.name] = "param:" + _LAYER_INDEX.sub(".*", fqn) if fqn else node.name
+        elif node.op == "call_function":
+            path = module_path(node)
+            canonical = _LAYER_INDEX.sub(".*", path)
+            if canonical == path:
+                keys[node.name] = node.name
+                continue
+            ordinal[(path, node.target)] += 1
+            keys[node.name] = f"{canonical}|{node.target}|{ordinal[(path, node.target)]}"
+        else:
+            keys[node.name] = node.name
+    return _untie_inconsistent(graph, keys)
+
+
+def _untie_inconsistent(graph: fx.Graph, keys: dict[str, str]) -> dict[str, str]:
+    groups: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        groups[keys[node.name]].append(node)
+    for key, members in groups.items():
+        if len(members) > 1 and len({_signature(n) for n in members}) > 1:
+            for n in members:
+                keys[n.name] = n.name
+    return keys
+
+
+def _signature(node: fx.Node) -> tuple[Any, ...]:
+    val = node.meta.get("val")
+    shapes = _shapes(val)
+    consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
+    return (str(node.target), shapes, repr(consts))
+
+
+def _shapes(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), str(val.dtype))
+    if isinstance(val, (list, tuple)):
+        return tuple(_shapes(v) for v in val)
+    return None

@@ -1,0 +1,29 @@
+"""Errors a user can hit, each with a message that says what went wrong and where.
+
+The CLI maps ``AutoparError`` subclasses to exit codes (design.md §3): bad input is 2, a model that fits
+no plan is 3. Everything else is a bug and keeps its traceback.
+"""
+
+
+class AutoparError(Exception):
+    """Base class of the errors autopar raises on purpose."""
+
+    exit_code = 2
+
+
+class BadInputError(AutoparError, ValueError):
+    """A model name, option, constraint or argument that autopar cannot use."""
+
+
+class UnsupportedModelError(AutoparError):
+    """The model could not be captured as a training-step graph."""
+
+
+class PlanFormatError(AutoparError, ValueError):
+    """A plan file that is not valid ``autopar.plan/1`` JSON."""
+
+
+class NoFeasiblePlanError(AutoparError):
+    """No parallelization of the model fits the devices' memory (or the constraints)."""
+
+    exit_code = 3

@@ -1,0 +1,125 @@
+"""Shared building blocks for the built-in model families.
+
+Everything here is written with plain, export-friendly aten ops so that a
+model captured with ``torch.export.export(..., strict=False)`` and decomposed
+to core aten maps cleanly onto DTensor's registered sharding strategies:
+matmul + softmax attention (no fused SDPA), masks and rotary tables held in
+non-persistent buffers, and no dropout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "RMSNorm",
+    "causal_mask",
+    "check_positive",
+    "causal_attention",
+    "split_heads",
+    "merge_heads",
+    "init_weights",
+    "lm_loss",
+    "mse_loss",
+    "INIT_STD",
+]
+
+INIT_STD = 0.02
+
+
+def causal_mask(seq: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Return a bool lower-triangular ``[seq, seq]`` mask (True = may attend).
+
+    Built with torch ops only so it also works on the meta device; ``device=None``
+    honours an enclosing ``with torch.device(...)`` context.
+    """
+    ones = torch.ones(seq, seq, dtype=torch.bool, device=device)
+    return torch.tril(ones)
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``[b, s, n_heads * hd] -> [b, n_heads, s, hd]`` via view + transpose."""
+    b, s, h = x.shape
+    return x.view(b, s, n_heads, h // n_heads).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[b, nh, s, hd] -> [b, s, nh * hd]`` (inverse of :func:`split_heads`)."""
+    b, nh, s, hd = x.shape
+    return x.transpose(1, 2).reshape(b, s, nh * hd)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Scaled dot-product attention written as matmul + masked softmax.
+
+    ``q, k, v`` are ``[b, nh, s, hd]``; ``mask`` is a bool ``[s, s]`` tril mask.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v)
+
+
+def check_positive(cfg: object, names: tuple[str, ...]) -> None:
+    """Raise ValueError if any of the named integer config fields is < 1."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: ``x * rsqrt(mean(x^2) + eps) * weight`` (no bias)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        """Set the scale back to ones."""
+        with torch.no_grad():
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return x * rms * self.weight
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float = INIT_STD) -> None:
+    """Deterministically (given the RNG state) initialise every submodule.
+
+    Linear / Embedding weights ~ N(0, std), biases 0, norm weights 1 and norm
+    biases 0. Modules are visited in registration order, so the result only
+    depends on ``torch.manual_seed``. Works (as a no-op) on the meta device.
+    """
+    for sub in module.modules():
+        if isinstance(sub, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(sub.weight, mean=0.0, std=std)
+            if getattr(sub, "bias", None) is not None:
+                nn.init.zeros_(sub.bias)
+        elif isinstance(sub, nn.LayerNorm):
+            if sub.weight is not None:
+                nn.init.ones_(sub.weight)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+        elif isinstance(sub, RMSNorm):
+            nn.init.ones_(sub.weight)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy: ``logits [b, s, V]``, ``targets [b, s]`` long."""
+    vocab = logits.shape[-1]
+    return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+
+
+def mse_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error between ``output`` and float ``targets``."""
+    return F.mse_loss(output, targets)

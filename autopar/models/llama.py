@@ -1,0 +1,196 @@
+"""Llama-3 style decoder-only transformer.
+
+Token embedding, pre-RMSNorm blocks with rotary (rotate-half, from cached
+cos/sin buffers) grouped-query attention and a SwiGLU MLP, a final RMSNorm and
+an ``lm_head``. No biases anywhere. Written with export-friendly ops only
+(see :mod:`autopar.models.common`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import (
+    RMSNorm,
+    causal_attention,
+    causal_mask,
+    check_positive,
+    init_weights,
+    merge_heads,
+    split_heads,
+)
+
+__all__ = [
+    "LlamaConfig",
+    "Llama",
+    "LlamaBlock",
+    "LlamaAttention",
+    "SwiGLU",
+    "RMSNorm",
+    "rope_tables",
+    "apply_rope",
+]
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters of a Llama model."""
+
+    layers: int  # number of transformer blocks
+    hidden: int  # model (embedding) width
+    heads: int  # query heads; must divide hidden
+    kv_heads: int  # key/value heads (grouped-query attention); must divide heads
+    vocab: int  # vocabulary size
+    seq: int  # maximum sequence length (size of the rotary tables and mask)
+    ffn_hidden: int  # SwiGLU inner width
+    rope_theta: float = 500000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden"))
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim hidden/heads ({self.head_dim}) must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden // self.heads
+
+
+def rope_tables(
+    seq: int, head_dim: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(cos, sin)`` of shape ``[seq, head_dim]`` for rotate-half rotary.
+
+    Uses the default dtype and plain torch ops, so it also works on meta.
+    """
+    dtype = torch.get_default_dtype()
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    positions = torch.arange(seq, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` along the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, nh, s, hd]`` by the ``[s, hd]`` cos/sin tables."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[b, nkv, s, hd] -> [b, nkv * n_rep, s, hd]`` via unsqueeze/expand/reshape."""
+    if n_rep == 1:
+        return x
+    b, nkv, s, hd = x.shape
+    return x.unsqueeze(2).expand(b, nkv, n_rep, s, hd).reshape(b, nkv * n_rep, s, hd)
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.kv_heads = cfg.kv_heads
+        kv_width = cfg.kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, kv_width, bias=False)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        q = apply_rope(split_heads(self.q_proj(x), self.heads), cos, sin)
+        k = apply_rope(split_heads(self.k_proj(x), self.kv_heads), cos, sin)
+        v = split_heads(self.v_proj(x), self.kv_heads)
+        n_rep = self.heads // self.kv_heads
+        out = causal_attention(q, _expand_kv(k, n_rep), _expand_kv(v, n_rep), mask)
+        return self.o_proj(merge_heads(out))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """Llama language model: ``forward(idx [b, s] long) -> logits [b, s, vocab]``.
+
+    The rotary tables and causal mask are non-persistent buffers held once on
+    the top-level module; after ``to_empty`` from meta call
+    :meth:`reset_buffers` (and :meth:`reset_parameters`) to fill them.
+    """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
+        self.norm_f = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("causal_mask", causal_mask(cfg.seq), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-initialise all weights (N(0, 0.02), unit norms)."""
+        init_weights(self)
+
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent buffers on their current device/dtype."""
+        cfg, device, dtype = self.config, self.rope_cos.device, self.rope_cos.dtype
+        cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+        self.causal_mask = causal_mask(cfg.seq, device=device)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        mask = self.causal_mask[:seq, :seq]
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return self.lm_head(self.norm_f(x))

@@ -1,0 +1,98 @@
+"""Train a built-in model k steps under a plan on gloo ranks and, beside it, in one process.
+
+This is how autopar proves a plan is numerically faithful (design.md §7): same seed, same global
+batches, AdamW, per-step losses and gathered final parameters compared. ``autopar demo`` and the
+multi-process tests use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .launch import run_on_ranks
+from .models import ModelBundle, build_model
+
+LR = 1e-4
+"""AdamW learning rate of parity runs. Adam normalizes each element's update, so rounding differences
+in near-zero gradients (the reduction order changes with the batch split) can move an element by a
+fraction of ``lr`` per step; at 1e-4 three steps stay inside design.md's atol of 1e-5. Gradients
+themselves are compared separately (``grads=True``)."""
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+
+
+def batches(bundle: ModelBundle, steps: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """``steps`` global batches shaped like the bundle's example batch, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for _ in range(steps):
+        out.append(tuple(_like(t, g, bundle) for t in (*bundle.example_inputs, bundle.example_targets)
+                         if t is not None))
+    return out
+
+
+def _like(t: torch.Tensor, g: torch.Generator, bundle: ModelBundle) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return torch.randn(t.shape, generator=g, dtype=t.dtype)
+    high = int(getattr(bundle.config, "vocab", 2))
+    return torch.randint(0, high, t.shape, generator=g, dtype=t.dtype)
+
+
+def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None, seed: int) -> ModelBundle:
+    return build_model(name, overrides=overrides, global_batch=global_batch, seq=seq, device="cpu", seed=seed)
+
+
+def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
+                 steps: int, seed: int = 0) -> TrainResult:
+    bundle = build(name, overrides, global_batch, seq, seed)
+    model, loss_fn = bundle.model, bundle.loss_fn
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for *inputs, targets in batches(bundle, steps, seed):
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return TrainResult(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str, Any] | None,
+                        global_batch: int, seq: int | None, steps: int, plan: dict | None,
+                        constraints: Mapping[str, Any] | None, seed: int = 0) -> dict[str, Any]:
+    """One rank's training under ``plan`` (or a plan made here for this world); rank 0 returns results."""
+    import autopar
+
+    bundle = build(name, overrides, global_batch, seq, seed)
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints=constraints,
+                                 plan=autopar.Plan.from_dict(plan) if plan else None)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses = []
+    for batch in batches(bundle, steps, seed):
+        opt.zero_grad()
+        losses.append(pm.step(*batch).item())
+        opt.step()
+    state = pm.full_state_dict()
+    return {"losses": losses, "params": state if rank == 0 else None, "plan": pm.plan.to_dict(),
+            "redistributes": pm.redistributes}
+
+
+def train_parallel(world: int, name: str, overrides: Mapping[str, Any] | None, global_batch: int,
+                   seq: int | None, steps: int, plan: dict | None = None,
+                   constraints: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+    results = run_on_ranks(train_parallel_rank, world, name, overrides, global_batch, seq, steps, plan,
+                           constraints, seed)
+    return {"losses": [r["losses"] for r in results], "params": results[0]["params"],
+            "plan": results[0]["plan"], "redistributes": results[0]["redistributes"]}
+
+
+def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -1,0 +1,59 @@
+"""Placements as plans write them: ``S(d)``, ``R``, ``P`` and ``P(avg)`` strings.
+
+A placement says how one tensor lies along one mesh dimension, exactly as DTensor's ``Shard``,
+``Replicate`` and ``Partial`` do (we reuse those types at run time). Plans keep the short human form,
+one string per mesh dimension, so plan files stay readable and never pickle torch objects.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from .errors import PlanFormatError
+
+_SHARD = re.compile(r"^S\((-?\d+)\)$")
+_PARTIAL = re.compile(r"^P(?:\((\w+)\))?$")
+
+
+def placement_to_str(p: Placement) -> str:
+    """DTensor placement -> ``S(0)`` / ``R`` / ``P`` (sum) / ``P(avg)``."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    raise ValueError(f"placement {p!r} has no plan form (only Shard, Replicate, Partial)")
+
+
+def str_to_placement(text: str) -> Placement:
+    """Inverse of ``placement_to_str``; raises PlanFormatError naming the bad string."""
+    text = text.strip()
+    if text == "R":
+        return Replicate()
+    m = _SHARD.match(text)
+    if m:
+        return Shard(int(m.group(1)))
+    m = _PARTIAL.match(text)
+    if m:
+        return Partial(m.group(1) or "sum")
+    raise PlanFormatError(f"bad placement {text!r}: expected 'R', 'S(<dim>)', 'P' or 'P(<op>)'")
+
+
+def placements_to_strs(ps: Sequence[Placement]) -> list[str]:
+    return [placement_to_str(p) for p in ps]
+
+
+def strs_to_placements(ss: Sequence[str]) -> tuple[Placement, ...]:
+    return tuple(str_to_placement(s) for s in ss)
+
+
+def is_sharded(text: str) -> bool:
+    return text.startswith("S(")
+
+
+def is_partial(text: str) -> bool:
+    return text.startswith("P")

@@ -1,0 +1,232 @@
+"""Prices of node strategies and of resharding edges on one mesh of one cluster.
+
+This module turns the cost formulas of ``autopar.cost_models`` (compute roofline, collective alpha-beta,
+optimizer memory) into the numbers the solver needs for a captured graph on a mesh shape:
+
+* ``Pricer.node``: compute time of a node's strategy (forward + backward on its local shard), the
+  backward collectives the strategy implies, and the activation bytes it keeps for backward;
+* ``Pricer.placeholder``: memory of a parameter's local shard (parameter, gradient, AdamW state);
+* ``Pricer.edge``: the collectives that move a tensor from its producer's placement to the one its
+  consumer needs, in forward and (as the dual collective) in backward.
+
+Rules, per mesh dimension (we price the forward graph and derive its backward, design.md §9):
+* a node whose strategy shards anything on a mesh dim splits its work over that dim; an all-``R`` node
+  computes everything on every rank. Backward costs twice the forward (two matmuls per matmul).
+* an input that is ``R`` on a dim where the node's output is not ``R`` is used differently by each
+  rank, so its gradient is a partial sum that must be all-reduced in backward. For a parameter this is
+  the data-parallel gradient all_reduce (bucketed and overlapped with backward: reported apart as
+  ``grad_sync``); for an activation it is Megatron's "f" all_reduce on the critical path.
+* resharding an edge, forward -> backward: S->R all_gather -> (none); P->R all_reduce -> (none);
+  P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
+  all_to_all. A partial gradient never needs the backward of R->P.
+
+Precision: on accelerators activations and parameters are priced in the compute dtype (bf16 by
+default) with ZeRO's mixed-precision accounting of 16 bytes per parameter (2 param + 2 grad + 12
+AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` everything is fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+from .cost_models import Cluster, adamw_state_bytes, collective_time, compute_time
+from .strategies import Placements, Strategy, tensor_inputs
+
+_MATMUL_PACKETS = set(flop_registry)
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Cost:
+    """Seconds of one decision, split so that plans can explain themselves."""
+
+    compute_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)  # critical-path collectives by kind
+    grad_sync_s: float = 0.0  # gradient all_reduce that can hide behind backward
+    memory_bytes: float = 0.0  # per device
+    backward_compute_s: float = 0.0  # part of compute_s that runs in backward (overlap budget)
+
+    def add_comm(self, kind: str, seconds: float) -> None:
+        if seconds > 0:
+            self.comm_s[kind] = self.comm_s.get(kind, 0.0) + seconds
+
+    @property
+    def exposed_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+
+class Pricer:
+    """Prices for one (cluster, mesh shape, compute dtype)."""
+
+    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str):
+        self.cluster = cluster
+        self.mesh_shape = tuple(mesh_shape)
+        self.dtype = dtype
+        self.groups = [cluster.group(self.mesh_shape, d) for d in range(len(self.mesh_shape))]
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def element_bytes(self, val: torch.Tensor) -> int:
+        if val.dtype.is_floating_point:
+            return _DTYPE_BYTES[self.dtype]
+        return val.element_size()
+
+    def local_numel(self, val: torch.Tensor, placements: Placements | None) -> float:
+        n = float(val.numel())
+        for p, size in zip(placements or (), self.mesh_shape):
+            if p.startswith("S("):
+                n /= size
+        return n
+
+    def local_bytes(self, val: torch.Tensor, placements: Placements | None) -> float:
+        return self.local_numel(val, placements) * self.element_bytes(val)
+
+    # ---- nodes -------------------------------------------------------------------------------
+    def node(self, node: fx.Node, strategy: Strategy, param_inputs: Sequence[bool]) -> Cost:
+        cost = Cost()
+        if getattr(node.target, "is_view", False):
+            return cost  # views move no data; their memory is their base's
+        split = self._work_divisor(strategy)
+        flops = global_flops(node) / split
+        moved = self._bytes_moved(node, strategy)
+        kind = "matmul" if is_matmul(node) else "elementwise"
+        forward = compute_time(flops, moved, self.cluster.device, self.dtype, kind)
+        backward = 2 * compute_time(flops, moved, self.cluster.device, self.dtype, kind)
+        cost.compute_s = forward + backward
+        cost.backward_compute_s = backward
+        cost.memory_bytes = sum(
+            self.local_bytes(v, p) for v, p in zip(_output_vals(node), strategy.outputs)
+            if isinstance(v, torch.Tensor) and p is not None
+        )
+        self._partial_gradients(node, strategy, param_inputs, cost)
+        return cost
+
+    def _work_divisor(self, strategy: Strategy) -> int:
+        divisor = 1
+        for dim, size in enumerate(self.mesh_shape):
+            placed = [p[dim] for p in (*strategy.inputs, *strategy.outputs) if p is not None]
+            if any(p != "R" for p in placed):
+                divisor *= size
+        return divisor
+
+    def _bytes_moved(self, node: fx.Node, strategy: Strategy) -> float:
+        ins = sum(self.local_bytes(a.meta["val"], p) for a, p in zip(tensor_inputs(node), strategy.inputs))
+        outs = sum(
+            self.local_bytes(v, p) for v, p in zip(_output_vals(node), strategy.outputs)
+            if isinstance(v, torch.Tensor) and p is not None
+        )
+        return ins + outs
+
+    def _partial_gradients(
+        self, node: fx.Node, strategy: Strategy, param_inputs: Sequence[bool], cost: Cost
+    ) -> None:
+        out = strategy.outputs[0] if strategy.outputs else None
+        if out is None:
+            return
+        for arg, placements, is_param in zip(tensor_inputs(node), strategy.inputs, param_inputs):
+            val = arg.meta["val"]
+            if not val.dtype.is_floating_point:
+                continue  # integer inputs (token ids) have no gradient
+            for dim, group in enumerate(self.groups):
+                if placements[dim] == "R" and out[dim] != "R" and group.size > 1:
+                    nbytes = self.local_bytes(val, placements)
+                    if is_param:
+                        cost.grad_sync_s += bucketed_all_reduce_time(nbytes, group)
+                    else:
+                        cost.add_comm("all_reduce", collective_time("all_reduce", nbytes, group))
+
+    # ---- placeholders ------------------------------------------------------------------------
+    def parameter_memory(self, val: torch.Tensor, placements: Placements) -> dict[str, float]:
+        """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state."""
+        numel = int(self.local_numel(val, placements))
+        state_dtype = torch.float32 if self.dtype == "fp32" else torch.bfloat16
+        return {
+            "params": numel * self.element_bytes(val),
+            "grads": numel * self.element_bytes(val),
+            "optimizer": adamw_state_bytes(numel, state_dtype, master_fp32=True),
+        }
+
+    # ---- edges -------------------------------------------------------------------------------
+    def edge(self, val: torch.Tensor, src: Placements, dst: Placements) -> Cost:
+        cost = Cost()
+        if src == dst:
+            return cost
+        for dim, group in enumerate(self.groups):
+            a, b = src[dim], dst[dim]
+            if a == b or group.size == 1:
+                continue
+            nbytes = self.local_bytes(val, _unsharded_on(dst, dim)) if b.startswith("S(") or a.startswith("S(") \
+                else self.local_bytes(val, dst)
+            for kind in _transition(a, b):
+                cost.add_comm(kind, collective_time(kind, nbytes, group))
+        return cost
+
+
+def bucketed_all_reduce_time(nbytes: float, group) -> float:
+    """A gradient's share of a bucketed all_reduce: its bandwidth term only.
+
+    Gradients are reduced in buckets of ~25 MB (PyTorch DDP's default), so a parameter pays for its
+    bytes while the per-collective latency is paid once per bucket, not once per parameter; we charge
+    the marginal time of the formula (t(n) - t(1 byte)), which is that bandwidth term.
+    """
+    return max(0.0, collective_time("all_reduce", nbytes, group) - collective_time("all_reduce", 1.0, group))
+
+
+def _unsharded_on(placements: Placements, dim: int) -> Placements:
+    return tuple("R" if i == dim else p for i, p in enumerate(placements))
+
+
+def _transition(src: str, dst: str) -> tuple[str, ...]:
+    """Collectives (forward, then backward dual) that turn placement ``src`` into ``dst`` on one dim."""
+    s_shard, d_shard = src.startswith("S("), dst.startswith("S(")
+    s_part, d_part = src.startswith("P"), dst.startswith("P")
+    if s_shard and dst == "R":
+        return ("all_gather",)
+    if s_part and dst == "R":
+        return ("all_reduce",)
+    if s_part and d_shard:
+        return ("reduce_scatter", "all_gather")
+    if src == "R" and d_shard:
+        return ("all_gather",)
+    if s_shard and d_shard:
+        return ("all_to_all", "all_to_all")
+    if s_part and d_part:  # P(sum) <-> P(avg): reduce, then re-split for free
+        return ("all_reduce",)
+    if d_part and src == "R":
+        return ()
+    if s_shard and d_part:
+        return ("all_gather",)
+    raise AssertionError(f"no transition rule for {src} -> {dst}")
+
+
+def is_matmul(node: fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) in _MATMUL_PACKETS
+
+
+def global_flops(node: fx.Node) -> float:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in flop_registry:
+        args = _vals(node.args)
+        kwargs = _vals(node.kwargs)
+        return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+    vals = [v for v in _output_vals(node) if isinstance(v, torch.Tensor)]
+    return float(sum(v.numel() for v in vals))
+
+
+def _vals(obj):
+    if isinstance(obj, fx.Node):
+        return obj.meta.get("val")
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_vals(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _vals(v) for k, v in obj.items()}
+    return obj
+
+
+def _output_vals(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]

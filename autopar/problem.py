@@ -1,0 +1,187 @@
+"""The planning problem on one mesh: decisions, their options and prices, and the edges between them.
+
+A ``Problem`` is plain data built from a captured graph, the strategies DTensor allows and the
+prices of ``pricing.py``; the solver reads it and knows nothing of torch. Nodes of repeated layers
+share one *decision* (their tie key), so an 80-layer model costs the solver one layer's worth of
+variables; prices are multiplied by how many nodes share the decision.
+
+Placeholders are decisions too: a parameter's options are its placements (``R``/``S(d)`` per mesh
+dim), a user input's options are those its role allows. ``getitem`` nodes are not decisions: they
+select one output of their producer, so edges leaving them start at the producer's output slot.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+
+from .capture import CapturedGraph
+from .pricing import Cost, Pricer
+from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, tensor_inputs
+
+
+@dataclass
+class Option:
+    strategy: Strategy
+    cost: Cost  # per occurrence; the solver multiplies by the decision's count
+
+
+@dataclass
+class Decision:
+    key: str
+    nodes: list[str]  # graph nodes that share this decision
+    options: list[Option]
+
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass
+class Edge:
+    """Tensors flowing from output ``src_out`` of decision ``src`` into input ``slot`` of ``dst``."""
+
+    src: str
+    src_out: int
+    dst: str
+    slot: int
+    count: int
+    price: dict[tuple[Placements, Placements], Cost] = field(default_factory=dict)
+
+
+@dataclass
+class Problem:
+    mesh_shape: tuple[int, ...]
+    decisions: dict[str, Decision]
+    edges: list[Edge]
+    memory_capacity_bytes: float
+    overlap_fraction: float  # share of backward compute that can hide gradient all_reduce
+    unsupported_ops: set[str] = field(default_factory=set)  # ops with no DTensor strategy (run replicated)
+
+    def size(self) -> tuple[int, int]:
+        """(options, edge placement pairs): a rough measure of the ILP."""
+        return (sum(len(d.options) for d in self.decisions.values()), sum(len(e.price) for e in self.edges))
+
+
+OUTPUT_KEY = "<loss>"
+
+
+@dataclass
+class Roles:
+    """What each mesh dimension's role allows (the planner encodes dp/tp semantics here).
+
+    ``param``, ``user_input``, ``buffer``: candidate placements of placeholders; ``allow``: whether an
+    op may run a strategy (a node whose every strategy is refused keeps them all).
+    """
+
+    param: Callable[[torch.Tensor], list[Placements]]
+    user_input: Callable[[torch.Tensor], list[Placements]]
+    buffer: Callable[[torch.Tensor], list[Placements]]
+    allow: Callable[[fx.Node, Strategy], bool] = lambda node, strategy: True
+
+
+def build_problem(
+    captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer, roles: Roles,
+    memory_capacity_bytes: float, overlap_fraction: float,
+) -> Problem:
+    graph = captured.graph
+    keys = captured.tie_keys
+    members: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if _is_decision(node):
+            members[keys[node.name]].append(node)
+    decisions = {
+        key: Decision(key, [n.name for n in nodes], _options(nodes[0], captured, finder, pricer, roles))
+        for key, nodes in members.items()
+    }
+    decisions[OUTPUT_KEY] = Decision(OUTPUT_KEY, [OUTPUT_KEY], [
+        Option(Strategy((tuple(["R"] * len(pricer.mesh_shape)),), ()), Cost())
+    ])
+    edges = _edges(captured, decisions, pricer)
+    return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
+                   set(finder.unsupported))
+
+
+def _is_decision(node: fx.Node) -> bool:
+    if node.op == "placeholder":
+        return True
+    return node.op == "call_function" and not _is_getitem(node)
+
+
+def _is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target.__name__ == "getitem" if callable(node.target) else False
+
+
+def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer,
+             roles: Roles) -> list[Option]:
+    if node.op == "placeholder":
+        val = node.meta["val"]
+        if node.name in captured.params:
+            return [Option(Strategy((), (p,)), Cost(memory_bytes=sum(pricer.parameter_memory(val, p).values())))
+                    for p in roles.param(val)]
+        role = roles.user_input if node.name in captured.user_inputs else roles.buffer
+        return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in role(val)]
+    param_inputs = [a.name in captured.params for a in tensor_inputs(node)]
+    strategies = finder.for_node(node)
+    allowed = [s for s in strategies if roles.allow(node, s)] or strategies
+    return [Option(s, pricer.node(node, s, param_inputs)) for s in allowed]
+
+
+def source_of(arg: fx.Node) -> tuple[fx.Node, int]:
+    """(producer, output index) of a tensor argument, looking through ``getitem``."""
+    if _is_getitem(arg):
+        return arg.args[0], int(arg.args[1])
+    return arg, 0
+
+
+def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> list[Edge]:
+    keys = dict(captured.tie_keys)
+    keys[OUTPUT_KEY] = OUTPUT_KEY
+    grouped: dict[tuple[str, int, str, int], Edge] = {}
+    vals: dict[tuple[str, int, str, int], torch.Tensor] = {}
+    for node in captured.graph.nodes:
+        if node.op == "output":
+            consumer, args = OUTPUT_KEY, [captured.node(captured.loss_node)]
+        elif _is_decision(node) and node.op == "call_function":
+            consumer, args = keys[node.name], tensor_inputs(node)
+        else:
+            continue
+        for slot, arg in enumerate(args):
+            src, out = source_of(arg)
+            ekey = (keys[src.name], out, consumer, slot)
+            if ekey in grouped:
+                grouped[ekey].count += 1
+            else:
+                grouped[ekey] = Edge(*ekey, count=1)
+                vals[ekey] = arg.meta["val"]
+    for ekey, edge in grouped.items():
+        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer)
+    return list(grouped.values())
+
+
+def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor,
+                 pricer: Pricer) -> dict[tuple[Placements, Placements], Cost]:
+    srcs = {o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options}
+    dsts = {o.strategy.inputs[edge.slot] for o in decisions[edge.dst].options}
+    return {(a, b): pricer.edge(val, a, b) for a in srcs if a is not None for b in dsts}
+
+
+def placeholder_candidates(mesh_shape: Sequence[int], fixed: dict[int, str]) -> Callable[[torch.Tensor], list[Placements]]:
+    """Candidates of R/S(d) per mesh dim, with some dims pinned (e.g. ``{0: "R"}``)."""
+
+    def pick(val: torch.Tensor) -> list[Placements]:
+        out = []
+        for c in candidate_placements(val, mesh_shape, partial=False):
+            if all(c[d] == want for d, want in fixed.items() if _pin_applies(want, val)):
+                out.append(c)
+        return out or [tuple("R" for _ in mesh_shape)]
+
+    return pick
+
+
+def _pin_applies(want: str, val: torch.Tensor) -> bool:
+    return not (want.startswith("S(") and val.ndim == 0)

@@ -1,0 +1,157 @@
+"""Text views of plans: ``summarize`` (one plan) and ``compare_plans`` (several side by side).
+
+Placements print in DTensor's short form (``S(0)``, ``R``, ``P``); parameters of repeated layers are
+collapsed into one row (``blocks.*.mlp.fc_in.weight``) when every layer agrees. Nothing here changes a
+plan or needs torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from .plan import Plan
+
+_LAYER = re.compile(r"\.\d+\.")
+_COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def fmt_bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def collapsed_placements(placements: dict[str, list[str]]) -> list[tuple[str, str, int]]:
+    """(name, placement text, how many parameters) with repeated layers folded into ``.*.``."""
+    groups: dict[str, dict[str, int]] = {}
+    for fqn, pls in placements.items():
+        key = _LAYER.sub(".*.", fqn)
+        text = "[" + ", ".join(pls) + "]"
+        groups.setdefault(key, {}).setdefault(text, 0)
+        groups[key][text] += 1
+    rows = []
+    for key, variants in groups.items():
+        if len(variants) == 1:
+            (text, n), = variants.items()
+            rows.append((key, text, n))
+        else:  # layers disagree: show each concrete parameter
+            rows.extend((fqn, "[" + ", ".join(p) + "]", 1) for fqn, p in placements.items() if _LAYER.sub(".*.", fqn) == key)
+    return rows
+
+
+def summarize(plan: Plan) -> str:
+    p = plan.predicted
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh["dim_names"], plan.mesh["shape"]))
+    degrees = "  ".join(f"{k}={v}" for k, v in plan.degrees.items())
+    lines = [
+        f"autopar plan  {plan.model['name']}  ({fmt_count(plan.model['params'])} params, "
+        f"{plan.model.get('layers', 0)} layers, {plan.model.get('dtype', '')})",
+        f"cluster   {plan.cluster['spec']}  ({plan.cluster['devices']} devices)",
+        f"mesh      {mesh}",
+        f"degrees   {degrees}",
+        "",
+        f"predicted step {fmt_seconds(p['step_time_s'])}   tokens/s {p['tokens_per_s']:.4g}   MFU {p['mfu'] * 100:.1f}%",
+        f"  compute          {fmt_seconds(p['compute_s'])}",
+    ]
+    for kind in _COMM_KINDS:
+        if p["comm_s"].get(kind):
+            lines.append(f"  {kind:<16} {fmt_seconds(p['comm_s'][kind])}")
+    lines.append(f"  exposed comm     {fmt_seconds(p['exposed_comm_s'])}"
+                 f"   (gradient sync {fmt_seconds(p.get('grad_sync_s', 0.0))}, overlapped with backward)")
+    mem = p["memory_bytes"]
+    cap = p.get("memory_capacity_bytes", 0)
+    lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "
+                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
+    s = plan.solver
+    lines.append(f"solver    {s['status']}, gap {s['gap'] * 100:.2f}%, {s['variables']} vars, "
+                 f"{s['constraints']} constraints, {s['wall_s']:.2f} s (search {s.get('search_wall_s', 0):.2f} s)")
+    lines += ["", "placements (per mesh dim: " + ", ".join(plan.mesh["dim_names"]) + ")"]
+    rows = collapsed_placements(plan.placements)
+    width = max((len(r[0]) for r in rows), default=10)
+    lines += [f"  {name:<{width}}  {text}" + (f"  x{n}" if n > 1 else "") for name, text, n in rows]
+    if plan.candidates:
+        lines += ["", "mesh candidates"]
+        for c in sorted(plan.candidates, key=lambda c: c["step_time_s"]):
+            shape = " x ".join(f"{n}={s}" for n, s in zip(c["mesh"]["dim_names"], c["mesh"]["shape"]))
+            lines.append(f"  {shape:<20} {fmt_seconds(c['step_time_s'])}  ({c['status']})")
+    return "\n".join(lines)
+
+
+def compare_plans(plans: Sequence[Plan]) -> str:
+    if len(plans) < 2:
+        raise ValueError("compare needs at least two plans")
+    names = [f"[{i}] {p.model['name']}@{p.cluster['spec']}" for i, p in enumerate(plans)]
+    rows: list[tuple[str, list[str]]] = [
+        ("mesh", [str(dict(zip(p.mesh["dim_names"], p.mesh["shape"]))) for p in plans]),
+        ("degrees", [" ".join(f"{k}={v}" for k, v in p.degrees.items() if v != 1) or "single device" for p in plans]),
+        ("step time", [fmt_seconds(p.predicted["step_time_s"]) for p in plans]),
+        ("compute", [fmt_seconds(p.predicted["compute_s"]) for p in plans]),
+    ]
+    for kind in _COMM_KINDS:
+        vals = [p.predicted["comm_s"].get(kind, 0.0) for p in plans]
+        if any(vals):
+            rows.append((kind, [fmt_seconds(v) for v in vals]))
+    rows.append(("exposed comm", [fmt_seconds(p.predicted["exposed_comm_s"]) for p in plans]))
+    rows.append(("memory/device", [fmt_bytes(p.predicted["peak_memory_bytes"]) for p in plans]))
+    width = max(len(n) for n in names) + 2
+    out = ["".ljust(16) + "".join(n.ljust(width) for n in names)]
+    out += [label.ljust(16) + "".join(v.ljust(width) for v in vals) for label, vals in rows]
+    out += _differing_placements(plans)
+    out.append(_verdict(plans))
+    return "\n".join(out)
+
+
+def _differing_placements(plans: Sequence[Plan]) -> list[str]:
+    if len({p.model.get("graph_fingerprint") for p in plans}) > 1:
+        return ["", "placements: not comparable (plans are for different models or shapes)"]
+    if len({tuple(p.mesh["dim_names"]) for p in plans}) > 1:
+        note = "  (meshes differ: " + " vs ".join(",".join(p.mesh["dim_names"]) for p in plans) + ")"
+    else:
+        note = ""
+    base = [dict((n, t) for n, t, _ in collapsed_placements(p.placements)) for p in plans]
+    diffs = [k for k in base[0] if len({b.get(k) for b in base}) > 1]
+    lines = ["", f"placements that differ: {len(diffs)}{note}"]
+    lines += [f"  {k}: " + "  vs  ".join(b.get(k, "-") for b in base) for k in diffs[:20]]
+    if len(diffs) > 20:
+        lines.append(f"  ... and {len(diffs) - 20} more")
+    return lines
+
+
+def _verdict(plans: Sequence[Plan]) -> str:
+    times = [p.predicted["step_time_s"] for p in plans]
+    best = min(range(len(plans)), key=lambda i: times[i])
+    other = max(range(len(plans)), key=lambda i: times[i])
+    if times[best] == times[other]:
+        return "\nverdict: equal predicted step times"
+    terms = _term_deltas(plans[best], plans[other])
+    why = ", ".join(f"{k} {fmt_seconds(abs(d))} {'less' if d < 0 else 'more'}" for k, d in terms[:2])
+    return (f"\nverdict: [{best}] is faster than [{other}] by {times[other] / times[best]:.2f}x "
+            f"({fmt_seconds(times[other] - times[best])} per step); biggest differences: {why}")
+
+
+def _term_deltas(a: Plan, b: Plan) -> list[tuple[str, float]]:
+    def terms(p: Plan) -> dict[str, float]:
+        t = {"compute": p.predicted["compute_s"], "exposed comm": p.predicted["exposed_comm_s"]}
+        t.update({k: v for k, v in p.predicted["comm_s"].items()})
+        return t
+
+    ta, tb = terms(a), terms(b)
+    deltas = [(k, ta.get(k, 0.0) - tb.get(k, 0.0)) for k in ta]
+    return sorted(deltas, key=lambda kv: -abs(kv[1]))

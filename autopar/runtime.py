@@ -1,0 +1,168 @@
+"""``ParallelModule``: one rank's share of a model, running the plan's per-rank program.
+
+Built from a model, a captured graph and a Plan (the passes do the rewriting):
+
+* parameters and buffers are sharded to DTensors with the plan's placements;
+* the captured forward+loss graph, with redistributes inserted, is this rank's program; values in it
+  are DTensors, so DTensor computes local shapes and the collectives of each redistribute, and
+  autograd derives the backward (with the dual collectives);
+* ``step`` runs forward, loss and backward, then the bucketed gradient synchronization.
+
+Where we diverge from rewriting local shapes into the graph ourselves: DTensor already maps global
+shape arguments (``view``, ``expand``...) to local ones for every op it shards, so the graph keeps
+global shapes and one set of rules stays in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from autopar.passes import GradientSync, insert_redistributes, replicate_fallbacks, shard_parameters, shard_tensor
+from autopar.placement import strs_to_placements
+
+from .capture import CapturedGraph
+from .errors import BadInputError
+from .plan import Plan
+
+
+def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
+    """The plan's device mesh over the current process group's ranks."""
+    if not dist.is_initialized():
+        raise BadInputError("autoparallelize needs an initialized process group: run under torchrun, "
+                            "or call torch.distributed.init_process_group first")
+    shape = tuple(plan.mesh["shape"])
+    world = dist.get_world_size()
+    if int(torch.tensor(shape).prod()) != world:
+        raise BadInputError(f"the plan's mesh {list(shape)} needs {int(torch.tensor(shape).prod())} ranks, "
+                            f"this job has {world}")
+    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    return init_device_mesh(device_type, shape, mesh_dim_names=tuple(plan.mesh["dim_names"]))
+
+
+class ParallelModule(nn.Module):
+    """The parallelized training step of one rank. Hand ``parameters()`` to any torch optimizer."""
+
+    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh):
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh
+        self.captured = captured
+        named_params = dict(model.named_parameters())
+        self._params = nn.ParameterDict(
+            {_key(k): v for k, v in shard_parameters(named_params, plan.placements, mesh).items()}
+        )
+        named_buffers = dict(model.named_buffers())
+        self._buffers_dt = {fqn: shard_tensor(named_buffers[fqn], mesh, pl) for fqn, pl in plan.buffers.items()}
+        self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
+        self.program, self.redistributes = _build_program(captured, plan, mesh)
+        self._grad_sync = GradientSync(self._params.values())
+
+    # ---- parameters ---------------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
+        for k, p in self._params.items():
+            yield prefix + _fqn(k), p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(self._params.values())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to its full (global) value, on every rank."""
+        return {fqn: p.detach().full_tensor() for fqn, p in self.named_parameters()}
+
+    # ---- running ------------------------------------------------------------------------------
+    def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
+        """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
+        args = self._placeholder_values(inputs, local)
+        (loss,) = self.program(*args)
+        return loss
+
+    def step(self, *args: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """Forward, loss and backward on the global batch (or this rank's slice with ``local=True``).
+
+        Gradients are left on ``parameters()``, synchronized; returns the global mean loss.
+        """
+        loss = self.forward(*args, local=local)
+        local_loss = loss.to_local()
+        local_loss.backward()
+        self._grad_sync()
+        return local_loss.detach()
+
+    def _placeholder_values(self, inputs: Sequence[torch.Tensor], local: bool) -> list[Any]:
+        cg = self.captured
+        if len(inputs) != len(cg.user_inputs):
+            raise BadInputError(f"step() takes {len(cg.user_inputs)} tensors (inputs then targets), "
+                                f"got {len(inputs)}")
+        user = dict(zip(cg.user_inputs, (self._input(n, x, local) for n, x in zip(cg.user_inputs, inputs))))
+        values = []
+        for node in cg.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if node.name in cg.params:
+                values.append(self._params[_key(cg.params[node.name])])
+            elif node.name in cg.buffers:
+                values.append(self._buffers_dt[cg.buffers[node.name]])
+            elif node.name in cg.constants:
+                values.append(self._constants[node.name])
+            else:
+                values.append(user[node.name])
+        return values
+
+    def _input(self, name: str, x: torch.Tensor, local: bool) -> DTensor:
+        spec = self.plan.inputs[name]
+        placements = strs_to_placements(spec["placements"])
+        if local:
+            return DTensor.from_local(x, self.mesh, placements, run_check=False, shape=torch.Size(spec["shape"]),
+                                      stride=torch.empty(spec["shape"], device="meta").stride())
+        if list(x.shape) != spec["shape"]:
+            raise BadInputError(f"input {name} has shape {list(x.shape)}, the plan was made for {spec['shape']} "
+                                "(pass local=True for per-rank slices)")
+        return shard_tensor(x, self.mesh, spec["placements"])
+
+
+def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tuple[fx.GraphModule, int]:
+    gm = fx.GraphModule(captured.graph_module, _copy_graph(captured.graph))
+    produced = _produced_placements(captured, plan)
+    fallbacks = {n for n, op in plan.ops.items() if op.get("fallback")}
+    inserted = insert_redistributes(gm, plan.ops, produced, mesh)
+    replicate_fallbacks(gm, fallbacks, mesh)
+    return gm, inserted
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:
+    produced: dict[str, list[str]] = {}
+    for name, fqn in captured.params.items():
+        produced[name] = plan.placements[fqn]
+    for name, fqn in captured.buffers.items():
+        produced[name] = plan.buffers[fqn]
+    for name, spec in plan.inputs.items():
+        produced[name] = spec["placements"]
+    for name, op in plan.ops.items():
+        outs = op["outputs"]
+        if len(outs) == 1:
+            produced[name] = outs[0]
+        for i, out in enumerate(outs):
+            if out is not None:
+                produced[f"{name}.{i}"] = out
+    return produced
+
+
+def _key(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+def _fqn(key: str) -> str:
+    return key.replace("__", ".")

@@ -1,0 +1,186 @@
+"""The ILP that picks one strategy per decision on one mesh, solved with OR-Tools CP-SAT.
+
+Notation: decisions ``d`` (a graph node, or a group of identical nodes of repeated layers, ``n_d``
+of them), options ``k`` of a decision with per-occurrence prices compute ``c_dk``, critical-path
+communication ``m_dk``, overlappable gradient all_reduce ``g_dk``, backward compute ``b_dk`` and
+memory ``M_dk``; edges ``e = (u, i) -> (v, j)`` (output ``i`` of ``u`` feeds input ``j`` of ``v``,
+``n_e`` times) with resharding price ``r_e(p, q)`` for producer placement ``p`` and consumer
+placement ``q``.
+
+Variables::
+
+    x_dk in {0,1}          decision d takes option k                     (add_choice_variables)
+    y_epq in {0,1}         edge e carries placement p into placement q   (add_edge_variables)
+    z >= 0                 gradient all_reduce time left exposed         (add_overlap_constraint)
+
+Constraints::
+
+    (1) sum_k x_dk = 1                                          one option per decision
+    (2) sum_q y_epq = sum_{k: out_i(u,k) = p} x_uk   for all p   edges agree with their producer
+        sum_p y_epq = sum_{k: in_j(v,k)  = q} x_vk   for all q   ... and with their consumer
+    (3) z >= sum_dk n_d g_dk x_dk - beta * sum_dk n_d b_dk x_dk  gradient sync hides behind backward
+    (4) sum_dk n_d M_dk x_dk <= capacity                        memory of every device (add_memory_constraint)
+
+Objective (predicted step time)::
+
+    min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + z
+
+Every device runs the same program (SPMD), so one memory row bounds them all. Times are integer
+nanoseconds and memory integer KiB, as CP-SAT needs integers. ``evaluate`` computes the same
+objective for a given assignment; tests check the solver against brute force with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from ortools.linear_solver import pywraplp
+
+from .errors import NoFeasiblePlanError
+from .problem import Problem
+
+_US = 1e6  # objective in microseconds keeps coefficients well scaled
+_GIB = 2.0**30
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: dict[str, int]  # decision key -> option index
+    status: str
+    objective_s: float
+    bound_s: float
+    wall_s: float
+    variables: int
+    constraints: int
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") -> Solution:
+    solver = pywraplp.Solver.CreateSolver(backend)
+    if solver is None:
+        raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
+    solver.SetSolverSpecificParametersAsString("output_flag=false")  # HiGHS prints a banner otherwise
+    solver.SetTimeLimit(int(time_limit_s * 1000))
+    x = add_choice_variables(solver, problem)
+    y = add_edge_variables(solver, problem, x)
+    z = add_overlap_constraint(solver, problem, x)
+    add_memory_constraint(solver, problem, x)
+    solver.Minimize(_objective(problem, x, y, z))
+    start = time.perf_counter()
+    status = solver.Solve()
+    wall = time.perf_counter() - start
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise NoFeasiblePlanError(_infeasible_reason(problem, status))
+    choice = {key: max(range(len(vs)), key=lambda k: vs[k].solution_value()) for key, vs in x.items()}
+    objective = solver.Objective().Value() / _US
+    bound = solver.Objective().BestBound() / _US if status == pywraplp.Solver.FEASIBLE else objective
+    return Solution(
+        choice=choice,
+        status="optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+        objective_s=objective,
+        bound_s=min(bound, objective),
+        wall_s=wall,
+        variables=solver.NumVariables(),
+        constraints=solver.NumConstraints(),
+    )
+
+
+def add_choice_variables(solver: pywraplp.Solver, problem: Problem) -> dict[str, list]:
+    """x_dk and constraint (1)."""
+    x = {}
+    for key, d in problem.decisions.items():
+        x[key] = [solver.BoolVar(f"x[{key}][{k}]") for k in range(len(d.options))]
+        solver.Add(solver.Sum(x[key]) == 1)
+    return x
+
+
+def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> dict:
+    """y_epq and constraints (2). y may be continuous: with x integral the marginals fix it."""
+    y = {}
+    for e_idx, edge in enumerate(problem.edges):
+        src, dst = problem.decisions[edge.src], problem.decisions[edge.dst]
+        pairs = {pq: solver.NumVar(0.0, 1.0, f"y[{e_idx}][{pq}]") for pq in edge.price}
+        for p in {pq[0] for pq in pairs}:
+            producers = [x[edge.src][k] for k, o in enumerate(src.options) if o.strategy.outputs[edge.src_out] == p]
+            solver.Add(solver.Sum([v for pq, v in pairs.items() if pq[0] == p]) == solver.Sum(producers))
+        for q in {pq[1] for pq in pairs}:
+            consumers = [x[edge.dst][k] for k, o in enumerate(dst.options) if o.strategy.inputs[edge.slot] == q]
+            solver.Add(solver.Sum([v for pq, v in pairs.items() if pq[1] == q]) == solver.Sum(consumers))
+        y[e_idx] = pairs
+    return y
+
+
+def add_overlap_constraint(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]):
+    """z and constraint (3)."""
+    sync = _weighted(solver, problem, x, lambda c: c.grad_sync_s * _US)
+    hide = _weighted(solver, problem, x, lambda c: problem.overlap_fraction * c.backward_compute_s * _US)
+    z = solver.NumVar(0.0, solver.infinity(), "z")
+    solver.Add(z >= sync - hide)
+    return z
+
+
+def add_memory_constraint(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> None:
+    """Constraint (4)."""
+    solver.Add(_weighted(solver, problem, x, lambda c: c.memory_bytes / _GIB) <= problem.memory_capacity_bytes / _GIB)
+
+
+def _weighted(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list], price):
+    terms = []
+    for key, d in problem.decisions.items():
+        for k, option in enumerate(d.options):
+            coef = d.count * price(option.cost)
+            if coef:
+                terms.append(coef * x[key][k])
+    return solver.Sum(terms)
+
+
+def _objective(problem: Problem, x, y, z):
+    nodes = [d.count * o.cost.exposed_s * _US * x[key][k]
+             for key, d in problem.decisions.items() for k, o in enumerate(d.options) if o.cost.exposed_s]
+    edges = [edge.count * edge.price[pq].exposed_s * _US * var
+             for e_idx, edge in enumerate(problem.edges) for pq, var in y[e_idx].items() if edge.price[pq].exposed_s]
+    return sum(nodes) + sum(edges) + z
+
+
+def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float]:
+    """(objective seconds, memory bytes) of an assignment, by the ILP's own formulas."""
+    step = sync = hide = memory = 0.0
+    for key, d in problem.decisions.items():
+        c = d.options[choice[key]].cost
+        step += d.count * c.exposed_s
+        sync += d.count * c.grad_sync_s
+        hide += d.count * problem.overlap_fraction * c.backward_compute_s
+        memory += d.count * c.memory_bytes
+    for edge in problem.edges:
+        p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
+        q = problem.decisions[edge.dst].options[choice[edge.dst]].strategy.inputs[edge.slot]
+        step += edge.count * edge.price[(p, q)].exposed_s
+    return step + max(0.0, sync - hide), memory
+
+
+def brute_force(problem: Problem) -> tuple[dict[str, int], float]:
+    """The best feasible assignment by enumeration (tests only: exponential)."""
+    keys = list(problem.decisions)
+    best: tuple[dict[str, int], float] | None = None
+    for combo in itertools.product(*(range(len(problem.decisions[k].options)) for k in keys)):
+        choice = dict(zip(keys, combo))
+        step, memory = evaluate(problem, choice)
+        if memory <= problem.memory_capacity_bytes and (best is None or step < best[1]):
+            best = (choice, step)
+    if best is None:
+        raise NoFeasiblePlanError("no assignment fits memory")
+    return best
+
+
+def _infeasible_reason(problem: Problem, status: int) -> str:
+    if status == pywraplp.Solver.INFEASIBLE:
+        least = sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in problem.decisions.values())
+        return (f"no plan on mesh {problem.mesh_shape} fits: even the smallest placements need "
+                f"{least / 2**30:.1f} GiB per device, capacity is {problem.memory_capacity_bytes / 2**30:.1f} GiB")
+    return f"the solver stopped without a plan on mesh {problem.mesh_shape} (status {status})"

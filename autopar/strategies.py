@@ -1,0 +1,254 @@
+"""Ways to run each graph node on a device mesh, taken from DTensor's registered op strategies.
+
+For every call_function node we ask DTensor what placements of its inputs and outputs are valid on a
+mesh (``Shard(d)``/``Replicate``/``Partial`` per mesh dimension). DTensor keeps two registries in torch
+2.13: full-mesh strategy functions (matrix ops, embedding, norms...) that we feed every candidate input
+placement, and single-mesh-dim strategies that DTensor itself expands to the whole mesh. Using both
+means the sharding rules live in one place (PyTorch) and our planner sees the same choices the DTensor
+runtime will accept.
+
+Where we diverge: an op DTensor knows nothing about runs replicated, with one warning naming the op;
+strategies that shard a dimension unevenly are dropped (plans keep every shard the same size, so local
+shapes and collective volumes are exact); and ``_StridedShard`` placements are not offered.
+
+Placeholders get candidate placements by role: parameters and buffers any ``R``/``S(d)``, example inputs
+whatever the caller allows (the planner pins the batch dimension to the data-parallel mesh dim).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.utils._pytree import tree_leaves
+
+from .placement import placement_to_str
+
+log = logging.getLogger(__name__)
+
+Placements = tuple[str, ...]  # one placement string per mesh dim
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One valid way to run a node: the placement each tensor input must have, and what it produces."""
+
+    inputs: tuple[Placements, ...]  # per tensor-input slot, in argument order
+    outputs: tuple[Placements | None, ...]  # per output (one for single-tensor ops); None: not a tensor
+
+    def describe(self) -> str:
+        fmt = lambda ps: "(" + ",".join(ps) + ")" if ps is not None else "-"  # noqa: E731
+        return f"{', '.join(fmt(p) for p in self.inputs)} -> {', '.join(fmt(p) for p in self.outputs)}"
+
+
+def planning_mesh(shape: Sequence[int]) -> DeviceMesh:
+    """A DeviceMesh of ``shape`` with no process group: enough for DTensor's strategy functions."""
+    world = 1
+    for s in shape:
+        world *= s
+    return DeviceMesh("cpu", torch.arange(world).view(*shape), _init_backend=False, _rank=0)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued arguments in the order DTensor flattens them (args, then kwargs)."""
+    leaves = tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def candidate_placements(
+    val: torch.Tensor, mesh_shape: Sequence[int], *, partial: bool, shard: bool = True
+) -> list[Placements]:
+    """Every even ``R``/``S(d)`` (and optionally ``P``) assignment of ``val`` over the mesh dims."""
+    one = ["R"] + (["P"] if partial else []) + ([f"S({d})" for d in range(val.ndim)] if shard else [])
+    combos = itertools.product(one, repeat=len(mesh_shape))
+    return [c for c in combos if _divides_evenly(c, tuple(val.shape), mesh_shape)]
+
+
+def _divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: Sequence[int]) -> bool:
+    factor: dict[int, int] = {}
+    for p, size in zip(placements, mesh_shape):
+        if p.startswith("S("):
+            d = int(p[2:-1]) % max(len(shape), 1)
+            factor[d] = factor.get(d, 1) * size
+    return all(d < len(shape) and shape[d] % f == 0 and shape[d] >= f for d, f in factor.items())
+
+
+class StrategyFinder:
+    """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
+
+    def __init__(self, mesh_shape: Sequence[int]):
+        self.mesh_shape = tuple(mesh_shape)
+        self.mesh = planning_mesh(self.mesh_shape)
+        self.unsupported: set[str] = set()
+        self._cache: dict[Any, list[Strategy]] = {}
+
+    def for_node(self, node: fx.Node) -> list[Strategy]:
+        inputs = tensor_inputs(node)
+        if not inputs:  # factory ops (scalar_tensor, arange, full...): computed replicated, for free
+            return [_replicated(node, 0, len(self.mesh_shape))]
+        key = (node.target, _arg_signature(node))
+        if key not in self._cache:
+            self._cache[key] = self._enumerate(node, inputs)
+        return self._cache[key]
+
+    def _enumerate(self, node: fx.Node, inputs: list[fx.Node]) -> list[Strategy]:
+        prop = DTensor._op_dispatcher.sharding_propagator
+        op = node.target
+        found: list[Strategy] = []
+        if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
+            found = self._from_dtensor(node, prop)
+        if not found:
+            self._warn_unsupported(op)
+            found = [_replicated(node, len(inputs), len(self.mesh_shape))]
+        return found
+
+    def _from_dtensor(self, node: fx.Node, prop: Any) -> list[Strategy]:
+        try:
+            op_strategy = self._call_strategy(node, prop, node.args)
+        except Exception as exc:  # some strategy functions reject a whole candidate set; narrow it
+            log.debug("strategy of %s failed on the full candidate set: %s", node.target, exc)
+            op_strategy = self._call_per_first_input(node, prop)
+        return self._convert(node, op_strategy)
+
+    def _call_strategy(self, node: fx.Node, prop: Any, args: Any, first: Placements | None = None) -> Any:
+        op = node.target
+        single = op in prop.op_single_dim_strategy_funcs
+        counter = itertools.count()
+
+        def wrap(a: Any) -> Any:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                idx = next(counter)
+                return self._input_strategy(a.meta["val"], single, first if idx == 0 else None)
+            if isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
+                return TupleStrategy(tuple(wrap(x) for x in a))
+            if isinstance(a, (list, tuple)):
+                return type(a)(wrap(x) for x in a)
+            if isinstance(a, fx.Node):
+                return a.meta.get("val")
+            return a
+
+        schema = OpSchema(op, tuple(wrap(a) for a in args), {k: wrap(v) for k, v in node.kwargs.items()})
+        if single:
+            from torch.distributed.tensor._ops.single_dim_strategy import (
+                _expand_single_dim_strategy_to_mesh,
+            )
+
+            expand = _expand_single_dim_strategy_to_mesh(
+                self.mesh, schema, prop.op_single_dim_strategy_funcs[op], _tensor_meta(node.meta["val"])
+            )
+            return expand(op, schema.args_meta, schema.kwargs_meta)
+        return prop.op_strategy_funcs[op](schema)
+
+    def _call_per_first_input(self, node: fx.Node, prop: Any) -> Any:
+        merged: list[OpSpec] = []
+        first_val = tensor_inputs(node)[0].meta["val"]
+        for cand in candidate_placements(first_val, self.mesh_shape, partial=True):
+            try:
+                result = self._call_strategy(node, prop, node.args, first=cand)
+            except Exception:  # this candidate is invalid for the op: skip it
+                continue
+            if isinstance(result, OpStrategy):
+                merged.extend(result.strategies)
+        return OpStrategy(merged) if merged else None
+
+    def _input_strategy(self, val: torch.Tensor, single: bool, only: Placements | None) -> OpStrategy:
+        meta = TensorMeta(val.shape, val.stride(), val.dtype)
+        if single:  # DTensor expands single-dim rules itself; one spec tells it plain Shard is in use
+            pls = [tuple(["S(0)" if val.ndim else "R"] * len(self.mesh_shape))]
+        else:
+            pls = [only] if only is not None else candidate_placements(val, self.mesh_shape, partial=True)
+        return OpStrategy([OpSpec(DTensorSpec(self.mesh, _to_dtensor(p), meta)) for p in pls])
+
+    def _convert(self, node: fx.Node, op_strategy: Any) -> list[Strategy]:
+        if not isinstance(op_strategy, OpStrategy):
+            return []
+        n_inputs = len(tensor_inputs(node))
+        out: dict[Strategy, None] = {}
+        for spec in op_strategy.strategies:
+            strategy = _strategy_from_spec(spec, n_inputs)
+            if strategy is not None and self._is_even(node, strategy):
+                out[strategy] = None
+        return list(out)
+
+    def _is_even(self, node: fx.Node, s: Strategy) -> bool:
+        vals = [a.meta["val"] for a in tensor_inputs(node)] + _output_vals(node)
+        pls = list(s.inputs) + list(s.outputs)
+        return all(
+            p is None or not isinstance(v, torch.Tensor) or _divides_evenly(p, tuple(v.shape), self.mesh_shape)
+            for v, p in zip(vals, pls)
+        )
+
+    def _warn_unsupported(self, op: Any) -> None:
+        name = str(op)
+        if name not in self.unsupported:
+            self.unsupported.add(name)
+            warnings.warn(
+                f"autopar: no DTensor sharding strategy for {name}; it will run replicated",
+                stacklevel=3,
+            )
+
+
+def _strategy_from_spec(spec: OpSpec, n_inputs: int) -> Strategy | None:
+    outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+    try:
+        outputs = tuple(None if o is None else _from_dtensor(o.placements) for o in outs)
+        ins = spec.input_specs if spec.input_specs is not None else [outs[0]] * n_inputs
+        inputs = tuple(_from_dtensor(i.placements) for i in ins[:n_inputs])
+    except ValueError:  # _StridedShard and other placements plans do not express
+        return None
+    if len(inputs) != n_inputs:
+        return None
+    return Strategy(inputs, outputs)
+
+
+def _from_dtensor(placements: Iterable[Any]) -> Placements:
+    for p in placements:
+        if type(p) not in (Shard, Replicate, Partial):
+            raise ValueError(f"unsupported placement {p!r}")
+    return tuple(placement_to_str(p) for p in placements)
+
+
+@lru_cache(maxsize=None)
+def _to_dtensor(placements: Placements) -> tuple[Any, ...]:
+    from .placement import strs_to_placements
+
+    return strs_to_placements(placements)
+
+
+def _replicated(node: fx.Node, n_inputs: int, mesh_ndim: int) -> Strategy:
+    r = tuple(["R"] * mesh_ndim)
+    outs = _output_vals(node)
+    return Strategy(tuple([r] * n_inputs), tuple(r if isinstance(v, torch.Tensor) else None for v in outs))
+
+
+def _output_vals(node: fx.Node) -> list[Any]:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]
+
+
+def _tensor_meta(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(val.shape, val.stride(), val.dtype)
+    return [_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val]
+
+
+def _arg_signature(node: fx.Node) -> Any:
+    def sig(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v)
+        if isinstance(a, (list, tuple)):
+            return tuple(sig(x) for x in a)
+        return repr(a)
+
+    return (sig(node.args), sig(tuple(sorted(node.kwargs.items()))))

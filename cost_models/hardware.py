@@ -1,0 +1,279 @@
+"""Hardware catalog: what one accelerator can do, as numbers the cost model prices with.
+
+This module is for per-device facts (peak FLOP/s by dtype, HBM capacity and bandwidth, the
+bandwidth a collective ring achieves over NVLink and over the network, latencies) and for
+turning a dtype into the key those facts are stored under. It is not for topology (how many
+devices, how they are grouped: see ``cluster.py``) nor for formulas (see ``comm.py``,
+``compute.py``, ``memory.py``).
+
+Sources for the presets:
+
+* Peak dense FLOP/s, HBM capacity and bandwidth: NVIDIA A100 datasheet (SXM4 40GB/80GB), H100
+  SXM5 datasheet, H200 SXM datasheet, as tabulated in ``shared/reference/published-runs.md``
+  ("Hardware"). Datasheets print tensor-core TF32/FP16/BF16 "with sparsity"; the presets hold
+  the dense halves. B200: NVIDIA HGX B200 (1,000 W) figures as tabulated at
+  glennklockwood.com/garden/processors/B200 (dense BF16/FP16 2.25 PFLOP/s, TF32 1.1 PFLOP/s,
+  FP32 80 TFLOP/s) and the DGX B200 datasheet (1,440 GB and 64 TB/s of HBM3e over 8 GPUs:
+  180 GB and 8 TB/s per GPU).
+* Achieved ring bus bandwidth (nccl-tests all_reduce busbw, published-runs.md): DGX A100 inside a
+  node ~230 GB/s, H100 NVLink ring ~370 GB/s, one HDR NIC ~24 GB/s, one NDR NIC 46-48 GB/s.
+* Latencies: NCCL ``src/graph/tuning.cc`` (ranges quoted in published-runs.md). NCCL switches to
+  its low-latency LL protocol exactly where per-step latency matters (small messages), so the
+  per-step latencies are the Ring/LL ones: 0.6 us per NVLink step, 2.7 us per network step;
+  the fixed per-collective latency is the Ring/LL base latency, 6.6 us.
+
+Capacities are decimal (``80 * 10**9`` for "80 GB"), as the datasheets print them; the
+physical HBM is slightly larger, so this errs on the safe side for memory fitting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterator, Mapping
+
+# --------------------------------------------------------------------------------------------
+# dtypes
+# --------------------------------------------------------------------------------------------
+
+#: Canonical dtype keys and their size in bytes ("tf32" is fp32 storage on tensor cores).
+DTYPE_BYTES: Mapping[str, int] = {
+    "fp64": 8,
+    "fp32": 4,
+    "tf32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+}
+
+#: Spellings accepted for each canonical key (torch dtype names without the ``torch.`` prefix).
+_DTYPE_SPELLINGS: Mapping[str, str] = {
+    "fp64": "fp64", "float64": "fp64", "double": "fp64",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "fp8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+    "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8",
+}
+
+
+def dtype_key(dtype: Any) -> str:
+    """Canonical key ("fp32", "bf16", ...) of a ``torch.dtype`` or a string such as "bfloat16".
+
+    Works without importing torch: a torch dtype prints as ``torch.<name>``.
+    Raises ValueError for anything that is not a known floating-point dtype.
+    """
+    text = dtype if isinstance(dtype, str) else str(dtype)
+    name = text.strip().lower().removeprefix("torch.")
+    try:
+        return _DTYPE_SPELLINGS[name]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_BYTES))
+        raise ValueError(f"unknown dtype {dtype!r}: expected a floating-point dtype, one of {known} "
+                         "(or a torch.dtype / torch name such as 'bfloat16')") from None
+
+
+# --------------------------------------------------------------------------------------------
+# DeviceSpec
+# --------------------------------------------------------------------------------------------
+
+
+class _FrozenFlops(Mapping[str, float]):
+    """Read-only, hashable dtype-key -> FLOP/s table, so that DeviceSpec stays truly frozen."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, table: Mapping[str, float]) -> None:
+        self._items = dict(table)
+
+    def __getitem__(self, key: str) -> float:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __getstate__(self) -> dict[str, float]:
+        return self._items
+
+    def __setstate__(self, state: dict[str, float]) -> None:
+        self._items = dict(state)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator type. Bandwidths in bytes/s, times in seconds, FLOP/s dense."""
+
+    name: str
+    """Canonical name, e.g. "H100"."""
+    peak_flops: Mapping[str, float] = field(repr=False)
+    """Dense FLOP/s by dtype key: "fp32", "tf32", "bf16", "fp16"."""
+    hbm_bytes: int
+    """Memory capacity of one device."""
+    hbm_bw: float
+    """Memory bandwidth of one device, bytes/s."""
+    nvlink_bw: float
+    """Bus bandwidth an NCCL ring achieves inside a node, per device, one direction."""
+    net_bw: float
+    """Bus bandwidth per device across nodes (one NIC per device)."""
+    intra_latency_s: float
+    """Latency of one ring step inside a node."""
+    inter_latency_s: float
+    """Latency of one ring step across nodes."""
+    base_latency_s: float
+    """Fixed launch latency, paid once per collective."""
+    kernel_launch_s: float
+    """Floor paid by every kernel."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"device name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "peak_flops", _validated_flops(self.name, self.peak_flops))
+        if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
+            raise ValueError(f"device {self.name}: hbm_bytes must be a positive int, got {self.hbm_bytes!r}")
+        for attr in ("hbm_bw", "nvlink_bw", "net_bw"):
+            _require_positive(self.name, attr, getattr(self, attr))
+        for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s"):
+            _require_non_negative(self.name, attr, getattr(self, attr))
+
+    def peak(self, dtype: Any) -> float:
+        """Dense peak FLOP/s for ``dtype`` (torch.dtype or string); ValueError if not catalogued."""
+        key = dtype_key(dtype)
+        try:
+            return self.peak_flops[key]
+        except KeyError:
+            known = ", ".join(self.peak_flops)
+            raise ValueError(f"device {self.name} has no peak FLOP/s for dtype {key!r}; "
+                             f"catalogued: {known}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; ``DeviceSpec.from_dict`` reads it back."""
+        out = asdict(self)
+        out["peak_flops"] = dict(self.peak_flops)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceSpec":
+        """Build from a dict with every field of DeviceSpec; unknown or missing keys raise ValueError."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted(names - set(data))
+        if unknown or missing:
+            raise ValueError(f"bad device dict: unknown keys {unknown}, missing keys {missing}; "
+                             f"expected exactly {sorted(names)}")
+        values = dict(data)
+        values["hbm_bytes"] = int(values["hbm_bytes"])
+        return cls(**values)
+
+
+def _validated_flops(name: str, table: Mapping[str, float]) -> _FrozenFlops:
+    if not isinstance(table, Mapping) or not table:
+        raise ValueError(f"device {name}: peak_flops must be a non-empty mapping dtype -> FLOP/s, "
+                         f"got {table!r}")
+    for key, value in table.items():
+        if key not in DTYPE_BYTES:
+            raise ValueError(f"device {name}: peak_flops key {key!r} is not a canonical dtype key "
+                             f"({', '.join(DTYPE_BYTES)})")
+        _require_positive(name, f"peak_flops[{key!r}]", value)
+    return _FrozenFlops(table)
+
+
+def _require_positive(name: str, attr: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"device {name}: {attr} must be a positive finite number, got {value!r}")
+
+
+def _require_non_negative(name: str, attr: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"device {name}: {attr} must be a non-negative finite number, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+GB = 10**9
+GIB = 2**30
+
+# NCCL src/graph/tuning.cc, Ring/LL protocol (see module docstring).
+NCCL_BASE_LATENCY_S = 6.6e-6
+NVLINK_STEP_LATENCY_S = 0.6e-6
+NET_STEP_LATENCY_S = 2.7e-6
+# Per-kernel floor on a GPU: CUDA launch and tail, typically 2-5 us.
+GPU_KERNEL_LAUNCH_S = 4e-6
+
+# Achieved bus bandwidth per device (nccl-tests, published-runs.md).
+HDR_NIC_BW = 24e9   # 200 Gb/s HDR InfiniBand, one NIC per GPU (DGX A100)
+NDR_NIC_BW = 46e9   # 400 Gb/s NDR InfiniBand / ConnectX-7, one NIC per GPU
+
+
+def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int, hbm_bw: float,
+            nvlink_bw: float, net_bw: float) -> DeviceSpec:
+    """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; NCCL latencies."""
+    return DeviceSpec(
+        name=name,
+        peak_flops={"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16},
+        hbm_bytes=hbm_bytes, hbm_bw=hbm_bw, nvlink_bw=nvlink_bw, net_bw=net_bw,
+        intra_latency_s=NVLINK_STEP_LATENCY_S, inter_latency_s=NET_STEP_LATENCY_S,
+        base_latency_s=NCCL_BASE_LATENCY_S, kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+    )
+
+
+A100_40GB = _nvidia("A100-40GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
+                    hbm_bytes=40 * GB, hbm_bw=1555e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
+A100_80GB = _nvidia("A100-80GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
+                    hbm_bytes=80 * GB, hbm_bw=2039e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
+H100 = _nvidia("H100", fp32=67e12, tf32=494.5e12, bf16=989e12,
+               hbm_bytes=80 * GB, hbm_bw=3350e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW)
+# H200: H100 silicon with more and faster HBM3e; same NVLink 4, so the H100 ring figure is assumed.
+H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12,
+               hbm_bytes=141 * GB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW)
+# B200: NVLink 5 doubles H100's per-GPU NVLink (1.8 vs 0.9 TB/s both directions); with no published
+# nccl-tests figure at hand the ring bandwidth is assumed to double too (2 x 370 GB/s). DGX B200
+# has one 400 Gb/s ConnectX-7 per GPU.
+B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12,
+               hbm_bytes=180 * GB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW)
+
+# Placeholder CPU "device" for gloo runs on this machine; to be replaced by calibration.
+# Roughly: a few cores of fp32 GEMM (~100 GFLOP/s), DRAM ~20 GB/s, gloo over shared memory
+# ~5 GB/s with ~50 us per step, 10 GbE (1.25 GB/s) between hosts.
+CPU = DeviceSpec(
+    name="cpu",
+    peak_flops={"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 50e9},
+    hbm_bytes=16 * GIB, hbm_bw=20e9, nvlink_bw=5e9, net_bw=1.25e9,
+    intra_latency_s=50e-6, inter_latency_s=100e-6, base_latency_s=20e-6, kernel_launch_s=10e-6,
+)
+
+#: Presets by canonical name.
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (A100_40GB, A100_80GB, H100, H200, B200, CPU)}
+
+#: Other accepted names -> canonical name.
+ALIASES: dict[str, str] = {
+    "A100": "A100-80GB",
+    "A100-SXM": "A100-80GB",
+    "H100-SXM": "H100",
+    "H100-80GB": "H100",
+    "H200-SXM": "H200",
+    "H200-141GB": "H200",
+}
+
+def get_device(name: str) -> DeviceSpec:
+    """The preset called ``name`` (case-insensitive, aliases resolved); ValueError if unknown.
+
+    Looks DEVICES and ALIASES up on every call, so presets registered later (calibration) count.
+    """
+    by_lower = {key.lower(): key for key in DEVICES}
+    by_lower.update({alias.lower(): target for alias, target in ALIASES.items()})
+    try:
+        return DEVICES[by_lower[name.strip().lower()]]
+    except (KeyError, AttributeError):
+        known = ", ".join(sorted(DEVICES) + sorted(ALIASES))
+        raise ValueError(f"unknown device type {name!r}: expected one of {known}") from None

@@ -1,0 +1,20 @@
+"""Rewrite passes: from a Plan, the per-rank program (design.md §1).
+
+One pass per file, each named for what it does; ``build_program`` applies them in order:
+
+1. ``shard_parameters``: every parameter and buffer becomes a DTensor with the plan's placements;
+2. ``insert_redistributes``: before each op, inputs are moved to the placements the plan chose for
+   that op (DTensor ``redistribute``, whose collectives are differentiable, so backward communication
+   falls out of autograd);
+3. ``replicate_fallbacks``: ops without a DTensor strategy run on replicated local tensors;
+4. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets.
+
+Passes read a Plan, never the solver.
+"""
+
+from .gradient_sync import GradientSync
+from .insert_redistributes import insert_redistributes
+from .replicate_fallbacks import replicate_fallbacks
+from .shard_parameters import shard_parameters, shard_tensor
+
+__all__ = ["GradientSync", "insert_redistributes", "replicate_fallbacks", "shard_parameters", "shard_tensor"]

@@ -1,0 +1,100 @@
+"""Insert a redistribute before every op input whose placement the plan changes.
+
+The plan gives each op the placements its tensor inputs must have (its strategy). Wherever the
+producer's planned output differs, the pass inserts ``redistribute(x, placements)``: DTensor runs the
+collective (all_gather, all_reduce, reduce_scatter, all_to_all, or a local slice) and its backward is
+the dual collective. Ops whose inputs already match get no node, so the printed program shows exactly
+where communication happens. Factory ops (no tensor inputs) produce plain tensors; the pass wraps them
+as replicated DTensors so every value in the program is a DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.placement import strs_to_placements
+from autopar.strategies import tensor_inputs
+
+
+def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
+    """Move ``x`` to ``placements`` (no-op when it is there already).
+
+    A change *to* a partial placement is left to the op's own DTensor dispatch, which turns a
+    replicated input into the partial one its strategy needs without communication (public
+    ``redistribute`` refuses it); we only bring such a dim to ``R`` first.
+    """
+    target = tuple(
+        want if not want.is_partial() or have == want else Replicate()
+        for have, want in zip(x.placements, strs_to_placements(placements))
+    )
+    if tuple(x.placements) == target:
+        return x
+    return x.redistribute(x.device_mesh, target)
+
+
+def as_replicated(x: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return x
+
+
+def insert_redistributes(
+    gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], produced: Mapping[str, Sequence[str]],
+    mesh: DeviceMesh,
+) -> int:
+    """Rewrite ``gm`` in place; returns how many redistribute nodes were inserted.
+
+    ``produced`` maps a value (node name, or ``node.i`` for output i of a multi-output op) to the
+    placements the plan says it has.
+    """
+    graph = gm.graph
+    inserted = 0
+    mesh_node = mesh_attr(gm, mesh)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.name not in ops:
+            continue
+        if not tensor_inputs(node):
+            _wrap_factory(graph, node, mesh_node)
+            continue
+        wanted = [tuple(p) for p in ops[node.name]["inputs"]]
+        for arg, placements in zip(tensor_inputs(node), wanted):
+            if tuple(produced.get(_value_name(arg), ())) == placements:
+                continue
+            with graph.inserting_before(node):
+                moved = graph.call_function(redistribute, (arg, placements))
+            node.replace_input_with(arg, moved)
+            inserted += 1
+    graph.lint()
+    gm.recompile()
+    return inserted
+
+
+MESH_ATTR = "autopar_mesh"
+
+
+def mesh_attr(gm: fx.GraphModule, mesh: DeviceMesh) -> fx.Node:
+    """A ``get_attr`` node for the mesh (FX code cannot spell a DeviceMesh as a constant)."""
+    setattr(gm, MESH_ATTR, mesh)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target == MESH_ATTR:
+            return node
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        return gm.graph.get_attr(MESH_ATTR)
+
+
+def _wrap_factory(graph: fx.Graph, node: fx.Node, mesh: fx.Node) -> None:
+    with graph.inserting_after(node):
+        wrapped = graph.call_function(as_replicated, (node, mesh))
+    node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
+
+
+def _value_name(arg: fx.Node) -> str:
+    if arg.op == "call_function" and getattr(arg.target, "__name__", "") == "getitem":
+        return f"{arg.args[0].name}.{arg.args[1]}"
+    return arg.name
