@@ -62,11 +62,16 @@ def autoparallelize(
     if not dist.is_initialized():
         raise BadInputError("autoparallelize needs an initialized process group: launch with torchrun "
                             "(or call torch.distributed.init_process_group) first")
-    captured = capture(model, _as_tuple(example_inputs), example_targets, loss_fn)
+    inputs = _as_tuple(example_inputs)
+    captured = capture(model, inputs, example_targets, loss_fn)
     the_plan = _plan_for_job(captured, plan, cluster, constraints, type(model).__name__)
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
+    m = int(the_plan.pipeline.get("microbatches", 1))
+    if m > 1:  # the program runs one microbatch at a time: capture it at that shape
+        captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
+                           _first_rows(example_targets, m) if example_targets is not None else None, loss_fn)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan))
 
 
@@ -110,6 +115,10 @@ def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: An
         box[0] = make_plan(captured, resolve_cluster(cluster), model_name=name, constraints=constraints).to_dict()
     dist.broadcast_object_list(box, src=0)
     return Plan.from_dict(box[0])
+
+
+def _first_rows(t: torch.Tensor, microbatches: int) -> torch.Tensor:
+    return t[: t.shape[0] // microbatches]
 
 
 def _as_tuple(x: Sequence[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, ...]:

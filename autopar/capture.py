@@ -93,13 +93,24 @@ def capture(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = torch.export.export(step, args, strict=False).run_decompositions()
+            exported = torch.export.export(step, args, strict=False).run_decompositions(_decompositions())
     except Exception as exc:  # export's own errors are long; keep the first line and the cause
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UnsupportedModelError(
             f"could not capture {type(model).__name__} with torch.export: {first}"
         ) from exc
     return _describe(exported)
+
+
+def _decompositions() -> dict:
+    """Core aten decompositions, except ops we plan whole (fused attention: its math decomposition
+    would materialize the s x s score matrix that the fused kernel never stores)."""
+    from .strategies import LOCAL_RULES
+
+    table = torch.export.default_decompositions()
+    for op in LOCAL_RULES:
+        table.pop(op, None)
+    return table
 
 
 def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:

@@ -34,9 +34,10 @@ from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
 from .solver import Solution, solve
-from .strategies import StrategyFinder
+from .strategies import LOCAL_RULES, StrategyFinder
 
-KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "sp", "cp", "ep", "memory_gb", "time_limit_s", "dtype"}
+KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "sp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s",
+                     "dtype"}
 OVERLAP_FRACTION = 0.8
 """Share of backward compute behind which bucketed gradient all_reduce can hide (the last bucket and
 the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."""
@@ -69,17 +70,49 @@ def make_plan(
     failures: list[str] = []
     start = time.perf_counter()
     for mesh in mesh_candidates(cluster, constraints, batch):
-        problem = _problem_for(captured, cluster, mesh, dtype, capacity)
-        try:
-            results.append((mesh, problem, solve(problem, constraints.get("time_limit_s", 30.0))))
-        except NoFeasiblePlanError as exc:
-            failures.append(str(exc))
+        found = _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints)
+        if isinstance(found, str):
+            failures.append(found)
+        else:
+            results.append(found)
     if not results:
-        raise NoFeasiblePlanError("; ".join(failures) or "no mesh shape satisfies the constraints")
+        raise NoFeasiblePlanError(_shortfall(failures))
     results.sort(key=lambda r: r[2].objective_s)
     mesh, problem, solution = results[0]
     return _to_plan(captured, cluster, model_name, dtype, mesh, problem, solution, results,
                     time.perf_counter() - start)
+
+
+def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints):
+    """Gradient accumulation: the fewest microbatches whose activations fit (more only add cost:
+    smaller kernels and, with sharded parameters, one all_gather per microbatch). Returns the
+    (mesh, problem, solution) or the reason nothing fit."""
+    reason = ""
+    finder = StrategyFinder(mesh.shape)
+    for m in microbatch_counts(batch, mesh.degree("dp"), constraints.get("microbatches")):
+        problem = _problem_for(captured, cluster, mesh, dtype, capacity, m, constraints, finder)
+        try:
+            return mesh, problem, solve(problem, constraints.get("time_limit_s", 30.0))
+        except NoFeasiblePlanError as exc:
+            reason = str(exc)
+    return reason
+
+
+def microbatch_counts(batch: int | None, dp: int, fixed: int | None) -> list[int]:
+    """Microbatch counts m with every microbatch still split evenly over dp (batch % (m * dp) == 0)."""
+    if batch is None:
+        return [1]
+    if fixed is not None:
+        if batch % (int(fixed) * dp):
+            raise BadInputError(f"global batch {batch} cannot be cut into microbatches={fixed} x dp={dp}")
+        return [int(fixed)]
+    return [m for m in _divisors(batch // dp) if (batch // m) % dp == 0]
+
+
+def _shortfall(failures: list[str]) -> str:
+    if not failures:
+        return "no mesh shape satisfies the constraints"
+    return "no plan fits any mesh; closest: " + min(failures, key=len)
 
 
 def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
@@ -92,9 +125,11 @@ def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
         if int(out.get(key, 1)) != 1:
             raise BadInputError(f"constraint {key}={out[key]}: this version plans {key}=1 only "
                                 "(pipeline, context and expert parallelism are not implemented yet)")
-    if int(out.get("fsdp", 0)) != 0:
-        raise BadInputError(f"constraint fsdp={out['fsdp']}: parameter sharding (FSDP/ZeRO) is not "
-                            "implemented yet; use fsdp=0")
+    if "fsdp" in out:
+        if str(out["fsdp"]) not in ("0", "3"):
+            raise BadInputError(f"constraint fsdp={out['fsdp']}: this version plans fsdp=0 (replicated "
+                                "parameters) or fsdp=3 (parameters sharded on dp); ZeRO-1/2 are not implemented")
+        out["fsdp"] = int(out["fsdp"])
     for key in ("dp", "tp"):
         if key in out and (not str(out[key]).isdigit() or int(out[key]) < 1):
             raise BadInputError(f"constraint {key}={out[key]!r}: expected a positive integer")
@@ -143,28 +178,32 @@ def _global_batch(captured: CapturedGraph) -> int | None:
 
 
 def _problem_for(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, dtype: str,
-                 capacity: float) -> Problem:
+                 capacity: float, microbatches: int, constraints: Mapping[str, Any],
+                 finder: StrategyFinder) -> Problem:
     shape = mesh.shape
     dp_dims = [i for i, n in enumerate(mesh.names) if n == "dp" and shape[i] > 1]
     tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
-    pins_params = {i: "R" for i in dp_dims}
+    pins_buffers = {i: "R" for i in dp_dims}
+    fsdp = constraints.get("fsdp")
+    pins_params = {i: "R" for i in dp_dims} if fsdp == 0 else {}
+    sharded_on_dp = dp_dims if fsdp == 3 else []
     pins_inputs = {i: ("S(0)" if n == "dp" else "R") for i, n in enumerate(mesh.names)}
-    replicated_params = placeholder_candidates(shape, pins_params)
+    param_candidates = placeholder_candidates(shape, pins_params)
     roles = Roles(
-        param=lambda val: _split_matrices(replicated_params(val), val, tp_dims),
+        param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
-        buffer=replicated_params,
+        buffer=placeholder_candidates(shape, pins_buffers),
         allow=_batch_stays_split(captured, dp_dims),
     )
-    return build_problem(captured, StrategyFinder(shape), Pricer(cluster, shape, dtype), roles,
+    return build_problem(captured, finder, Pricer(cluster, shape, dtype, microbatches), roles,
                          capacity, OVERLAP_FRACTION)
 
 
-def _split_matrices(cands: list, val: torch.Tensor, tp_dims: list[int]) -> list:
-    """Tensor-parallel role: a weight matrix is split on every tp dim (when it can be)."""
-    if val.ndim < 2 or not tp_dims:
+def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
+    """A weight matrix is split on each of ``dims`` (tp dims; dp dims under fsdp=3) when it can be."""
+    if val.ndim < 2 or not dims:
         return cands
-    split = [c for c in cands if all(c[d] != "R" for d in tp_dims)]
+    split = [c for c in cands if all(c[d] != "R" for d in dims)]
     return split or cands
 
 
@@ -197,7 +236,7 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
              problem: Problem, solution: Solution, results: list, search_wall_s: float) -> Plan:
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
-    pricer = Pricer(cluster, mesh.shape, dtype)
+    pricer = Pricer(cluster, mesh.shape, dtype, problem.microbatches)
     placements = {fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.params.items()}
     predicted = _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pricer)
     return Plan(
@@ -207,8 +246,9 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
         cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
         mesh={"shape": list(mesh.shape), "dim_names": list(mesh.names)},
         degrees=_degrees(mesh, captured, by_node),
-        pipeline={"stages": [[0, captured.layer_count()]], "schedule": "none", "microbatches": 1,
-                  "microbatch_size": _global_batch(captured)},
+        pipeline={"stages": [[0, captured.layer_count()]], "schedule": "none",
+                  "microbatches": pricer.microbatches,
+                  "microbatch_size": (_global_batch(captured) or 1) // (pricer.microbatches * mesh.degree("dp"))},
         checkpointing="none",
         placements=placements,
         inputs={name: {"placements": list(by_node[name][1].strategy.outputs[0]),
@@ -223,8 +263,8 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
                 "variables": solution.variables, "constraints": solution.constraints,
                 "decisions": len(problem.decisions), "meshes_tried": len(results)},
         candidates=[{"mesh": {"shape": list(m.shape), "dim_names": list(m.names)},
-                     "degrees": {"dp": m.degree("dp"), "tp": m.degree("tp")},
-                     "step_time_s": s.objective_s, "status": s.status} for m, _, s in results],
+                     "degrees": {"dp": m.degree("dp"), "tp": m.degree("tp")}, "microbatches": pr.microbatches,
+                     "step_time_s": s.objective_s, "status": s.status} for m, pr, s in results],
     )
 
 
@@ -235,13 +275,18 @@ def _ops(captured: CapturedGraph, by_node: dict, unsupported: set[str]) -> dict[
             s = by_node[node.name][1].strategy
             ops[node.name] = {"op": str(node.target), "inputs": [list(p) for p in s.inputs],
                               "outputs": [list(p) if p is not None else None for p in s.outputs]}
-            if str(node.target) in unsupported:
-                ops[node.name]["fallback"] = True
+            if str(node.target) in unsupported or node.target in LOCAL_RULES:
+                ops[node.name]["local"] = True
     return ops
 
 
 def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict) -> dict[str, int]:
-    tp = mesh.degree("tp")
+    tp, dp = mesh.degree("tp"), mesh.degree("dp")
+    fsdp = 1
+    if dp > 1:
+        dp_dim = mesh.names.index("dp")
+        if any(is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]) for n in captured.params):
+            fsdp = dp
     sp = 1
     if tp > 1:
         tp_dim = mesh.names.index("tp")
@@ -250,7 +295,7 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict) -> dict[s
                 out = by_node[node.name][1].strategy.outputs[0]
                 if out is not None and is_sharded(out[tp_dim]) and out[tp_dim] != f"S({node.meta['val'][0].ndim - 1})":
                     sp = tp
-    return {"dp": mesh.degree("dp"), "fsdp": 1, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": 1}
+    return {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": 1}
 
 
 def _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pricer) -> dict[str, Any]:

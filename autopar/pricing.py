@@ -32,12 +32,13 @@ from typing import Sequence
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from .cost_models import Cluster, adamw_state_bytes, collective_time, compute_time
 from .strategies import Placements, Strategy, tensor_inputs
 
-_MATMUL_PACKETS = set(flop_registry)
+_SDPA = torch.ops.aten.scaled_dot_product_attention
+_MATMUL_PACKETS = set(flop_registry) | {_SDPA}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -63,10 +64,11 @@ class Cost:
 class Pricer:
     """Prices for one (cluster, mesh shape, compute dtype)."""
 
-    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str):
+    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, microbatches: int = 1):
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
+        self.microbatches = microbatches
         self.groups = [cluster.group(self.mesh_shape, d) for d in range(len(self.mesh_shape))]
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -94,14 +96,14 @@ class Pricer:
         flops = global_flops(node) / split
         moved = self._bytes_moved(node, strategy)
         kind = "matmul" if is_matmul(node) else "elementwise"
-        forward = compute_time(flops, moved, self.cluster.device, self.dtype, kind)
-        backward = 2 * compute_time(flops, moved, self.cluster.device, self.dtype, kind)
-        cost.compute_s = forward + backward
-        cost.backward_compute_s = backward
+        m = self.microbatches  # the op runs once per microbatch, on 1/m of the batch
+        forward = m * compute_time(flops / m, moved / m, self.cluster.device, self.dtype, kind)
+        cost.compute_s = 3 * forward
+        cost.backward_compute_s = 2 * forward
         cost.memory_bytes = sum(
             self.local_bytes(v, p) for v, p in zip(_output_vals(node), strategy.outputs)
             if isinstance(v, torch.Tensor) and p is not None
-        )
+        ) / m
         self._partial_gradients(node, strategy, param_inputs, cost)
         return cost
 
@@ -151,8 +153,11 @@ class Pricer:
         }
 
     # ---- edges -------------------------------------------------------------------------------
-    def edge(self, val: torch.Tensor, src: Placements, dst: Placements) -> Cost:
+    def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False) -> Cost:
+        """Resharding ``val`` from ``src`` to ``dst``; ``per_microbatch``: the tensor is the same for
+        every microbatch (a parameter), so the collective repeats ``microbatches`` times on all of it."""
         cost = Cost()
+        repeats = self.microbatches if per_microbatch else 1
         if src == dst:
             return cost
         for dim, group in enumerate(self.groups):
@@ -162,7 +167,7 @@ class Pricer:
             nbytes = self.local_bytes(val, _unsharded_on(dst, dim)) if b.startswith("S(") or a.startswith("S(") \
                 else self.local_bytes(val, dst)
             for kind in _transition(a, b):
-                cost.add_comm(kind, collective_time(kind, nbytes, group))
+                cost.add_comm(kind, repeats * collective_time(kind, nbytes, group))
         return cost
 
 
@@ -209,6 +214,9 @@ def is_matmul(node: fx.Node) -> bool:
 
 def global_flops(node: fx.Node) -> float:
     packet = getattr(node.target, "overloadpacket", None)
+    if packet is _SDPA:  # torch counts the fused kernels; the composite op has q, k, v first
+        q, k, v = (a.meta["val"] for a in node.args[:3])
+        return float(sdpa_flop_count(q.shape, k.shape, v.shape))
     if packet in flop_registry:
         args = _vals(node.args)
         kwargs = _vals(node.kwargs)

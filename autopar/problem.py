@@ -61,6 +61,7 @@ class Problem:
     memory_capacity_bytes: float
     overlap_fraction: float  # share of backward compute that can hide gradient all_reduce
     unsupported_ops: set[str] = field(default_factory=set)  # ops with no DTensor strategy (run replicated)
+    microbatches: int = 1  # gradient accumulation steps the prices assume
 
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
@@ -103,7 +104,7 @@ def build_problem(
     ])
     edges = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
-                   set(finder.unsupported))
+                   set(finder.unsupported), pricer.microbatches)
 
 
 def _is_decision(node: fx.Node) -> bool:
@@ -123,8 +124,10 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
         if node.name in captured.params:
             return [Option(Strategy((), (p,)), Cost(memory_bytes=sum(pricer.parameter_memory(val, p).values())))
                     for p in roles.param(val)]
-        role = roles.user_input if node.name in captured.user_inputs else roles.buffer
-        return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in role(val)]
+        if node.name in captured.user_inputs:
+            return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p) / pricer.microbatches))
+                    for p in roles.user_input(val)]
+        return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in roles.buffer(val)]
     param_inputs = [a.name in captured.params for a in tensor_inputs(node)]
     strategies = finder.for_node(node)
     allowed = [s for s in strategies if roles.allow(node, s)] or strategies
@@ -158,16 +161,17 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
             else:
                 grouped[ekey] = Edge(*ekey, count=1)
                 vals[ekey] = arg.meta["val"]
+    params = {keys[name] for name in captured.params}
     for ekey, edge in grouped.items():
-        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer)
+        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in params)
     return list(grouped.values())
 
 
-def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor,
-                 pricer: Pricer) -> dict[tuple[Placements, Placements], Cost]:
+def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
+                 from_param: bool) -> dict[tuple[Placements, Placements], Cost]:
     srcs = {o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options}
     dsts = {o.strategy.inputs[edge.slot] for o in decisions[edge.dst].options}
-    return {(a, b): pricer.edge(val, a, b) for a in srcs if a is not None for b in dsts}
+    return {(a, b): pricer.edge(val, a, b, per_microbatch=from_param) for a in srcs if a is not None for b in dsts}
 
 
 def placeholder_candidates(mesh_shape: Sequence[int], fixed: dict[int, str]) -> Callable[[torch.Tensor], list[Placements]]:

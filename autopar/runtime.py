@@ -23,7 +23,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.passes import GradientSync, insert_redistributes, replicate_fallbacks, shard_parameters, shard_tensor
+from autopar.passes import GradientSync, insert_redistributes, run_locally, shard_parameters, shard_tensor
 from autopar.placement import strs_to_placements
 
 from .capture import CapturedGraph
@@ -83,16 +83,25 @@ class ParallelModule(nn.Module):
         (loss,) = self.program(*args)
         return loss
 
+    @property
+    def microbatches(self) -> int:
+        return int(self.plan.pipeline.get("microbatches", 1))
+
     def step(self, *args: torch.Tensor, local: bool = False) -> torch.Tensor:
         """Forward, loss and backward on the global batch (or this rank's slice with ``local=True``).
 
+        With ``microbatches`` m > 1 the batch is cut into m equal pieces along dim 0 and gradients
+        accumulate (each piece's mean loss weighted 1/m, so the sum is the mean over the batch).
         Gradients are left on ``parameters()``, synchronized; returns the global mean loss.
         """
-        loss = self.forward(*args, local=local)
-        local_loss = loss.to_local()
-        local_loss.backward()
+        m = self.microbatches
+        total = torch.zeros(())
+        for piece in zip(*(torch.chunk(a, m, dim=0) for a in args)):
+            loss = self.forward(*piece, local=local).to_local()
+            (loss / m).backward()
+            total = total + loss.detach() / m
         self._grad_sync()
-        return local_loss.detach()
+        return total
 
     def _placeholder_values(self, inputs: Sequence[torch.Tensor], local: bool) -> list[Any]:
         cg = self.captured
@@ -117,21 +126,27 @@ class ParallelModule(nn.Module):
     def _input(self, name: str, x: torch.Tensor, local: bool) -> DTensor:
         spec = self.plan.inputs[name]
         placements = strs_to_placements(spec["placements"])
+        shape = microbatch_shape(spec["shape"], self.microbatches)
         if local:
-            return DTensor.from_local(x, self.mesh, placements, run_check=False, shape=torch.Size(spec["shape"]),
-                                      stride=torch.empty(spec["shape"], device="meta").stride())
-        if list(x.shape) != spec["shape"]:
+            return DTensor.from_local(x, self.mesh, placements, run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+        if list(x.shape) != shape:
             raise BadInputError(f"input {name} has shape {list(x.shape)}, the plan was made for {spec['shape']} "
                                 "(pass local=True for per-rank slices)")
         return shard_tensor(x, self.mesh, spec["placements"])
 
 
+def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
+    """The global shape of one microbatch of an input whose whole-batch shape is ``shape``."""
+    shape = list(shape)
+    return [shape[0] // microbatches] + shape[1:] if shape else shape
+
+
 def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tuple[fx.GraphModule, int]:
     gm = fx.GraphModule(captured.graph_module, _copy_graph(captured.graph))
     produced = _produced_placements(captured, plan)
-    fallbacks = {n for n, op in plan.ops.items() if op.get("fallback")}
     inserted = insert_redistributes(gm, plan.ops, produced, mesh)
-    replicate_fallbacks(gm, fallbacks, mesh)
+    run_locally(gm, plan.ops, mesh)
     return gm, inserted
 
 

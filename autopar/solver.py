@@ -62,6 +62,8 @@ class Solution:
 
 
 def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") -> Solution:
+    if least_memory(problem) > problem.memory_capacity_bytes:
+        raise NoFeasiblePlanError(_infeasible_reason(problem, pywraplp.Solver.INFEASIBLE))
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
@@ -178,9 +180,14 @@ def brute_force(problem: Problem) -> tuple[dict[str, int], float]:
     return best
 
 
+def least_memory(problem: Problem) -> float:
+    """A lower bound of any plan's memory per device: every decision at its smallest option."""
+    return sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in problem.decisions.values())
+
+
 def _infeasible_reason(problem: Problem, status: int) -> str:
     if status == pywraplp.Solver.INFEASIBLE:
-        least = sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in problem.decisions.values())
-        return (f"no plan on mesh {problem.mesh_shape} fits: even the smallest placements need "
+        least = least_memory(problem)
+        return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es) fits: even the smallest placements need "
                 f"{least / 2**30:.1f} GiB per device, capacity is {problem.memory_capacity_bytes / 2**30:.1f} GiB")
     return f"the solver stopped without a plan on mesh {problem.mesh_shape} (status {status})"

@@ -7,7 +7,10 @@ placement, and single-mesh-dim strategies that DTensor itself expands to the who
 means the sharding rules live in one place (PyTorch) and our planner sees the same choices the DTensor
 runtime will accept.
 
-Where we diverge: an op DTensor knows nothing about runs replicated, with one warning naming the op;
+Where we diverge: ops in ``LOCAL_RULES`` (fused attention, which DTensor only knows as backend kernels
+such as the CUDA flash variant) get our own rule: the dims listed are independent, so the op can be
+split on any of them on all inputs at once and run on local shards. Any other op DTensor knows nothing
+about runs replicated, with one warning naming the op;
 strategies that shard a dimension unevenly are dropped (plans keep every shard the same size, so local
 shapes and collective volumes are exact); and ``_StridedShard`` placements are not offered.
 
@@ -83,6 +86,29 @@ def _divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: 
     return all(d < len(shape) and shape[d] % f == 0 and shape[d] >= f for d, f in factor.items())
 
 
+@dataclass(frozen=True)
+class LocalRule:
+    """An op that is exact on shards split on any one of ``independent_dims`` (same dim on all inputs)."""
+
+    independent_dims: tuple[int, ...]
+    tensor_inputs: int
+
+    def strategies(self, mesh_ndim: int) -> list[Strategy]:
+        one = ["R"] + [f"S({d})" for d in self.independent_dims]
+        out = []
+        for combo in itertools.product(one, repeat=mesh_ndim):
+            if len({c for c in combo if c != "R"}) < sum(c != "R" for c in combo):
+                continue  # two mesh dims splitting the same tensor dim: keep plans simple
+            out.append(Strategy(tuple([combo] * self.tensor_inputs), (combo,)))
+        return out
+
+
+LOCAL_RULES: dict[Any, LocalRule] = {
+    # q, k, v: [batch, heads, seq, head_dim]; attention mixes seq and head_dim, never batch or heads.
+    torch.ops.aten.scaled_dot_product_attention.default: LocalRule(independent_dims=(0, 1), tensor_inputs=3),
+}
+
+
 class StrategyFinder:
     """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
 
@@ -105,7 +131,9 @@ class StrategyFinder:
         prop = DTensor._op_dispatcher.sharding_propagator
         op = node.target
         found: list[Strategy] = []
-        if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
+        if op in LOCAL_RULES and len(inputs) == LOCAL_RULES[op].tensor_inputs:
+            found = [s for s in LOCAL_RULES[op].strategies(len(self.mesh_shape)) if self._is_even(node, s)]
+        elif op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
             found = self._from_dtensor(node, prop)
         if not found:
             self._warn_unsupported(op)

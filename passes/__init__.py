@@ -6,7 +6,8 @@ One pass per file, each named for what it does; ``build_program`` applies them i
 2. ``insert_redistributes``: before each op, inputs are moved to the placements the plan chose for
    that op (DTensor ``redistribute``, whose collectives are differentiable, so backward communication
    falls out of autograd);
-3. ``replicate_fallbacks``: ops without a DTensor strategy run on replicated local tensors;
+3. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
+   local rules such as fused attention split on heads) run on local shards;
 4. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets.
 
 Passes read a Plan, never the solver.
@@ -14,7 +15,7 @@ Passes read a Plan, never the solver.
 
 from .gradient_sync import GradientSync
 from .insert_redistributes import insert_redistributes
-from .replicate_fallbacks import replicate_fallbacks
+from .run_locally import run_locally
 from .shard_parameters import shard_parameters, shard_tensor
 
-__all__ = ["GradientSync", "insert_redistributes", "replicate_fallbacks", "shard_parameters", "shard_tensor"]
+__all__ = ["GradientSync", "insert_redistributes", "run_locally", "shard_parameters", "shard_tensor"]

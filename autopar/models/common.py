@@ -3,13 +3,12 @@
 Everything here is written with plain, export-friendly aten ops so that a
 model captured with ``torch.export.export(..., strict=False)`` and decomposed
 to core aten maps cleanly onto DTensor's registered sharding strategies:
-matmul + softmax attention (no fused SDPA), masks and rotary tables held in
+fused causal attention (``F.scaled_dot_product_attention``, which never materializes the
+s x s score matrix; autopar plans it with its own batch/head rule), rotary tables held in
 non-persistent buffers, and no dropout.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,6 @@ from torch import nn
 
 __all__ = [
     "RMSNorm",
-    "causal_mask",
     "check_positive",
     "causal_attention",
     "split_heads",
@@ -29,16 +27,6 @@ __all__ = [
 ]
 
 INIT_STD = 0.02
-
-
-def causal_mask(seq: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Return a bool lower-triangular ``[seq, seq]`` mask (True = may attend).
-
-    Built with torch ops only so it also works on the meta device; ``device=None``
-    honours an enclosing ``with torch.device(...)`` context.
-    """
-    ones = torch.ones(seq, seq, dtype=torch.bool, device=device)
-    return torch.tril(ones)
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -53,18 +41,9 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, s, nh * hd)
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Scaled dot-product attention written as matmul + masked softmax.
-
-    ``q, k, v`` are ``[b, nh, s, hd]``; ``mask`` is a bool ``[s, s]`` tril mask.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention; ``q, k, v`` are ``[b, nh, s, hd]``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def check_positive(cfg: object, names: tuple[str, ...]) -> None:

@@ -16,7 +16,6 @@ from torch import nn
 
 from .common import (
     causal_attention,
-    causal_mask,
     check_positive,
     init_weights,
     merge_heads,
@@ -56,11 +55,11 @@ class GPTAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = split_heads(self.q_proj(x), self.heads)
         k = split_heads(self.k_proj(x), self.heads)
         v = split_heads(self.v_proj(x), self.heads)
-        return self.o_proj(merge_heads(causal_attention(q, k, v, mask)))
+        return self.o_proj(merge_heads(causal_attention(q, k, v)))
 
 
 class GPTMLP(nn.Module):
@@ -86,15 +85,15 @@ class GPTBlock(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
         self.mlp = GPTMLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), mask)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """GPT language model: ``forward(idx [b, s] long) -> logits [b, s, vocab]``.
 
-    The causal mask and position ids are non-persistent buffers held once on
+    The position ids are non-persistent buffers held once on
     the top-level module; after ``to_empty`` from meta call
     :meth:`reset_buffers` (and :meth:`reset_parameters`) to fill them.
     """
@@ -109,7 +108,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.register_buffer("causal_mask", causal_mask(cfg.seq), persistent=False)
         self.register_buffer("pos_ids", torch.arange(cfg.seq), persistent=False)
         self.reset_parameters()
 
@@ -119,14 +117,12 @@ class GPT(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers on their current device."""
-        device = self.causal_mask.device
-        self.causal_mask = causal_mask(self.config.seq, device=device)
+        device = self.pos_ids.device
         self.pos_ids = torch.arange(self.config.seq, device=device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]
         x = self.tok_emb(idx) + self.pos_emb(self.pos_ids[:seq])
-        mask = self.causal_mask[:seq, :seq]
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -17,7 +17,6 @@ from torch import nn
 from .common import (
     RMSNorm,
     causal_attention,
-    causal_mask,
     check_positive,
     init_weights,
     merge_heads,
@@ -45,7 +44,7 @@ class LlamaConfig:
     heads: int  # query heads; must divide hidden
     kv_heads: int  # key/value heads (grouped-query attention); must divide heads
     vocab: int  # vocabulary size
-    seq: int  # maximum sequence length (size of the rotary tables and mask)
+    seq: int  # maximum sequence length (size of the rotary tables)
     ffn_hidden: int  # SwiGLU inner width
     rope_theta: float = 500000.0  # rotary embedding base
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -114,13 +113,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         q = apply_rope(split_heads(self.q_proj(x), self.heads), cos, sin)
         k = apply_rope(split_heads(self.k_proj(x), self.kv_heads), cos, sin)
         v = split_heads(self.v_proj(x), self.kv_heads)
         n_rep = self.heads // self.kv_heads
-        out = causal_attention(q, _expand_kv(k, n_rep), _expand_kv(v, n_rep), mask)
+        out = causal_attention(q, _expand_kv(k, n_rep), _expand_kv(v, n_rep))
         return self.o_proj(merge_heads(out))
 
 
@@ -148,16 +147,16 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
     """Llama language model: ``forward(idx [b, s] long) -> logits [b, s, vocab]``.
 
-    The rotary tables and causal mask are non-persistent buffers held once on
+    The rotary tables are non-persistent buffers held once on
     the top-level module; after ``to_empty`` from meta call
     :meth:`reset_buffers` (and :meth:`reset_parameters`) to fill them.
     """
@@ -172,7 +171,6 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.register_buffer("causal_mask", causal_mask(cfg.seq), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -184,13 +182,11 @@ class Llama(nn.Module):
         cfg, device, dtype = self.config, self.rope_cos.device, self.rope_cos.dtype
         cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
-        self.causal_mask = causal_mask(cfg.seq, device=device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        mask = self.causal_mask[:seq, :seq]
         x = self.tok_emb(idx)
         for block in self.blocks:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin)
         return self.lm_head(self.norm_f(x))
