@@ -198,7 +198,8 @@ def _signature(node: fx.Node) -> tuple[Any, ...]:
     val = node.meta.get("val")
     shapes = _shapes(val)
     consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
-    return (str(node.target), shapes, repr(consts))
+    op = str(node.target) if node.op == "call_function" else node.op  # placeholders' targets are their names
+    return (op, shapes, repr(consts))
 
 
 def _shapes(val: Any) -> Any:

@@ -33,7 +33,7 @@ from .placement import is_sharded
 from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
-from .solver import Solution, solve
+from .solver import Solution, infeasible_reason, least_memory, solve
 from .strategies import LOCAL_RULES, StrategyFinder
 
 KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "sp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s",
@@ -88,9 +88,13 @@ def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, b
     smaller kernels and, with sharded parameters, one all_gather per microbatch). Returns the
     (mesh, problem, solution) or the reason nothing fit."""
     reason = ""
-    finder = StrategyFinder(mesh.shape)
+    pricer = Pricer(cluster, mesh.shape, dtype)
+    whole = _problem_for(captured, mesh, pricer, capacity, constraints)
     for m in microbatch_counts(batch, mesh.degree("dp"), constraints.get("microbatches")):
-        problem = _problem_for(captured, cluster, mesh, dtype, capacity, m, constraints, finder)
+        problem = whole.with_microbatches(m, pricer)
+        if least_memory(problem) > capacity:
+            reason = infeasible_reason(problem)
+            continue
         try:
             return mesh, problem, solve(problem, constraints.get("time_limit_s", 30.0))
         except NoFeasiblePlanError as exc:
@@ -177,9 +181,8 @@ def _global_batch(captured: CapturedGraph) -> int | None:
     return int(val.shape[0]) if val.ndim else None
 
 
-def _problem_for(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, dtype: str,
-                 capacity: float, microbatches: int, constraints: Mapping[str, Any],
-                 finder: StrategyFinder) -> Problem:
+def _problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
+                 constraints: Mapping[str, Any]) -> Problem:
     shape = mesh.shape
     dp_dims = [i for i, n in enumerate(mesh.names) if n == "dp" and shape[i] > 1]
     tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
@@ -195,7 +198,7 @@ def _problem_for(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, dt
         buffer=placeholder_candidates(shape, pins_buffers),
         allow=_batch_stays_split(captured, dp_dims),
     )
-    return build_problem(captured, finder, Pricer(cluster, shape, dtype, microbatches), roles,
+    return build_problem(captured, StrategyFinder(shape), pricer, roles,
                          capacity, OVERLAP_FRACTION)
 
 
@@ -236,7 +239,7 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
              problem: Problem, solution: Solution, results: list, search_wall_s: float) -> Plan:
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
-    pricer = Pricer(cluster, mesh.shape, dtype, problem.microbatches)
+    pricer = Pricer(cluster, mesh.shape, dtype)
     placements = {fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.params.items()}
     predicted = _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pricer)
     return Plan(
@@ -247,8 +250,8 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
         mesh={"shape": list(mesh.shape), "dim_names": list(mesh.names)},
         degrees=_degrees(mesh, captured, by_node),
         pipeline={"stages": [[0, captured.layer_count()]], "schedule": "none",
-                  "microbatches": pricer.microbatches,
-                  "microbatch_size": (_global_batch(captured) or 1) // (pricer.microbatches * mesh.degree("dp"))},
+                  "microbatches": problem.microbatches,
+                  "microbatch_size": (_global_batch(captured) or 1) // (problem.microbatches * mesh.degree("dp"))},
         checkpointing="none",
         placements=placements,
         inputs={name: {"placements": list(by_node[name][1].strategy.outputs[0]),

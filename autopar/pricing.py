@@ -27,7 +27,7 @@ AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -51,6 +51,9 @@ class Cost:
     grad_sync_s: float = 0.0  # gradient all_reduce that can hide behind backward
     memory_bytes: float = 0.0  # per device
     backward_compute_s: float = 0.0  # part of compute_s that runs in backward (overlap budget)
+    kernel: tuple[float, float, str] | None = None  # forward (flops, bytes moved, kind) on the whole batch
+    batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
+    repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
 
     def add_comm(self, kind: str, seconds: float) -> None:
         if seconds > 0:
@@ -62,14 +65,36 @@ class Cost:
 
 
 class Pricer:
-    """Prices for one (cluster, mesh shape, compute dtype)."""
+    """Prices for one (cluster, mesh shape, compute dtype), for the whole batch in one piece.
 
-    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, microbatches: int = 1):
+    ``for_microbatches`` re-prices a cost for gradient accumulation over m microbatches: kernels run
+    m times on 1/m of the batch, activations shrink m-fold, parameter gathers repeat m times.
+    """
+
+    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str):
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
-        self.microbatches = microbatches
         self.groups = [cluster.group(self.mesh_shape, d) for d in range(len(self.mesh_shape))]
+        self._edge_cache: dict[tuple, Cost] = {}
+
+    def for_microbatches(self, cost: Cost, m: int) -> Cost:
+        if m == 1:
+            return cost
+        out = replace(cost, comm_s=dict(cost.comm_s))
+        if cost.kernel is not None:
+            out.compute_s, out.backward_compute_s = self._kernel_times(cost.kernel, m)
+        if cost.batch_memory:
+            out.memory_bytes = cost.memory_bytes / m
+        if cost.repeats_per_microbatch:
+            out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
+        return out
+
+    def _kernel_times(self, kernel: tuple[float, float, str], m: int) -> tuple[float, float]:
+        """(forward + backward, backward) seconds of a kernel run once per microbatch; backward = 2x forward."""
+        flops, moved, kind = kernel
+        forward = m * compute_time(flops / m, moved / m, self.cluster.device, self.dtype, kind)
+        return 3 * forward, 2 * forward
 
     # ---- sizes -------------------------------------------------------------------------------
     def element_bytes(self, val: torch.Tensor) -> int:
@@ -95,15 +120,13 @@ class Pricer:
         split = self._work_divisor(strategy)
         flops = global_flops(node) / split
         moved = self._bytes_moved(node, strategy)
-        kind = "matmul" if is_matmul(node) else "elementwise"
-        m = self.microbatches  # the op runs once per microbatch, on 1/m of the batch
-        forward = m * compute_time(flops / m, moved / m, self.cluster.device, self.dtype, kind)
-        cost.compute_s = 3 * forward
-        cost.backward_compute_s = 2 * forward
+        cost.kernel = (flops, moved, "matmul" if is_matmul(node) else "elementwise")
+        cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         cost.memory_bytes = sum(
             self.local_bytes(v, p) for v, p in zip(_output_vals(node), strategy.outputs)
             if isinstance(v, torch.Tensor) and p is not None
-        ) / m
+        )
+        cost.batch_memory = True
         self._partial_gradients(node, strategy, param_inputs, cost)
         return cost
 
@@ -155,9 +178,14 @@ class Pricer:
     # ---- edges -------------------------------------------------------------------------------
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False) -> Cost:
         """Resharding ``val`` from ``src`` to ``dst``; ``per_microbatch``: the tensor is the same for
-        every microbatch (a parameter), so the collective repeats ``microbatches`` times on all of it."""
-        cost = Cost()
-        repeats = self.microbatches if per_microbatch else 1
+        every microbatch (a parameter), so under gradient accumulation its collectives repeat."""
+        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch)
+        if key not in self._edge_cache:
+            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch)
+        return self._edge_cache[key]
+
+    def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool) -> Cost:
+        cost = Cost(repeats_per_microbatch=per_microbatch)
         if src == dst:
             return cost
         for dim, group in enumerate(self.groups):
@@ -167,7 +195,7 @@ class Pricer:
             nbytes = self.local_bytes(val, _unsharded_on(dst, dim)) if b.startswith("S(") or a.startswith("S(") \
                 else self.local_bytes(val, dst)
             for kind in _transition(a, b):
-                cost.add_comm(kind, repeats * collective_time(kind, nbytes, group))
+                cost.add_comm(kind, collective_time(kind, nbytes, group))
         return cost
 
 

@@ -13,7 +13,7 @@ select one output of their producer, so edges leaving them start at the producer
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -63,6 +63,16 @@ class Problem:
     unsupported_ops: set[str] = field(default_factory=set)  # ops with no DTensor strategy (run replicated)
     microbatches: int = 1  # gradient accumulation steps the prices assume
 
+    def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
+        """The same problem priced for gradient accumulation over ``m`` microbatches."""
+        decisions = {
+            k: Decision(d.key, d.nodes, [Option(o.strategy, pricer.for_microbatches(o.cost, m)) for o in d.options])
+            for k, d in self.decisions.items()
+        }
+        edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count,
+                      {pq: pricer.for_microbatches(c, m) for pq, c in e.price.items()}) for e in self.edges]
+        return replace(self, decisions=decisions, edges=edges, microbatches=m)
+
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
         return (sum(len(d.options) for d in self.decisions.values()), sum(len(e.price) for e in self.edges))
@@ -104,7 +114,7 @@ def build_problem(
     ])
     edges = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
-                   set(finder.unsupported), pricer.microbatches)
+                   set(finder.unsupported))
 
 
 def _is_decision(node: fx.Node) -> bool:
@@ -125,7 +135,7 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
             return [Option(Strategy((), (p,)), Cost(memory_bytes=sum(pricer.parameter_memory(val, p).values())))
                     for p in roles.param(val)]
         if node.name in captured.user_inputs:
-            return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p) / pricer.microbatches))
+            return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))
                     for p in roles.user_input(val)]
         return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in roles.buffer(val)]
     param_inputs = [a.name in captured.params for a in tensor_inputs(node)]

@@ -63,7 +63,7 @@ class Solution:
 
 def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") -> Solution:
     if least_memory(problem) > problem.memory_capacity_bytes:
-        raise NoFeasiblePlanError(_infeasible_reason(problem, pywraplp.Solver.INFEASIBLE))
+        raise NoFeasiblePlanError(infeasible_reason(problem))
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
@@ -78,7 +78,7 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") 
     status = solver.Solve()
     wall = time.perf_counter() - start
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise NoFeasiblePlanError(_infeasible_reason(problem, status))
+        raise NoFeasiblePlanError(infeasible_reason(problem, status))
     choice = {key: max(range(len(vs)), key=lambda k: vs[k].solution_value()) for key, vs in x.items()}
     objective = solver.Objective().Value() / _US
     bound = solver.Objective().BestBound() / _US if status == pywraplp.Solver.FEASIBLE else objective
@@ -185,7 +185,7 @@ def least_memory(problem: Problem) -> float:
     return sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in problem.decisions.values())
 
 
-def _infeasible_reason(problem: Problem, status: int) -> str:
+def infeasible_reason(problem: Problem, status: int = pywraplp.Solver.INFEASIBLE) -> str:
     if status == pywraplp.Solver.INFEASIBLE:
         least = least_memory(problem)
         return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es) fits: even the smallest placements need "
