@@ -363,5 +363,14 @@ def model_flops(captured: CapturedGraph) -> float:
 
 
 def fingerprint(captured: CapturedGraph) -> str:
-    text = "\n".join(f"{n.name}:{n.target}" for n in captured.graph.nodes)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """Identity of what a plan applies to: parameter names and shapes, input shapes and dtypes.
+
+    Not the node list: captures on different devices differ in layout ops (a ``clone`` the meta kernels
+    need and the CPU kernels do not), and the runtime follows its own graph, taking each op's placements
+    from the plan by node name and letting ops the plan does not name follow their inputs.
+    """
+    parts = [f"{fqn}:{tuple(shape)}" for fqn, shape in sorted(captured.param_shapes().items())]
+    for name in captured.user_inputs:
+        val = captured.node(name).meta["val"]
+        parts.append(f"{name}:{tuple(val.shape)}:{val.dtype}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
