@@ -49,11 +49,20 @@ def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq
     return build_model(name, overrides=overrides, global_batch=global_batch, seq=seq, device="cpu", seed=seed)
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+"""AdamW is what people train with; SGD's update is proportional to the gradient, so a parity run with
+it also catches a gradient that is off by a constant factor (which Adam's normalization hides)."""
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    return OPTIMIZERS[kind](params, lr=LR if kind == "adamw" else 0.1)
+
+
 def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
-                 steps: int, seed: int = 0) -> TrainResult:
+                 steps: int, seed: int = 0, optimizer: str = "adamw") -> TrainResult:
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = make_optimizer(optimizer, model.parameters())
     losses = []
     for *inputs, targets in batches(bundle, steps, seed):
         opt.zero_grad()
@@ -66,7 +75,8 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
 
 def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str, Any] | None,
                         global_batch: int, seq: int | None, steps: int, plan: dict | None,
-                        constraints: Mapping[str, Any] | None, seed: int = 0) -> dict[str, Any]:
+                        constraints: Mapping[str, Any] | None, seed: int = 0,
+                        optimizer: str = "adamw") -> dict[str, Any]:
     """One rank's training under ``plan`` (or a plan made here for this world); rank 0 returns results."""
     import autopar
 
@@ -74,7 +84,7 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, constraints=constraints,
                                  plan=autopar.Plan.from_dict(plan) if plan else None)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = make_optimizer(optimizer, pm.parameters())
     losses = []
     for batch in batches(bundle, steps, seed):
         opt.zero_grad()
@@ -87,11 +97,24 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
 
 def train_parallel(world: int, name: str, overrides: Mapping[str, Any] | None, global_batch: int,
                    seq: int | None, steps: int, plan: dict | None = None,
-                   constraints: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+                   constraints: Mapping[str, Any] | None = None, seed: int = 0,
+                   optimizer: str = "adamw") -> dict[str, Any]:
     results = run_on_ranks(train_parallel_rank, world, name, overrides, global_batch, seq, steps, plan,
-                           constraints, seed)
+                           constraints, seed, optimizer)
     return {"losses": [r["losses"] for r in results], "params": results[0]["params"],
             "plan": results[0]["plan"], "redistributes": results[0]["redistributes"]}
+
+
+def _train_many_rank(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [train_parallel_rank(rank, world, **run) for run in runs]
+
+
+def train_parallel_many(world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several ``train_parallel`` runs (keyword dicts) in one set of processes: one spawn, one group."""
+    per_rank = run_on_ranks(_train_many_rank, world, runs)
+    return [{"losses": [r[i]["losses"] for r in per_rank], "params": per_rank[0][i]["params"],
+             "plan": per_rank[0][i]["plan"], "redistributes": per_rank[0][i]["redistributes"]}
+            for i in range(len(runs))]
 
 
 def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

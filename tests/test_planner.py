@@ -1,0 +1,326 @@
+"""Planner behaviour on meta-device models, without processes: which parallelism it picks and why,
+large worlds, constraints and their errors, infeasible models, and the mesh search itself."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import BadInputError, NoFeasiblePlanError
+from autopar.capture import capture
+from autopar.cost_models import parse_cluster
+from autopar.models import build_model
+from autopar.planner import make_plan
+
+MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+
+def _capture(bundle):
+    return capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+
+
+def _plan(captured, cluster, constraints=None, name="model"):
+    return make_plan(captured, parse_cluster(cluster), model_name=name, constraints=constraints)
+
+
+def _check_world(plan, world, per_node):
+    d = plan.degrees
+    assert d["dp"] * d["tp"] * d["pp"] * d["cp"] * d["ep"] == world == plan.cluster["devices"]
+    assert math.prod(plan.mesh["shape"]) == world
+    assert d["tp"] <= per_node
+    p = plan.predicted
+    assert 0 < p["peak_memory_bytes"] <= p["memory_capacity_bytes"]
+    assert p["step_time_s"] > 0
+    for c in plan.candidates:
+        assert c["degrees"]["dp"] * c["degrees"]["tp"] == world
+        assert c["degrees"]["tp"] <= per_node
+        assert math.prod(c["mesh"]["shape"]) == world
+
+
+class TwoLinear(nn.Module):
+    """A Megatron MLP without the nonlinearity: d -> f -> d, no bias."""
+
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, f, bias=False)
+        self.fc2 = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _meta_plan(model_fn, batch, dim, cluster, constraints=None):
+    with torch.device("meta"):
+        model = model_fn()
+    x = torch.randn(batch, dim, device="meta")
+    y = torch.randn(batch, dim, device="meta")
+    return autopar.plan(model, (x,), cluster, nn.functional.mse_loss, constraints, example_targets=y)
+
+
+@pytest.fixture(scope="module")
+def mlp8():
+    """The small mlp preset at global batch 8, captured once for the constraint tests."""
+    return _capture(build_model("mlp", global_batch=8))
+
+
+# ---- (a) huge batch, small weights -> data parallel -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def big_batch_plan():
+    b = build_model("mlp", overrides={"in_dim": 256, "hidden": 256, "layers": 3, "out_dim": 256},
+                    global_batch=8192)
+    return autopar.plan(b.model, b.example_inputs, "1x8xH100", b.loss_fn, example_targets=b.example_targets,
+                        name="mlp")
+
+
+def test_huge_batch_small_weights_is_data_parallel(big_batch_plan):
+    plan = big_batch_plan
+    assert plan.degrees["dp"] == 8 and plan.degrees["tp"] == 1
+    assert plan.mesh == {"shape": [8], "dim_names": ["dp"]}
+    assert all(pls == ["R"] for pls in plan.placements.values()) or plan.degrees["fsdp"] > 1
+    assert all(i["placements"] == ["S(0)"] for i in plan.inputs.values())  # the batch is split
+    assert plan.predicted["comm_s"]["all_reduce"] > 0  # gradients are reduced
+    _check_world(plan, 8, 8)
+
+
+# ---- (g) the mesh search lists what it tried --------------------------------------------------------
+
+def test_candidates_list_every_mesh_tried(big_batch_plan):
+    plan = big_batch_plan
+    tried = {(c["degrees"]["dp"], c["degrees"]["tp"]) for c in plan.candidates}
+    assert tried == {(8, 1), (4, 2), (2, 4), (1, 8)}
+    assert len(plan.candidates) == 4 == plan.solver["meshes_tried"]
+    for c in plan.candidates:
+        assert c["step_time_s"] > 0
+        assert c["status"] in ("optimal", "feasible")
+        names = c["mesh"]["dim_names"]
+        assert [n for n in names] == [n for n in ("dp", "tp") if c["degrees"][n] > 1]  # size-1 dims dropped
+    best = min(plan.candidates, key=lambda c: c["step_time_s"])
+    assert best["step_time_s"] == plan.predicted["step_time_s"]
+    assert best["degrees"] == {"dp": plan.degrees["dp"], "tp": plan.degrees["tp"]}
+
+
+# ---- (b) tiny batch, huge weights -> Megatron column/row tensor parallel ------------------------------
+
+@pytest.fixture(scope="module")
+def big_weights_plan():
+    return _meta_plan(lambda: TwoLinear(8192, 32768), batch=8, dim=8192, cluster="1x8xH100")
+
+
+def test_tiny_batch_huge_weights_is_tensor_parallel(big_weights_plan):
+    plan = big_weights_plan
+    assert plan.degrees["tp"] == 8 and plan.degrees["dp"] == 1
+    tp = plan.mesh["dim_names"].index("tp")
+    # nn.Linear weights are [out, in]: column parallel splits out (dim 0), row parallel splits in (dim 1)
+    assert plan.placements["fc1.weight"][tp] == "S(0)"
+    assert plan.placements["fc2.weight"][tp] == "S(1)"
+    assert plan.predicted["comm_s"]["all_reduce"] > 0
+    matmuls = [op for op in plan.ops.values() if op["op"] in MATMULS]
+    assert len(matmuls) == 2
+    assert matmuls[0]["outputs"][0][tp].startswith("S(")  # column parallel: output split on features
+    assert matmuls[1]["outputs"][0][tp] == "P"  # row parallel: partial sums, all_reduced later
+    _check_world(plan, 8, 8)
+    # the weights (8.6 GB with AdamW state) are split 8 ways
+    assert plan.predicted["memory_bytes"]["params"] == pytest.approx(2 * 8192 * 32768 * 2 / 8)
+
+
+def test_memory_cap_is_respected(big_weights_plan):
+    plan = _meta_plan(lambda: TwoLinear(8192, 32768), batch=8, dim=8192, cluster="1x8xH100",
+                      constraints={"memory_gb": 2})
+    assert plan.predicted["memory_capacity_bytes"] == 2e9
+    assert plan.predicted["peak_memory_bytes"] <= 2e9
+    assert big_weights_plan.predicted["memory_capacity_bytes"] > 2e9
+
+
+# ---- (c) large worlds, no processes -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mlp_1024():
+    return _capture(build_model("mlp", global_batch=1024))
+
+
+@pytest.mark.parametrize("cluster, world", [("32x8xH100", 256), ("128x8xA100-80GB", 1024)])
+def test_large_worlds_plan_without_processes(mlp_1024, cluster, world):
+    plan = _plan(mlp_1024, cluster, name="mlp")
+    _check_world(plan, world, 8)
+    assert {c["degrees"]["tp"] for c in plan.candidates} == {1, 2, 4, 8}
+    assert plan.pipeline["microbatch_size"] * plan.pipeline["microbatches"] * plan.degrees["dp"] == 1024
+
+
+def test_large_world_transformer():
+    b = build_model("tiny-gpt", global_batch=1024)
+    plan = autopar.plan(b.model, b.example_inputs, "128x8xH100", b.loss_fn, example_targets=b.example_targets)
+    _check_world(plan, 1024, 8)
+    assert plan.cluster["spec"] == "128x8xH100"
+    assert len(plan.candidates) == 4
+
+
+def test_fixed_tp_may_leave_the_node_when_asked(mlp8):
+    plan = _plan(mlp8, "2x4xH100", {"tp": 8})
+    assert plan.degrees["tp"] == 8 and plan.degrees["dp"] == 1
+
+
+# ---- (d) constraints ------------------------------------------------------------------------------
+
+def test_fixed_degrees_pin_the_mesh(mlp8):
+    plan = _plan(mlp8, "1x8xH100", {"dp": 2, "tp": 4})
+    assert plan.mesh == {"shape": [2, 4], "dim_names": ["dp", "tp"]}
+    assert plan.degrees["dp"] == 2 and plan.degrees["tp"] == 4
+    assert len(plan.candidates) == 1
+
+
+def test_fixed_dp_alone_pins_the_mesh(mlp8):
+    plan = _plan(mlp8, "1x8xH100", {"dp": 4})
+    assert plan.degrees["dp"] == 4 and plan.degrees["tp"] == 2
+    assert {(c["degrees"]["dp"], c["degrees"]["tp"]) for c in plan.candidates} == {(4, 2)}
+
+
+def test_fsdp0_replicates_parameters_on_dp(mlp8):
+    plan = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 0})
+    assert all(pls == ["R"] for pls in plan.placements.values())
+    assert plan.degrees["fsdp"] == 1
+
+
+def test_fsdp3_shards_weight_matrices_on_dp(mlp8):
+    plan = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 3})
+    weights = {k: v for k, v in plan.placements.items() if k.endswith("weight")}
+    assert weights and all(pls[0].startswith("S(") for pls in weights.values())
+    assert plan.degrees["fsdp"] == 8
+    assert plan.predicted["comm_s"]["all_gather"] > 0
+
+
+def test_fixed_microbatches(mlp8):
+    plan = _plan(mlp8, "1x8xH100", {"dp": 4, "microbatches": 2})
+    assert plan.pipeline["microbatches"] == 2
+    assert plan.pipeline["microbatch_size"] == 1
+
+
+@pytest.mark.parametrize("constraints, match", [
+    ({"dp": 2, "tp": 2}, r"dp=2 x tp=2 = 4.*8 devices"),
+    ({"dp": 4, "tp": 4}, r"16.*8 devices"),
+    ({"bogus": 1}, r"unknown constraint.*bogus"),
+    ({"fsdp": 1}, r"fsdp=1"),
+    ({"fsdp": 2}, r"fsdp=2"),
+    ({"pp": 2}, r"pp=2"),
+    ({"cp": 2}, r"cp=2"),
+    ({"ep": 4}, r"ep=4"),
+    ({"dp": 0}, r"dp=0"),
+    ({"tp": -2}, r"tp=-2"),
+    ({"tp": "two"}, r"tp='two'"),
+    ({"dtype": "int8"}, r"dtype"),
+    ({"microbatches": 3}, r"microbatches=3"),
+])
+def test_impossible_constraints_are_bad_input(mlp8, constraints, match):
+    with pytest.raises(BadInputError, match=match):
+        _plan(mlp8, "1x8xH100", constraints)
+
+
+def test_bad_constraint_through_the_public_api():
+    b = build_model("mlp", global_batch=8)
+    with pytest.raises(BadInputError, match="unknown constraint"):
+        autopar.plan(b.model, b.example_inputs, "1x8xH100", b.loss_fn, {"tensor_parallel": 8},
+                     example_targets=b.example_targets)
+    with pytest.raises(BadInputError):
+        autopar.plan(b.model, b.example_inputs, "1x8xNOPE", b.loss_fn, example_targets=b.example_targets)
+
+
+def test_batch_not_divisible_by_fixed_dp():
+    captured = _capture(build_model("mlp", global_batch=12))
+    with pytest.raises(BadInputError, match=r"global batch 12 .*dp=8"):
+        _plan(captured, "1x8xH100", {"dp": 8})
+    plan = _plan(captured, "1x8xH100")  # free search skips dp=8 and still plans
+    assert 12 % plan.degrees["dp"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py mesh_candidates: a fixed dp/tp that does not divide the "
+                   "world leaves no mesh and raises the batch message 'use a batch divisible by 1', "
+                   "which never names the constraint", raises=AssertionError)
+@pytest.mark.parametrize("constraints, named", [({"dp": 3}, "dp=3"), ({"tp": 3}, "tp=3"), ({"dp": 16}, "dp=16")])
+def test_degree_that_does_not_divide_the_world_is_named(mlp8, constraints, named):
+    with pytest.raises(BadInputError) as info:
+        _plan(mlp8, "1x8xH100", constraints)
+    assert named in str(info.value)
+    assert "divisible by 1" not in str(info.value)
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py microbatch_counts raises BadInputError for the first mesh "
+                   "(dp=8) that cannot cut batch 8 into 2 microbatches, aborting the whole search although "
+                   "dp<=4 meshes can", raises=BadInputError)
+def test_fixed_microbatches_with_free_mesh(mlp8):
+    plan = _plan(mlp8, "1x8xH100", {"microbatches": 2})
+    assert plan.pipeline["microbatches"] == 2
+    assert plan.degrees["dp"] <= 4
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py validate_constraints does not check microbatches/memory_gb: "
+                   "microbatches=0 gives ZeroDivisionError, memory_gb='lots' a TypeError",
+                   raises=(ZeroDivisionError, TypeError))
+@pytest.mark.parametrize("constraints", [{"microbatches": 0}, {"memory_gb": "lots"}])
+def test_bad_values_of_other_constraints_are_bad_input(mlp8, constraints):
+    with pytest.raises(BadInputError):
+        _plan(mlp8, "1x8xH100", constraints)
+
+
+# ---- (e) models that fit no plan ------------------------------------------------------------------
+
+def test_model_too_large_for_any_plan():
+    with pytest.raises(NoFeasiblePlanError) as info:
+        _meta_plan(lambda: Stack(16384, 4), batch=8, dim=16384, cluster="1x1xcpu", constraints={"memory_gb": 1})
+    assert "GiB" in str(info.value)
+    assert info.value.exit_code == 3
+
+
+def test_model_too_large_for_eight_gpus():
+    # 4 x 16384^2 parameters x 16 bytes = 17 GB: even split 8 ways it needs > 2 GB per device
+    with pytest.raises(NoFeasiblePlanError, match="GiB"):
+        _meta_plan(lambda: Stack(16384, 4), batch=8, dim=16384, cluster="1x8xH100", constraints={"memory_gb": 2})
+
+
+# ---- (f) the free search is never worse than a fixed configuration ---------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gpt_8():
+    return _capture(build_model("tiny-gpt", global_batch=8))
+
+
+@pytest.fixture(scope="module")
+def free_tiny_gpt(tiny_gpt_8):
+    return _plan(tiny_gpt_8, "1x4xH100", name="tiny-gpt")
+
+
+@pytest.mark.parametrize("fixed", [{"dp": 4}, {"tp": 4}, {"dp": 2, "tp": 2}])
+def test_free_search_is_never_worse_than_fixed(tiny_gpt_8, free_tiny_gpt, fixed):
+    pinned = _plan(tiny_gpt_8, "1x4xH100", fixed, name="tiny-gpt")
+    for k, v in fixed.items():
+        assert pinned.degrees[k] == v
+    assert free_tiny_gpt.predicted["step_time_s"] <= pinned.predicted["step_time_s"] + 1e-12
+    # the free search priced the same mesh the same way
+    same = [c for c in free_tiny_gpt.candidates if c["mesh"] == pinned.mesh]
+    assert len(same) == 1
+    assert same[0]["step_time_s"] == pytest.approx(pinned.predicted["step_time_s"], rel=1e-6)
+    if pinned.mesh == free_tiny_gpt.mesh:  # the same mesh, planned twice, gives the same plan
+        assert pinned.placements == free_tiny_gpt.placements
+        assert pinned.ops == free_tiny_gpt.ops
+        assert pinned.model["graph_fingerprint"] == free_tiny_gpt.model["graph_fingerprint"]
+
+
+def test_free_plan_picks_its_best_candidate(free_tiny_gpt):
+    times = [c["step_time_s"] for c in free_tiny_gpt.candidates]
+    assert len(times) == 3
+    assert free_tiny_gpt.predicted["step_time_s"] == min(times)
+    _check_world(free_tiny_gpt, 4, 4)

@@ -1,0 +1,341 @@
+"""Unit tests of the placement ILP (autopar.solver): hand-built problems with known optima, random
+problems against brute force, and a problem built from a real captured graph. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.errors import NoFeasiblePlanError
+from autopar.pricing import Cost
+from autopar.problem import Decision, Edge, Option, Problem
+from autopar.solver import brute_force, evaluate, least_memory, solve
+from autopar.strategies import Strategy
+
+GIB = 2.0**30
+R, S0, S1, P = ("R",), ("S(0)",), ("S(1)",), ("P",)
+
+
+def opt(out, inputs=(), *, compute=0.0, comm=None, sync=0.0, bwd=0.0, mem=0.0) -> Option:
+    return Option(Strategy(tuple(inputs), (out,)),
+                  Cost(compute_s=compute, comm_s=dict(comm or {}), grad_sync_s=sync, memory_bytes=mem,
+                       backward_compute_s=bwd))
+
+
+def dec(key, options, count=1) -> Decision:
+    return Decision(key, [f"{key}#{i}" for i in range(count)], list(options))
+
+
+def problem(decisions, edges=(), capacity=1e30, beta=0.8, mesh=(4,)) -> Problem:
+    return Problem(tuple(mesh), {d.key: d for d in decisions}, list(edges), capacity, beta)
+
+
+def close(a, b, rel=1e-9):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-15)
+
+
+def check_against_brute_force(p: Problem):
+    sol = solve(p)
+    choice, best = brute_force(p)
+    step, memory = evaluate(p, sol.choice)
+    assert close(step, best), (step, best)
+    assert close(sol.objective_s, best), (sol.objective_s, best)
+    assert memory <= p.memory_capacity_bytes
+    return sol, choice, best
+
+
+# ---- (a) hand-built problems ------------------------------------------------------------------
+
+def _flip_problem(reshard_s: float, edge_count: int = 1) -> Problem:
+    # producer a: R is cheaper (1.0 ms) than S(0) (1.5 ms); consumer b needs S(0).
+    a = dec("a", [opt(R, compute=1.0e-3), opt(S0, compute=1.5e-3)])
+    b = dec("b", [opt(R, [S0], compute=1.0e-3)])
+    price = {(R, S0): Cost(comm_s={"all_gather": reshard_s}), (S0, S0): Cost()}
+    return problem([a, b], [Edge("a", 0, "b", 0, edge_count, price)])
+
+
+@pytest.mark.parametrize("reshard_s, want_a, want_s", [
+    (0.2e-3, 0, 2.2e-3),  # cheap resharding: keep the cheaper producer and pay the edge
+    (1.0e-3, 1, 2.5e-3),  # expensive resharding flips the producer to what the consumer needs
+])
+def test_edge_resharding_cost_flips_the_choice(reshard_s, want_a, want_s):
+    p = _flip_problem(reshard_s)
+    sol = solve(p)
+    assert sol.choice == {"a": want_a, "b": 0}
+    assert close(sol.objective_s, want_s)
+    assert close(evaluate(p, sol.choice)[0], want_s)
+    assert brute_force(p) == ({"a": want_a, "b": 0}, pytest.approx(want_s, rel=1e-12))
+
+
+@pytest.mark.parametrize("count, want_a, want_s", [(1, 0, 2.3e-3), (2, 1, 2.5e-3)])
+def test_edge_count_multiplies_its_price(count, want_a, want_s):
+    sol = solve(_flip_problem(0.3e-3, edge_count=count))
+    assert sol.choice["a"] == want_a
+    assert close(sol.objective_s, want_s)
+
+
+def test_decision_count_multiplies_node_cost():
+    # one node: option 0 costs 1 ms + 1.2 ms resharding = 2.2 ms > option 1's 2 ms -> option 1.
+    # three tied nodes: 3 ms + 1.2 ms = 4.2 ms beats 3 x 2 ms = 6 ms -> option 0.
+    def build(count):
+        a = dec("a", [opt(R, compute=1.0e-3), opt(S0, compute=2.0e-3)], count=count)
+        b = dec("b", [opt(R, [S0])])
+        price = {(R, S0): Cost(comm_s={"all_gather": 1.2e-3}), (S0, S0): Cost()}
+        return problem([a, b], [Edge("a", 0, "b", 0, 1, price)])
+
+    one, three = solve(build(1)), solve(build(3))
+    assert one.choice["a"] == 1 and close(one.objective_s, 2.0e-3)
+    assert three.choice["a"] == 0 and close(three.objective_s, 4.2e-3)
+
+
+@pytest.mark.parametrize("capacity_gib, want", [(20, 0), (5, 1)])
+def test_memory_constraint_excludes_the_cheapest_option(capacity_gib, want):
+    w = dec("w", [opt(R, compute=1e-3, mem=10 * GIB), opt(S0, compute=2e-3, mem=1 * GIB)])
+    p = problem([w], capacity=capacity_gib * GIB)
+    sol = solve(p)
+    assert sol.choice == {"w": want}
+    assert close(sol.objective_s, [1e-3, 2e-3][want])
+    assert evaluate(p, sol.choice)[1] <= p.memory_capacity_bytes
+
+
+def test_memory_counts_every_tied_node():
+    # 3 nodes x 2 GiB = 6 GiB does not fit 5 GiB even though one node's 2 GiB would.
+    w = dec("w", [opt(R, compute=1e-3, mem=2 * GIB), opt(S0, compute=2e-3, mem=0.5 * GIB)], count=3)
+    assert solve(problem([w], capacity=5 * GIB)).choice == {"w": 1}
+    assert solve(problem([w], capacity=7 * GIB)).choice == {"w": 0}
+
+
+def test_memory_is_shared_between_decisions():
+    # Only one of a, b can take its fast 3 GiB option under 4.5 GiB: giving it to a saves more time.
+    a = dec("a", [opt(R, compute=1e-3, mem=3 * GIB), opt(S0, compute=3e-3, mem=1 * GIB)])
+    b = dec("b", [opt(R, compute=1e-3, mem=3 * GIB), opt(S0, compute=2e-3, mem=1 * GIB)])
+    p = problem([a, b], capacity=4.5 * GIB)
+    sol = solve(p)
+    assert sol.choice == {"a": 0, "b": 1}
+    assert close(sol.objective_s, 3e-3)
+    assert brute_force(p)[0] == sol.choice
+
+
+@pytest.mark.parametrize("beta, want, want_s", [
+    # option 0: 1.0 ms compute (0.6 ms of it backward) + sync 1.0 ms -> z = max(0, 1.0 - beta * 0.6)
+    # option 1: 1.5 ms compute (1.0 ms backward) + sync 0.2 ms -> z = max(0, 0.2 - beta * 1.0) = 0
+    (0.5, 1, 1.5e-3),  # option 0 would cost 1.0 + 0.7 = 1.7 ms
+    (1.0, 0, 1.4e-3),  # option 0 costs 1.0 + 0.4 = 1.4 ms
+    (0.0, 1, 1.7e-3),  # no overlap: option 0 costs 1.0 + 1.0 = 2.0 ms, option 1 1.5 + 0.2 = 1.7 ms
+])
+def test_gradient_overlap_term(beta, want, want_s):
+    d = dec("d", [opt(R, compute=1.0e-3, bwd=0.6e-3, sync=1.0e-3),
+                  opt(S0, compute=1.5e-3, bwd=1.0e-3, sync=0.2e-3)])
+    p = problem([d], beta=beta)
+    sol = solve(p)
+    assert sol.choice == {"d": want}
+    assert close(sol.objective_s, want_s)
+    assert close(evaluate(p, sol.choice)[0], want_s)
+
+
+def test_gradient_overlap_is_one_budget_for_the_whole_step():
+    # a's backward (2 ms, 80% usable) hides b's 1 ms gradient sync completely, so b keeps the option
+    # without compute; a per-decision overlap would charge b 1 ms and pick its 0.5 ms option instead.
+    a = dec("a", [opt(R, compute=2e-3, bwd=2e-3)])
+    b = dec("b", [opt(R, sync=1e-3), opt(S0, compute=0.5e-3)])
+    sol = solve(problem([a, b], beta=0.8))
+    assert sol.choice == {"a": 0, "b": 0}
+    assert close(sol.objective_s, 2e-3)
+    # without enough backward to hide behind, the exposed part z = 1 - 0.8 * 0.25 = 0.8 ms counts
+    a_small = dec("a", [opt(R, compute=0.25e-3, bwd=0.25e-3)])
+    b_sync_only = dec("b", [opt(R, sync=1e-3)])
+    sol = solve(problem([a_small, b_sync_only], beta=0.8))
+    assert close(sol.objective_s, 0.25e-3 + 0.8e-3)
+
+
+def test_evaluate_by_hand():
+    a = dec("a", [opt(R, compute=1e-3, comm={"all_reduce": 0.5e-3}, sync=2e-3, bwd=1e-3, mem=1 * GIB)], count=2)
+    b = dec("b", [opt(S0, [R], compute=3e-3, mem=2 * GIB)])
+    p = problem([a, b], [Edge("a", 0, "b", 0, 3, {(R, R): Cost(comm_s={"all_gather": 0.1e-3})})], beta=0.5)
+    step, memory = evaluate(p, {"a": 0, "b": 0})
+    # nodes: 2 * 1.5 + 3 = 6 ms; edge 3 * 0.1 = 0.3 ms; z = 2 * 2 - 0.5 * 2 * 1 = 3 ms
+    assert close(step, 9.3e-3)
+    assert memory == 4 * GIB
+    assert close(solve(p).objective_s, 9.3e-3)
+
+
+def test_solution_reports_status_size_and_bounds():
+    p = _flip_problem(1e-3)
+    sol = solve(p)
+    assert sol.status == "optimal"
+    assert sol.gap == 0.0
+    assert close(sol.bound_s, sol.objective_s, rel=1e-6)
+    n_x = sum(len(d.options) for d in p.decisions.values())
+    n_y = sum(len(e.price) for e in p.edges)
+    assert sol.variables >= n_x + n_y
+    assert sol.constraints >= len(p.decisions)
+    assert sol.wall_s >= 0.0
+
+
+# ---- (b) random problems: ILP == brute force -------------------------------------------------
+
+_PLACEMENTS = [R, S0, S1, P]
+
+
+def random_problem(seed: int) -> Problem:
+    rng = random.Random(seed)
+    n = rng.randint(2, 8)
+    keys = [f"d{i}" for i in range(n)]
+    incoming: dict[str, list[str]] = {k: [] for k in keys}
+    for j in range(1, n):
+        for i in rng.sample(range(j), k=min(j, rng.randint(1, 2))):
+            incoming[keys[j]].append(keys[i])
+        if rng.random() < 0.2:  # tied repeated layers feed themselves
+            incoming[keys[j]].append(keys[j])
+    decisions = {}
+    for k in keys:
+        options = []
+        for _ in range(rng.randint(2, 3)):
+            strategy = Strategy(tuple(rng.choice(_PLACEMENTS) for _ in incoming[k]), (rng.choice(_PLACEMENTS),))
+            comm = {"all_reduce": rng.uniform(0, 1e-3)} if rng.random() < 0.5 else {}
+            cost = Cost(compute_s=rng.uniform(0, 1e-3), comm_s=comm, grad_sync_s=rng.uniform(0, 2e-3),
+                        backward_compute_s=rng.uniform(0, 1e-3), memory_bytes=rng.uniform(0, 4 * GIB))
+            options.append(Option(strategy, cost))
+        decisions[k] = Decision(k, [f"{k}#{c}" for c in range(rng.randint(1, 3))], options)
+    edges = []
+    for k in keys:
+        for slot, src in enumerate(incoming[k]):
+            outs = {o.strategy.outputs[0] for o in decisions[src].options}
+            ins = {o.strategy.inputs[slot] for o in decisions[k].options}
+            price = {(a, b): Cost(comm_s={} if a == b else {"all_gather": rng.uniform(0, 2e-3)})
+                     for a in outs for b in ins}
+            edges.append(Edge(src, 0, k, slot, rng.randint(1, 3), price))
+    lo = sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in decisions.values())
+    hi = sum(d.count * max(o.cost.memory_bytes for o in d.options) for d in decisions.values())
+    return Problem((4,), decisions, edges, lo + rng.uniform(0.2, 1.1) * (hi - lo), rng.uniform(0.0, 1.0))
+
+
+SEEDS = list(range(24))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_problem_matches_brute_force(seed):
+    p = random_problem(seed)
+    assert 2 <= len(p.decisions) <= 8
+    sol, _, _ = check_against_brute_force(p)
+    assert sol.status == "optimal"
+    assert sol.variables >= sum(len(d.options) for d in p.decisions.values())
+    assert sol.constraints >= len(p.decisions)
+    assert set(sol.choice) == set(p.decisions)
+    assert all(0 <= k < len(p.decisions[key].options) for key, k in sol.choice.items())
+
+
+def test_random_problems_exercise_memory_and_overlap():
+    """The property test above is only as good as its problems: some must be memory-bound and some
+    must leave gradient sync exposed at the optimum."""
+    memory_bound = exposed_sync = 0
+    for seed in SEEDS:
+        p = random_problem(seed)
+        _, best = brute_force(p)
+        _, free_best = brute_force(dataclasses.replace(p, memory_capacity_bytes=math.inf))
+        memory_bound += best > free_best * (1 + 1e-9)
+        choice = solve(p).choice
+        sync = sum(d.count * d.options[choice[k]].cost.grad_sync_s for k, d in p.decisions.items())
+        hide = sum(d.count * p.overlap_fraction * d.options[choice[k]].cost.backward_compute_s
+                   for k, d in p.decisions.items())
+        exposed_sync += sync > hide
+    assert memory_bound >= 3
+    assert exposed_sync >= 3
+
+
+# ---- (c) a problem from a real captured graph -------------------------------------------------
+
+class _TiedStack(nn.Module):
+    """Two identical Linear layers in a ModuleList: their nodes share decisions (tied layers)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _real_problem(dim: int, batch: int):
+    from autopar.capture import capture
+    from autopar.cost_models import parse_cluster, usable_bytes
+    from autopar.pricing import Pricer
+    from autopar.problem import Roles, build_problem, placeholder_candidates
+    from autopar.strategies import StrategyFinder
+
+    with torch.device("meta"):
+        model = _TiedStack(dim)
+    x = torch.randn(batch, dim, device="meta")
+    y = torch.randn(batch, dim, device="meta")
+    captured = capture(model, (x,), y, nn.functional.mse_loss)
+    mesh = (2,)
+    cluster = parse_cluster("1x2xH100")
+    cands = placeholder_candidates(mesh, {})
+    roles = Roles(param=cands, user_input=cands, buffer=cands)
+    return build_problem(captured, StrategyFinder(mesh), Pricer(cluster, mesh, "bf16"), roles,
+                         usable_bytes(cluster.device), 0.8)
+
+
+@pytest.fixture(scope="module")
+def wide_problem():
+    return _real_problem(dim=4096, batch=8)
+
+
+@pytest.fixture(scope="module")
+def tall_problem():
+    return _real_problem(dim=1024, batch=8192)
+
+
+def test_real_graph_problem_is_small_and_tied(wide_problem):
+    p = wide_problem
+    assert len(p.decisions) <= 10
+    assert any(d.count == 2 for d in p.decisions.values()), "the two layers should share decisions"
+    assert any(e.src == e.dst for e in p.edges), "layer 0's output feeds the tied layer 1"
+    assert math.prod(len(d.options) for d in p.decisions.values()) <= 200_000
+    assert all(len(d.options) >= 1 for d in p.decisions.values())
+
+
+def test_real_graph_solver_matches_brute_force(wide_problem):
+    sol, _, best = check_against_brute_force(wide_problem)
+    assert best > 0
+    assert sol.status == "optimal"
+
+
+def test_real_graph_memory_cap_changes_the_optimum(tall_problem):
+    free = solve(tall_problem)
+    _, free_memory = evaluate(tall_problem, free.choice)
+    cap = 0.9 * free_memory
+    assert least_memory(tall_problem) < cap  # a cheaper-in-memory plan exists
+    capped = dataclasses.replace(tall_problem, memory_capacity_bytes=cap)
+    sol, _, best = check_against_brute_force(capped)
+    assert sol.choice != free.choice
+    assert evaluate(capped, sol.choice)[1] <= cap
+    assert best >= free.objective_s * (1 - 1e-9)  # a tighter cap never makes the step faster
+
+
+# ---- (d) infeasible memory -----------------------------------------------------------------------
+
+def test_infeasible_memory_raises_with_gib_message():
+    w = dec("w", [opt(R, mem=4 * GIB), opt(S0, mem=3 * GIB)], count=2)
+    p = problem([w], capacity=4 * GIB)
+    with pytest.raises(NoFeasiblePlanError) as info:
+        solve(p)
+    msg = str(info.value)
+    assert re.search(r"6\.0 GiB", msg), msg  # the least any plan needs
+    assert re.search(r"4\.0 GiB", msg), msg  # the capacity
+    with pytest.raises(NoFeasiblePlanError):
+        brute_force(p)
+
+
+def test_infeasible_real_graph_raises(wide_problem):
+    p = dataclasses.replace(wide_problem, memory_capacity_bytes=1024.0)
+    with pytest.raises(NoFeasiblePlanError, match="GiB"):
+        solve(p)
