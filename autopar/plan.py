@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import PlanFormatError
+from .placement import str_to_placement
 
 SCHEMA = "autopar.plan/1"
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
@@ -29,11 +30,11 @@ class Plan:
     pipeline: dict[str, Any]  # stages, schedule, microbatches, microbatch_size
     checkpointing: str
     placements: dict[str, list[str]]  # parameter fqn -> placement per mesh dim
-    inputs: dict[str, Any]  # placeholder -> {"placements": [...], "shape": [...], "dtype": str}
-    buffers: dict[str, list[str]]  # buffer fqn -> placement per mesh dim
-    ops: dict[str, dict[str, Any]]  # node -> {"op", "inputs": [[...]], "outputs": [[...]|None]}
+    ops: dict[str, dict[str, Any]]  # node -> {"op", "inputs": [[...]], "outputs": [[...]|None], "local"?}
     predicted: dict[str, Any]
     solver: dict[str, Any]
+    inputs: dict[str, Any] = field(default_factory=dict)  # placeholder -> {"placements", "shape", "dtype"}
+    buffers: dict[str, list[str]] = field(default_factory=dict)  # buffer fqn -> placement per mesh dim
     candidates: list[dict[str, Any]] = field(default_factory=list)  # runners-up of the mesh search
     schema: str = SCHEMA
 
@@ -72,20 +73,35 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     def validate(self, source: str = "plan") -> None:
-        """Checks a reader can rely on: mesh consistent with degrees and placements."""
-        shape = self.mesh.get("shape")
-        names = self.mesh.get("dim_names")
-        if not isinstance(shape, list) or not isinstance(names, list) or len(shape) != len(names):
-            raise PlanFormatError(f"{source}: mesh needs 'shape' and 'dim_names' lists of equal length")
+        """Checks a reader can rely on: section types, the mesh against degrees, every placement."""
+        for name, kind in _SECTION_TYPES.items():
+            if not isinstance(getattr(self, name), kind):
+                raise PlanFormatError(f"{source}: '{name}' must be a JSON {_JSON_NAMES[kind]}, "
+                                      f"got {type(getattr(self, name)).__name__}")
+        shape = self._checked_mesh(source)
+        for key in _PREDICTED_KEYS:
+            if not isinstance(self.predicted.get(key), (int, float, dict)):
+                raise PlanFormatError(f"{source}: predicted.{key} is missing")
+        for fqn, pls in self.placements.items():
+            _check_placements(source, f"placement of {fqn!r}", pls, len(shape))
+        for fqn, pls in self.buffers.items():
+            _check_placements(source, f"placement of buffer {fqn!r}", pls, len(shape))
+
+    def _checked_mesh(self, source: str) -> list[int]:
+        shape, names = self.mesh.get("shape"), self.mesh.get("dim_names")
+        if not isinstance(shape, list) or not isinstance(names, list) or len(shape) != len(names) \
+                or not all(isinstance(s, int) and s > 0 for s in shape):
+            raise PlanFormatError(f"{source}: mesh needs 'shape' (positive ints) and 'dim_names' lists of equal length")
+        degrees = {k: v for k, v in self.degrees.items()}
+        if not all(isinstance(v, int) and v > 0 for v in degrees.values()):
+            raise PlanFormatError(f"{source}: degrees must be positive integers, got {degrees}")
         devices = 1
         for s in shape:
-            devices *= int(s)
-        if devices * self.degrees.get("pp", 1) != self.cluster.get("devices", devices):
-            raise PlanFormatError(f"{source}: mesh {shape} x pp {self.degrees.get('pp', 1)} does not cover "
-                                  f"{self.cluster.get('devices')} devices")
-        for fqn, pls in self.placements.items():
-            if not isinstance(pls, list) or len(pls) != len(shape):
-                raise PlanFormatError(f"{source}: placement of {fqn!r} must list one entry per mesh dim")
+            devices *= s
+        pp = degrees.get("pp", 1)
+        if devices * pp != self.cluster.get("devices", devices * pp):
+            raise PlanFormatError(f"{source}: mesh {shape} x pp={pp} does not cover {self.cluster.get('devices')} devices")
+        return shape
 
     # ---- views --------------------------------------------------------------------------------
     def summary(self) -> str:
@@ -95,3 +111,23 @@ class Plan:
 
     def __str__(self) -> str:  # printing a plan shows the table, not a wall of dicts
         return self.summary()
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": dict, "cluster": dict, "mesh": dict, "degrees": dict, "pipeline": dict, "checkpointing": str,
+    "placements": dict, "ops": dict, "predicted": dict, "solver": dict, "inputs": dict, "buffers": dict,
+    "candidates": list,
+}
+_JSON_NAMES = {dict: "object", str: "string", list: "array"}
+_PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",
+                   "peak_memory_bytes", "memory_bytes")
+
+
+def _check_placements(source: str, what: str, pls: Any, ndim: int) -> None:
+    if not isinstance(pls, list) or len(pls) != ndim:
+        raise PlanFormatError(f"{source}: {what} must list one entry per mesh dim ({ndim})")
+    for p in pls:
+        try:
+            str_to_placement(p) if isinstance(p, str) else str_to_placement(repr(p))
+        except PlanFormatError as exc:
+            raise PlanFormatError(f"{source}: {what}: {exc}") from None

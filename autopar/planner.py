@@ -36,8 +36,7 @@ from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_cand
 from .solver import Solution, infeasible_reason, least_memory, solve
 from .strategies import LOCAL_RULES, StrategyFinder
 
-KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "sp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s",
-                     "dtype"}
+KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s", "dtype"}
 OVERLAP_FRACTION = 0.8
 """Share of backward compute behind which bucketed gradient all_reduce can hide (the last bucket and
 the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."""
@@ -88,9 +87,12 @@ def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, b
     smaller kernels and, with sharded parameters, one all_gather per microbatch). Returns the
     (mesh, problem, solution) or the reason nothing fit."""
     reason = ""
+    counts = microbatch_counts(batch, mesh.degree("dp"), constraints.get("microbatches"))
+    if not counts:
+        return f"global batch {batch} cannot be cut into microbatches={constraints['microbatches']} x dp={mesh.degree('dp')}"
     pricer = Pricer(cluster, mesh.shape, dtype)
     whole = _problem_for(captured, mesh, pricer, capacity, constraints)
-    for m in microbatch_counts(batch, mesh.degree("dp"), constraints.get("microbatches")):
+    for m in counts:
         problem = whole.with_microbatches(m, pricer)
         if least_memory(problem) > capacity:
             reason = infeasible_reason(problem)
@@ -107,19 +109,28 @@ def microbatch_counts(batch: int | None, dp: int, fixed: int | None) -> list[int
     if batch is None:
         return [1]
     if fixed is not None:
-        if batch % (int(fixed) * dp):
-            raise BadInputError(f"global batch {batch} cannot be cut into microbatches={fixed} x dp={dp}")
-        return [int(fixed)]
+        return [] if batch % (fixed * dp) else [fixed]
     return [m for m in _divisors(batch // dp) if (batch // m) % dp == 0]
 
 
 def _shortfall(failures: list[str]) -> str:
     if not failures:
         return "no mesh shape satisfies the constraints"
-    return "no plan fits any mesh; closest: " + min(failures, key=len)
+    if all("cannot be cut into" in f for f in failures):
+        raise BadInputError(failures[0])
+    return "no plan fits any mesh; closest: " + min((f for f in failures if "cannot be cut" not in f), key=len)
+
+
+NOT_YET = {"sp": "sequence parallelism is chosen by the solver and cannot be pinned yet",
+           "schedule": "pipeline schedules are not implemented yet",
+           "checkpointing": "activation checkpointing is not implemented yet",
+           "microbatch_size": "pin microbatches instead"}
 
 
 def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
+    for key, why in NOT_YET.items():
+        if key in constraints:
+            raise BadInputError(f"constraint {key}={constraints[key]!r}: {why}")
     unknown = set(constraints) - KNOWN_CONSTRAINTS
     if unknown:
         raise BadInputError(f"unknown constraint(s) {', '.join(sorted(unknown))}: "
@@ -134,14 +145,25 @@ def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
             raise BadInputError(f"constraint fsdp={out['fsdp']}: this version plans fsdp=0 (replicated "
                                 "parameters) or fsdp=3 (parameters sharded on dp); ZeRO-1/2 are not implemented")
         out["fsdp"] = int(out["fsdp"])
-    for key in ("dp", "tp"):
-        if key in out and (not str(out[key]).isdigit() or int(out[key]) < 1):
-            raise BadInputError(f"constraint {key}={out[key]!r}: expected a positive integer")
+    for key in ("dp", "tp", "microbatches"):
         if key in out:
-            out[key] = int(out[key])
+            out[key] = _positive(key, out[key], int)
+    for key in ("memory_gb", "time_limit_s"):
+        if key in out:
+            out[key] = _positive(key, out[key], float)
     if out.get("dtype") not in (None, "fp32", "bf16", "fp16"):
         raise BadInputError(f"constraint dtype={out['dtype']!r}: expected fp32, bf16 or fp16")
     return out
+
+
+def _positive(key: str, value: Any, kind: type) -> Any:
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number <= 0 or (kind is int and str(value).strip() != str(number)):
+        raise BadInputError(f"constraint {key}={value!r}: expected a positive {'integer' if kind is int else 'number'}")
+    return number
 
 
 def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int | None) -> list[MeshChoice]:
@@ -150,6 +172,9 @@ def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int
     if fixed_dp and fixed_tp and fixed_dp * fixed_tp != world:
         raise BadInputError(f"dp={fixed_dp} x tp={fixed_tp} = {fixed_dp * fixed_tp}, but the cluster "
                             f"{cluster.spec} has {world} devices")
+    for key, value in (("dp", fixed_dp), ("tp", fixed_tp)):
+        if value and world % value:
+            raise BadInputError(f"{key}={value} does not divide the {world} devices of {cluster.spec}")
     out = []
     for tp in _divisors(world):
         dp = world // tp
@@ -333,8 +358,8 @@ def _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pric
         "grad_sync_s": sync,
         "exposed_comm_s": exposed,
         "bubble_s": 0.0,
-        "peak_memory_bytes": sum(memory.values()),
-        "memory_bytes": memory,
+        "peak_memory_bytes": int(sum(memory.values())),
+        "memory_bytes": {k: int(v) for k, v in memory.items()},
         "memory_capacity_bytes": problem.memory_capacity_bytes,
     }
 

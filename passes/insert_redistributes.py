@@ -10,6 +10,7 @@ as replicated DTensors so every value in the program is a DTensor.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -84,7 +85,8 @@ def mesh_attr(gm: fx.GraphModule, mesh: DeviceMesh) -> fx.Node:
         if node.op == "get_attr" and node.target == MESH_ATTR:
             return node
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    with gm.graph.inserting_before(first):
+    with gm.graph.inserting_before(first), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FX warns that a DeviceMesh is not a module/parameter/buffer
         return gm.graph.get_attr(MESH_ATTR)
 
 

@@ -200,8 +200,6 @@ def test_show_rejects_a_malformed_plan(case, plans, tmp_path):
     assert_one_line_error(run, mention, "bad.json")
 
 
-@pytest.mark.xfail(strict=True, reason="Plan.from_dict/validate and report.summarize assume well-typed sections: "
-                                       "a wrong-typed section is a traceback with exit 1, not exit 2")
 @pytest.mark.parametrize("case", list(BUGGY_PLANS))
 def test_show_rejects_a_wrong_typed_plan(case, plans, tmp_path):
     edit, mention = BUGGY_PLANS[case]

@@ -247,9 +247,6 @@ def test_batch_not_divisible_by_fixed_dp():
     assert 12 % plan.degrees["dp"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="planner.py mesh_candidates: a fixed dp/tp that does not divide the "
-                   "world leaves no mesh and raises the batch message 'use a batch divisible by 1', "
-                   "which never names the constraint", raises=AssertionError)
 @pytest.mark.parametrize("constraints, named", [({"dp": 3}, "dp=3"), ({"tp": 3}, "tp=3"), ({"dp": 16}, "dp=16")])
 def test_degree_that_does_not_divide_the_world_is_named(mlp8, constraints, named):
     with pytest.raises(BadInputError) as info:
@@ -258,18 +255,12 @@ def test_degree_that_does_not_divide_the_world_is_named(mlp8, constraints, named
     assert "divisible by 1" not in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="planner.py microbatch_counts raises BadInputError for the first mesh "
-                   "(dp=8) that cannot cut batch 8 into 2 microbatches, aborting the whole search although "
-                   "dp<=4 meshes can", raises=BadInputError)
 def test_fixed_microbatches_with_free_mesh(mlp8):
     plan = _plan(mlp8, "1x8xH100", {"microbatches": 2})
     assert plan.pipeline["microbatches"] == 2
     assert plan.degrees["dp"] <= 4
 
 
-@pytest.mark.xfail(strict=True, reason="planner.py validate_constraints does not check microbatches/memory_gb: "
-                   "microbatches=0 gives ZeroDivisionError, memory_gb='lots' a TypeError",
-                   raises=(ZeroDivisionError, TypeError))
 @pytest.mark.parametrize("constraints", [{"microbatches": 0}, {"memory_gb": "lots"}])
 def test_bad_values_of_other_constraints_are_bad_input(mlp8, constraints):
     with pytest.raises(BadInputError):
