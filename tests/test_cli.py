@@ -10,20 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PLAN_KEYS = {"schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements", "ops",
-             "predicted", "solver"}
-SUBKEYS = {
-    "model": {"name", "params", "layers", "flops_per_step"},
-    "cluster": {"spec", "devices"},
-    "mesh": {"shape", "dim_names"},
-    "degrees": {"dp", "fsdp", "tp", "sp", "cp", "ep", "pp"},
-    "pipeline": {"stages", "schedule", "microbatches", "microbatch_size"},
-    "predicted": {"step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",
-                  "peak_memory_bytes", "memory_bytes"},
-    "solver": {"status", "objective", "bound", "gap", "wall_s", "variables", "constraints"},
-}
-COMM_KEYS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
-MEMORY_KEYS = {"params", "grads", "optimizer", "activations"}
+from contracts import COMM_KEYS, MEMORY_KEYS, PLAN_KEYS, SECTION_KEYS as SUBKEYS
 
 
 def autopar(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -25,19 +25,9 @@ from autopar.placement import (
 from autopar.plan import SCHEMA
 
 PLACEMENT = re.compile(r"^(R|S\(\d+\)|P(\(\w+\))?)$")
-SECTION_KEYS = {
-    "model": {"name", "params", "layers", "flops_per_step"},
-    "cluster": {"spec", "devices"},
-    "mesh": {"shape", "dim_names"},
-    "degrees": {"dp", "fsdp", "tp", "sp", "cp", "ep", "pp"},
-    "pipeline": {"stages", "schedule", "microbatches", "microbatch_size"},
-    "predicted": {"step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",
-                  "peak_memory_bytes", "memory_bytes"},
-    "solver": {"status", "objective", "bound", "gap", "wall_s", "variables", "constraints"},
-}
+from contracts import MEMORY_KEYS as MEMORY_KINDS, SECTION_KEYS
 TOP_KEYS = {"schema", "checkpointing", "placements", "ops", *SECTION_KEYS}
 COMM_KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
-MEMORY_KINDS = {"params", "grads", "optimizer", "activations"}
 BATCH, SEQ = 8, 32
 
 
