@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("plans", nargs="+")
     c.set_defaults(run=_cmd_compare)
 
+    e = sub.add_parser("explain", help="why an op or parameter got its placement: alternatives and their cost")
+    e.add_argument("plan")
+    e.add_argument("name", help="a node name (e.g. mm_3) or a parameter (e.g. blocks.0.mlp.fc_in.weight)")
+    e.set_defaults(run=_cmd_explain)
+
     d = sub.add_parser("demo", help="plan a small GPT for this machine and train it on local gloo ranks")
     d.add_argument("--world", type=int, default=4, help="local ranks (default 4)")
     d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
@@ -107,6 +112,17 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if len(args.plans) < 2:
         raise BadInputError("compare needs at least two plan files")
     print(compare(*(Plan.load(p) for p in args.plans)))
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .plan import Plan
+
+    plan = Plan.load(args.plan)
+    try:
+        print(plan.explain(args.name))
+    except KeyError as exc:
+        raise BadInputError(str(exc.args[0])) from None
     return 0
 
 

@@ -36,6 +36,7 @@ class Plan:
     inputs: dict[str, Any] = field(default_factory=dict)  # placeholder -> {"placements", "shape", "dtype"}
     buffers: dict[str, list[str]] = field(default_factory=dict)  # buffer fqn -> placement per mesh dim
     candidates: list[dict[str, Any]] = field(default_factory=list)  # runners-up of the mesh search
+    explanations: dict[str, Any] = field(default_factory=dict)  # alternatives per decision (autopar explain)
     schema: str = SCHEMA
 
     # ---- JSON ---------------------------------------------------------------------------------
@@ -109,6 +110,12 @@ class Plan:
 
         return summarize(self)
 
+    def explain(self, name: str) -> str:
+        """Why the op or parameter ``name`` got its strategy: its alternatives and what each would cost."""
+        from .explain import render
+
+        return render(self.to_dict(), name)
+
     def __str__(self) -> str:  # printing a plan shows the table, not a wall of dicts
         return self.summary()
 
@@ -116,7 +123,7 @@ class Plan:
 _SECTION_TYPES: dict[str, type] = {
     "model": dict, "cluster": dict, "mesh": dict, "degrees": dict, "pipeline": dict, "checkpointing": str,
     "placements": dict, "ops": dict, "predicted": dict, "solver": dict, "inputs": dict, "buffers": dict,
-    "candidates": list,
+    "candidates": list, "explanations": dict,
 }
 _JSON_NAMES = {dict: "object", str: "string", list: "array"}
 _PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",

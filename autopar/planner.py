@@ -26,7 +26,8 @@ from typing import Any, Mapping
 import torch
 from torch import fx
 
-from .capture import CapturedGraph
+from .capture import CapturedGraph, module_path
+from .explain import explanations
 from .cost_models import Cluster, usable_bytes
 from .errors import BadInputError, NoFeasiblePlanError
 from .placement import is_sharded
@@ -284,28 +285,60 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
                        "dtype": str(captured.node(name).meta["val"].dtype).replace("torch.", "")}
                 for name in captured.user_inputs},
         buffers={fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.buffers.items()},
-        ops=_ops(captured, by_node, problem.unsupported_ops),
+        ops=_ops(captured, problem, solution, by_node),
         predicted=predicted,
         solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
                 "gap": solution.gap, "wall_s": solution.wall_s, "search_wall_s": search_wall_s,
                 "variables": solution.variables, "constraints": solution.constraints,
                 "decisions": len(problem.decisions), "meshes_tried": len(results)},
+        explanations=explanations(problem, solution.choice, _explanation_index(captured, problem)),
         candidates=[{"mesh": {"shape": list(m.shape), "dim_names": list(m.names)},
                      "degrees": {"dp": m.degree("dp"), "tp": m.degree("tp")}, "microbatches": pr.microbatches,
                      "step_time_s": s.objective_s, "status": s.status} for m, pr, s in results],
     )
 
 
-def _ops(captured: CapturedGraph, by_node: dict, unsupported: set[str]) -> dict[str, dict[str, Any]]:
+def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node: dict) -> dict[str, dict[str, Any]]:
+    """Each op's strategy and, per occurrence, its predicted cost (own + resharding of its inputs)."""
+    reshard = _incoming_reshard(problem, solution)
     ops = {}
     for node in captured.graph.nodes:
         if node.op == "call_function" and node.name in by_node:
-            s = by_node[node.name][1].strategy
-            ops[node.name] = {"op": str(node.target), "inputs": [list(p) for p in s.inputs],
-                              "outputs": [list(p) if p is not None else None for p in s.outputs]}
-            if str(node.target) in unsupported or node.target in LOCAL_RULES:
+            key, option = by_node[node.name]
+            s, c = option.strategy, option.cost
+            comm = dict(c.comm_s)
+            for kind, sec in reshard.get(key, {}).items():
+                comm[kind] = comm.get(kind, 0.0) + sec
+            ops[node.name] = {"op": str(node.target), "module": module_path(node), "decision": key,
+                              "inputs": [list(p) for p in s.inputs],
+                              "outputs": [list(p) if p is not None else None for p in s.outputs],
+                              "cost": {"compute_s": c.compute_s, "comm_s": comm, "grad_sync_s": c.grad_sync_s,
+                                       "memory_bytes": int(c.memory_bytes)}}
+            if str(node.target) in problem.unsupported_ops or node.target in LOCAL_RULES:
                 ops[node.name]["local"] = True
     return ops
+
+
+def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, dict[str, float]]:
+    """Per consumer decision, the resharding seconds of its inputs, per occurrence of the decision."""
+    out: dict[str, dict[str, float]] = {}
+    for edge in problem.edges:
+        p = problem.decisions[edge.src].options[solution.choice[edge.src]].strategy.outputs[edge.src_out]
+        q = problem.decisions[edge.dst].options[solution.choice[edge.dst]].strategy.inputs[edge.slot]
+        share = edge.count / problem.decisions[edge.dst].count
+        for kind, sec in edge.price[(p, q)].comm_s.items():
+            out.setdefault(edge.dst, {})[kind] = out.setdefault(edge.dst, {}).get(kind, 0.0) + share * sec
+    return out
+
+
+def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, str]:
+    index = {}
+    for key, d in problem.decisions.items():
+        for name in d.nodes:
+            index[name] = key
+            if name in captured.params:
+                index[captured.params[name]] = key
+    return index
 
 
 def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict) -> dict[str, int]:

@@ -51,7 +51,8 @@ class Strategy:
 
     def describe(self) -> str:
         fmt = lambda ps: "(" + ",".join(ps) + ")" if ps is not None else "-"  # noqa: E731
-        return f"{', '.join(fmt(p) for p in self.inputs)} -> {', '.join(fmt(p) for p in self.outputs)}"
+        outs = ", ".join(fmt(p) for p in self.outputs)
+        return f"{', '.join(fmt(p) for p in self.inputs)} -> {outs}" if self.inputs else outs
 
 
 def planning_mesh(shape: Sequence[int]) -> DeviceMesh:

@@ -1,0 +1,55 @@
+"""``autopar explain`` / ``Plan.explain``: alternatives of a decision priced against the solution."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import autopar
+from autopar.models import build_model
+
+
+@pytest.fixture(scope="module")
+def plan() -> autopar.Plan:
+    b = build_model("tiny-gpt", global_batch=8, device="meta")
+    return autopar.plan(b.model, b.example_inputs, "1x4xH100", b.loss_fn, {"tp": 4},
+                        example_targets=b.example_targets)
+
+
+def test_no_single_change_beats_the_optimum(plan: autopar.Plan) -> None:
+    """The solution is optimal and memory is far from binding here, so switching any one decision
+    alone can only cost time: every alternative's delta is >= 0, the chosen one's is 0."""
+    assert plan.solver["status"] == "optimal"
+    decisions = plan.explanations["decisions"]
+    assert decisions
+    for entry in decisions.values():
+        chosen = [r for r in entry["alternatives"] if r["chosen"]]
+        assert len(chosen) == 1 and chosen[0]["delta_s"] == 0
+        assert all(r["delta_s"] >= -1e-12 for r in entry["alternatives"])
+
+
+def test_explain_by_parameter_and_by_node(plan: autopar.Plan) -> None:
+    text = plan.explain("blocks.0.mlp.fc_in.weight")
+    assert "param:blocks.*.mlp.fc_in.weight" in text and "chosen" in text
+    node = next(n for n, op in plan.ops.items() if op["op"] == "aten.addmm.default")
+    text = plan.explain(node)
+    assert text.startswith(node) and "chosen" in text and "more per step" in text
+
+
+def test_explain_unknown_name_is_a_clear_error(plan: autopar.Plan) -> None:
+    with pytest.raises(KeyError, match="not an op or parameter"):
+        plan.explain("no.such.weight")
+
+
+def test_explain_cli(plan: autopar.Plan, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    run = subprocess.run([sys.executable, "-m", "autopar", "explain", str(path), "lm_head.weight"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "lm_head" in run.stdout and "chosen" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "autopar", "explain", str(path), "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
