@@ -58,6 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("name", help="a node name (e.g. mm_3) or a parameter (e.g. blocks.0.mlp.fc_in.weight)")
     e.set_defaults(run=_cmd_explain)
 
+    r = sub.add_parser("report", help="one self-contained HTML page of a plan (and a simulated-step trace)")
+    r.add_argument("plan")
+    r.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    r.add_argument("--trace", default=None, help="also write the simulated step as Chrome/Perfetto trace JSON")
+    r.set_defaults(run=_cmd_report)
+
+    x = sub.add_parser("export", help="write a Python function that applies the plan with native torch APIs")
+    x.add_argument("plan")
+    x.add_argument("-o", "--output", required=True, help="the .py file to write")
+    x.set_defaults(run=_cmd_export)
+
     d = sub.add_parser("demo", help="plan a small GPT for this machine and train it on local gloo ranks")
     d.add_argument("--world", type=int, default=4, help="local ranks (default 4)")
     d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
@@ -123,6 +134,35 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(plan.explain(args.name))
     except KeyError as exc:
         raise BadInputError(str(exc.args[0])) from None
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .plan import Plan
+    from .report_html import render_report
+    from .trace import simulated_trace
+
+    plan = Plan.load(args.plan)
+    Path(args.output).write_text(render_report(plan))
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(simulated_trace(plan)))
+    print(f"wrote {args.output}" + (f" and {args.trace}" if args.trace else ""))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .export import export_plan
+    from .plan import Plan
+
+    source, notes = export_plan(Plan.load(args.plan))
+    Path(args.output).write_text(source)
+    print(f"wrote {args.output}")
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -35,7 +35,7 @@ from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
 from .solver import Solution, infeasible_reason, least_memory, solve
-from .strategies import LOCAL_RULES, StrategyFinder
+from .strategies import LOCAL_RULES, StrategyFinder, tensor_inputs
 
 KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s", "dtype"}
 OVERLAP_FRACTION = 0.8
@@ -222,7 +222,7 @@ def _problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capa
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
-        allow=_batch_stays_split(captured, dp_dims),
+        allow=_both(_batch_stays_split(captured, dp_dims), _weights_stay_split(captured, tp_dims)),
     )
     return build_problem(captured, StrategyFinder(shape), pricer, roles,
                          capacity, OVERLAP_FRACTION)
@@ -249,6 +249,25 @@ def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
         return all(out[d] != "R" for d in dp_dims)
 
     return allow
+
+
+def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
+    """Tensor-parallel role: an op reading a weight matrix reads it split on every tp dim, never
+    gathered (gathering weights is what the dp dims with fsdp are for; on a tp dim it would turn
+    tensor parallelism into sharded data parallelism under the wrong name)."""
+    matrices = {n for n in captured.params if captured.node(n).meta["val"].ndim >= 2}
+
+    def allow(node: fx.Node, strategy) -> bool:
+        for arg, placements in zip(tensor_inputs(node), strategy.inputs):
+            if arg.name in matrices and any(placements[d] == "R" for d in tp_dims):
+                return False
+        return True
+
+    return allow
+
+
+def _both(first, second):
+    return lambda node, strategy: first(node, strategy) and second(node, strategy)
 
 
 def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:
