@@ -76,7 +76,7 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") 
     y = add_edge_variables(solver, problem, x)
     z = add_overlap_constraint(solver, problem, x)
     add_memory_constraint(solver, problem, x)
-    solver.Minimize(_objective(problem, x, y, z))
+    set_objective(solver, problem, x, y, z)
     start = time.perf_counter()
     status = solver.Solve()
     wall = time.perf_counter() - start
@@ -95,13 +95,16 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") 
         constraints=solver.NumConstraints(),
     )
 
+# The model is built with OR-Tools' low-level API (SetCoefficient on rows): its operator-overloading
+# API builds Python expression trees and costs more than the solve on problems of 10^5 variables.
+
 
 def add_choice_variables(solver: pywraplp.Solver, problem: Problem) -> dict[str, list]:
     """x_dk and constraint (1)."""
     x = {}
     for key, d in problem.decisions.items():
         x[key] = [solver.BoolVar(f"x[{key}][{k}]") for k in range(len(d.options))]
-        solver.Add(solver.Sum(x[key]) == 1)
+        _row(solver, 1.0, 1.0, [(v, 1.0) for v in x[key]])
     return x
 
 
@@ -110,47 +113,62 @@ def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str
     y = {}
     for e_idx, edge in enumerate(problem.edges):
         src, dst = problem.decisions[edge.src], problem.decisions[edge.dst]
-        pairs = {pq: solver.NumVar(0.0, 1.0, f"y[{e_idx}][{pq}]") for pq in edge.price}
-        for p in {pq[0] for pq in pairs}:
-            producers = [x[edge.src][k] for k, o in enumerate(src.options) if o.strategy.outputs[edge.src_out] == p]
-            solver.Add(solver.Sum([v for pq, v in pairs.items() if pq[0] == p]) == solver.Sum(producers))
-        for q in {pq[1] for pq in pairs}:
-            consumers = [x[edge.dst][k] for k, o in enumerate(dst.options) if o.strategy.inputs[edge.slot] == q]
-            solver.Add(solver.Sum([v for pq, v in pairs.items() if pq[1] == q]) == solver.Sum(consumers))
+        pairs = {pq: solver.NumVar(0.0, 1.0, "") for pq in edge.price}
+        by_src: dict = {}
+        by_dst: dict = {}
+        for (p, q), var in pairs.items():
+            by_src.setdefault(p, []).append((var, 1.0))
+            by_dst.setdefault(q, []).append((var, 1.0))
+        for k, o in enumerate(src.options):
+            by_src.setdefault(o.strategy.outputs[edge.src_out], []).append((x[edge.src][k], -1.0))
+        for k, o in enumerate(dst.options):
+            by_dst.setdefault(o.strategy.inputs[edge.slot], []).append((x[edge.dst][k], -1.0))
+        for terms in (*by_src.values(), *by_dst.values()):
+            _row(solver, 0.0, 0.0, terms)
         y[e_idx] = pairs
     return y
 
 
 def add_overlap_constraint(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]):
-    """z and constraint (3)."""
-    sync = _weighted(solver, problem, x, lambda c: c.grad_sync_s * _US)
-    hide = _weighted(solver, problem, x, lambda c: problem.overlap_fraction * c.backward_compute_s * _US)
+    """z and constraint (3): z - sum(sync) + beta * sum(backward) >= 0."""
     z = solver.NumVar(0.0, solver.infinity(), "z")
-    solver.Add(z >= sync - hide)
+    terms = _weighted(problem, x, lambda c: (problem.overlap_fraction * c.backward_compute_s - c.grad_sync_s) * _US)
+    _row(solver, 0.0, solver.infinity(), [(z, 1.0), *terms])
     return z
 
 
 def add_memory_constraint(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> None:
     """Constraint (4)."""
-    solver.Add(_weighted(solver, problem, x, lambda c: c.memory_bytes / _GIB) <= problem.memory_capacity_bytes / _GIB)
+    terms = _weighted(problem, x, lambda c: c.memory_bytes / _GIB)
+    _row(solver, -solver.infinity(), problem.memory_capacity_bytes / _GIB, terms)
 
 
-def _weighted(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list], price):
+def set_objective(solver: pywraplp.Solver, problem: Problem, x, y, z) -> None:
+    objective = solver.Objective()
+    for var, coef in _weighted(problem, x, lambda c: c.exposed_s * _US):
+        objective.SetCoefficient(var, coef)
+    for e_idx, edge in enumerate(problem.edges):
+        for pq, var in y[e_idx].items():
+            if edge.price[pq].exposed_s:
+                objective.SetCoefficient(var, edge.count * edge.price[pq].exposed_s * _US)
+    objective.SetCoefficient(z, 1.0)
+    objective.SetMinimization()
+
+
+def _row(solver: pywraplp.Solver, lb: float, ub: float, terms) -> None:
+    row = solver.Constraint(lb, ub)
+    for var, coef in terms:
+        row.SetCoefficient(var, row.GetCoefficient(var) + coef)
+
+
+def _weighted(problem: Problem, x: Mapping[str, list], price) -> list:
     terms = []
     for key, d in problem.decisions.items():
         for k, option in enumerate(d.options):
             coef = d.count * price(option.cost)
             if coef:
-                terms.append(coef * x[key][k])
-    return solver.Sum(terms)
-
-
-def _objective(problem: Problem, x, y, z):
-    nodes = [d.count * o.cost.exposed_s * _US * x[key][k]
-             for key, d in problem.decisions.items() for k, o in enumerate(d.options) if o.cost.exposed_s]
-    edges = [edge.count * edge.price[pq].exposed_s * _US * var
-             for e_idx, edge in enumerate(problem.edges) for pq, var in y[e_idx].items() if edge.price[pq].exposed_s]
-    return sum(nodes) + sum(edges) + z
+                terms.append((x[key][k], coef))
+    return terms
 
 
 def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float]:

@@ -110,12 +110,19 @@ LOCAL_RULES: dict[Any, LocalRule] = {
 }
 
 
+_RAW: dict[Any, tuple[list[Strategy], bool]] = {}
+"""(mesh ndim, op, argument shapes) -> (DTensor's strategies before the evenness filter, whether the op
+had none). DTensor's rules depend on the number of mesh dims, not their sizes, so every mesh shape of
+the search with the same ndim shares one enumeration (the expensive part of building a problem)."""
+
+
 class StrategyFinder:
     """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
 
     def __init__(self, mesh_shape: Sequence[int]):
         self.mesh_shape = tuple(mesh_shape)
-        self.mesh = planning_mesh(self.mesh_shape)
+        self.mesh = planning_mesh(tuple(2 for _ in self.mesh_shape))  # sizes do not matter, see _RAW
+        self._any_size = tuple(1 for _ in self.mesh_shape)  # candidates before the evenness filter
         self.unsupported: set[str] = set()
         self._cache: dict[Any, list[Strategy]] = {}
 
@@ -125,21 +132,30 @@ class StrategyFinder:
             return [_replicated(node, 0, len(self.mesh_shape))]
         key = (node.target, _arg_signature(node))
         if key not in self._cache:
-            self._cache[key] = self._enumerate(node, inputs)
+            raw, fallback = self._raw(node, inputs, key)
+            if fallback:
+                self._warn_unsupported(node.target)
+            even = [st for st in raw if self._is_even(node, st)]
+            self._cache[key] = even or [_replicated(node, len(inputs), len(self.mesh_shape))]
         return self._cache[key]
 
-    def _enumerate(self, node: fx.Node, inputs: list[fx.Node]) -> list[Strategy]:
+    def _raw(self, node: fx.Node, inputs: list[fx.Node], key: Any) -> tuple[list[Strategy], bool]:
+        raw_key = (len(self.mesh_shape), key)
+        if raw_key not in _RAW:
+            _RAW[raw_key] = self._enumerate(node, inputs)
+        return _RAW[raw_key]
+
+    def _enumerate(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], bool]:
         prop = DTensor._op_dispatcher.sharding_propagator
         op = node.target
         found: list[Strategy] = []
         if op in LOCAL_RULES and len(inputs) == LOCAL_RULES[op].tensor_inputs:
-            found = [s for s in LOCAL_RULES[op].strategies(len(self.mesh_shape)) if self._is_even(node, s)]
+            found = LOCAL_RULES[op].strategies(len(self.mesh_shape))
         elif op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
             found = self._from_dtensor(node, prop)
         if not found:
-            self._warn_unsupported(op)
-            found = [_replicated(node, len(inputs), len(self.mesh_shape))]
-        return found
+            return [_replicated(node, len(inputs), len(self.mesh_shape))], True
+        return found, False
 
     def _from_dtensor(self, node: fx.Node, prop: Any) -> list[Strategy]:
         try:
@@ -181,7 +197,7 @@ class StrategyFinder:
     def _call_per_first_input(self, node: fx.Node, prop: Any) -> Any:
         merged: list[OpSpec] = []
         first_val = tensor_inputs(node)[0].meta["val"]
-        for cand in candidate_placements(first_val, self.mesh_shape, partial=True):
+        for cand in candidate_placements(first_val, self._any_size, partial=True):
             try:
                 result = self._call_strategy(node, prop, node.args, first=cand)
             except Exception:  # this candidate is invalid for the op: skip it
@@ -195,19 +211,19 @@ class StrategyFinder:
         if single:  # DTensor expands single-dim rules itself; one spec tells it plain Shard is in use
             pls = [tuple(["S(0)" if val.ndim else "R"] * len(self.mesh_shape))]
         else:
-            pls = [only] if only is not None else candidate_placements(val, self.mesh_shape, partial=True)
+            pls = [only] if only is not None else candidate_placements(val, self._any_size, partial=True)
         return OpStrategy([OpSpec(DTensorSpec(self.mesh, _to_dtensor(p), meta)) for p in pls])
 
     def _convert(self, node: fx.Node, op_strategy: Any) -> list[Strategy]:
         if not isinstance(op_strategy, OpStrategy):
             return []
         n_inputs = len(tensor_inputs(node))
-        out: dict[Strategy, None] = {}
+        out: dict[Any, Strategy] = {}
         for spec in op_strategy.strategies:
             strategy = _strategy_from_spec(spec, n_inputs)
-            if strategy is not None and self._is_even(node, strategy):
-                out[strategy] = None
-        return list(out)
+            if strategy is not None:
+                out.setdefault(_partial_kind_blind(strategy), strategy)
+        return list(out.values())
 
     def _is_even(self, node: fx.Node, s: Strategy) -> bool:
         vals = [a.meta["val"] for a in tensor_inputs(node)] + _output_vals(node)
@@ -225,6 +241,13 @@ class StrategyFinder:
                 f"autopar: no DTensor sharding strategy for {name}; it will run replicated",
                 stacklevel=3,
             )
+
+
+def _partial_kind_blind(s: Strategy) -> tuple:
+    """Strategies that differ only in the reduce op of their partials (``P`` vs ``P(avg)``, which
+    linear ops accept alike) cost the same; the planner keeps the first of each such family."""
+    strip = lambda ps: None if ps is None else tuple("P" if p.startswith("P") else p for p in ps)  # noqa: E731
+    return (tuple(strip(p) for p in s.inputs), tuple(strip(p) for p in s.outputs))
 
 
 def _strategy_from_spec(spec: OpSpec, n_inputs: int) -> Strategy | None:
