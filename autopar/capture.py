@@ -75,6 +75,23 @@ class CapturedGraph:
     def num_params(self) -> int:
         return sum(int(self.node(n).meta["val"].numel()) for n in self.params)
 
+    def gradient_kinds(self) -> dict[str, str]:
+        """Per node: ``param`` (a parameter, or a view of one: its gradient is a weight gradient),
+        ``activation`` (depends on a parameter, so it gets a gradient), or ``none`` (no gradient:
+        inputs, buffers, and what is computed from them alone)."""
+        if not hasattr(self, "_grad_kinds"):
+            kinds: dict[str, str] = {}
+            for node in self.graph.nodes:
+                sources = [kinds.get(a.name, "none") for a in node.all_input_nodes]
+                if node.name in self.params:
+                    kinds[node.name] = "param"
+                elif getattr(node.target, "is_view", False) and sources == ["param"]:
+                    kinds[node.name] = "param"
+                else:
+                    kinds[node.name] = "activation" if any(k != "none" for k in sources) else "none"
+            self._grad_kinds = kinds
+        return self._grad_kinds
+
     def layer_count(self) -> int:
         """How many repeated layers the tie keys found (0 when the model has none)."""
         counts = Counter(self.tie_keys.values())

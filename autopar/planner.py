@@ -363,9 +363,11 @@ def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, s
 def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict) -> dict[str, int]:
     tp, dp = mesh.degree("tp"), mesh.degree("dp")
     fsdp = 1
-    if dp > 1:
+    if dp > 1:  # fsdp = dp when most parameter bytes are sharded on the dp dim
         dp_dim = mesh.names.index("dp")
-        if any(is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]) for n in captured.params):
+        numel = {n: captured.node(n).meta["val"].numel() for n in captured.params}
+        sharded = sum(numel[n] for n in captured.params if is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]))
+        if sharded * 2 > sum(numel.values()):
             fsdp = dp
     sp = 1
     if tp > 1:

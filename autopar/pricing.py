@@ -113,7 +113,8 @@ class Pricer:
         return self.local_numel(val, placements) * self.element_bytes(val)
 
     # ---- nodes -------------------------------------------------------------------------------
-    def node(self, node: fx.Node, strategy: Strategy, param_inputs: Sequence[bool]) -> Cost:
+    def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]) -> Cost:
+        """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``)."""
         cost = Cost()
         if getattr(node.target, "is_view", False):
             return cost  # views move no data; their memory is their base's
@@ -127,7 +128,7 @@ class Pricer:
             if isinstance(v, torch.Tensor) and p is not None
         )
         cost.batch_memory = True
-        self._partial_gradients(node, strategy, param_inputs, cost)
+        self._partial_gradients(node, strategy, grad_kinds, cost)
         return cost
 
     def _work_divisor(self, strategy: Strategy) -> int:
@@ -147,15 +148,16 @@ class Pricer:
         return ins + outs
 
     def _partial_gradients(
-        self, node: fx.Node, strategy: Strategy, param_inputs: Sequence[bool], cost: Cost
+        self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], cost: Cost
     ) -> None:
         out = strategy.outputs[0] if strategy.outputs else None
         if out is None:
             return
-        for arg, placements, is_param in zip(tensor_inputs(node), strategy.inputs, param_inputs):
+        for arg, placements, kind in zip(tensor_inputs(node), strategy.inputs, grad_kinds):
             val = arg.meta["val"]
-            if not val.dtype.is_floating_point:
-                continue  # integer inputs (token ids) have no gradient
+            if kind == "none" or not val.dtype.is_floating_point:
+                continue  # no gradient flows back into this input
+            is_param = kind == "param"
             for dim, group in enumerate(self.groups):
                 if placements[dim] == "R" and out[dim] != "R" and group.size > 1:
                     nbytes = self.local_bytes(val, placements)

@@ -138,10 +138,11 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
             return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))
                     for p in roles.user_input(val)]
         return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in roles.buffer(val)]
-    param_inputs = [a.name in captured.params for a in tensor_inputs(node)]
+    kinds = captured.gradient_kinds()
+    grad_kinds = [kinds[a.name] for a in tensor_inputs(node)]
     strategies = finder.for_node(node)
     allowed = [s for s in strategies if roles.allow(node, s)] or strategies
-    return [Option(s, pricer.node(node, s, param_inputs)) for s in allowed]
+    return [Option(s, pricer.node(node, s, grad_kinds)) for s in allowed]
 
 
 def source_of(arg: fx.Node) -> tuple[fx.Node, int]:
