@@ -28,6 +28,7 @@ How a plan maps:
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -182,6 +183,9 @@ def _pair_kind(plan: Plan, ops: list[_WeightOp], roles: dict[str, str], col: _We
 
 def _tensor_parallel(plan: Plan, ops: list[_WeightOp], t: int, notes: list[str]) -> _TensorParallel:
     tp = _TensorParallel()
+    if not ops and any(op.get("op") in _WEIGHT_OPS for op in plan.ops.values()):
+        notes.append("the plan's ops name no modules (a plan from an older autopar): TP styles cannot be "
+                     "derived from them; re-plan to export tensor parallelism")
     roles = {w.module: _role(w, t) for w in ops}
     tied = [w.module for w in ops if f"{w.module}.weight" not in plan.placements]
     if tied:
@@ -207,14 +211,14 @@ def _tensor_parallel(plan: Plan, ops: list[_WeightOp], t: int, notes: list[str])
         else:
             tp.groups.setdefault(w.parent, "column -> row pair: activations stay split between them")
     for w in ops:
-        style = _style(w, roles[w.module], w.module in split_cols, w.module in fed_rows)
+        style = _style(roles[w.module], w.module in split_cols, w.module in fed_rows)
         if style is not None:
             tp.styles[w.module] = style
     _tp_notes(plan, ops, roles, split_cols, t, tp, notes)
     return tp
 
 
-def _style(w: _WeightOp, role: str, keeps_split: bool, fed_split: bool) -> _Style | None:
+def _style(role: str, keeps_split: bool, fed_split: bool) -> _Style | None:
     replicate = "Replicate()"
     if role == "col":
         return _Style("ColwiseParallel", () if keeps_split else (("output_layouts", replicate),))
@@ -236,13 +240,13 @@ def _tp_notes(plan: Plan, ops: list[_WeightOp], roles: dict[str, str], split_col
                      "code divides the module's head-count attributes (check HEAD_COUNT_ATTRS for your model)")
     if batch:
         notes.append(f"the plan splits the batch of {_collapse(batch)} over the tp ranks (data parallel "
-                     "inside tp, on weights gathered there); native TP has no such style: every tp rank "
-                     "computes the whole batch on replicated weights")
+                     "inside tp); native TP has no such style: every tp rank computes the whole batch")
     if other:
         notes.append(f"the tp split the plan computes for {_collapse(other)} has no native TP style: replicated")
     if gathered:
         notes.append(f"the column-split output of {_collapse(gathered)} is gathered right after it "
-                     "(ColwiseParallel(output_layouts=Replicate())); the plan keeps it split further")
+                     "(ColwiseParallel(output_layouts=Replicate())) where the plan keeps it split; for logits "
+                     "into the loss, use_local_output=False with loss_parallel() would keep them split")
     col_bias = [w.module for w in ops if tp.styles.get(w.module, _Style("")).cls == "ColwiseParallel"
                 and plan.placements.get(f"{w.module}.bias", ["S(0)"] * (t + 1))[t] == "R"]
     if col_bias:
@@ -402,7 +406,9 @@ def _header(plan: Plan, notes: list[str], dp: _DataParallel) -> list[str]:
     lines += ["        loss.backward()", "        optimizer.step()", "        optimizer.zero_grad()"]
     if notes:
         lines += ["", "Not expressed with native APIs (kept replicated or left to the training loop):"]
-        lines += [f"  - {n}" for n in notes]
+        for note in notes:
+            lines += textwrap.wrap(note, 104, initial_indent="  - ", subsequent_indent="    ",
+                                   break_on_hyphens=False, break_long_words=False)
     return [line.rstrip() for line in lines] + ['"""']
 
 
@@ -508,7 +514,7 @@ def _render_heads_helper(code: _Code) -> None:
     code.indent(-2)
 
 
-def _render_dp(code: _Code, plan: Plan, dp: _DataParallel) -> None:
+def _render_dp(code: _Code, dp: _DataParallel) -> None:
     dims = dp.mesh_dims
     if dp.kind == "ddp":
         code("", "", "def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:")
@@ -587,5 +593,5 @@ def export_plan(plan: Plan) -> tuple[str, list[str]]:
         if tp.local_heads:
             _render_heads_helper(code)
     if dp.kind != "none":
-        _render_dp(code, plan, dp)
+        _render_dp(code, dp)
     return code.text(), notes

@@ -255,11 +255,11 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
     """Tensor-parallel role: an op reading a weight matrix reads it split on every tp dim, never
     gathered (gathering weights is what the dp dims with fsdp are for; on a tp dim it would turn
     tensor parallelism into sharded data parallelism under the wrong name)."""
-    matrices = {n for n in captured.params if captured.node(n).meta["val"].ndim >= 2}
+    kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (the permute before a mm)
 
     def allow(node: fx.Node, strategy) -> bool:
         for arg, placements in zip(tensor_inputs(node), strategy.inputs):
-            if arg.name in matrices and any(placements[d] == "R" for d in tp_dims):
+            if kinds[arg.name] == "param" and arg.meta["val"].ndim >= 2 and any(placements[d] == "R" for d in tp_dims):
                 return False
         return True
 

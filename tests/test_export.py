@@ -80,7 +80,8 @@ def _megatron_gpt(base: autopar.Plan, fsdp: bool = False) -> autopar.Plan:
     for i in range(2):
         blk = f"blocks.{i}"
         for proj in ("q_proj", "k_proj", "v_proj"):
-            add(f"addmm_{blk}_{proj}", "addmm", f"{blk}.attn.{proj}", [("R", "S(0)"), (B, "R"), ("R", "S(1)")], (B, "S(1)"))
+            add(f"addmm_{blk}_{proj}", "addmm", f"{blk}.attn.{proj}", [("R", "S(0)"), (B, "R"), ("R", "S(1)")],
+                (B, "S(1)"))
             add(f"view_{blk}_{proj}", "view", f"{blk}.attn", [(B, "S(2)")], (B, "S(2)"))
             add(f"permute_{blk}_{proj}", "permute", f"{blk}.attn", [(B, "S(2)")], (B, "S(1)"))
             param(f"{blk}.attn.{proj}.weight", "S(0)")
@@ -124,7 +125,8 @@ def _mlp_plan(base: autopar.Plan, names: list[str], shape: list[int], roles: lis
         (bias, act, wt), out, weight, bias_pl = tp_of[role]
         ops[f"addmm_{i}"] = _op(names, "addmm", f"layers.{i}", [("R", bias), (B, act), ("R", wt)], (B, out))
         if i < len(roles) - 1:
-            ops[f"relu_{i}"] = _op(names, "relu", "", [(B, out if out != "P" else "R")], (B, out if out != "P" else "R"))
+            relu = out if out != "P" else "R"  # a row split's partial sum is all-reduced first
+            ops[f"relu_{i}"] = _op(names, "relu", "", [(B, relu)], (B, relu))
         pls[f"layers.{i}.weight"] = _pl(names, "R", weight)
         pls[f"layers.{i}.bias"] = _pl(names, "R", bias_pl)
     data.update(ops=ops, placements=pls, buffers={})
@@ -162,8 +164,9 @@ def test_solver_plans_export_native_calls(plans, key):
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh["dim_names"], plan.mesh["shape"]))
     for text in (plan.model["name"], "1x4xcpu", mesh, f"tp={plan.degrees['tp']}"):
         assert text in source.split('"""')[1], text
+    docstring = " ".join(source.split('"""')[1].split())
     for note in notes:
-        assert note in source  # the docstring lists the notes too
+        assert note in docstring  # the docstring lists the notes too
     names, fsdp = plan.mesh["dim_names"], plan.degrees["fsdp"] > 1
     if "dp" in names and not fsdp:
         assert 'DistributedDataParallel(model, device_mesh=dp_mesh)' in source
@@ -293,9 +296,10 @@ def _load(path: str, name: str):
     return module
 
 
-def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> list[list[float]]:
+def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> list[dict]:
     """Each (model name, exported file): parallelize, train STEPS of AdamW on this rank's slice of the
-    global batches; the losses are the global means (all ranks averaged)."""
+    global batches. Returns the losses (global means: all ranks averaged), the first step's output
+    and which rows of the global batch it is."""
     results = []
     for i, (name, path) in enumerate(runs):
         exported = _load(path, f"exported_{i}")
@@ -303,17 +307,19 @@ def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> l
         mesh = exported.build_mesh()
         model = exported.parallelize(bundle.model, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = []
+        losses, outputs = [], []
         for *inputs, targets in batches(bundle, STEPS, 0):
-            inputs = [exported.local_batch(x, mesh) for x in inputs]
-            loss = bundle.loss_fn(model(*inputs), exported.local_batch(targets, mesh))
+            out = model(*(exported.local_batch(x, mesh) for x in inputs))
+            loss = bundle.loss_fn(out, exported.local_batch(targets, mesh))
             opt.zero_grad()
             loss.backward()
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
-        results.append(losses)
+            outputs.append(out.detach())
+        rows = exported.local_batch(torch.arange(BATCH), mesh)
+        results.append({"losses": losses, "output": outputs[0], "rows": rows})
     return results
 
 
@@ -336,9 +342,13 @@ def test_exported_solver_plans_train_like_autopar(plans, tmp_path):
     reference = train_parallel_many(4, [dict(name=SOLVER_CONFIGS[k][0], overrides=None, global_batch=BATCH,
                                              seq=None, steps=STEPS, plan=plans[k].to_dict(), constraints=None)
                                         for k in keys])
+    outputs = {name: _first_output(name) for name in {"mlp", "tiny-gpt"}}
     for i, key in enumerate(keys):
         for rank in range(4):
-            _assert_losses(exported[rank][i], reference[i]["losses"][rank], f"{key} rank {rank}")
+            got = exported[rank][i]
+            _assert_losses(got["losses"], reference[i]["losses"][rank], f"{key} rank {rank}")
+            torch.testing.assert_close(got["output"], outputs[SOLVER_CONFIGS[key][0]][got["rows"]], rtol=1e-4,
+                                       atol=1e-6, msg=f"{key} rank {rank} output")
 
 
 @pytest.mark.slow
@@ -350,5 +360,16 @@ def test_exported_textbook_plans_train_like_one_process(handmade, tmp_path):
     exported = run_on_ranks(train_exported_rank, 4, [(model_of[k], _write(tmp_path, k, handmade[k])) for k in keys])
     reference = {name: train_single(name, None, BATCH, None, STEPS).losses for name in set(model_of.values())}
     for i, key in enumerate(keys):
+        output = _first_output(model_of[key])
         for rank in range(4):
-            _assert_losses(exported[rank][i], reference[model_of[key]], f"{key} rank {rank}")
+            got = exported[rank][i]
+            _assert_losses(got["losses"], reference[model_of[key]], f"{key} rank {rank}")
+            # outputs too: at init attention is near uniform, so a wrong head split hides in the loss
+            torch.testing.assert_close(got["output"], output[got["rows"]], rtol=1e-4, atol=1e-6,
+                                       msg=f"{key} rank {rank} output")
+
+
+def _first_output(name: str) -> torch.Tensor:
+    bundle = build_model(name, global_batch=BATCH, device="cpu", seed=0)
+    with torch.no_grad():
+        return bundle.model(*batches(bundle, 1, 0)[0][:-1])
