@@ -14,6 +14,8 @@ placeholders' candidate placements encode:
   between them (sharded, partial, or split on the sequence) from DTensor's strategies.
 
 A size-1 dimension is dropped. Constraints (``{"dp": 2, "tp": 2}``) pin degrees; the rest is searched.
+Meshes are solved in order (1-D first) with the best step time so far as a cutoff: the solver stops on
+a mesh as soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .placement import is_sharded
 from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
-from .solver import Solution, infeasible_reason, least_memory, solve
+from .solver import Pruned, Solution, infeasible_reason, least_memory, solve
 from .strategies import LOCAL_RULES, StrategyFinder, tensor_inputs
 
 KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s", "dtype"}
@@ -68,10 +70,14 @@ def make_plan(
     batch = _global_batch(captured)
     results: list[tuple[MeshChoice, Problem, Solution]] = []
     failures: list[str] = []
+    pruned: list[MeshChoice] = []
     start = time.perf_counter()
     for mesh in mesh_candidates(cluster, constraints, batch):
-        found = _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints)
-        if isinstance(found, str):
+        best = min((r[2].objective_s for r in results), default=None)
+        found = _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints, best)
+        if isinstance(found, MeshChoice):
+            pruned.append(found)
+        elif isinstance(found, str):
             failures.append(found)
         else:
             results.append(found)
@@ -79,14 +85,15 @@ def make_plan(
         raise NoFeasiblePlanError(_shortfall(failures))
     results.sort(key=lambda r: r[2].objective_s)
     mesh, problem, solution = results[0]
-    return _to_plan(captured, cluster, model_name, dtype, mesh, problem, solution, results,
+    return _to_plan(captured, cluster, model_name, dtype, mesh, problem, solution, results, pruned,
                     time.perf_counter() - start)
 
 
-def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints):
+def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints, cutoff_s):
     """Gradient accumulation: the fewest microbatches whose activations fit (more only add cost:
     smaller kernels and, with sharded parameters, one all_gather per microbatch). Returns the
-    (mesh, problem, solution) or the reason nothing fit."""
+    (mesh, problem, solution), the reason nothing fit, or the mesh itself when its bound shows it
+    cannot beat ``cutoff_s`` (the best step time of the meshes solved before it)."""
     reason = ""
     counts = microbatch_counts(batch, mesh.degree("dp"), constraints.get("microbatches"))
     if not counts:
@@ -99,7 +106,9 @@ def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, b
             reason = infeasible_reason(problem)
             continue
         try:
-            return mesh, problem, solve(problem, constraints.get("time_limit_s", 30.0))
+            return mesh, problem, solve(problem, constraints.get("time_limit_s", 30.0), cutoff_s=cutoff_s)
+        except Pruned:
+            return mesh  # more microbatches only cost more
         except NoFeasiblePlanError as exc:
             reason = str(exc)
     return reason
@@ -281,7 +290,8 @@ def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:
 # ---- assembling the Plan ------------------------------------------------------------------------
 
 def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, mesh: MeshChoice,
-             problem: Problem, solution: Solution, results: list, search_wall_s: float) -> Plan:
+             problem: Problem, solution: Solution, results: list, pruned: list[MeshChoice],
+             search_wall_s: float) -> Plan:
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
     pricer = Pricer(cluster, mesh.shape, dtype)
@@ -309,7 +319,8 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
         solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
                 "gap": solution.gap, "wall_s": solution.wall_s, "search_wall_s": search_wall_s,
                 "variables": solution.variables, "constraints": solution.constraints,
-                "decisions": len(problem.decisions), "meshes_tried": len(results)},
+                "decisions": len(problem.decisions), "meshes_tried": len(results) + len(pruned),
+                "pruned_meshes": [dict(m.dims) for m in pruned]},
         explanations=explanations(problem, solution.choice, _explanation_index(captured, problem)),
         candidates=[{"mesh": {"shape": list(m.shape), "dim_names": list(m.names)},
                      "degrees": {"dp": m.degree("dp"), "tp": m.degree("tp")}, "microbatches": pr.microbatches,

@@ -91,6 +91,9 @@ def summarize(plan: Plan) -> str:
         for c in sorted(plan.candidates, key=lambda c: c["step_time_s"]):
             shape = " x ".join(f"{n}={s}" for n, s in zip(c["mesh"]["dim_names"], c["mesh"]["shape"]))
             lines.append(f"  {shape:<20} {fmt_seconds(c['step_time_s'])}  ({c['status']})")
+        for dims in plan.solver.get("pruned_meshes", []):
+            shape = " x ".join(f"{n}={s}" for n, s in dims.items())
+            lines.append(f"  {shape:<20} pruned: its lower bound is slower than the best")
     return "\n".join(lines)
 
 

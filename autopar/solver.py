@@ -63,14 +63,24 @@ class Solution:
         return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
 
-def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") -> Solution:
+class Pruned(Exception):
+    """The problem has no solution better than ``cutoff_s``: its lower bound is already worse."""
+
+
+def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS",
+          cutoff_s: float | None = None) -> Solution:
+    """Optimal assignment of ``problem``. With ``cutoff_s`` (the best step time found elsewhere) the
+    search stops as soon as its bound shows nothing here can beat it, and raises ``Pruned``."""
     if least_memory(problem) > problem.memory_capacity_bytes:
         raise NoFeasiblePlanError(infeasible_reason(problem))
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
     # No banner on stdout (``--json`` prints only JSON); a tighter gap than HiGHS's default 1e-4.
-    solver.SetSolverSpecificParametersAsString("output_flag=false\nmip_rel_gap=1e-6")
+    options = "output_flag=false\nmip_rel_gap=1e-6"
+    if cutoff_s is not None:  # HiGHS prunes every branch whose bound reaches it
+        options += f"\nobjective_bound={cutoff_s * _US}"
+    solver.SetSolverSpecificParametersAsString(options)
     solver.SetTimeLimit(int(time_limit_s * 1000))
     x = add_choice_variables(solver, problem)
     y = add_edge_variables(solver, problem, x)
@@ -81,9 +91,13 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS") 
     status = solver.Solve()
     wall = time.perf_counter() - start
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if cutoff_s is not None and status == pywraplp.Solver.INFEASIBLE:
+            raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
         raise NoFeasiblePlanError(infeasible_reason(problem, status))
     choice = {key: max(range(len(vs)), key=lambda k: vs[k].solution_value()) for key, vs in x.items()}
     objective = solver.Objective().Value() / _US
+    if cutoff_s is not None and objective > cutoff_s:  # HiGHS returns its incumbent once the bound prunes all
+        raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
     bound = solver.Objective().BestBound() / _US if status == pywraplp.Solver.FEASIBLE else objective
     return Solution(
         choice=choice,

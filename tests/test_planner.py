@@ -101,10 +101,13 @@ def test_huge_batch_small_weights_is_data_parallel(big_batch_plan):
 # ---- (g) the mesh search lists what it tried --------------------------------------------------------
 
 def test_candidates_list_every_mesh_tried(big_batch_plan):
+    """Every mesh is either solved (a candidate with its step time) or pruned: its bound could not
+    beat the best step time already found."""
     plan = big_batch_plan
-    tried = {(c["degrees"]["dp"], c["degrees"]["tp"]) for c in plan.candidates}
-    assert tried == {(8, 1), (4, 2), (2, 4), (1, 8)}
-    assert len(plan.candidates) == 4 == plan.solver["meshes_tried"]
+    solved = {(c["degrees"]["dp"], c["degrees"]["tp"]) for c in plan.candidates}
+    pruned = {(d.get("dp", 1), d.get("tp", 1)) for d in plan.solver["pruned_meshes"]}
+    assert solved | pruned == {(8, 1), (4, 2), (2, 4), (1, 8)} and not solved & pruned
+    assert len(plan.candidates) + len(pruned) == 4 == plan.solver["meshes_tried"]
     for c in plan.candidates:
         assert c["step_time_s"] > 0
         assert c["status"] in ("optimal", "feasible")
@@ -158,7 +161,8 @@ def mlp_1024():
 def test_large_worlds_plan_without_processes(mlp_1024, cluster, world):
     plan = _plan(mlp_1024, cluster, name="mlp")
     _check_world(plan, world, 8)
-    assert {c["degrees"]["tp"] for c in plan.candidates} == {1, 2, 4, 8}
+    tried = {c["degrees"]["tp"] for c in plan.candidates} | {d.get("tp", 1) for d in plan.solver["pruned_meshes"]}
+    assert tried == {1, 2, 4, 8}
     assert plan.pipeline["microbatch_size"] * plan.pipeline["microbatches"] * plan.degrees["dp"] == 1024
 
 
@@ -167,7 +171,7 @@ def test_large_world_transformer():
     plan = autopar.plan(b.model, b.example_inputs, "128x8xH100", b.loss_fn, example_targets=b.example_targets)
     _check_world(plan, 1024, 8)
     assert plan.cluster["spec"] == "128x8xH100"
-    assert len(plan.candidates) == 4
+    assert len(plan.candidates) + len(plan.solver["pruned_meshes"]) == 4 == plan.solver["meshes_tried"]
 
 
 def test_fixed_tp_may_leave_the_node_when_asked(mlp8):
@@ -300,10 +304,15 @@ def test_free_search_is_never_worse_than_fixed(tiny_gpt_8, free_tiny_gpt, fixed)
     for k, v in fixed.items():
         assert pinned.degrees[k] == v
     assert free_tiny_gpt.predicted["step_time_s"] <= pinned.predicted["step_time_s"] + 1e-12
-    # the free search priced the same mesh the same way
+    # the free search priced the same mesh the same way, or pruned it as unable to beat its best
     same = [c for c in free_tiny_gpt.candidates if c["mesh"] == pinned.mesh]
-    assert len(same) == 1
-    assert same[0]["step_time_s"] == pytest.approx(pinned.predicted["step_time_s"], rel=1e-6)
+    pruned = [d for d in free_tiny_gpt.solver["pruned_meshes"] if list(d.values()) == pinned.mesh["shape"]
+              and list(d) == pinned.mesh["dim_names"]]
+    assert len(same) + len(pruned) == 1
+    if same:
+        assert same[0]["step_time_s"] == pytest.approx(pinned.predicted["step_time_s"], rel=1e-6)
+    else:
+        assert pinned.predicted["step_time_s"] > free_tiny_gpt.predicted["step_time_s"]
     if pinned.mesh == free_tiny_gpt.mesh:  # the same mesh, planned twice, gives the same plan
         assert pinned.placements == free_tiny_gpt.placements
         assert pinned.ops == free_tiny_gpt.ops
@@ -312,6 +321,6 @@ def test_free_search_is_never_worse_than_fixed(tiny_gpt_8, free_tiny_gpt, fixed)
 
 def test_free_plan_picks_its_best_candidate(free_tiny_gpt):
     times = [c["step_time_s"] for c in free_tiny_gpt.candidates]
-    assert len(times) == 3
+    assert len(times) + len(free_tiny_gpt.solver["pruned_meshes"]) == 3
     assert free_tiny_gpt.predicted["step_time_s"] == min(times)
     _check_world(free_tiny_gpt, 4, 4)
