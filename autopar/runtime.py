@@ -57,6 +57,7 @@ class ParallelModule(nn.Module):
         self._params = nn.ParameterDict(
             {_key(k): v for k, v in shard_parameters(named_params, plan.placements, mesh).items()}
         )
+        self._fqns = {_key(fqn): fqn for fqn in plan.placements}  # ParameterDict keys cannot hold dots
         named_buffers = dict(model.named_buffers())
         self._buffers_dt = {fqn: shard_tensor(named_buffers[fqn], mesh, pl) for fqn, pl in plan.buffers.items()}
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
@@ -67,7 +68,7 @@ class ParallelModule(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
         for k, p in self._params.items():
-            yield prefix + _fqn(k), p
+            yield prefix + self._fqns[k], p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return iter(self._params.values())
@@ -176,8 +177,4 @@ def _produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[
 
 
 def _key(fqn: str) -> str:
-    return fqn.replace(".", "__")
-
-
-def _fqn(key: str) -> str:
-    return key.replace("__", ".")
+    return fqn.replace(".", "/")
