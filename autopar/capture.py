@@ -64,6 +64,9 @@ class CapturedGraph:
     def node(self, name: str) -> fx.Node:
         return self._nodes_by_name()[name]
 
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes_by_name()
+
     def _nodes_by_name(self) -> dict[str, fx.Node]:
         if not hasattr(self, "_by_name"):
             self._by_name = {n.name: n for n in self.graph.nodes}

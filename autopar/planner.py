@@ -430,7 +430,7 @@ def _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pric
 
 
 def _add_memory(memory: dict, captured: CapturedGraph, d, opt, pricer: Pricer) -> None:
-    first = captured.node(d.nodes[0]) if d.nodes[0] in captured._nodes_by_name() else None
+    first = captured.node(d.nodes[0]) if captured.has_node(d.nodes[0]) else None
     if first is not None and first.op == "placeholder" and first.name in captured.params:
         for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0]).items():
             memory[part] += d.count * b

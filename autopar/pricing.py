@@ -35,7 +35,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from .cost_models import Cluster, adamw_state_bytes, collective_time, compute_time
-from .strategies import Placements, Strategy, tensor_inputs
+from .strategies import Placements, Strategy, output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
 _MATMUL_PACKETS = set(flop_registry) | {_SDPA}
@@ -124,7 +124,7 @@ class Pricer:
         cost.kernel = (flops, moved, "matmul" if is_matmul(node) else "elementwise")
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         cost.memory_bytes = sum(
-            self.local_bytes(v, p) for v, p in zip(_output_vals(node), strategy.outputs)
+            self.local_bytes(v, p) for v, p in zip(output_vals(node), strategy.outputs)
             if isinstance(v, torch.Tensor) and p is not None
         )
         cost.batch_memory = True
@@ -142,7 +142,7 @@ class Pricer:
     def _bytes_moved(self, node: fx.Node, strategy: Strategy) -> float:
         ins = sum(self.local_bytes(a.meta["val"], p) for a, p in zip(tensor_inputs(node), strategy.inputs))
         outs = sum(
-            self.local_bytes(v, p) for v, p in zip(_output_vals(node), strategy.outputs)
+            self.local_bytes(v, p) for v, p in zip(output_vals(node), strategy.outputs)
             if isinstance(v, torch.Tensor) and p is not None
         )
         return ins + outs
@@ -251,7 +251,7 @@ def global_flops(node: fx.Node) -> float:
         args = _vals(node.args)
         kwargs = _vals(node.kwargs)
         return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
-    vals = [v for v in _output_vals(node) if isinstance(v, torch.Tensor)]
+    vals = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]
     return float(sum(v.numel() for v in vals))
 
 
@@ -265,6 +265,3 @@ def _vals(obj):
     return obj
 
 
-def _output_vals(node: fx.Node) -> list:
-    val = node.meta.get("val")
-    return list(val) if isinstance(val, (list, tuple)) else [val]

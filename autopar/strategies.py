@@ -226,7 +226,7 @@ class StrategyFinder:
         return list(out.values())
 
     def _is_even(self, node: fx.Node, s: Strategy) -> bool:
-        vals = [a.meta["val"] for a in tensor_inputs(node)] + _output_vals(node)
+        vals = [a.meta["val"] for a in tensor_inputs(node)] + output_vals(node)
         pls = list(s.inputs) + list(s.outputs)
         return all(
             p is None or not isinstance(v, torch.Tensor) or _divides_evenly(p, tuple(v.shape), self.mesh_shape)
@@ -279,11 +279,12 @@ def _to_dtensor(placements: Placements) -> tuple[Any, ...]:
 
 def _replicated(node: fx.Node, n_inputs: int, mesh_ndim: int) -> Strategy:
     r = tuple(["R"] * mesh_ndim)
-    outs = _output_vals(node)
+    outs = output_vals(node)
     return Strategy(tuple([r] * n_inputs), tuple(r if isinstance(v, torch.Tensor) else None for v in outs))
 
 
-def _output_vals(node: fx.Node) -> list[Any]:
+def output_vals(node: fx.Node) -> list[Any]:
+    """The node's output values (one per output; multi-output ops give several)."""
     val = node.meta.get("val")
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
