@@ -2,11 +2,13 @@
 
 ``plan`` needs no process group and no GPU: a model on the meta device is captured on fake tensors
 and planned for any cluster spec. ``autoparallelize`` runs in every rank of a job: it plans for the
-world it runs in (or takes a given plan), then returns that rank's ``ParallelModule``.
+world it runs in (or takes a given plan), then returns that rank's ``ParallelModule`` (a
+``PipelineParallelModule`` for plans with pipeline stages).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -18,30 +20,53 @@ from .cost_models import Cluster, ClusterSpecError, parse_cluster
 from .errors import BadInputError, PlanFormatError
 from .plan import Plan
 from .planner import fingerprint, make_plan
+from .problem_file import SavedProblem, save_problem as write_problem_file
+from .pipeline_runtime import PipelineParallelModule
+from .cost_models.hardware import preset_for_cuda_name
+from .explain import model_dims
 from .runtime import ParallelModule, mesh_for_plan
-
-_CUDA_PRESETS = (("H200", "H200"), ("H100", "H100"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB"),
-                 ("B200", "B200"))
 
 
 def plan(
-    model: nn.Module,
-    example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+    model: nn.Module | SavedProblem,
+    example_inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
     cluster: str | Cluster = "1x8xH100",
     loss_fn: Callable[..., torch.Tensor] | None = None,
     constraints: Mapping[str, Any] | None = None,
     *,
     example_targets: torch.Tensor | None = None,
     name: str | None = None,
+    save_problem: str | Path | None = None,
 ) -> Plan:
     """Plan the training step ``loss_fn(model(*example_inputs), example_targets)`` on ``cluster``.
 
     ``example_inputs`` carry the global batch's shapes (meta tensors are fine). Without ``loss_fn``
-    the model itself must return the scalar loss.
+    the model itself must return the scalar loss. ``model`` may instead be a saved planning problem
+    (``autopar.load_problem(path)``): planning then skips the capture, and the problem already fixes
+    inputs, targets and loss. ``save_problem`` writes the captured problem to that file (before
+    solving) for re-solving and re-pricing later (``autopar.reprice``).
     """
-    captured = capture(model, _as_tuple(example_inputs), example_targets, loss_fn)
-    return make_plan(captured, resolve_cluster(cluster), model_name=name or type(model).__name__,
-                     constraints=constraints)
+    captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
+    model_name = name or default_name
+    if save_problem is not None:
+        write_problem_file(captured, save_problem, model_name=model_name)
+    config = getattr(model, "config", None)
+    return make_plan(captured, resolve_cluster(cluster), model_name=model_name, constraints=constraints,
+                     model_dims=model_dims(config) if config is not None else None)
+
+
+def _captured_step(model: nn.Module | SavedProblem, example_inputs: Any, loss_fn: Any,
+                   example_targets: Any) -> tuple[CapturedGraph, str]:
+    """The training step's graph (captured now, or read from a saved problem) and the model's name."""
+    if isinstance(model, SavedProblem):
+        if example_inputs is not None or loss_fn is not None or example_targets is not None:
+            raise BadInputError("a saved problem already fixes the inputs, targets and loss: pass only "
+                                "cluster and constraints (re-capture the model to change them)")
+        return model.captured, model.model_name
+    if example_inputs is None:
+        raise BadInputError("plan(model, example_inputs, ...) needs example inputs (or a saved problem "
+                            "from autopar.load_problem in place of the model)")
+    return capture(model, _as_tuple(example_inputs), example_targets, loss_fn), type(model).__name__
 
 
 def autoparallelize(
@@ -53,7 +78,7 @@ def autoparallelize(
     constraints: Mapping[str, Any] | None = None,
     *,
     example_targets: torch.Tensor | None = None,
-) -> ParallelModule:
+) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
 
     ``plan`` may be a Plan or a plan file; without one, rank 0 plans for ``cluster`` (default: the
@@ -68,10 +93,16 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
+    if the_plan.degrees.get("zero", 0) in (1, 2):
+        raise BadInputError(f"the plan shards optimizer state (ZeRO-{the_plan.degrees['zero']}): such plans can be "
+                            "planned, compared and exported, but this runtime keeps the optimizer unsharded; "
+                            "re-plan with fsdp=0 or fsdp=3 to run it")
     m = int(the_plan.pipeline.get("microbatches", 1))
     if m > 1:  # the program runs one microbatch at a time: capture it at that shape
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
                            _first_rows(example_targets, m) if example_targets is not None else None, loss_fn)
+    if the_plan.degrees.get("pp", 1) > 1:
+        return PipelineParallelModule(model, captured, the_plan)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan))
 
 
@@ -98,7 +129,7 @@ def local_cluster_spec() -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        device = next((preset for key, preset in _CUDA_PRESETS if key in name), "H100")
+        device = preset_for_cuda_name(name)
         per_node = min(world, torch.cuda.device_count())
         return f"{world // per_node}x{per_node}x{device}"
     return f"1x{world}xcpu"

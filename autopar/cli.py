@@ -1,4 +1,4 @@
-"""The ``autopar`` command line (design.md §3): plan, show, compare, demo.
+"""The ``autopar`` command line (design.md §3): plan, reprice, show, compare, demo.
 
 Exit codes: 0 success; 2 bad input (one line on stderr saying what and where); 3 no plan fits (with the
 reason). With ``--json`` the plan JSON is the only thing on stdout.
@@ -10,11 +10,16 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import AutoparError, BadInputError
 
+if TYPE_CHECKING:
+    from .models import ModelBundle
+    from .problem_file import SavedProblem
+
 EXIT_BAD_INPUT = 2
+DEFAULT_GLOBAL_BATCH = 8
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,15 +40,30 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a built-in model (or package.module:factory) for a cluster, offline")
-    p.add_argument("model", help="gpt2, gpt3-175b, llama3-8b, llama3-70b, llama3-405b, tiny-gpt, ... or package.module:factory")
+    p.add_argument("model", nargs="?", default=None,
+                   help="gpt2, gpt3-175b, llama3-8b, llama3-70b, llama3-405b, tiny-gpt, ... or package.module:factory "
+                        "(omit with --problem)")
     p.add_argument("--cluster", required=True, help="NxGxTYPE, e.g. 16x8xH100 (,ib=400Gbps,nvlink=900GBps) or a JSON file")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default 8)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--set", dest="overrides", default=None, help="model dims, e.g. layers=2,hidden=64")
     p.add_argument("--fix", default=None, help="pin degrees/options, e.g. dp=8,tp=8,fsdp=0,microbatches=4")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout (and nothing else)")
+    p.add_argument("--save-problem", default=None, help="also write the captured planning problem here (for "
+                   "`plan --problem` and `reprice`, which skip the capture)")
+    p.add_argument("--problem", default=None, help="plan a problem saved with --save-problem instead of MODEL")
     p.set_defaults(run=_cmd_plan)
+
+    w = sub.add_parser("reprice", help="price a plan's exact placements on another cluster of the same size, "
+                                        "from its saved problem (what-if, no capture)")
+    w.add_argument("plan")
+    w.add_argument("--problem", required=True, help="the problem file saved with `autopar plan ... --save-problem`")
+    w.add_argument("--cluster", required=True, help="NxGxTYPE with overrides, e.g. 2x8xH100,ib=200Gbps")
+    w.add_argument("-o", "--output", default=None, help="write the re-priced plan JSON here")
+    w.add_argument("--json", action="store_true", help="print the re-priced plan JSON on stdout (and nothing else)")
+    w.set_defaults(run=_cmd_reprice)
 
     s = sub.add_parser("show", help="print a plan as a readable table")
     s.add_argument("plan")
@@ -73,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--world", type=int, default=4, help="local ranks (default 4)")
     d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     d.set_defaults(run=_cmd_demo)
+
+    k = sub.add_parser("calibrate", help="measure this machine (matmuls, memory, collectives) and write a cluster "
+                                          "profile for --cluster")
+    k.add_argument("-o", "--output", default="calibrated-cluster.json", help="the profile JSON to write "
+                   "(default calibrated-cluster.json)")
+    k.add_argument("--ranks", type=int, default=None, help="spawn N local gloo ranks (default: the ranks of the "
+                   "torchrun job this runs in, else 1)")
+    k.add_argument("--quick", action="store_true", help="fewer and smaller sizes: seconds instead of a minute")
+    k.set_defaults(run=_cmd_calibrate)
     return parser
 
 
@@ -92,20 +121,72 @@ def parse_pairs(text: str | None, what: str) -> dict[str, Any]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .api import plan, resolve_cluster
-    from .models import build_model, parse_overrides
 
-    if args.global_batch < 1:
-        raise BadInputError(f"--global-batch must be positive, got {args.global_batch}")
     cluster = resolve_cluster(args.cluster)  # validate before the (slow) capture
-    bundle = build_model(args.model, overrides=parse_overrides(args.overrides), global_batch=args.global_batch,
-                         seq=args.seq, device="meta")
+    constraints = parse_pairs(args.fix, "--fix")
     with warnings.catch_warnings():
         warnings.simplefilter("default" if not args.json else "ignore")
-        result = plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn,
-                      parse_pairs(args.fix, "--fix"), example_targets=bundle.example_targets, name=bundle.name)
+        if args.problem:
+            result = plan(_saved_problem(args), cluster=cluster, constraints=constraints,
+                          save_problem=args.save_problem)
+        else:
+            bundle = _model_bundle(args)
+            result = plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn, constraints,
+                          example_targets=bundle.example_targets, name=bundle.name, save_problem=args.save_problem)
     if args.output:
         result.save(args.output)
     print(result.to_json() if args.json else result.summary())
+    return 0
+
+
+def _model_bundle(args: argparse.Namespace) -> ModelBundle:
+    from .models import build_model, parse_overrides
+
+    if args.model is None:
+        raise BadInputError("give a MODEL to plan (or --problem FILE saved with --save-problem)")
+    batch = DEFAULT_GLOBAL_BATCH if args.global_batch is None else args.global_batch
+    if batch < 1:
+        raise BadInputError(f"--global-batch must be positive, got {batch}")
+    return build_model(args.model, overrides=parse_overrides(args.overrides), global_batch=batch,
+                       seq=args.seq, device="meta")
+
+
+def _saved_problem(args: argparse.Namespace) -> SavedProblem:
+    """The problem of ``--problem``, refusing what would change its graph (that needs a new capture)."""
+    from .problem_file import load_problem
+
+    if args.model is not None:
+        raise BadInputError(f"give MODEL or --problem, not both: {args.problem} already holds a captured model")
+    changes = [flag for flag, value in (("--global-batch", args.global_batch), ("--seq", args.seq),
+                                        ("--set", args.overrides)) if value is not None]
+    if changes:
+        raise BadInputError(f"{', '.join(changes)} would change the captured graph that --problem fixes: "
+                            f"capture again with `autopar plan MODEL {changes[0]} ... --save-problem FILE`")
+    return load_problem(args.problem)
+
+
+def _cmd_reprice(args: argparse.Namespace) -> int:
+    from .api import compare, resolve_cluster
+    from .plan import Plan
+    from .problem_file import load_problem
+    from .report import fmt_bytes
+    from .whatif import reprice
+
+    old = Plan.load(args.plan)
+    cluster = resolve_cluster(args.cluster)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default" if not args.json else "ignore")
+        new = reprice(old, load_problem(args.problem), cluster)
+    if args.output:
+        new.save(args.output)
+    if args.json:
+        print(new.to_json())
+        return 0
+    print(compare(old, new))
+    peak, capacity = new.predicted["peak_memory_bytes"], new.predicted["memory_capacity_bytes"]
+    if peak > capacity:
+        print(f"note: the re-priced plan needs {fmt_bytes(peak)} per device, more than the "
+              f"{fmt_bytes(capacity)} of {cluster.spec}: re-solve with `autopar plan --problem ...`")
     return 0
 
 
@@ -170,6 +251,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     print(run_demo(world=args.world, steps=args.steps))
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import os
+
+    from .cost_models.calibrate import (build_profile, measure_in_job, measure_spawned_rank, profile_source,
+                                        profile_summary, write_profile)
+    from .launch import run_on_ranks
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.ranks is not None and (args.ranks < 1 or under_torchrun):
+        raise BadInputError(f"--ranks must be a positive number of local ranks to spawn, and is not used under "
+                            f"torchrun (which gives the ranks); got {args.ranks}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise BadInputError(f"cannot write {args.output!r}: its directory does not exist")
+    if under_torchrun:
+        measured = measure_in_job(args.quick)
+    else:
+        measured = run_on_ranks(measure_spawned_rank, args.ranks or 1, args.quick)[0]
+    if measured is None:  # ranks other than 0 of a torchrun job
+        return 0
+    profile = build_profile(measured, profile_source())
+    write_profile(profile, args.output)
+    print(profile_summary(profile))
+    print(f"wrote {args.output} (plan with --cluster {args.output})")
     return 0
 
 

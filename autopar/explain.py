@@ -5,14 +5,25 @@ could have taken is priced with everything else held at the solution: its own co
 and memory, the resharding on every edge that touches it, and the change in exposed gradient sync.
 The difference to the chosen option is what switching would cost, which is the reason it lost.
 This is exact for a change of one decision; the solver weighed all of them at once.
+
+It also shows the collectives the chosen strategy implies in closed form (``cost_models/symbolic.py``),
+with the tensor's size written in the model's dims: ``collective_terms`` is what the planner records
+per op for that (the plan's optional ``ops[name]["collectives"]``); plans without it show no formulas.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from .problem import Problem
+from torch import fx
+
+from .capture import CapturedGraph
+from .cost_models import GroupTopology, collective_time
+from .cost_models.symbolic import render_collective, tensor_bytes_text
+from .pricing import Collective, Pricer, bucketed_all_reduce_time
+from .problem import Problem, source_of
 from .report import fmt_bytes, fmt_seconds
+from .strategies import Strategy, tensor_inputs
 
 TOP_K = 8
 
@@ -92,7 +103,8 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
         raise KeyError(f"{name!r} is not an op or parameter of this plan{hint}")
     entry = section["decisions"].get(key)
     if entry is None:
-        return f"{name}: decision {key!r} had a single option (nothing to choose)"
+        return "\n".join([f"{name}: decision {key!r} had a single option (nothing to choose)",
+                          *collective_lines(plan_data, name)])
     lines = [f"{name}  (decision {key}, shared by {len(entry['nodes'])} node(s))",
              f"  {'strategy':<48} {'step change':>12} {'memory change':>14}  {'own compute':>11}  own comm"]
     for row in entry["alternatives"]:
@@ -107,4 +119,118 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
         lines.append(f"  next best costs {fmt_seconds(best['delta_s'])} more per step" if best["delta_s"] >= 0 else
                      f"  an alternative is {fmt_seconds(-best['delta_s'])} faster alone but breaks memory or a "
                      "constraint elsewhere")
-    return "\n".join(lines)
+    return "\n".join(lines + collective_lines(plan_data, name))
+
+
+# ---- collectives in closed form ------------------------------------------------------------------
+
+def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callable[[str], Strategy],
+                     pricer: Pricer) -> list[dict[str, Any]]:
+    """The collectives ``node``'s chosen strategy implies, one JSON-able entry each, with what the
+    closed form needs (tensor, shape, bytes, mesh dim, group layout) and the seconds pricing charges.
+
+    ``strategy_of``: node name -> its chosen Strategy (placeholders included). The collectives are
+    the ones pricing charges (``Pricer.edge_collectives`` for resharding each input from its
+    producer's placement, ``Pricer.gradient_collectives`` for partial input gradients).
+    """
+    strategy = strategy_of(node.name)
+    terms = []
+    for arg, wanted in zip(tensor_inputs(node), strategy.inputs):
+        src, out = source_of(arg)
+        have = strategy_of(src.name).outputs[out]
+        if have is None or have == wanted:
+            continue
+        for c in pricer.edge_collectives(arg.meta["val"], have, wanted):
+            why = f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}"
+            weight = captured.gradient_kinds()[src.name] == "param"  # a parameter or a view of one
+            terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
+    args = tensor_inputs(node)
+    kinds = captured.gradient_kinds()
+    for c in pricer.gradient_collectives(node, strategy, [kinds[a.name] for a in args]):
+        terms.append(_term(c, "partial gradient", args[c.slot], captured, pricer))
+    return terms
+
+
+def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer: Pricer,
+          per_microbatch: bool = False) -> dict[str, Any]:
+    val, group = arg.meta["val"], pricer.groups[c.mesh_dim]
+    seconds = bucketed_all_reduce_time(c.nbytes, group) if c.grad_sync else collective_time(c.kind, c.nbytes, group)
+    return {"kind": c.kind, "phase": c.phase, "why": why,
+            "tensor": captured.params.get(source_of(arg)[0].name, arg.name),
+            "shape": list(val.shape), "element_bytes": pricer.element_bytes(val), "mesh_dim": c.mesh_dim,
+            "sharded_on": [d for d, p in enumerate(c.placements) if p.startswith("S(")],
+            "group": [group.size, group.per_node, group.nodes], "nbytes": c.nbytes, "seconds": seconds,
+            "grad_sync": c.grad_sync, "per_microbatch": per_microbatch}
+
+
+def collective_lines(plan_data: Mapping[str, Any], name: str) -> list[str]:
+    """Lines showing each collective of op or parameter ``name`` in closed form with its numbers;
+    none for plans that did not record collectives."""
+    ops = plan_data.get("ops", {})
+    if not any("collectives" in op for op in ops.values()):
+        return []
+    terms = ops[name].get("collectives", []) if name in ops else \
+        [t for op in ops.values() for t in op.get("collectives", []) if t["tensor"] == name]
+    if not terms:
+        return ["", "collectives: none"]
+    lines = ["", "collectives, in closed form (p ranks in the group, q of them per node, N nodes; "
+                 "cost_models/symbolic.py)"]
+    for term in terms:
+        lines += _collective_text(plan_data, term)
+    return lines
+
+
+def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> list[str]:
+    dim_names = plan_data["mesh"]["dim_names"]
+    group = _group(plan_data["cluster"], term["group"])
+    text, values = tensor_bytes_text(term["shape"], term["element_bytes"], named_dims(plan_data),
+                                     {dim_names[d]: plan_data["mesh"]["shape"][d] for d in term["sharded_on"]})
+    shown = render_collective(term["kind"], group, text, term["nbytes"])
+    seconds = collective_time(term["kind"], term["nbytes"], group)
+    given = ", ".join(f"{k}={v}" for k, v in {**values, **shown.topology}.items())
+    lines = [f"  {term['phase']} {term['kind']} over {dim_names[term['mesh_dim']]} ({term['why']} of "
+             f"{term['tensor']}): {shown.algorithm}, {shown.layout}",
+             f"      {shown.formula}" + (f"  with {given}" if given else "") + f" -> {fmt_seconds(seconds)}"]
+    if term["grad_sync"]:
+        lines.append(f"      bucketed with other gradients: charged its bandwidth term, {fmt_seconds(term['seconds'])}, "
+                     "overlapped with backward")
+    microbatches = plan_data.get("pipeline", {}).get("microbatches", 1)
+    if term["per_microbatch"] and microbatches > 1:
+        lines.append(f"      once per microbatch: x{microbatches} = {fmt_seconds(microbatches * term['seconds'])}")
+    return lines
+
+
+def _group(cluster: Mapping[str, Any], layout: list[int]) -> GroupTopology:
+    size, per_node, nodes = layout
+    device = cluster["device_spec"]
+    return GroupTopology(size=size, per_node=per_node, nodes=nodes, intra_bw=cluster["intra_bw"],
+                         inter_bw=cluster["inter_bw"], intra_latency_s=device["intra_latency_s"],
+                         inter_latency_s=device["inter_latency_s"], base_latency_s=device["base_latency_s"])
+
+
+def named_dims(plan_data: Mapping[str, Any]) -> dict[str, int]:
+    """Names for tensor dims, by priority: ``b`` (and ``s`` and the flattened ``b·s`` for token ids)
+    from the first example input's shape, then the model's dims when the plan records them
+    (``model["dims"]``). Where sizes coincide the first name wins."""
+    dims: dict[str, int] = {}
+    first = next(iter(plan_data.get("inputs", {}).values()), None)
+    if first and first.get("shape"):
+        dims["b"] = first["shape"][0]
+        if len(first["shape"]) >= 2 and str(first.get("dtype", "")).startswith("int"):
+            dims["s"] = first["shape"][1]
+            dims["b·s"] = dims["b"] * dims["s"]
+    for key, size in plan_data.get("model", {}).get("dims", {}).items():
+        dims.setdefault(key, size)
+    return dims
+
+
+def model_dims(config: Any) -> dict[str, int]:
+    """Named sizes of a model config (``h``, ``heads``, ``head_dim``, ``kv_heads``, ``ffn``, ``vocab``)
+    for ``Plan.model["dims"]``; attributes a config lacks are left out."""
+    hidden, heads = getattr(config, "hidden", None), getattr(config, "heads", None)
+    ffn = getattr(config, "ffn_hidden", None) or (
+        hidden * config.mlp_ratio if hidden and getattr(config, "mlp_ratio", None) else None)
+    dims = {"h": hidden, "ffn": ffn, "vocab": getattr(config, "vocab", None), "heads": heads,
+            "kv_heads": getattr(config, "kv_heads", None),
+            "head_dim": hidden // heads if hidden and heads else None}
+    return {k: int(v) for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}

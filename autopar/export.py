@@ -32,6 +32,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .errors import BadInputError
 from .plan import Plan
 
 __all__ = ["export_plan"]
@@ -339,6 +340,10 @@ def _plan_notes(plan: Plan) -> list[str]:
     if pipe.get("microbatches", 1) > 1:
         notes.append(f"gradient accumulation over {pipe['microbatches']} microbatches of "
                      f"{pipe.get('microbatch_size')} is the training loop's job (see the docstring)")
+    if degrees.get("zero", 0) in (1, 2):
+        notes.append(f"ZeRO-{degrees['zero']} (optimizer state{' and gradients' if degrees['zero'] == 2 else ''} "
+                     "sharded over dp, parameters replicated) is exported as plain data parallelism: shard the "
+                     "optimizer with torch.distributed.optim.ZeroRedundancyOptimizer")
     if plan.checkpointing not in ("none", "", None):
         notes.append(f"activation checkpointing ({plan.checkpointing}) is not exported: wrap blocks with "
                      "torch.utils.checkpoint yourself")
@@ -580,6 +585,9 @@ def _render_entry(code: _Code, plan: Plan, tp: _TensorParallel | None, dp: _Data
 def export_plan(plan: Plan) -> tuple[str, list[str]]:
     """Python source defining ``parallelize(model, world_mesh=None)`` for ``plan``, and notes on the parts
     of the plan that native PyTorch APIs cannot express (left replicated or to the training loop)."""
+    if "dp_replicate" in plan.mesh["dim_names"]:
+        raise BadInputError("HSDP plans (mesh dim dp_replicate) are not exported yet: pass the 2-D mesh "
+                            "mesh['dp_replicate', 'dp'] to fully_shard and split the batch over both dims by hand")
     notes = _plan_notes(plan)
     ops = _weight_ops(plan)
     names = plan.mesh["dim_names"]

@@ -93,9 +93,10 @@ class Plan:
         if not isinstance(shape, list) or not isinstance(names, list) or len(shape) != len(names) \
                 or not all(isinstance(s, int) and s > 0 for s in shape):
             raise PlanFormatError(f"{source}: mesh needs 'shape' (positive ints) and 'dim_names' lists of equal length")
-        degrees = {k: v for k, v in self.degrees.items()}
-        if not all(isinstance(v, int) and v > 0 for v in degrees.values()):
-            raise PlanFormatError(f"{source}: degrees must be positive integers, got {degrees}")
+        degrees = dict(self.degrees)
+        if not all(isinstance(v, int) and v > 0 for v in degrees.values()) or degrees.get("zero", 1) > 3:
+            raise PlanFormatError(f"{source}: degrees must be positive integers (zero: a ZeRO stage 1-3), "
+                                  f"got {degrees}")
         devices = 1
         for s in shape:
             devices *= s

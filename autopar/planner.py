@@ -1,45 +1,57 @@
 """The planner: capture once, then for every candidate mesh build the ILP, solve it, keep the best.
 
-The mesh search enumerates factorizations of the world into a data-parallel and a tensor-parallel
-dimension (``dp x tp``), with ``tp`` kept inside a node (tensor parallelism all-reduces on the critical
-path, so it belongs on NVLink; Narayanan et al., SC21). Each mesh dimension has a role that the
-placeholders' candidate placements encode:
+The mesh search enumerates factorizations of the world into pipeline stages and, per stage, a
+data-parallel and a tensor-parallel dimension (``pp x dp x tp``; ``mesh_candidates``). Unless pinned,
+``tp`` stays inside a node (tensor parallelism all-reduces on the critical path, so it belongs on
+NVLink) and ``pp`` divides the node count (stages span whole nodes; Narayanan et al., SC21). The plan's
+``mesh`` is one stage's submesh. Each mesh dimension has a role that the placeholders' candidate
+placements and the ``allow`` rules encode:
 
-* ``dp``: example inputs are split on their batch dimension (``S(0)``), parameters and buffers are
-  replicated, and every op downstream of the inputs keeps its output split (or partial) on this dim:
-  each rank works on its own share of the batch, never on a gathered copy. The gradient all_reduce
-  follows from the strategies (see ``pricing.py``).
+* ``dp``: example inputs are split on their batch dimension (``S(0)``), buffers are replicated, and
+  every op downstream of the inputs keeps its output split (or partial) on this dim: each rank works
+  on its own share of the batch, never on a gathered copy. Parameters are replicated (DDP; ZeRO-1/2
+  with ``fsdp`` 1/2, which shard the optimizer state and gradients in ``pricing.py``), sharded
+  (``fsdp=3``, FSDP) or left to the solver. The gradient all_reduce follows from the strategies.
+* ``dp_replicate`` (HSDP): a second data-parallel dim across nodes over which parameters stay
+  replicated while ``dp`` shards them inside a node; ops place tensors alike on both dims.
 * ``tp``: example inputs are replicated and every weight matrix (parameter of 2+ dims) is split on
   this dim; the ILP picks which dim (column/row, heads, vocabulary) and how activations flow
   between them (sharded, partial, or split on the sequence) from DTensor's strategies.
 
-A size-1 dimension is dropped. Constraints (``{"dp": 2, "tp": 2}``) pin degrees; the rest is searched.
-Meshes are solved in order (1-D first) with the best step time so far as a cutoff: the solver stops on
-a mesh as soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
+A size-1 dimension is dropped. Per mesh, ``_MeshSearch`` tries activation checkpointing modes (none,
+selective, full: more recomputation only when it lets fewer microbatches fit) and microbatch counts
+(without a pipeline the fewest that fit; with one, larger counts while the bubble shrinks faster than
+the kernels slow down), applying ``stages.stage_problem`` to price one device of the pipeline.
+Constraints (``{"dp": 2, "tp": 2}``) pin degrees and options; the rest is searched. Meshes are solved
+in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
+soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
 from torch import fx
 
 from .capture import CapturedGraph, module_path
-from .explain import explanations
+from .explain import collective_terms, explanations
 from .cost_models import Cluster, usable_bytes
 from .errors import BadInputError, NoFeasiblePlanError
 from .placement import is_sharded
 from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
-from .solver import Pruned, Solution, infeasible_reason, least_memory, solve
+from .solver import Pruned, Solution, exposed_grad_sync, infeasible_reason, least_memory, solve
+from .stages import CHECKPOINTING, SCHEDULES, Staging, layer_roles, stage_problem
 from .strategies import LOCAL_RULES, StrategyFinder, tensor_inputs
 
-KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "cp", "ep", "microbatches", "memory_gb", "time_limit_s", "dtype"}
+KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "dp_shard", "cp", "ep", "microbatches", "microbatch_size", "schedule",
+                     "virtual_stages", "checkpointing", "memory_gb", "time_limit_s", "dtype"}
 OVERLAP_FRACTION = 0.8
 """Share of backward compute behind which bucketed gradient all_reduce can hide (the last bucket and
 the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."""
@@ -47,7 +59,10 @@ the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."
 
 @dataclass(frozen=True)
 class MeshChoice:
-    dims: tuple[tuple[str, int], ...]  # (name, size) per mesh dim
+    """A stage submesh (``dims``: name and size per dim) and how many pipeline stages share the world."""
+
+    dims: tuple[tuple[str, int], ...]  # (name, size) per mesh dim of one stage
+    stages: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -58,66 +73,249 @@ class MeshChoice:
         return tuple(n for n, _ in self.dims)
 
     def degree(self, name: str) -> int:
-        return dict(self.dims).get(name, 1)
+        """Parallel degree of ``name``; ``dp`` counts every data-parallel rank (HSDP: replicas x shards)."""
+        if name == "pp":
+            return self.stages
+        sizes = dict(self.dims)
+        if name == "dp":
+            return sizes.get("dp", 1) * sizes.get("dp_replicate", 1)
+        return sizes.get(name, 1)
+
+    def shape_without_dp(self) -> tuple[int, bool]:
+        """The layout apart from data parallelism: the tp degree, and whether it is HSDP."""
+        return self.degree("tp"), "dp_replicate" in self.names
+
+    def dims_named(self, *names: str) -> list[int]:
+        return [i for i, (n, s) in enumerate(self.dims) if n in names and s > 1]
+
+    def describe(self) -> dict[str, int]:
+        return {**({"pp": self.stages} if self.stages > 1 else {}), **dict(self.dims)}
+
+
+@dataclass
+class Candidate:
+    """One solved (mesh, staging, microbatch count) and its pipelined step time."""
+
+    mesh: MeshChoice
+    staging: Staging
+    problem: Problem
+    solution: Solution
+    step_s: float  # solution.objective_s plus pipeline bubble and stage-to-stage transfers
+    bubble_s: float = 0.0
+    p2p_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        chosen = self.solution.choice
+        return sum(d.count * d.options[chosen[k]].cost.compute_s for k, d in self.problem.decisions.items())
 
 
 def make_plan(
     captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Mapping[str, Any] | None = None,
+    model_dims: Mapping[str, int] | None = None,
 ) -> Plan:
+    """The best plan of ``captured`` on ``cluster``. ``model_dims`` (named sizes such as ``h``, ``vocab``)
+    are recorded in ``plan.model["dims"]`` so that ``explain`` can write tensor sizes as formulas."""
     constraints = validate_constraints(constraints or {})
     dtype = constraints.get("dtype") or ("fp32" if cluster.device.name == "cpu" else "bf16")
     capacity = constraints["memory_gb"] * 1e9 if "memory_gb" in constraints else usable_bytes(cluster.device)
     batch = _global_batch(captured)
-    results: list[tuple[MeshChoice, Problem, Solution]] = []
+    results: list[Candidate] = []
     failures: list[str] = []
     pruned: list[MeshChoice] = []
     start = time.perf_counter()
-    for mesh in mesh_candidates(cluster, constraints, batch):
-        best = min((r[2].objective_s for r in results), default=None)
-        found = _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints, best)
+    search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints)
+    fits_without_stages: set[tuple] = set()  # stage meshes (without pp) on which a plan fits
+    for mesh in mesh_candidates(cluster, constraints, batch, captured.layer_count()):
+        best = min(results, key=lambda c: c.step_s, default=None)
+        if "pp" not in constraints and mesh.stages > 1 and (
+                mesh.shape_without_dp() in fits_without_stages or _pipeline_cannot_win(mesh, best, batch)):
+            pruned.append(mesh)
+            continue
+        found = search.run(mesh, best.step_s if best else None)
         if isinstance(found, MeshChoice):
             pruned.append(found)
         elif isinstance(found, str):
             failures.append(found)
         else:
             results.append(found)
+        if mesh.stages == 1 and not isinstance(found, str):
+            fits_without_stages.add(mesh.shape_without_dp())
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures))
-    results.sort(key=lambda r: r[2].objective_s)
-    mesh, problem, solution = results[0]
-    return _to_plan(captured, cluster, model_name, dtype, mesh, problem, solution, results, pruned,
-                    time.perf_counter() - start)
+    results.sort(key=lambda c: c.step_s)
+    plan = _to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
+                    time.perf_counter() - start, constraints)
+    return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
 
 
-def _solve_smallest_microbatch_count(captured, cluster, mesh, dtype, capacity, batch, constraints, cutoff_s):
-    """Gradient accumulation: the fewest microbatches whose activations fit (more only add cost:
-    smaller kernels and, with sharded parameters, one all_gather per microbatch). Returns the
-    (mesh, problem, solution), the reason nothing fit, or the mesh itself when its bound shows it
-    cannot beat ``cutoff_s`` (the best step time of the meshes solved before it)."""
-    reason = ""
-    counts = microbatch_counts(batch, mesh.degree("dp"), constraints.get("microbatches"))
-    if not counts:
-        return f"global batch {batch} cannot be cut into microbatches={constraints['microbatches']} x dp={mesh.degree('dp')}"
-    pricer = Pricer(cluster, mesh.shape, dtype)
-    whole = _problem_for(captured, mesh, pricer, capacity, constraints)
+def _pipeline_cannot_win(mesh: MeshChoice, best: Candidate | None, batch: int | None) -> bool:
+    """Whether a free pipeline mesh is skipped unsolved (a pinned ``pp`` is always solved).
+
+    A pipeline is a memory tool first: it is searched only for tensor-parallel layouts on which no
+    single-stage plan fits (Megatron-LM: "model parallelism just large enough to fit"; checked by the
+    caller). It also pays a bubble of at least ``(p - 1) / m_max`` of its compute and wins only by
+    removing communication: when the best plan so far exposes less communication than that bubble,
+    the mesh is skipped."""
+    if mesh.stages == 1 or best is None:
+        return False
+    most_microbatches = (batch or 1) // mesh.degree("dp")
+    compute = best.compute_s
+    return compute * (mesh.stages - 1) / max(1, most_microbatches) >= best.step_s - compute
+
+
+class _MeshSearch:
+    """Everything one mesh's search needs: per mesh, the schedules, checkpointing modes and
+    microbatch counts worth solving, each priced with its pipeline bubble."""
+
+    def __init__(self, captured: CapturedGraph, cluster: Cluster, dtype: str, capacity: float,
+                 batch: int | None, constraints: Mapping[str, Any]):
+        self.captured, self.cluster, self.dtype = captured, cluster, dtype
+        self.capacity, self.batch, self.constraints = capacity, batch, constraints
+        self.time_limit_s = constraints.get("time_limit_s", 30.0)
+
+    def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
+        """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
+        shows it cannot beat ``cutoff_s`` (the best step time of the meshes solved before it)."""
+        counts = microbatch_counts(self.batch, mesh.degree("dp"), self.constraints)
+        if not counts:
+            pinned = ", ".join(f"{k}={self.constraints[k]}" for k in ("microbatches", "microbatch_size")
+                               if k in self.constraints)
+            return f"global batch {self.batch} cannot be cut into {pinned} x dp={mesh.degree('dp')}"
+        pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
+        per_m = _MicrobatchProblems(_problem_for(self.captured, mesh, pricer, self.capacity, self.constraints), pricer)
+        best: Candidate | None = None
+        reason, was_pruned = "", False
+        fewest_fitting: int | None = None
+        for staging in self._stagings(mesh):
+            # more recomputation only pays when it lets fewer microbatches fit than less did
+            tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
+            first = next((i for i, m in enumerate(tried)
+                          if least_memory(self._staged(per_m[m], staging)) <= self.capacity), None)
+            if first is None:
+                if tried and not reason:
+                    reason = infeasible_reason(self._staged(per_m[tried[-1]], staging))
+                continue
+            fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
+            fewest_fitting = fitting[0]
+            found = self._best_microbatching(mesh, staging, per_m, fitting, pricer,
+                                             min(cutoff_s or float("inf"), best.step_s if best else float("inf")))
+            if isinstance(found, Candidate):
+                best = found
+            elif isinstance(found, str):
+                reason = found
+            else:
+                was_pruned = True
+        if best is not None:
+            return best
+        return mesh if was_pruned or not reason else reason
+
+    def _stagings(self, mesh: MeshChoice) -> list[Staging]:
+        layers = self.captured.layer_count()
+        schedule, chunks = "none", 1
+        if mesh.stages > 1:
+            schedule = self.constraints.get("schedule", "1f1b")
+            chunks = self.constraints.get("virtual_stages", 2 if schedule == "interleaved" else 1)
+        modes = [self.constraints["checkpointing"]] if "checkpointing" in self.constraints else list(CHECKPOINTING)
+        return [Staging(mesh.stages, layers, schedule, chunks, mode) for mode in modes]
+
+    def _staged(self, problem: Problem, staging: Staging) -> Problem:
+        return stage_problem(problem, self.captured, staging)
+
+    def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s) -> Candidate | MeshChoice | str:
+        """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
+        more microbatches shrink the bubble: larger counts are tried while the step time improves."""
+        best: Candidate | None = None
+        reason = ""
+        for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
+            problem = self._staged(per_m[m], staging)
+            try:
+                solution = solve(problem, self.time_limit_s, cutoff_s=cutoff_s)
+            except Pruned:
+                break  # no count can beat the cutoff once the fewest that fit cannot
+            except NoFeasiblePlanError as exc:
+                reason = str(exc)
+                continue
+            found = _with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer)
+            if best is not None and found.step_s >= best.step_s:
+                break
+            best = found
+            cutoff_s = min(cutoff_s, found.step_s)
+        return best if best is not None else (reason or mesh)  # mesh: pruned
+
+
+MAX_PIPELINE_MICROBATCH_TRIES = 6
+
+
+class _MicrobatchProblems(dict):
+    """``problem.with_microbatches(m)`` per microbatch count, priced on first use (re-pricing every
+    option of a large model is the costly part of trying a count)."""
+
+    def __init__(self, whole: Problem, pricer: Pricer):
+        super().__init__()
+        self.whole, self.pricer = whole, pricer
+
+    def __missing__(self, m: int) -> Problem:
+        self[m] = self.whole.with_microbatches(m, self.pricer)
+        return self[m]
+
+
+def _pipeline_microbatch_counts(fitting: list[int], stages: int) -> list[int]:
+    """Counts worth solving under a pipeline, ascending: at least ``stages`` when any fit (fewer leave
+    stages idle for most of the step), each at least twice the previous, at most a handful."""
+    counts = [m for m in fitting if m >= stages] or fitting[-1:]
+    picked: list[int] = []
     for m in counts:
-        problem = whole.with_microbatches(m, pricer)
-        if least_memory(problem) > capacity:
-            reason = infeasible_reason(problem)
+        if not picked or m >= 2 * picked[-1]:
+            picked.append(m)
+    return picked[:MAX_PIPELINE_MICROBATCH_TRIES]
+
+
+def _with_pipeline_time(captured: CapturedGraph, mesh: MeshChoice, staging: Staging, problem: Problem,
+                        solution: Solution, pricer: Pricer) -> Candidate:
+    """Step time of a pipeline: each microbatch's work (the ILP's objective less the gradient sync
+    exposed after the last microbatch, plus its transfers between stages) runs ``m + (p - 1) / v``
+    times on the critical path (the bubble is ``(p - 1) / (v m)`` of the ideal time)."""
+    if staging.stages == 1:
+        return Candidate(mesh, staging, problem, solution, solution.objective_s)
+    m = problem.microbatches
+    transfer = sum(pricer.stage_transfer(nbytes / m, copies_dim)
+                   for nbytes, copies_dim in _boundary_tensors(captured, problem, solution, pricer, mesh))
+    p2p = 2 * staging.chunks * m * transfer  # activations forward, their gradients backward
+    per_microbatch = (solution.objective_s - exposed_grad_sync(problem, solution.choice) + p2p) / m
+    bubble = per_microbatch * m * staging.bubble_fraction(m)
+    return Candidate(mesh, staging, problem, solution, solution.objective_s + p2p + bubble, bubble, p2p)
+
+
+def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer,
+                      mesh: MeshChoice) -> list[tuple[float, int | None]]:
+    """Per tensor one layer hands the next: (bytes per device for the whole batch, the tp mesh dim if
+    every rank of it holds the same copy, else None), as the solution places it."""
+    roles = layer_roles(captured, problem)
+    tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
+    layers = max(1, captured.layer_count())
+    out = []
+    for key in sorted(roles.boundary):
+        d = problem.decisions[key]
+        placements = d.options[solution.choice[key]].strategy.outputs[0]
+        val = captured.node(d.nodes[0]).meta["val"]
+        if placements is None or not isinstance(val, torch.Tensor):
             continue
-        try:
-            return mesh, problem, solve(problem, constraints.get("time_limit_s", 30.0), cutoff_s=cutoff_s)
-        except Pruned:
-            return mesh  # more microbatches only cost more
-        except NoFeasiblePlanError as exc:
-            reason = str(exc)
-    return reason
+        per_layer = len(d.nodes) / layers
+        copies = next((i for i in tp_dims if placements[i] == "R" and mesh.shape[i] > 1), None)
+        out.append((pricer.local_bytes(val, placements) * per_layer, copies))
+    return out
 
 
-def microbatch_counts(batch: int | None, dp: int, fixed: int | None) -> list[int]:
-    """Microbatch counts m with every microbatch still split evenly over dp (batch % (m * dp) == 0)."""
+def microbatch_counts(batch: int | None, dp: int, constraints: Mapping[str, Any]) -> list[int]:
+    """Microbatch counts m with every microbatch still split evenly over dp (batch % (m * dp) == 0),
+    ascending; one count when ``microbatches`` or ``microbatch_size`` (per dp rank) is pinned."""
     if batch is None:
         return [1]
+    if "microbatch_size" in constraints:
+        size = constraints["microbatch_size"] * dp
+        return [batch // size] if batch % size == 0 else []
+    fixed = constraints.get("microbatches")
     if fixed is not None:
         return [] if batch % (fixed * dp) else [fixed]
     return [m for m in _divisors(batch // dp) if (batch // m) % dp == 0]
@@ -131,10 +329,7 @@ def _shortfall(failures: list[str]) -> str:
     return "no plan fits any mesh; closest: " + min((f for f in failures if "cannot be cut" not in f), key=len)
 
 
-NOT_YET = {"sp": "sequence parallelism is chosen by the solver and cannot be pinned yet",
-           "schedule": "pipeline schedules are not implemented yet",
-           "checkpointing": "activation checkpointing is not implemented yet",
-           "microbatch_size": "pin microbatches instead"}
+NOT_YET = {"sp": "sequence parallelism is chosen by the solver and cannot be pinned yet"}
 
 
 def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,24 +341,47 @@ def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
         raise BadInputError(f"unknown constraint(s) {', '.join(sorted(unknown))}: "
                             f"known are {', '.join(sorted(KNOWN_CONSTRAINTS))}")
     out = dict(constraints)
-    for key in ("pp", "cp", "ep"):
+    for key in ("cp", "ep"):
         if int(out.get(key, 1)) != 1:
             raise BadInputError(f"constraint {key}={out[key]}: this version plans {key}=1 only "
-                                "(pipeline, context and expert parallelism are not implemented yet)")
+                                "(context and expert parallelism are not implemented yet)")
     if "fsdp" in out:
-        if str(out["fsdp"]) not in ("0", "3"):
-            raise BadInputError(f"constraint fsdp={out['fsdp']}: this version plans fsdp=0 (replicated "
-                                "parameters) or fsdp=3 (parameters sharded on dp); ZeRO-1/2 are not implemented")
+        if str(out["fsdp"]) not in ("0", "1", "2", "3"):
+            raise BadInputError(f"constraint fsdp={out['fsdp']!r}: expected a ZeRO stage, 0 (replicated "
+                                "parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) or 3 "
+                                "(and parameters: FSDP)")
         out["fsdp"] = int(out["fsdp"])
-    for key in ("dp", "tp", "microbatches"):
+    for key in ("dp", "tp", "pp", "dp_shard", "microbatches", "microbatch_size", "virtual_stages"):
         if key in out:
             out[key] = _positive(key, out[key], int)
+    if "dp_shard" in out and out.get("fsdp", 3) != 3:
+        raise BadInputError(f"constraint dp_shard={out['dp_shard']} (HSDP) shards parameters: it needs fsdp=3, "
+                            f"got fsdp={out['fsdp']}")
+    if "microbatches" in out and "microbatch_size" in out:
+        raise BadInputError("constraints microbatches and microbatch_size: pin one of them (the global batch "
+                            "fixes the other)")
     for key in ("memory_gb", "time_limit_s"):
         if key in out:
             out[key] = _positive(key, out[key], float)
     if out.get("dtype") not in (None, "fp32", "bf16", "fp16"):
         raise BadInputError(f"constraint dtype={out['dtype']!r}: expected fp32, bf16 or fp16")
+    _check_choice(out, "checkpointing", CHECKPOINTING)
+    _check_choice(out, "schedule", SCHEDULES)
+    if out.get("schedule") == "interleaved" and out.get("virtual_stages", 2) < 2:
+        raise BadInputError("constraint virtual_stages must be at least 2 with schedule=interleaved")
+    if "virtual_stages" in out and out["virtual_stages"] > 1 and out.get("schedule", "interleaved") != "interleaved":
+        raise BadInputError(f"constraint virtual_stages={out['virtual_stages']} needs schedule=interleaved")
+    if "virtual_stages" in out and out["virtual_stages"] > 1:
+        out["schedule"] = "interleaved"
     return out
+
+
+def _check_choice(out: dict[str, Any], key: str, allowed: tuple[str, ...]) -> None:
+    if key in out:
+        value = str(out[key]).lower()
+        if value not in allowed:
+            raise BadInputError(f"constraint {key}={out[key]!r}: expected one of {', '.join(allowed)}")
+        out[key] = value
 
 
 def _positive(key: str, value: Any, kind: type) -> Any:
@@ -176,33 +394,83 @@ def _positive(key: str, value: Any, kind: type) -> Any:
     return number
 
 
-def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int | None) -> list[MeshChoice]:
+def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int | None,
+                    layers: int = 0) -> list[MeshChoice]:
+    """Every ``pp x dp x tp`` factorization of the world the constraints and topology allow, pipeline
+    degree first (1 first), then tensor-parallel degree. Unless pinned, ``tp`` stays inside a node
+    (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
+    nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21)."""
     world = cluster.world_size
-    fixed_dp, fixed_tp = constraints.get("dp"), constraints.get("tp")
-    if fixed_dp and fixed_tp and fixed_dp * fixed_tp != world:
-        raise BadInputError(f"dp={fixed_dp} x tp={fixed_tp} = {fixed_dp * fixed_tp}, but the cluster "
-                            f"{cluster.spec} has {world} devices")
-    for key, value in (("dp", fixed_dp), ("tp", fixed_tp)):
-        if value and world % value:
-            raise BadInputError(f"{key}={value} does not divide the {world} devices of {cluster.spec}")
+    fixed = {k: constraints.get(k) for k in ("pp", "dp", "tp")}
+    if fixed["dp"] and fixed["tp"] and not fixed["pp"] and world % (fixed["dp"] * fixed["tp"]) == 0:
+        fixed["pp"] = world // (fixed["dp"] * fixed["tp"])  # dp and tp pinned: the rest are stages
+    _check_fixed_degrees(cluster, fixed, layers, constraints)
     out = []
-    for tp in _divisors(world):
-        dp = world // tp
-        if (fixed_tp and tp != fixed_tp) or (fixed_dp and dp != fixed_dp):
+    for pp in _divisors(world):
+        if fixed["pp"] and pp != fixed["pp"] or not fixed["pp"] and not _free_stages_ok(pp, cluster, layers):
             continue
-        if not fixed_tp and tp > cluster.devices_per_node:
-            continue  # keep tensor parallelism on NVLink unless asked otherwise
-        if batch is not None and batch % dp:
-            if fixed_dp:
-                raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
-            continue
-        dims = tuple((n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1) or (("dp", 1),)
-        out.append(MeshChoice(dims))
+        for tp in _divisors(world // pp):
+            dp = world // (pp * tp)
+            if (fixed["tp"] and tp != fixed["tp"]) or (fixed["dp"] and dp != fixed["dp"]):
+                continue
+            if not fixed["tp"] and tp > cluster.devices_per_node:
+                continue  # keep tensor parallelism on NVLink unless asked otherwise
+            if batch is not None and batch % dp:
+                if fixed["dp"]:
+                    raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
+                continue
+            for replicas in _replica_counts(cluster, constraints, dp, tp):
+                named = (("dp_replicate", replicas), ("dp", dp // replicas), ("tp", tp))
+                dims = tuple((n, s) for n, s in named if s > 1) or (("dp", 1),)
+                out.append(MeshChoice(dims, pp))
     if not out:
         raise BadInputError(f"global batch {batch} cannot be split over any data-parallel degree of "
                             f"{world} devices with tp <= {cluster.devices_per_node}: use a batch divisible "
                             f"by {world // min(world, cluster.devices_per_node)}")
     return out
+
+
+def _replica_counts(cluster: Cluster, constraints: Mapping[str, Any], dp: int, tp: int) -> list[int]:
+    """HSDP replica groups to try for a data-parallel degree: 1 (plain DDP/FSDP), and, when the dp
+    group leaves the node and parameters may be sharded, shard groups that fill a node's devices
+    (parameter gathers on NVLink, only the gradient all_reduce across nodes; Zhao et al., VLDB 2023).
+    ``dp_shard`` pins the shard group."""
+    if "dp_shard" in constraints:
+        shard = constraints["dp_shard"]
+        if dp % shard:
+            return []
+        return [dp // shard]
+    shard = cluster.devices_per_node // tp
+    if constraints.get("fsdp", 3) != 3 or shard <= 1 or dp % shard or dp <= shard:
+        return [1]
+    return [1, dp // shard]
+
+
+def _free_stages_ok(pp: int, cluster: Cluster, layers: int) -> bool:
+    return pp == 1 or (cluster.nodes % pp == 0 and pp <= layers)
+
+
+def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers: int,
+                         constraints: Mapping[str, Any]) -> None:
+    world = cluster.world_size
+    for key, value in fixed.items():
+        if value and world % value:
+            raise BadInputError(f"{key}={value} does not divide the {world} devices of {cluster.spec}")
+    pinned = [v for v in fixed.values() if v]
+    product = 1
+    for v in pinned:
+        product *= v
+    if world % product or (len(pinned) == 3 and product != world):
+        raise BadInputError(" x ".join(f"{k}={v}" for k, v in fixed.items() if v)
+                            + f" = {product} does not fit the {world} devices of {cluster.spec}")
+    pp = fixed["pp"] or 1
+    chunks = constraints.get("virtual_stages", 2 if constraints.get("schedule") == "interleaved" else 1)
+    if pp > 1 and chunks > 1 and pp * chunks > layers:
+        raise BadInputError(f"pp={pp} with {chunks} virtual stages needs {pp * chunks} layers; the model has {layers}")
+    if pp > 1 and layers == 0:
+        raise BadInputError(f"pp={pp}: the model has no repeated layers to split into pipeline stages")
+    if pp > layers > 0:
+        raise BadInputError(f"pp={pp}: the model has only {layers} repeated layers to split into stages")
 
 
 def _divisors(n: int) -> list[int]:
@@ -216,25 +484,38 @@ def _global_batch(captured: CapturedGraph) -> int | None:
     return int(val.shape[0]) if val.ndim else None
 
 
+def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Mapping[str, Any]) -> Pricer:
+    """The pricer of one stage of ``mesh``; ``fsdp`` 1 or 2 pins ZeRO-1/2 optimizer (and gradient) sharding."""
+    zero = constraints.get("fsdp") if constraints.get("fsdp") in (1, 2) else 0
+    return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
+                  dp_dims=mesh.dims_named("dp", "dp_replicate"))
+
+
 def _problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
                  constraints: Mapping[str, Any]) -> Problem:
+    """The ILP of one stage under the dims' roles. ``dp`` and ``dp_replicate`` split the batch;
+    parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp``, replicated
+    (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose."""
     shape = mesh.shape
-    dp_dims = [i for i, n in enumerate(mesh.names) if n == "dp" and shape[i] > 1]
+    dp_dims = mesh.dims_named("dp", "dp_replicate")
+    shard_dims = mesh.dims_named("dp")
+    replica_dims = mesh.dims_named("dp_replicate")
     tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
     pins_buffers = {i: "R" for i in dp_dims}
-    fsdp = constraints.get("fsdp")
-    pins_params = {i: "R" for i in dp_dims} if fsdp == 0 else {}
-    sharded_on_dp = dp_dims if fsdp == 3 else []
-    pins_inputs = {i: ("S(0)" if n == "dp" else "R") for i, n in enumerate(mesh.names)}
+    fsdp = 3 if replica_dims else constraints.get("fsdp")
+    pins_params = {i: "R" for i in (dp_dims if fsdp in (0, 1, 2) else replica_dims)}
+    sharded_on_dp = shard_dims if fsdp == 3 else []
+    pins_inputs = {i: ("S(0)" if n in ("dp", "dp_replicate") else "R") for i, n in enumerate(mesh.names)}
     param_candidates = placeholder_candidates(shape, pins_params)
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
-        allow=_both(_batch_stays_split(captured, dp_dims), _weights_stay_split(captured, tp_dims)),
+        allow=_all_of(_batch_stays_split(captured, dp_dims), _weights_stay_split(captured, tp_dims),
+                      _replicas_act_as_shards(replica_dims, shard_dims)),
     )
-    return build_problem(captured, StrategyFinder(shape), pricer, roles,
-                         capacity, OVERLAP_FRACTION)
+    copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
+    return build_problem(captured, StrategyFinder(shape, copies), pricer, roles, capacity, OVERLAP_FRACTION)
 
 
 def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
@@ -275,8 +556,20 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
     return allow
 
 
-def _both(first, second):
-    return lambda node, strategy: first(node, strategy) and second(node, strategy)
+def _replicas_act_as_shards(replica_dims: list[int], shard_dims: list[int]):
+    """HSDP: its two data-parallel dims split the work as one; every op places its tensors alike on
+    both (only parameters differ: replicated across replica groups, sharded within one)."""
+    pairs = [(r, s) for r in replica_dims for s in shard_dims]
+
+    def allow(node: fx.Node, strategy) -> bool:
+        placed = [p for p in (*strategy.inputs, *strategy.outputs) if p is not None]
+        return all(p[r] == p[s] for p in placed for r, s in pairs)
+
+    return allow
+
+
+def _all_of(*rules):
+    return lambda node, strategy: all(rule(node, strategy) for rule in rules)
 
 
 def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:
@@ -289,48 +582,64 @@ def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:
 
 # ---- assembling the Plan ------------------------------------------------------------------------
 
-def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, mesh: MeshChoice,
-             problem: Problem, solution: Solution, results: list, pruned: list[MeshChoice],
-             search_wall_s: float) -> Plan:
+def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
+             results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
+             constraints: Mapping[str, Any]) -> Plan:
+    mesh, problem, solution, staging = best.mesh, best.problem, best.solution, best.staging
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
-    pricer = Pricer(cluster, mesh.shape, dtype)
+    pricer = pricer_for(cluster, mesh, dtype, constraints)
     placements = {fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.params.items()}
-    predicted = _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pricer)
     return Plan(
         model={"name": model_name, "params": captured.num_params(), "layers": captured.layer_count(),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
                "dtype": dtype},
         cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
         mesh={"shape": list(mesh.shape), "dim_names": list(mesh.names)},
-        degrees=_degrees(mesh, captured, by_node),
-        pipeline={"stages": [[0, captured.layer_count()]], "schedule": "none",
-                  "microbatches": problem.microbatches,
-                  "microbatch_size": (_global_batch(captured) or 1) // (problem.microbatches * mesh.degree("dp"))},
-        checkpointing="none",
+        degrees=_degrees(mesh, captured, by_node, pricer.zero_stage),
+        pipeline=_pipeline_section(captured, best),
+        checkpointing=staging.checkpointing,
         placements=placements,
         inputs={name: {"placements": list(by_node[name][1].strategy.outputs[0]),
                        "shape": list(captured.node(name).meta["val"].shape),
                        "dtype": str(captured.node(name).meta["val"].dtype).replace("torch.", "")}
                 for name in captured.user_inputs},
         buffers={fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.buffers.items()},
-        ops=_ops(captured, problem, solution, by_node),
-        predicted=predicted,
+        ops=_ops(captured, problem, solution, by_node, pricer),
+        predicted=_predicted(captured, cluster, best, chosen, pricer),
         solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
                 "gap": solution.gap, "wall_s": solution.wall_s, "search_wall_s": search_wall_s,
                 "variables": solution.variables, "constraints": solution.constraints,
                 "decisions": len(problem.decisions), "meshes_tried": len(results) + len(pruned),
-                "pruned_meshes": [dict(m.dims) for m in pruned]},
+                "pruned_meshes": [m.describe() for m in pruned]},
         explanations=explanations(problem, solution.choice, _explanation_index(captured, problem)),
-        candidates=[{"mesh": {"shape": list(m.shape), "dim_names": list(m.names)},
-                     "degrees": {"dp": m.degree("dp"), "tp": m.degree("tp")}, "microbatches": pr.microbatches,
-                     "step_time_s": s.objective_s, "status": s.status} for m, pr, s in results],
+        candidates=[{"mesh": {"shape": list(c.mesh.shape), "dim_names": list(c.mesh.names)},
+                     "degrees": {"pp": c.mesh.stages, "dp": c.mesh.degree("dp"), "tp": c.mesh.degree("tp")},
+                     "microbatches": c.problem.microbatches, "schedule": c.staging.schedule,
+                     "checkpointing": c.staging.checkpointing,
+                     "step_time_s": c.step_s, "status": c.solution.status} for c in results],
     )
 
 
-def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node: dict) -> dict[str, dict[str, Any]]:
-    """Each op's strategy and, per occurrence, its predicted cost (own + resharding of its inputs)."""
+def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any]:
+    """Stages as layer ranges ``[first, last + 1)``: ``p`` of them, or ``p v`` model chunks (chunk
+    ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range."""
+    staging, m = best.staging, best.problem.microbatches
+    layers = captured.layer_count()
+    chunks = staging.stages * staging.chunks
+    per_chunk = math.ceil(layers / chunks) if layers else 0
+    ranges = [[min(i * per_chunk, layers), min((i + 1) * per_chunk, layers)] for i in range(chunks)]
+    return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
+            "microbatches": m,
+            "microbatch_size": (_global_batch(captured) or 1) // (m * best.mesh.degree("dp"))}
+
+
+def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node: dict, pricer: Pricer
+         ) -> dict[str, dict[str, Any]]:
+    """Each op's strategy and, per occurrence, its predicted cost (own + resharding of its inputs) and
+    the collectives behind that cost (shown in closed form by ``autopar explain``)."""
     reshard = _incoming_reshard(problem, solution)
+    strategy_of = lambda name: by_node[name][1].strategy  # noqa: E731
     ops = {}
     for node in captured.graph.nodes:
         if node.op == "call_function" and node.name in by_node:
@@ -346,6 +655,9 @@ def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node:
                                        "memory_bytes": int(c.memory_bytes)}}
             if str(node.target) in problem.unsupported_ops or node.target in LOCAL_RULES:
                 ops[node.name]["local"] = True
+            collectives = collective_terms(node, captured, strategy_of, pricer)
+            if collectives:
+                ops[node.name]["collectives"] = collectives
     return ops
 
 
@@ -371,15 +683,18 @@ def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, s
     return index
 
 
-def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict) -> dict[str, int]:
+def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stage: int) -> dict[str, int]:
+    """Degrees of design.md §5, plus ``dp_replicate`` (HSDP's replica groups, 1 without HSDP) and, when
+    anything is sharded over data parallelism, ``zero``: the ZeRO stage (1-2 optimizer state and
+    gradients sharded, 3 parameters too); absent for DDP."""
     tp, dp = mesh.degree("tp"), mesh.degree("dp")
     fsdp = 1
-    if dp > 1:  # fsdp = dp when most parameter bytes are sharded on the dp dim
+    if mesh.dims_named("dp"):  # fsdp = the shard group when most parameter bytes are sharded on it
         dp_dim = mesh.names.index("dp")
         numel = {n: captured.node(n).meta["val"].numel() for n in captured.params}
         sharded = sum(numel[n] for n in captured.params if is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]))
         if sharded * 2 > sum(numel.values()):
-            fsdp = dp
+            fsdp = mesh.degree("dp") // mesh.degree("dp_replicate")
     sp = 1
     if tp > 1:
         tp_dim = mesh.names.index("tp")
@@ -388,10 +703,14 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict) -> dict[s
                 out = by_node[node.name][1].strategy.outputs[0]
                 if out is not None and is_sharded(out[tp_dim]) and out[tp_dim] != f"S({node.meta['val'][0].ndim - 1})":
                     sp = tp
-    return {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": 1}
+    zero = 3 if fsdp > 1 else zero_stage
+    return {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
+            "dp_replicate": mesh.degree("dp_replicate"), **({"zero": zero} if zero else {})}
 
 
-def _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pricer) -> dict[str, Any]:
+def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, chosen: dict, pricer: Pricer
+               ) -> dict[str, Any]:
+    problem, mesh = best.problem, best.mesh
     compute = sync = hide = 0.0
     comm: dict[str, float] = {}
     memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
@@ -408,9 +727,10 @@ def _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pric
         q = chosen[edge.dst].strategy.inputs[edge.slot]
         for kind, s in edge.price[(p, q)].comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + edge.count * s
+    comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s
     exposed = sum(comm.values()) + max(0.0, sync - hide)
     comm["all_reduce"] = comm.get("all_reduce", 0.0) + sync
-    step = solution.objective_s
+    step = best.step_s
     flops = model_flops(captured)
     peak = cluster.device.peak(pricer.dtype)
     tokens = _tokens_per_step(captured)
@@ -422,7 +742,7 @@ def _predicted(captured, cluster, mesh, problem, solution, chosen, by_node, pric
         "comm_s": {k: comm.get(k, 0.0) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")},
         "grad_sync_s": sync,
         "exposed_comm_s": exposed,
-        "bubble_s": 0.0,
+        "bubble_s": best.bubble_s,
         "peak_memory_bytes": int(sum(memory.values())),
         "memory_bytes": {k: int(v) for k, v in memory.items()},
         "memory_capacity_bytes": problem.memory_capacity_bytes,

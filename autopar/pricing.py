@@ -54,8 +54,10 @@ class Cost:
     kernel: tuple[float, float, str] | None = None  # forward (flops, bytes moved, kind) on the whole batch
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
+    forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
 
     def add_comm(self, kind: str, seconds: float) -> None:
+        """Add ``seconds`` of critical-path collective ``kind``."""
         if seconds > 0:
             self.comm_s[kind] = self.comm_s.get(kind, 0.0) + seconds
 
@@ -68,33 +70,51 @@ class Pricer:
     """Prices for one (cluster, mesh shape, compute dtype), for the whole batch in one piece.
 
     ``for_microbatches`` re-prices a cost for gradient accumulation over m microbatches: kernels run
-    m times on 1/m of the batch, activations shrink m-fold, parameter gathers repeat m times.
+    m times on 1/m of the batch, activations shrink m-fold, parameter gathers repeat m times, and the
+    gradient all_reduce (issued after the last microbatch) can hide only behind that microbatch's
+    backward.
+
+    ``stages``: the mesh is one pipeline stage's submesh; the cluster's devices are ``stages`` such
+    submeshes, the pipeline dimension outermost (slowest varying), so a stage's dims keep the node
+    layout they have in the full ``(stages, *mesh_shape)`` mesh.
     """
 
-    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str):
+    def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
+                 zero_stage: int = 0, dp_dims: Sequence[int] = ()):
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
-        self.groups = [cluster.group(self.mesh_shape, d) for d in range(len(self.mesh_shape))]
+        self.stages = stages
+        self.zero_stage = zero_stage
+        self.dp_dims = tuple(dp_dims)
+        full = (stages, *self.mesh_shape)
+        self.groups = [cluster.group(full, d + 1) for d in range(len(self.mesh_shape))]
+        self.stage_group = cluster.group(full, 0)
         self._edge_cache: dict[tuple, Cost] = {}
 
     def for_microbatches(self, cost: Cost, m: int) -> Cost:
         if m == 1:
             return cost
-        out = replace(cost, comm_s=dict(cost.comm_s))
+        out = replace(cost, comm_s=dict(cost.comm_s), forward_comm_s=dict(cost.forward_comm_s))
         if cost.kernel is not None:
-            out.compute_s, out.backward_compute_s = self._kernel_times(cost.kernel, m)
+            out.compute_s, last_backward = self._kernel_times(cost.kernel, m)
+            out.backward_compute_s = last_backward / m
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
         if cost.repeats_per_microbatch:
             out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
+            out.forward_comm_s = {k: v * m for k, v in cost.forward_comm_s.items()}
         return out
 
     def _kernel_times(self, kernel: tuple[float, float, str], m: int) -> tuple[float, float]:
         """(forward + backward, backward) seconds of a kernel run once per microbatch; backward = 2x forward."""
-        flops, moved, kind = kernel
-        forward = m * compute_time(flops / m, moved / m, self.cluster.device, self.dtype, kind)
+        forward = self.forward_time(kernel, m)
         return 3 * forward, 2 * forward
+
+    def forward_time(self, kernel: tuple[float, float, str], m: int = 1) -> float:
+        """Forward seconds of a kernel (priced on the whole batch) run once per microbatch, m times."""
+        flops, moved, kind = kernel
+        return m * compute_time(flops / m, moved / m, self.cluster.device, self.dtype, kind)
 
     # ---- sizes -------------------------------------------------------------------------------
     def element_bytes(self, val: torch.Tensor) -> int:
@@ -150,31 +170,65 @@ class Pricer:
     def _partial_gradients(
         self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], cost: Cost
     ) -> None:
+        for c in self.gradient_collectives(node, strategy, grad_kinds):
+            group = self.groups[c.mesh_dim]
+            if c.grad_sync:
+                cost.grad_sync_s += bucketed_all_reduce_time(c.nbytes, group)
+            else:
+                cost.add_comm(c.kind, collective_time(c.kind, c.nbytes, group))
+
+    def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
+                             ) -> list["Collective"]:
+        """Backward all_reduces a strategy implies: an input that is ``R`` on a dim where the output is
+        not is used differently by each rank, so its gradient is a partial sum (for a parameter, the
+        data-parallel gradient sync; for an activation, Megatron's "f" on the critical path)."""
         out = strategy.outputs[0] if strategy.outputs else None
-        if out is None:
-            return
-        for arg, placements, kind in zip(tensor_inputs(node), strategy.inputs, grad_kinds):
+        if out is None or getattr(node.target, "is_view", False):
+            return []
+        found = []
+        for slot, (arg, placements, kind) in enumerate(zip(tensor_inputs(node), strategy.inputs, grad_kinds)):
             val = arg.meta["val"]
             if kind == "none" or not val.dtype.is_floating_point:
                 continue  # no gradient flows back into this input
-            is_param = kind == "param"
             for dim, group in enumerate(self.groups):
                 if placements[dim] == "R" and out[dim] != "R" and group.size > 1:
-                    nbytes = self.local_bytes(val, placements)
-                    if is_param:
-                        cost.grad_sync_s += bucketed_all_reduce_time(nbytes, group)
-                    else:
-                        cost.add_comm("all_reduce", collective_time("all_reduce", nbytes, group))
+                    found.append(Collective("all_reduce", "backward", self.local_bytes(val, placements), dim,
+                                            placements, grad_sync=kind == "param", slot=slot))
+        return found
+
+    # ---- pipeline ----------------------------------------------------------------------------
+    def stage_transfer(self, nbytes: float, copies_dim: int | None) -> float:
+        """Seconds to hand a tensor of ``nbytes`` per device to the next pipeline stage. A tensor that
+        every rank of mesh dim ``copies_dim`` holds whole is sent as slices, one per rank, and
+        all-gathered on arrival (Megatron's scatter/gather optimization, Narayanan et al., SC21 §4.1)."""
+        if self.stages == 1:
+            return 0.0
+        group = self.groups[copies_dim] if copies_dim is not None else None
+        crosses_nodes = self.stage_group.nodes > 1
+        pair = replace(self.stage_group, size=2, per_node=1 if crosses_nodes else 2, nodes=2 if crosses_nodes else 1)
+        seconds = collective_time("send_recv", nbytes / (group.size if group else 1), pair)
+        if group is not None:
+            seconds += collective_time("all_gather", nbytes, group)
+        return seconds
 
     # ---- placeholders ------------------------------------------------------------------------
     def parameter_memory(self, val: torch.Tensor, placements: Placements) -> dict[str, float]:
-        """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state."""
+        """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state.
+
+        Under ZeRO-1 (``zero_stage`` 1) a parameter replicated on the data-parallel dims keeps only its
+        share of the optimizer state, under ZeRO-2 also of the gradient (Rajbhandari et al., SC20);
+        ZeRO-3 is a parameter sharded on those dims, which ``local_numel`` already divides.
+        """
         numel = int(self.local_numel(val, placements))
         state_dtype = torch.float32 if self.dtype == "fp32" else torch.bfloat16
+        shards = 1
+        for d in self.dp_dims:
+            if placements[d] == "R":
+                shards *= self.mesh_shape[d]
         return {
             "params": numel * self.element_bytes(val),
-            "grads": numel * self.element_bytes(val),
-            "optimizer": adamw_state_bytes(numel, state_dtype, master_fp32=True),
+            "grads": numel * self.element_bytes(val) / (shards if self.zero_stage >= 2 else 1),
+            "optimizer": adamw_state_bytes(numel, state_dtype, master_fp32=True) / (shards if self.zero_stage >= 1 else 1),
         }
 
     # ---- edges -------------------------------------------------------------------------------
@@ -188,17 +242,38 @@ class Pricer:
 
     def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
-        if src == dst:
-            return cost
+        for c in self.edge_collectives(val, src, dst):
+            seconds = collective_time(c.kind, c.nbytes, self.groups[c.mesh_dim])
+            cost.add_comm(c.kind, seconds)
+            if c.phase == "forward" and seconds > 0:
+                cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
+        return cost
+
+    def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements) -> list["Collective"]:
+        """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
+        (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim)."""
+        found = []
         for dim, group in enumerate(self.groups):
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:
                 continue
-            nbytes = self.local_bytes(val, _unsharded_on(dst, dim)) if b.startswith("S(") or a.startswith("S(") \
-                else self.local_bytes(val, dst)
-            for kind in _transition(a, b):
-                cost.add_comm(kind, collective_time(kind, nbytes, group))
-        return cost
+            seen = _unsharded_on(dst, dim) if b.startswith("S(") or a.startswith("S(") else dst
+            for phase, kinds in zip(("forward", "backward"), _transition(a, b)):
+                found += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
+        return found
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a strategy or a resharding implies: what the cost formulas and views need."""
+
+    kind: str
+    phase: str  # forward | backward
+    nbytes: float  # full-tensor bytes as the group sees it (collective_time's convention)
+    mesh_dim: int
+    placements: Placements  # of the tensor as the group sees it (nbytes are its local bytes)
+    grad_sync: bool = False  # a parameter's gradient all_reduce (bucketed, overlapped with backward)
+    slot: int | None = None  # for an input gradient: which tensor input of the node
 
 
 def bucketed_all_reduce_time(nbytes: float, group) -> float:
@@ -215,26 +290,26 @@ def _unsharded_on(placements: Placements, dim: int) -> Placements:
     return tuple("R" if i == dim else p for i, p in enumerate(placements))
 
 
-def _transition(src: str, dst: str) -> tuple[str, ...]:
-    """Collectives (forward, then backward dual) that turn placement ``src`` into ``dst`` on one dim."""
+def _transition(src: str, dst: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(forward, backward) collectives that turn placement ``src`` into ``dst`` on one mesh dim."""
     s_shard, d_shard = src.startswith("S("), dst.startswith("S(")
     s_part, d_part = src.startswith("P"), dst.startswith("P")
     if s_shard and dst == "R":
-        return ("all_gather",)
+        return ("all_gather",), ()
     if s_part and dst == "R":
-        return ("all_reduce",)
+        return ("all_reduce",), ()
     if s_part and d_shard:
-        return ("reduce_scatter", "all_gather")
-    if src == "R" and d_shard:
-        return ("all_gather",)
+        return ("reduce_scatter",), ("all_gather",)
+    if src == "R" and d_shard:  # a local slice; its gradient is gathered back
+        return (), ("all_gather",)
     if s_shard and d_shard:
-        return ("all_to_all", "all_to_all")
+        return ("all_to_all",), ("all_to_all",)
     if s_part and d_part:  # P(sum) <-> P(avg): reduce, then re-split for free
-        return ("all_reduce",)
+        return ("all_reduce",), ()
     if d_part and src == "R":
-        return ()
+        return (), ()
     if s_shard and d_part:
-        return ("all_gather",)
+        return ("all_gather",), ()
     raise AssertionError(f"no transition rule for {src} -> {dst}")
 
 

@@ -35,10 +35,12 @@ class Decision:
     key: str
     nodes: list[str]  # graph nodes that share this decision
     options: list[Option]
+    scale: float = 1.0  # share of the nodes one device runs (a pipeline stage holds some of the layers)
 
     @property
-    def count(self) -> int:
-        return len(self.nodes)
+    def count(self) -> float:
+        """Occurrences the solver pays for: the nodes sharing the decision, times ``scale``."""
+        return len(self.nodes) * self.scale
 
 
 @dataclass
@@ -49,7 +51,7 @@ class Edge:
     src_out: int
     dst: str
     slot: int
-    count: int
+    count: float  # occurrences the solver pays for (scaled like the consumer's decision)
     price: dict[tuple[Placements, Placements], Cost] = field(default_factory=dict)
 
 
@@ -66,7 +68,7 @@ class Problem:
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches."""
         decisions = {
-            k: Decision(d.key, d.nodes, [Option(o.strategy, pricer.for_microbatches(o.cost, m)) for o in d.options])
+            k: replace(d, options=[Option(o.strategy, pricer.for_microbatches(o.cost, m)) for o in d.options])
             for k, d in self.decisions.items()
         }
         edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count,
@@ -172,9 +174,10 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
             else:
                 grouped[ekey] = Edge(*ekey, count=1)
                 vals[ekey] = arg.meta["val"]
-    params = {keys[name] for name in captured.params}
+    kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
+    weights = {keys[name] for name, kind in kinds.items() if kind == "param"}
     for ekey, edge in grouped.items():
-        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in params)
+        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in weights)
     return list(grouped.values())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from .collectives import KINDS, predicted_collectives
 from .plan import Plan
 
 _LAYER = re.compile(r"\.\d+\.")
@@ -56,6 +57,19 @@ def collapsed_placements(placements: dict[str, list[str]]) -> list[tuple[str, st
     return rows
 
 
+def _schedule_text(plan: Plan) -> str:
+    """Pipeline stages, schedule and microbatching, and activation checkpointing, in one line."""
+    pipe = plan.pipeline
+    m, size = pipe.get("microbatches", 1), pipe.get("microbatch_size", "?")
+    stages = plan.degrees.get("pp", 1)
+    text = f"{m} microbatch{'es' if m > 1 else ''} of {size} per data-parallel rank"
+    if stages > 1:
+        chunks = pipe.get("virtual_stages", 1)
+        text = (f"pp={stages} {pipe.get('schedule')}" + (f" (v={chunks})" if chunks > 1 else "")
+                + f", layer ranges {pipe.get('stages')}, " + text)
+    return text + f"; checkpointing {plan.checkpointing}"
+
+
 def summarize(plan: Plan) -> str:
     p = plan.predicted
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh["dim_names"], plan.mesh["shape"]))
@@ -66,6 +80,7 @@ def summarize(plan: Plan) -> str:
         f"cluster   {plan.cluster['spec']}  ({plan.cluster['devices']} devices)",
         f"mesh      {mesh}",
         f"degrees   {degrees}",
+        f"schedule  {_schedule_text(plan)}",
         "",
         f"predicted step {fmt_seconds(p['step_time_s'])}   tokens/s {p['tokens_per_s']:.4g}   MFU {p['mfu'] * 100:.1f}%",
         f"  compute          {fmt_seconds(p['compute_s'])}",
@@ -73,8 +88,11 @@ def summarize(plan: Plan) -> str:
     for kind in _COMM_KINDS:
         if p["comm_s"].get(kind):
             lines.append(f"  {kind:<16} {fmt_seconds(p['comm_s'][kind])}")
+    if p.get("bubble_s"):
+        lines.append(f"  pipeline bubble  {fmt_seconds(p['bubble_s'])}")
     lines.append(f"  exposed comm     {fmt_seconds(p['exposed_comm_s'])}"
                  f"   (gradient sync {fmt_seconds(p.get('grad_sync_s', 0.0))}, overlapped with backward)")
+    lines += _collective_count_line(plan)
     mem = p["memory_bytes"]
     cap = p.get("memory_capacity_bytes", 0)
     lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "
@@ -89,12 +107,24 @@ def summarize(plan: Plan) -> str:
     if plan.candidates:
         lines += ["", "mesh candidates"]
         for c in sorted(plan.candidates, key=lambda c: c["step_time_s"]):
-            shape = " x ".join(f"{n}={s}" for n, s in zip(c["mesh"]["dim_names"], c["mesh"]["shape"]))
-            lines.append(f"  {shape:<20} {fmt_seconds(c['step_time_s'])}  ({c['status']})")
+            stages = c.get("degrees", {}).get("pp", 1)
+            shape = " x ".join([f"pp={stages}"] * (stages > 1) + [
+                f"{n}={s}" for n, s in zip(c["mesh"]["dim_names"], c["mesh"]["shape"])])
+            how = ", ".join(f"{k} {c[k]}" for k in ("microbatches", "checkpointing") if k in c)
+            lines.append(f"  {shape:<20} {fmt_seconds(c['step_time_s'])}  ({c['status']}{'; ' + how if how else ''})")
         for dims in plan.solver.get("pruned_meshes", []):
             shape = " x ".join(f"{n}={s}" for n, s in dims.items())
             lines.append(f"  {shape:<20} pruned: its lower bound is slower than the best")
     return "\n".join(lines)
+
+
+def _collective_count_line(plan: Plan) -> list[str]:
+    """How many collectives of each kind a step runs (``autopar.collectives``); none for plans that
+    did not record their collectives."""
+    counts = predicted_collectives({"ops": plan.ops, "pipeline": plan.pipeline})
+    if not counts:
+        return []
+    return ["  collectives/step " + ", ".join(f"{kind} {counts[kind]}" for kind in KINDS if kind in counts)]
 
 
 def compare_plans(plans: Sequence[Plan]) -> str:
@@ -112,6 +142,8 @@ def compare_plans(plans: Sequence[Plan]) -> str:
         if any(vals):
             rows.append((kind, [fmt_seconds(v) for v in vals]))
     rows.append(("exposed comm", [fmt_seconds(p.predicted["exposed_comm_s"]) for p in plans]))
+    if any(p.predicted.get("bubble_s") for p in plans):
+        rows.append(("pipeline bubble", [fmt_seconds(p.predicted.get("bubble_s", 0.0)) for p in plans]))
     rows.append(("memory/device", [fmt_bytes(p.predicted["peak_memory_bytes"]) for p in plans]))
     width = max(len(n) for n in names) + 2
     out = ["".ljust(16) + "".join(n.ljust(width) for n in names)]
@@ -141,7 +173,7 @@ def _verdict(plans: Sequence[Plan]) -> str:
     times = [p.predicted["step_time_s"] for p in plans]
     best = min(range(len(plans)), key=lambda i: times[i])
     other = max(range(len(plans)), key=lambda i: times[i])
-    if times[best] == times[other]:
+    if times[other] - times[best] <= 1e-9 * times[other]:
         return "\nverdict: equal predicted step times"
     terms = _term_deltas(plans[best], plans[other])
     why = ", ".join(f"{k} {fmt_seconds(abs(d))} {'less' if d < 0 else 'more'}" for k, d in terms[:2])
@@ -151,7 +183,8 @@ def _verdict(plans: Sequence[Plan]) -> str:
 
 def _term_deltas(a: Plan, b: Plan) -> list[tuple[str, float]]:
     def terms(p: Plan) -> dict[str, float]:
-        t = {"compute": p.predicted["compute_s"], "exposed comm": p.predicted["exposed_comm_s"]}
+        t = {"compute": p.predicted["compute_s"], "exposed comm": p.predicted["exposed_comm_s"],
+             "pipeline bubble": p.predicted.get("bubble_s", 0.0)}
         t.update({k: v for k, v in p.predicted["comm_s"].items()})
         return t
 

@@ -6,6 +6,8 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting):
 * the captured forward+loss graph, with redistributes inserted, is this rank's program; values in it
   are DTensors, so DTensor computes local shapes and the collectives of each redistribute, and
   autograd derives the backward (with the dual collectives);
+* with the plan's ``checkpointing`` other than ``none``, each repeated layer of the program runs under
+  ``torch.utils.checkpoint`` and is recomputed in backward as the plan priced it;
 * ``step`` runs forward, loss and backward, then the bucketed gradient synchronization.
 
 Where we diverge from rewriting local shapes into the graph ourselves: DTensor already maps global
@@ -23,7 +25,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.passes import GradientSync, insert_redistributes, run_locally, shard_parameters, shard_tensor
+from autopar.passes import (GradientSync, checkpoint_layers, insert_redistributes, run_locally, shard_parameters,
+                            shard_tensor)
 from autopar.placement import strs_to_placements
 
 from .capture import CapturedGraph
@@ -148,7 +151,7 @@ def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tup
     produced = _produced_placements(captured, plan)
     inserted = insert_redistributes(gm, plan.ops, produced, mesh)
     run_locally(gm, plan.ops, mesh)
-    return gm, inserted
+    return checkpoint_layers(gm, plan.checkpointing), inserted
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -34,10 +34,13 @@ brute force with it. (CP-SAT was tried first: on these problems the LP-based MIP
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from ortools.linear_solver import pywraplp
 
@@ -61,6 +64,20 @@ class Solution:
     @property
     def gap(self) -> float:
         return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """HiGHS can print diagnostics from C++ straight to file descriptor 1 despite ``output_flag=false``;
+    stdout belongs to ``--json``, so the solve writes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class Pruned(Exception):
@@ -88,7 +105,8 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS",
     add_memory_constraint(solver, problem, x)
     set_objective(solver, problem, x, y, z)
     start = time.perf_counter()
-    status = solver.Solve()
+    with _native_stdout_to_stderr():
+        status = solver.Solve()
     wall = time.perf_counter() - start
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if cutoff_s is not None and status == pywraplp.Solver.INFEASIBLE:
@@ -187,18 +205,26 @@ def _weighted(problem: Problem, x: Mapping[str, list], price) -> list:
 
 def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float]:
     """(objective seconds, memory bytes) of an assignment, by the ILP's own formulas."""
-    step = sync = hide = memory = 0.0
+    step = memory = 0.0
     for key, d in problem.decisions.items():
         c = d.options[choice[key]].cost
         step += d.count * c.exposed_s
-        sync += d.count * c.grad_sync_s
-        hide += d.count * problem.overlap_fraction * c.backward_compute_s
         memory += d.count * c.memory_bytes
     for edge in problem.edges:
         p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
         q = problem.decisions[edge.dst].options[choice[edge.dst]].strategy.inputs[edge.slot]
         step += edge.count * edge.price[(p, q)].exposed_s
-    return step + max(0.0, sync - hide), memory
+    return step + exposed_grad_sync(problem, choice), memory
+
+
+def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
+    """``z`` of constraint (3) at an assignment: gradient sync left over after hiding behind backward."""
+    sync = hide = 0.0
+    for key, d in problem.decisions.items():
+        c = d.options[choice[key]].cost
+        sync += d.count * c.grad_sync_s
+        hide += d.count * problem.overlap_fraction * c.backward_compute_s
+    return max(0.0, sync - hide)
 
 
 def brute_force(problem: Problem) -> tuple[dict[str, int], float]:

@@ -25,7 +25,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -96,12 +96,8 @@ class LocalRule:
 
     def strategies(self, mesh_ndim: int) -> list[Strategy]:
         one = ["R"] + [f"S({d})" for d in self.independent_dims]
-        out = []
-        for combo in itertools.product(one, repeat=mesh_ndim):
-            if len({c for c in combo if c != "R"}) < sum(c != "R" for c in combo):
-                continue  # two mesh dims splitting the same tensor dim: keep plans simple
-            out.append(Strategy(tuple([combo] * self.tensor_inputs), (combo,)))
-        return out
+        return [Strategy(tuple([combo] * self.tensor_inputs), (combo,))
+                for combo in itertools.product(one, repeat=mesh_ndim)]
 
 
 LOCAL_RULES: dict[Any, LocalRule] = {
@@ -119,10 +115,16 @@ the search with the same ndim shares one enumeration (the expensive part of buil
 class StrategyFinder:
     """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
 
-    def __init__(self, mesh_shape: Sequence[int]):
+    def __init__(self, mesh_shape: Sequence[int], copies: Mapping[int, int] | None = None):
+        """``copies``: mesh dims whose placement always repeats another dim's (HSDP's replica dim
+        repeats its shard dim): strategies are enumerated without them, then the copies are filled in,
+        so such a mesh costs DTensor's enumeration no more than the mesh without them."""
         self.mesh_shape = tuple(mesh_shape)
-        self.mesh = planning_mesh(tuple(2 for _ in self.mesh_shape))  # sizes do not matter, see _RAW
-        self._any_size = tuple(1 for _ in self.mesh_shape)  # candidates before the evenness filter
+        self.copies = dict(copies or {})
+        self._free = [d for d in range(len(self.mesh_shape)) if d not in self.copies]
+        self._ndim = len(self._free)  # mesh dims DTensor's rules enumerate
+        self.mesh = planning_mesh(tuple(2 for _ in range(self._ndim)))  # sizes do not matter, see _RAW
+        self._any_size = tuple(1 for _ in range(self._ndim))  # candidates before the evenness filter
         self.unsupported: set[str] = set()
         self._cache: dict[Any, list[Strategy]] = {}
 
@@ -140,21 +142,35 @@ class StrategyFinder:
         return self._cache[key]
 
     def _raw(self, node: fx.Node, inputs: list[fx.Node], key: Any) -> tuple[list[Strategy], bool]:
-        raw_key = (len(self.mesh_shape), key)
+        raw_key = (self._ndim, key)
         if raw_key not in _RAW:
             _RAW[raw_key] = self._enumerate(node, inputs)
-        return _RAW[raw_key]
+        found, fallback = _RAW[raw_key]
+        return ([self._with_copies(st) for st in found] if self.copies else found), fallback
+
+    def _with_copies(self, strategy: Strategy) -> Strategy:
+        def full(p: Placements | None) -> Placements | None:
+            if p is None:
+                return None
+            out = [""] * len(self.mesh_shape)
+            for d, placement in zip(self._free, p):
+                out[d] = placement
+            for d, source in self.copies.items():
+                out[d] = out[source]
+            return tuple(out)
+
+        return Strategy(tuple(full(p) for p in strategy.inputs), tuple(full(p) for p in strategy.outputs))
 
     def _enumerate(self, node: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], bool]:
         prop = DTensor._op_dispatcher.sharding_propagator
         op = node.target
         found: list[Strategy] = []
         if op in LOCAL_RULES and len(inputs) == LOCAL_RULES[op].tensor_inputs:
-            found = LOCAL_RULES[op].strategies(len(self.mesh_shape))
+            found = LOCAL_RULES[op].strategies(self._ndim)
         elif op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
             found = self._from_dtensor(node, prop)
         if not found:
-            return [_replicated(node, len(inputs), len(self.mesh_shape))], True
+            return [_replicated(node, len(inputs), self._ndim)], True
         return found, False
 
     def _from_dtensor(self, node: fx.Node, prop: Any) -> list[Strategy]:
@@ -209,7 +225,7 @@ class StrategyFinder:
     def _input_strategy(self, val: torch.Tensor, single: bool, only: Placements | None) -> OpStrategy:
         meta = TensorMeta(val.shape, val.stride(), val.dtype)
         if single:  # DTensor expands single-dim rules itself; one spec tells it plain Shard is in use
-            pls = [tuple(["S(0)" if val.ndim else "R"] * len(self.mesh_shape))]
+            pls = [tuple(["S(0)" if val.ndim else "R"] * self._ndim)]
         else:
             pls = [only] if only is not None else candidate_placements(val, self._any_size, partial=True)
         return OpStrategy([OpSpec(DTensorSpec(self.mesh, _to_dtensor(p), meta)) for p in pls])

@@ -5,9 +5,14 @@ It knows nothing of the solver or of autopar's other packages (it never imports 
 
 * ``hardware``: DeviceSpec and the presets (A100, H100, H200, B200, cpu), dtype keys;
 * ``cluster``: the ``NxGxTYPE`` spec, Cluster, and GroupTopology of a mesh dimension;
-* ``comm``: collective_time, the single entry point for collective costs;
+* ``symbolic``: the collective, pipeline and matmul formulas as sympy expressions, and their
+  rendering for users (``render_collective``);
+* ``comm``: collective_time, the single entry point for collective costs (evaluates ``symbolic``);
+* ``pipeline``: bubble fraction and microbatches in flight of a pipeline schedule;
 * ``compute``: compute_time, a roofline for one kernel;
-* ``memory``: AdamW state bytes and usable HBM.
+* ``memory``: AdamW state bytes and usable HBM;
+* ``calibrate``: measure the machine (matmuls, memory, op floor, collectives) and write a cluster
+  profile (``autopar calibrate``); it imports torch, so it is imported by name, not here.
 """
 
 from .cluster import Cluster, ClusterSpecError, GroupTopology, parse_cluster
@@ -15,6 +20,7 @@ from .comm import COLLECTIVES, collective_bytes_per_rank, collective_time
 from .compute import compute_time, op_efficiency
 from .hardware import DEVICES, DeviceSpec, dtype_key, get_device
 from .memory import adamw_state_bytes, reserve_fraction, usable_bytes
+from .pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
 
 __all__ = [
     "COLLECTIVES",
@@ -23,14 +29,17 @@ __all__ = [
     "ClusterSpecError",
     "DeviceSpec",
     "GroupTopology",
+    "SCHEDULES",
     "adamw_state_bytes",
     "collective_bytes_per_rank",
     "collective_time",
     "compute_time",
     "dtype_key",
     "get_device",
+    "microbatches_in_flight",
     "op_efficiency",
     "parse_cluster",
+    "pipeline_bubble_fraction",
     "reserve_fraction",
     "usable_bytes",
 ]

@@ -19,7 +19,8 @@ Spec grammar::
 A path ending in ``.json`` (or ``.yaml``/``.yml`` when PyYAML is importable) that exists is read
 as ``{"nodes": N, "devices_per_node": G, "device": TYPE or {...}, "ib": ..., "nvlink": ...,
 "mem": ...}``. ``device`` may be a full DeviceSpec dict, or a partial one with ``"base": TYPE``
-naming the preset it modifies.
+naming the preset it modifies. Optional ``source`` (a string) and ``measured`` (a mapping) describe
+where the figures come from; ``autopar calibrate`` writes such profiles (``calibrate.py``).
 """
 
 from __future__ import annotations
@@ -310,7 +311,10 @@ def _build(spec: str, nodes: int, devices_per_node: int, device: DeviceSpec,
 # Files
 # --------------------------------------------------------------------------------------------
 
-_FILE_KEYS = ("nodes", "devices_per_node", "device", *OVERRIDES)
+_METADATA_KEYS = ("source", "measured")
+"""Keys a cluster file may carry for its reader, not the planner: where the numbers come from and, for
+a profile written by ``autopar calibrate``, the raw measurements and fits."""
+_FILE_KEYS = ("nodes", "devices_per_node", "device", *OVERRIDES, *_METADATA_KEYS)
 
 
 def _cluster_from_file(path: str) -> Cluster:
@@ -324,8 +328,15 @@ def _cluster_from_file(path: str) -> Cluster:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (nodes, devices_per_node)):
         raise ClusterSpecError(f"bad cluster file {path!r}: nodes and devices_per_node must be positive "
                                f"ints, got {nodes!r} and {devices_per_node!r}")
+    _check_metadata(path, data)
     overrides = {k: str(data[k]) for k in OVERRIDES if k in data}
     return _build(path, nodes, devices_per_node, _device_from_value(path, data["device"]), overrides)
+
+
+def _check_metadata(path: str, data: Mapping[str, Any]) -> None:
+    if not isinstance(data.get("source", ""), str) or not isinstance(data.get("measured", {}), dict):
+        raise ClusterSpecError(f"bad cluster file {path!r}: source must be a string and measured a mapping, "
+                               f"got {type(data.get('source')).__name__} and {type(data.get('measured')).__name__}")
 
 
 def _load_mapping(path: str) -> dict[str, Any]:

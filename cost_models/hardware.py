@@ -242,7 +242,7 @@ H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12,
 B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12,
                hbm_bytes=180 * GB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW)
 
-# Placeholder CPU "device" for gloo runs on this machine; to be replaced by calibration.
+# Placeholder CPU "device" for gloo runs; `autopar calibrate` measures the real figures of a machine.
 # Roughly: a few cores of fp32 GEMM (~100 GFLOP/s), DRAM ~20 GB/s, gloo over shared memory
 # ~5 GB/s with ~50 us per step, 10 GbE (1.25 GB/s) between hosts.
 CPU = DeviceSpec(
@@ -264,6 +264,17 @@ ALIASES: dict[str, str] = {
     "H200-SXM": "H200",
     "H200-141GB": "H200",
 }
+
+#: Substring of ``torch.cuda.get_device_name()`` -> preset, first match wins (as autopar/api.py's table).
+CUDA_NAME_PRESETS: tuple[tuple[str, str], ...] = (
+    ("H200", "H200"), ("H100", "H100"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB"), ("B200", "B200"),
+)
+
+
+def preset_for_cuda_name(cuda_name: str, default: str = "H100") -> str:
+    """The preset a CUDA device called ``cuda_name`` (e.g. "NVIDIA H100 80GB HBM3") is closest to."""
+    return next((preset for key, preset in CUDA_NAME_PRESETS if key in cuda_name), default)
+
 
 def get_device(name: str) -> DeviceSpec:
     """The preset called ``name`` (case-insensitive, aliases resolved); ValueError if unknown.

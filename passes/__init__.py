@@ -8,14 +8,17 @@ One pass per file, each named for what it does; ``build_program`` applies them i
    falls out of autograd);
 3. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
    local rules such as fused attention split on heads) run on local shards;
-4. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets.
+4. ``checkpoint``: with the plan's ``checkpointing`` other than ``none``, each repeated layer becomes a
+   submodule run under ``torch.utils.checkpoint`` (full or selective recomputation);
+5. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets.
 
 Passes read a Plan, never the solver.
 """
 
+from .checkpoint import checkpoint_layers
 from .gradient_sync import GradientSync
 from .insert_redistributes import insert_redistributes
 from .run_locally import run_locally
 from .shard_parameters import shard_parameters, shard_tensor
 
-__all__ = ["GradientSync", "insert_redistributes", "run_locally", "shard_parameters", "shard_tensor"]
+__all__ = ["GradientSync", "checkpoint_layers", "insert_redistributes", "run_locally", "shard_parameters", "shard_tensor"]

@@ -10,7 +10,7 @@ plain replicated or sharded DTensors.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,25 @@ from torch.distributed.tensor import DTensor, Partial
 
 BUCKET_BYTES = 25 * 2**20
 """Bucket size, PyTorch DDP's default ``bucket_cap_mb=25``."""
+
+
+def buckets(sizes: Sequence[float], bucket_bytes: float = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of ``sizes`` (gradient bytes, in reduction order) grouped into buckets: a bucket closes
+    when the next gradient would take it past ``bucket_bytes``; a gradient larger than that is a
+    bucket of its own. ``GradientSync`` reduces each bucket with one all_reduce per partial mesh dim;
+    ``autopar.collectives`` counts a plan's gradient all_reduces with the same rule."""
+    found: list[list[int]] = []
+    bucket: list[int] = []
+    size = 0.0
+    for i, nbytes in enumerate(sizes):
+        if bucket and size + nbytes > bucket_bytes:
+            found.append(bucket)
+            bucket, size = [], 0.0
+        bucket.append(i)
+        size += nbytes
+    if bucket:
+        found.append(bucket)
+    return found
 
 
 class GradientSync:
@@ -42,16 +61,9 @@ class GradientSync:
                 self._reduce(bucket, partial)
 
     def _buckets(self, params: list[nn.Parameter]) -> Iterable[list[nn.Parameter]]:
-        bucket, size = [], 0
-        for p in params:
-            nbytes = p.grad.to_local().numel() * p.grad.to_local().element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(p)
-            size += nbytes
-        if bucket:
-            yield bucket
+        sizes = [p.grad.to_local().numel() * p.grad.to_local().element_size() for p in params]
+        for indices in buckets(sizes, self.bucket_bytes):
+            yield [params[i] for i in indices]
 
     def _reduce(self, bucket: list[nn.Parameter], partial: tuple[tuple[int, str], ...]) -> None:
         locals_ = [p.grad.to_local() for p in bucket]

@@ -18,8 +18,10 @@ from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.placement import strs_to_placements
+from autopar.placement import placements_to_strs, strs_to_placements
 from autopar.strategies import tensor_inputs
+
+from .layout import memory_order, wrap_with_layout
 
 
 def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
@@ -35,7 +37,12 @@ def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
     )
     if tuple(x.placements) == target:
         return x
-    return x.redistribute(x.device_mesh, target)
+    moved = x.redistribute(x.device_mesh, target)
+    order = memory_order(x.to_local())
+    if memory_order(moved.to_local()) == order:
+        return moved
+    # collectives return contiguous shards: restore the layout the captured graph saw
+    return wrap_with_layout(moved.to_local(), x.device_mesh, placements_to_strs(moved.placements), order)
 
 
 def as_replicated(x: Any, mesh: DeviceMesh) -> Any:

@@ -212,6 +212,7 @@ def test_no_plan_fits_exits_3(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_llama3_70b_on_128_h100s_plans_offline(tmp_path):
     # run the CLI as its own child and wait4() it: ru_maxrss is then that process's peak alone
     out, err = tmp_path / "stdout", tmp_path / "stderr"

@@ -335,6 +335,7 @@ def _assert_losses(actual: list[float], expected: list[float], what: str) -> Non
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.heavy
 def test_exported_solver_plans_train_like_autopar(plans, tmp_path):
     keys = list(SOLVER_CONFIGS)
     runs = [(SOLVER_CONFIGS[k][0], _write(tmp_path, k, plans[k])) for k in keys]

@@ -60,3 +60,16 @@ def test_llama_fsdp_microbatches_and_sgd_match_single_process() -> None:
     assert _degrees(results[2])["fsdp"] == 4
     assert results[3]["plan"]["pipeline"]["microbatches"] == 2
     _check(train_single("tiny-gpt", None, BATCH, None, STEPS, optimizer="sgd"), results[4])
+
+
+def test_hsdp_matches_single_process() -> None:
+    """HSDP: parameters sharded within groups of 2 ranks and replicated across the 2 groups."""
+    runs = _runs("tiny-gpt", [{"dp": 4, "dp_shard": 2}]) + _runs("tiny-llama", [{"dp": 4, "dp_shard": 2}])
+    results = train_parallel_many(4, runs)
+    for name, result in zip(("tiny-gpt", "tiny-llama"), results):
+        plan = result["plan"]
+        assert plan["mesh"] == {"shape": [2, 2], "dim_names": ["dp_replicate", "dp"]}
+        assert _degrees(result)["fsdp"] == 2 and _degrees(result)["dp"] == 4
+        assert all(p[0] == "R" for p in plan["placements"].values())  # replicated across groups
+        assert any(p[1].startswith("S(") for p in plan["placements"].values())  # sharded within one
+        _check(train_single(name, None, BATCH, None, STEPS), result)

@@ -30,15 +30,15 @@ def _plan(captured, cluster, constraints=None, name="model"):
 def _check_world(plan, world, per_node):
     d = plan.degrees
     assert d["dp"] * d["tp"] * d["pp"] * d["cp"] * d["ep"] == world == plan.cluster["devices"]
-    assert math.prod(plan.mesh["shape"]) == world
+    assert math.prod(plan.mesh["shape"]) * d["pp"] == world
     assert d["tp"] <= per_node
     p = plan.predicted
     assert 0 < p["peak_memory_bytes"] <= p["memory_capacity_bytes"]
     assert p["step_time_s"] > 0
     for c in plan.candidates:
-        assert c["degrees"]["dp"] * c["degrees"]["tp"] == world
+        assert c["degrees"]["pp"] * c["degrees"]["dp"] * c["degrees"]["tp"] == world
         assert c["degrees"]["tp"] <= per_node
-        assert math.prod(c["mesh"]["shape"]) == world
+        assert math.prod(c["mesh"]["shape"]) * c["degrees"]["pp"] == world
 
 
 class TwoLinear(nn.Module):
@@ -115,7 +115,7 @@ def test_candidates_list_every_mesh_tried(big_batch_plan):
         assert [n for n in names] == [n for n in ("dp", "tp") if c["degrees"][n] > 1]  # size-1 dims dropped
     best = min(plan.candidates, key=lambda c: c["step_time_s"])
     assert best["step_time_s"] == plan.predicted["step_time_s"]
-    assert best["degrees"] == {"dp": plan.degrees["dp"], "tp": plan.degrees["tp"]}
+    assert best["degrees"] == {"pp": 1, "dp": plan.degrees["dp"], "tp": plan.degrees["tp"]}
 
 
 # ---- (b) tiny batch, huge weights -> Megatron column/row tensor parallel ------------------------------
@@ -171,7 +171,8 @@ def test_large_world_transformer():
     plan = autopar.plan(b.model, b.example_inputs, "128x8xH100", b.loss_fn, example_targets=b.example_targets)
     _check_world(plan, 1024, 8)
     assert plan.cluster["spec"] == "128x8xH100"
-    assert len(plan.candidates) + len(plan.solver["pruned_meshes"]) == 4 == plan.solver["meshes_tried"]
+    # pp in 1, 2 (2 layers, a stage per 64 nodes) x tp in 1, 2, 4, 8 x HSDP (for tp < 8) or not
+    assert len(plan.candidates) + len(plan.solver["pruned_meshes"]) == 14 == plan.solver["meshes_tried"]
 
 
 def test_fixed_tp_may_leave_the_node_when_asked(mlp8):
@@ -215,12 +216,16 @@ def test_fixed_microbatches(mlp8):
 
 
 @pytest.mark.parametrize("constraints, match", [
-    ({"dp": 2, "tp": 2}, r"dp=2 x tp=2 = 4.*8 devices"),
+    ({"dp": 2, "tp": 2, "pp": 1}, r"pp=1 x dp=2 x tp=2 = 4.*8 devices"),
+    ({"dp": 2, "tp": 2}, r"pp=2: the model has only 1 repeated layer"),  # the rest would be stages
     ({"dp": 4, "tp": 4}, r"16.*8 devices"),
     ({"bogus": 1}, r"unknown constraint.*bogus"),
-    ({"fsdp": 1}, r"fsdp=1"),
-    ({"fsdp": 2}, r"fsdp=2"),
-    ({"pp": 2}, r"pp=2"),
+    ({"fsdp": 4}, r"fsdp=4"),
+    ({"pp": 16}, r"pp=16"),
+    ({"schedule": "zigzag"}, r"schedule='zigzag'"),
+    ({"checkpointing": "some"}, r"checkpointing='some'"),
+    ({"microbatches": 2, "microbatch_size": 1}, r"pin one"),
+    ({"virtual_stages": 2, "schedule": "1f1b"}, r"virtual_stages=2 needs schedule=interleaved"),
     ({"cp": 2}, r"cp=2"),
     ({"ep": 4}, r"ep=4"),
     ({"dp": 0}, r"dp=0"),

@@ -18,6 +18,7 @@ __all__ = [
     "RMSNorm",
     "check_positive",
     "causal_attention",
+    "ATTENTION_KINDS",
     "split_heads",
     "merge_heads",
     "init_weights",
@@ -41,9 +42,23 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, s, nh * hd)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention; ``q, k, v`` are ``[b, nh, s, hd]``."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+ATTENTION_KINDS = ("fused", "eager")
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fused") -> torch.Tensor:
+    """Causal scaled dot-product attention; ``q, k, v`` are ``[b, nh, s, hd]``.
+
+    ``fused``: one SDPA kernel (flash/memory-efficient attention) that never materializes the s x s
+    scores. ``eager``: the scores are computed, masked and soft-maxed as separate ops, as in
+    Megatron-LM before flash attention (Narayanan et al., SC21, whose published runs autopar's cost
+    model is validated against).
+    """
+    if kind == "fused":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
 
 
 def check_positive(cfg: object, names: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import (
+    ATTENTION_KINDS,
     causal_attention,
     check_positive,
     init_weights,
@@ -37,9 +38,12 @@ class GPTConfig:
     mlp_ratio: int = 4  # MLP inner width as a multiple of hidden
     tie_embeddings: bool = False  # share the token embedding with lm_head
     bias: bool = True  # biases in the block Linears and LayerNorms
+    attention: str = "fused"  # "fused" (SDPA) or "eager" (materialized scores, as Megatron-LM in 2021)
 
     def __post_init__(self) -> None:
         check_positive(self, ("layers", "hidden", "heads", "vocab", "seq", "mlp_ratio"))
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
@@ -50,6 +54,7 @@ class GPTAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.attention = cfg.attention
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
@@ -59,7 +64,7 @@ class GPTAttention(nn.Module):
         q = split_heads(self.q_proj(x), self.heads)
         k = split_heads(self.k_proj(x), self.heads)
         v = split_heads(self.v_proj(x), self.heads)
-        return self.o_proj(merge_heads(causal_attention(q, k, v)))
+        return self.o_proj(merge_heads(causal_attention(q, k, v, self.attention)))
 
 
 class GPTMLP(nn.Module):

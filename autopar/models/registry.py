@@ -77,7 +77,8 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2-large": ("gpt", dict(layers=36, hidden=1280, heads=20, vocab=50257, seq=1024)),
     "gpt2-xl": ("gpt", dict(layers=48, hidden=1600, heads=25, vocab=50257, seq=1024)),
     "gpt3-175b": ("gpt", dict(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)),
-    "gpt-megatron": ("gpt", dict(vocab=51200, seq=2048)),
+    # GPT as Megatron-LM ran it in its published runs (SC21): unfused attention, vocabulary 51,200
+    "gpt-megatron": ("gpt", dict(vocab=51200, seq=2048, attention="eager")),
     "llama3-8b": (
         "llama",
         dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256, ffn_hidden=14336, seq=8192),

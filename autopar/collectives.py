@@ -1,0 +1,94 @@
+"""The collectives one training step runs, as the plan predicts them: a count and bytes per kind.
+
+Derived from the collectives the planner records per op (``plan.ops[name]["collectives"]``, built by
+``autopar.explain.collective_terms`` from ``Pricer.edge_collectives`` and
+``Pricer.gradient_collectives``), the way the runtime (``ParallelModule.step``) issues them:
+
+* every op's forward and backward collectives run once per microbatch, since the whole program
+  (forward, loss, backward) runs once per microbatch: parameter gathers and activation collectives
+  alike;
+* the gradient all_reduces of parameters (``grad_sync``) run once per step, after the last
+  microbatch, in buckets: gradients are grouped by the mesh dims they are partial on and cut into
+  25 MB buckets by the rule ``passes/gradient_sync.py`` applies, and each bucket is one all_reduce
+  per partial mesh dim.
+
+This is the plan's prediction; ``tests/test_collective_parity.py`` holds it against what a step on
+gloo ranks actually issues (design.md §7, collective parity), including where DTensor's backward
+differs from pricing. Plans that did not record collectives predict none. Not for timing: the
+seconds are in ``plan.predicted``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from autopar.passes.gradient_sync import BUCKET_BYTES, buckets
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+PHASES = ("forward", "backward", "grad_sync")
+"""When a collective runs: in the forward program, in autograd's backward, or in the gradient sync
+after the last microbatch's backward."""
+
+
+@dataclass(frozen=True)
+class StepCollective:
+    """One collective a step issues (``times`` times): kind, phase and bytes as the group sees them."""
+
+    kind: str
+    phase: str
+    nbytes: float
+    mesh_dim: int
+    times: int = 1
+
+
+def step_collectives(plan_data: Mapping[str, Any], bucket_bytes: float = BUCKET_BYTES) -> list[StepCollective]:
+    """Every collective one step of the plan issues: per-op ones (times the microbatch count), then
+    the bucketed gradient all_reduces."""
+    microbatches = int(plan_data.get("pipeline", {}).get("microbatches", 1))
+    terms = [t for op in plan_data.get("ops", {}).values() for t in op.get("collectives", [])]
+    found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"], microbatches)
+             for t in terms if not t["grad_sync"]]
+    return found + gradient_buckets([t for t in terms if t["grad_sync"]], bucket_bytes)
+
+
+def gradient_buckets(terms: Iterable[Mapping[str, Any]], bucket_bytes: float = BUCKET_BYTES
+                     ) -> list[StepCollective]:
+    """The all_reduces of ``GradientSync`` for the plan's parameter-gradient terms: one gradient per
+    tensor (a term per mesh dim it is partial on), grouped by those dims in first-use order and
+    bucketed; one all_reduce of the bucket's bytes per bucket and partial dim."""
+    partial_dims: dict[str, list[int]] = {}
+    nbytes: dict[str, float] = {}
+    for t in terms:
+        partial_dims.setdefault(t["tensor"], []).append(t["mesh_dim"])
+        nbytes[t["tensor"]] = t["nbytes"]
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for tensor, dims in partial_dims.items():
+        groups.setdefault(tuple(sorted(set(dims))), []).append(tensor)
+    found = []
+    for dims, tensors in groups.items():
+        for bucket in buckets([nbytes[t] for t in tensors], bucket_bytes):
+            size = sum(nbytes[tensors[i]] for i in bucket)
+            found += [StepCollective("all_reduce", "grad_sync", size, d) for d in dims]
+    return found
+
+
+def predicted_collectives(plan_data: Mapping[str, Any], phases: Iterable[str] = PHASES) -> dict[str, int]:
+    """Collectives per kind that one step of the plan issues (in ``phases``), kinds with none left out."""
+    counts: dict[str, int] = {}
+    wanted = set(phases)
+    for c in step_collectives(plan_data):
+        if c.phase in wanted:
+            counts[c.kind] = counts.get(c.kind, 0) + c.times
+    return counts
+
+
+def predicted_collective_bytes(plan_data: Mapping[str, Any], phases: Iterable[str] = PHASES) -> dict[str, float]:
+    """Bytes per kind one step moves through collectives, each counted at its full-tensor size as
+    the group sees it (``collective_time``'s convention)."""
+    total: dict[str, float] = {}
+    wanted = set(phases)
+    for c in step_collectives(plan_data):
+        if c.phase in wanted:
+            total[c.kind] = total.get(c.kind, 0.0) + c.times * c.nbytes
+    return total

@@ -1,0 +1,327 @@
+"""Save and load a planning problem: the captured training step, so that what-if questions skip capture.
+
+Capture (``torch.export`` + decomposition) is the slow part of planning: 11 to 25 s for Llama 3 8B/70B,
+against seconds to re-price or re-solve. A saved problem is what the planner reads of a capture, as
+versioned JSON (schema ``autopar.problem/1``; no pickle, so loading one runs no code):
+
+* every graph node: name, op, target (an aten overload such as ``aten.mm.default``, resolved back
+  through ``torch.ops``; or ``operator.getitem``), arguments with node references and constants, the
+  module path it came from (``nn_module_stack``, read by ``capture.module_path``), and its value's
+  shape, stride and dtype (rebuilt as meta-device tensors, tuples of them for multi-output ops);
+* what each placeholder stands for (parameters, buffers, lifted constants, user inputs), the loss node
+  and the tie keys of repeated layers;
+* the model name and a description of the inputs (names, shapes, dtypes).
+
+A loaded problem plans, re-solves and re-prices exactly like the capture it came from; it cannot run
+(no weights, no Python module): training re-captures the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from .capture import CapturedGraph
+from .errors import BadInputError
+
+SCHEMA = "autopar.problem/1"
+_PYTHON_TARGETS = {"operator": operator, "math": math}  # the only non-aten callables a target may name
+_TORCH_ENUMS = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
+
+
+@dataclass(frozen=True)
+class SavedProblem:
+    """A captured training step read back from a problem file, with the model's name."""
+
+    captured: CapturedGraph
+    model_name: str
+    inputs: list[dict[str, Any]]  # per user input: name, shape, dtype (a description for readers)
+
+
+class _Malformed(Exception):
+    """What is wrong with a problem file (the loader adds the file name)."""
+
+
+# ---- saving ---------------------------------------------------------------------------------------
+
+def save_problem(captured: CapturedGraph, path: str | Path, *, model_name: str) -> None:
+    """Write ``captured`` as ``autopar.problem/1`` JSON to ``path``."""
+    Path(path).write_text(json.dumps(problem_to_dict(captured, model_name), separators=(",", ":")))
+
+
+def problem_to_dict(captured: CapturedGraph, model_name: str) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "torch_version": torch.__version__,
+        "model": {"name": model_name, "inputs": describe_inputs(captured)},
+        "nodes": [_node_to_dict(node) for node in captured.graph.nodes],
+        "params": captured.params,
+        "buffers": captured.buffers,
+        "constants": {name: _encode_val(t) for name, t in captured.constants.items()},
+        "user_inputs": captured.user_inputs,
+        "loss_node": captured.loss_node,
+        "tie_keys": captured.tie_keys,
+    }
+
+
+def describe_inputs(captured: CapturedGraph) -> list[dict[str, Any]]:
+    out = []
+    for name in captured.user_inputs:
+        val = captured.node(name).meta["val"]
+        out.append({"name": name, "shape": list(val.shape), "dtype": _dtype_name(val.dtype)})
+    return out
+
+
+def _node_to_dict(node: fx.Node) -> dict[str, Any]:
+    try:
+        record = {"name": node.name, "op": node.op, "target": _target_name(node),
+                  "args": _encode(node.args), "kwargs": {k: _encode(v) for k, v in node.kwargs.items()}}
+        if "val" in node.meta:
+            record["val"] = _encode_val(node.meta["val"])
+    except _Malformed as exc:
+        raise BadInputError(f"cannot save node {node.name!r} ({node.target}): {exc}") from None
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        record["module_stack"] = [[key, path, str(kind)] for key, (path, kind) in stack.items()]
+    return record
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op in ("placeholder", "output"):
+        return str(node.target)
+    if node.op != "call_function":
+        raise _Malformed(f"{node.op} nodes are not part of a captured training step")
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # "aten.mm.default"
+    for module_name, module in _PYTHON_TARGETS.items():
+        if getattr(module, getattr(target, "__name__", ""), None) is target:
+            return f"{module_name}.{target.__name__}"
+    raise _Malformed(f"target {target!r} is neither an aten overload nor an operator function")
+
+
+def _encode(value: Any) -> Any:
+    """An argument as JSON: node references and non-JSON constants become one-key objects."""
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, slice):
+        return {"slice": [_encode(value.start), _encode(value.stop), _encode(value.step)]}
+    if value is Ellipsis:
+        return {"ellipsis": None}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    for kind, cls in _TORCH_ENUMS.items():
+        if isinstance(value, cls):
+            return {kind: str(value).replace("torch.", "")}
+    raise _Malformed(f"argument {value!r} of type {type(value).__name__} has no problem-file form")
+
+
+def _encode_val(val: Any) -> Any:
+    """A node's value: a tensor's shape/stride/dtype, a tuple of values, a Python scalar or null."""
+    if isinstance(val, torch.Tensor):
+        return {"tensor": {"shape": list(val.shape), "stride": list(val.stride()), "dtype": _dtype_name(val.dtype)}}
+    if isinstance(val, (list, tuple)):
+        return {type(val).__name__: [_encode_val(v) for v in val]}
+    if val is None or isinstance(val, (bool, int, float)):
+        return val
+    raise _Malformed(f"value of type {type(val).__name__} has no problem-file form")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+def load_problem(path: str | Path) -> SavedProblem:
+    """Read a problem file; a missing, malformed or wrong-schema file raises BadInputError naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BadInputError(f"{path}: no such problem file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path}: cannot read the problem file ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    try:
+        return problem_from_dict(data)
+    except _Malformed as exc:
+        raise BadInputError(f"{path}: {exc}") from None
+
+
+def problem_from_dict(data: Any) -> SavedProblem:
+    if not isinstance(data, dict):
+        raise _Malformed(f"expected a JSON object, got {type(data).__name__}")
+    if data.get("schema") != SCHEMA:
+        raise _Malformed(f"schema is {data.get('schema')!r}, expected {SCHEMA!r} (save one with "
+                         "`autopar plan MODEL ... --save-problem FILE`)")
+    missing = [k for k in ("model", "nodes", "params", "buffers", "constants", "user_inputs", "loss_node",
+                           "tie_keys") if k not in data]
+    if missing:
+        raise _Malformed(f"missing keys {', '.join(missing)}")
+    graph = _graph_from_records(_typed(data, "nodes", list))
+    captured = CapturedGraph(
+        graph_module=fx.GraphModule(torch.nn.Module(), graph),
+        params=_names_to_names(data, "params"),
+        buffers=_names_to_names(data, "buffers"),
+        constants={name: _decode_val(v, f"constant {name!r}") for name, v in _typed(data, "constants", dict).items()},
+        user_inputs=[str(n) for n in _typed(data, "user_inputs", list)],
+        loss_node=str(data["loss_node"]),
+        tie_keys=_names_to_names(data, "tie_keys"),
+    )
+    _check_references(captured)
+    model = _typed(data, "model", dict)
+    return SavedProblem(captured, str(model.get("name", "model")), list(model.get("inputs", [])))
+
+
+def _typed(data: dict, key: str, kind: type) -> Any:
+    value = data[key]
+    if not isinstance(value, kind):
+        raise _Malformed(f"'{key}' must be a JSON {'array' if kind is list else 'object'}, got {type(value).__name__}")
+    return value
+
+
+def _names_to_names(data: dict, key: str) -> dict[str, str]:
+    table = _typed(data, key, dict)
+    if not all(isinstance(v, str) for v in table.values()):
+        raise _Malformed(f"'{key}' must map names to strings")
+    return dict(table)
+
+
+def _graph_from_records(records: list) -> fx.Graph:
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for i, record in enumerate(records):
+        where = f"node {i}" + (f" {record.get('name')!r}" if isinstance(record, dict) else "")
+        try:
+            node = _node_from_record(graph, record, env)
+        except _Malformed as exc:
+            raise _Malformed(f"{where}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+            raise _Malformed(f"{where}: {type(exc).__name__}: {exc}") from None
+        env[node.name] = node
+    if not any(n.op == "output" for n in graph.nodes):
+        raise _Malformed("the graph has no output node")
+    return graph
+
+
+def _node_from_record(graph: fx.Graph, record: dict, env: dict[str, fx.Node]) -> fx.Node:
+    if not isinstance(record, dict):
+        raise _Malformed(f"expected an object, got {type(record).__name__}")
+    name, op = record["name"], record["op"]
+    if op not in ("placeholder", "call_function", "output"):
+        raise _Malformed(f"op {op!r} is not placeholder, call_function or output")
+    target = _resolve_target(record["target"]) if op == "call_function" else str(record["target"])
+    args = _decode(record.get("args", {"tuple": []}), env)
+    kwargs = {k: _decode(v, env) for k, v in record.get("kwargs", {}).items()}
+    node = graph.create_node(op, target, tuple(args), kwargs, name=name)
+    if node.name != name:
+        raise _Malformed(f"duplicate or invalid node name {name!r}")
+    if "val" in record:
+        node.meta["val"] = _decode_val(record["val"], "value")
+    if record.get("module_stack"):
+        node.meta["nn_module_stack"] = {key: (path, kind) for key, path, kind in record["module_stack"]}
+    return node
+
+
+def _resolve_target(name: Any) -> Any:
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``; ``operator.getitem`` -> ``operator.getitem``."""
+    parts = str(name).split(".")
+    if len(parts) == 2 and parts[0] in _PYTHON_TARGETS:
+        target = getattr(_PYTHON_TARGETS[parts[0]], parts[1], None)
+        if callable(target):
+            return target
+    if len(parts) == 3:
+        try:
+            target = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+        except (AttributeError, RuntimeError):
+            target = None
+        if isinstance(target, torch._ops.OpOverload):
+            return target
+    raise _Malformed(f"unknown target {name!r} (an op of a library this process has not loaded, "
+                     f"or a torch other than the one that saved the problem?)")
+
+
+def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, env) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1:
+        raise _Malformed(f"argument {value!r} is not a one-key tagged value")
+    (tag, body), = value.items()
+    if tag == "node":
+        if body not in env:
+            raise _Malformed(f"refers to {body!r}, which is not an earlier node")
+        return env[body]
+    if tag == "tuple":
+        return tuple(_decode(v, env) for v in body)
+    if tag == "float":
+        return float(body)
+    if tag == "slice":
+        return slice(*(_decode(v, env) for v in body))
+    if tag == "ellipsis":
+        return Ellipsis
+    if tag == "device":
+        return torch.device(body)
+    if tag in _TORCH_ENUMS:
+        return _torch_enum(tag, body)
+    raise _Malformed(f"unknown argument tag {tag!r}")
+
+
+def _torch_enum(kind: str, name: str) -> Any:
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, _TORCH_ENUMS[kind]):
+        raise _Malformed(f"{name!r} is not a torch {kind}")
+    return value
+
+
+def _decode_val(value: Any, what: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if not isinstance(value, dict) or len(value) != 1:
+        raise _Malformed(f"{what} {value!r} is not a tensor, tuple, list or scalar")
+    (tag, body), = value.items()
+    if tag in ("tuple", "list"):
+        items = [_decode_val(v, what) for v in body]
+        return tuple(items) if tag == "tuple" else items
+    if tag != "tensor":
+        raise _Malformed(f"{what}: unknown tag {tag!r}")
+    shape, stride = [int(s) for s in body["shape"]], [int(s) for s in body["stride"]]
+    if len(shape) != len(stride) or any(s < 0 for s in shape):
+        raise _Malformed(f"{what}: shape {shape} and stride {stride} do not describe a tensor")
+    return torch.empty_strided(shape, stride, dtype=_torch_enum("dtype", body["dtype"]), device="meta")
+
+
+def _check_references(captured: CapturedGraph) -> None:
+    """Every name the tables use is a node, and every placeholder and op has a value."""
+    names = {n.name for n in captured.graph.nodes}
+    for what, table in (("params", captured.params), ("buffers", captured.buffers),
+                        ("constants", captured.constants), ("tie_keys", captured.tie_keys)):
+        unknown = sorted(set(table) - names)
+        if unknown:
+            raise _Malformed(f"'{what}' names {unknown[0]!r}, which is not a node of the graph")
+    for name in [*captured.user_inputs, captured.loss_node]:
+        if name not in names:
+            raise _Malformed(f"{name!r} (an input or the loss) is not a node of the graph")
+    untied = sorted(names - set(captured.tie_keys))
+    if untied:
+        raise _Malformed(f"node {untied[0]!r} has no tie key")
+    for node in captured.graph.nodes:
+        if node.op == "placeholder" and not isinstance(node.meta.get("val"), torch.Tensor):
+            raise _Malformed(f"placeholder {node.name!r} has no tensor value (shape, stride and dtype)")

@@ -1,0 +1,146 @@
+"""What-if without re-capturing: re-price a plan's exact strategies on another cluster.
+
+``reprice(plan, problem, cluster)`` keeps every decision of ``plan`` (mesh, microbatches, each
+parameter's and input's placement, each op's strategy) and prices them on ``cluster`` from the saved
+planning problem (``problem_file``): the planner builds its problem for the plan's mesh on the new
+cluster, the plan's choices are looked up among each decision's options, ``solver.evaluate`` gives
+their step time by the ILP's own formulas, and the planner assembles the Plan, so every predicted field
+(compute, each collective, exposed communication, memory) is consistent with a solved plan.
+
+The new cluster must have the plan's number of devices (a re-priced plan runs the same program); to
+search again on a cluster of another size, re-solve: ``autopar plan --problem FILE --cluster SPEC``.
+The compute dtype stays the plan's, and memory is checked against the new device's capacity.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .capture import CapturedGraph
+from .cost_models import Cluster, usable_bytes
+from .errors import BadInputError
+from .plan import Plan
+from .planner import MeshChoice, _problem_for, _to_plan, _with_pipeline_time, fingerprint, pricer_for
+from .problem import OUTPUT_KEY, Decision, Problem
+from .problem_file import SavedProblem
+from .solver import Solution, evaluate
+from .stages import Staging, stage_problem
+from .strategies import Strategy
+
+
+def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, cluster: str | Cluster) -> Plan:
+    """``plan``'s strategies, unchanged, priced on ``cluster`` (same number of devices)."""
+    from .api import resolve_cluster
+
+    start = time.perf_counter()
+    captured = problem.captured if isinstance(problem, SavedProblem) else problem
+    target = resolve_cluster(cluster)
+    check_same_model(plan, captured)
+    check_same_world(plan, target)
+    mesh = _plan_mesh(plan)
+    staging, dtype, constraints = _staging(plan, captured), plan.model["dtype"], _pricing_constraints(plan)
+    priced = _planner_problem(captured, target, mesh, staging, dtype, int(plan.pipeline["microbatches"]), constraints)
+    choice = plan_choice(plan, captured, priced)
+    objective_s, _ = evaluate(priced, choice)
+    solution = Solution(choice=choice, status="repriced", objective_s=objective_s, bound_s=objective_s,
+                        wall_s=time.perf_counter() - start, variables=0, constraints=0)
+    return _planner_plan(captured, target, plan.model["name"], dtype, mesh, staging, priced, solution,
+                         time.perf_counter() - start, constraints)
+
+
+def check_same_model(plan: Plan, captured: CapturedGraph) -> None:
+    if plan.model.get("graph_fingerprint") != fingerprint(captured):
+        raise BadInputError(f"the plan (model {plan.model.get('name')!r}) was made for other parameters or "
+                            "input shapes than the saved problem: save the problem of the same model and batch")
+
+
+def check_same_world(plan: Plan, cluster: Cluster) -> None:
+    devices = int(plan.cluster["devices"])
+    if cluster.world_size != devices:
+        raise BadInputError(f"the plan runs on {devices} devices (mesh {plan.mesh['shape']}) but {cluster.spec} "
+                            f"has {cluster.world_size}: re-pricing keeps the plan's mesh; to plan for another "
+                            f"size, re-solve with `autopar plan --problem FILE --cluster {cluster.spec}`")
+
+
+def plan_choice(plan: Plan, captured: CapturedGraph, problem: Problem) -> dict[str, int]:
+    """Per decision of ``problem``, the index of the option ``plan`` took."""
+    wanted = _plan_strategies(plan, captured)
+    choice = {}
+    for key, decision in problem.decisions.items():
+        if key == OUTPUT_KEY:
+            choice[key] = 0
+            continue
+        strategy = next((wanted[n] for n in decision.nodes if n in wanted), None)
+        choice[key] = _option_index(decision, strategy, plan)
+    return choice
+
+
+def _plan_strategies(plan: Plan, captured: CapturedGraph) -> dict[str, Strategy]:
+    """Node name -> the strategy the plan gives it: ops from ``plan.ops``, placeholders from the
+    placements of parameters, inputs and buffers; lifted constants are replicated (the runtime's rule)."""
+    ndim = len(plan.mesh["shape"])
+    out = {name: Strategy(tuple(tuple(p) for p in op["inputs"]),
+                          tuple(tuple(p) if p is not None else None for p in op["outputs"]))
+           for name, op in plan.ops.items()}
+    for name, fqn in captured.params.items():
+        out[name] = _placeholder(plan.placements.get(fqn))
+    for name, fqn in captured.buffers.items():
+        out[name] = _placeholder(plan.buffers.get(fqn))
+    for name in captured.user_inputs:
+        out[name] = _placeholder(plan.inputs.get(name, {}).get("placements"))
+    for name in captured.constants:
+        out[name] = _placeholder(["R"] * ndim)
+    return out
+
+
+def _placeholder(placements: list[str] | None) -> Strategy | None:
+    return None if placements is None else Strategy((), (tuple(placements),))
+
+
+def _option_index(decision: Decision, strategy: Strategy | None, plan: Plan) -> int:
+    if strategy is None:
+        raise BadInputError(f"the plan (model {plan.model.get('name')!r}) says nothing about "
+                            f"{decision.nodes[0]!r}: it was made for another graph than the saved problem")
+    for k, option in enumerate(decision.options):
+        if option.strategy == strategy:
+            return k
+    raise BadInputError(f"the plan's strategy for {decision.nodes[0]!r} ({strategy.describe()}) is not one the "
+                        "planner offers on this mesh: was the plan made by another autopar or torch version?")
+
+
+# ---- the planner's internals, in one place ------------------------------------------------------
+
+def _plan_mesh(plan: Plan) -> MeshChoice:
+    return MeshChoice(tuple(zip(plan.mesh["dim_names"], plan.mesh["shape"])), int(plan.degrees.get("pp", 1)))
+
+
+def _staging(plan: Plan, captured: CapturedGraph) -> Staging:
+    """The plan's pipeline schedule and activation checkpointing."""
+    pipeline = plan.pipeline
+    return Staging(int(plan.degrees.get("pp", 1)), captured.layer_count(), pipeline.get("schedule", "none"),
+                   int(pipeline.get("virtual_stages", 1)), plan.checkpointing)
+
+
+def _pricing_constraints(plan: Plan) -> dict[str, int]:
+    """What the planner's pricing needs beyond the placements: a ZeRO-1/2 stage (sharded optimizer
+    state of replicated parameters). Nothing else is pinned, so every strategy the plan took, under
+    whatever constraints it was made, is among the options."""
+    zero = int(plan.degrees.get("zero", 0))
+    return {"fsdp": zero} if zero in (1, 2) else {}
+
+
+def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, staging: Staging, dtype: str,
+                     microbatches: int, constraints: dict[str, int]) -> Problem:
+    """The problem the planner solves for ``mesh`` and ``staging`` on ``cluster``, priced for ``microbatches``."""
+    pricer = pricer_for(cluster, mesh, dtype, constraints)
+    whole = _problem_for(captured, mesh, pricer, usable_bytes(cluster.device), constraints)
+    return stage_problem(whole.with_microbatches(microbatches, pricer), captured, staging)
+
+
+def _planner_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, mesh: MeshChoice,
+                  staging: Staging, problem: Problem, solution: Solution, wall_s: float,
+                  constraints: dict[str, int]) -> Plan:
+    """The planner's Plan of this one priced candidate (with its pipeline bubble and transfers)."""
+    pricer = pricer_for(cluster, mesh, dtype, constraints)
+    best = _with_pipeline_time(captured, mesh, staging, problem, solution, pricer)
+    return _to_plan(captured, cluster, model_name, dtype, best, [best], [], wall_s, constraints)

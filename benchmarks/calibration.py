@@ -1,0 +1,135 @@
+"""Does a calibrated profile predict real step times? Calibrate on W gloo ranks, plan, train, compare.
+
+For each world size W: ``autopar calibrate``'s measurement runs on W spawned gloo ranks and becomes a
+cluster profile; the demo model (``tiny-gpt``, global batch 8, as ``autopar demo``) is planned for that
+profile and, for reference, for the uncalibrated ``1xWxcpu`` preset; then the profile's plan trains on
+W fresh gloo ranks and each training step is timed (median and fastest step are both reported:
+calibration keeps each op's fastest repeat, so the fastest step is the like-for-like figure on a
+shared, busy machine). ``pm.step`` (forward, loss, backward, gradient sync) is what
+``predicted.step_time_s`` prices; the optimizer update (``opt.step``), which the planner does not
+price, is timed and reported apart. Prints a table and writes
+``benchmarks/results/calibration.json`` (with each profile's fitted figures). Usage::
+
+    python benchmarks/calibration.py                   # W = 2 and 4, full calibration
+    python benchmarks/calibration.py --worlds 2 --quick --steps 6 --out /tmp/calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from autopar.api import plan
+from autopar.cost_models.calibrate import build_profile, measure_spawned_rank, profile_source, write_profile
+from autopar.launch import run_on_ranks
+from autopar.models import build_model
+from autopar.parity import batches, build, make_optimizer
+
+MODEL = "tiny-gpt"
+GLOBAL_BATCH = 8
+WARMUP_STEPS = 2
+"""Steps left out of the timing: the first builds DTensor's sharding-propagation caches."""
+
+
+def calibrate(world: int, quick: bool, directory: Path) -> tuple[dict[str, Any], str]:
+    """The profile measured on ``world`` gloo ranks, and the path it was written to."""
+    measured = run_on_ranks(measure_spawned_rank, world, quick)[0]
+    profile = build_profile(measured, profile_source())
+    path = str(directory / f"calibrated-{world}.json")
+    write_profile(profile, path)
+    return profile, path
+
+
+def plan_demo(cluster: str) -> Any:
+    bundle = build_model(MODEL, global_batch=GLOBAL_BATCH, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn,
+                    example_targets=bundle.example_targets, name=MODEL)
+
+
+def timed_steps_rank(rank: int, world: int, plan_dict: dict, steps: int) -> dict[str, list[float]]:
+    """One rank trains the demo under ``plan_dict``; seconds of each ``pm.step`` and ``opt.step``."""
+    import torch.distributed as dist
+
+    import autopar
+
+    bundle = build(MODEL, None, GLOBAL_BATCH, None, seed=0)
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, plan=autopar.Plan.from_dict(plan_dict))
+    opt = make_optimizer("adamw", pm.parameters())
+    step_s, update_s = [], []
+    for batch in batches(bundle, steps + WARMUP_STEPS, seed=0):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        pm.step(*batch)
+        stepped = time.perf_counter()
+        opt.step()
+        step_s.append(stepped - start)
+        update_s.append(time.perf_counter() - stepped)
+    return {"step_s": step_s[WARMUP_STEPS:], "update_s": update_s[WARMUP_STEPS:]}
+
+
+def measure_world(world: int, steps: int, quick: bool, directory: Path) -> dict[str, Any]:
+    profile, path = calibrate(world, quick, directory)
+    calibrated, preset = plan_demo(path), plan_demo(f"1x{world}xcpu")
+    per_rank = run_on_ranks(timed_steps_rank, world, calibrated.to_dict(), steps)
+    # a synchronous step ends when its slowest rank does
+    step_s = [max(times) for times in zip(*(r["step_s"] for r in per_rank))]
+    update_s = [max(times) for times in zip(*(r["update_s"] for r in per_rank))]
+    measured, fastest = statistics.median(step_s), min(step_s)
+    predicted = calibrated.predicted["step_time_s"]
+    return {
+        "world": world, "model": MODEL, "global_batch": GLOBAL_BATCH, "quick": quick,
+        "mesh": dict(zip(calibrated.mesh["dim_names"], calibrated.mesh["shape"])),
+        "predicted_step_s": predicted, "predicted_compute_s": calibrated.predicted["compute_s"],
+        "predicted_exposed_comm_s": calibrated.predicted["exposed_comm_s"],
+        "preset_predicted_step_s": preset.predicted["step_time_s"],
+        "measured_step_s": measured, "fastest_step_s": fastest, "measured_step_samples_s": step_s,
+        "measured_update_s": statistics.median(update_s),
+        "error": (predicted - measured) / measured, "error_vs_fastest": (predicted - fastest) / fastest,
+        "profile": {"source": profile["source"], "device": profile["device"],
+                    "fits": profile["measured"]["fits"], "op_floor": profile["measured"]["op_floor"]},
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'W':>2}  {'mesh':<10} {'preset pred':>11} {'calib pred':>10} {'median':>9} {'error':>7} "
+          f"{'fastest':>9} {'error':>7} "
+          f"{'opt.step':>9}  {'GFLOP/s':>8} {'GB/s':>6} {'op floor':>9} {'link GB/s':>9} {'link lat':>9}")
+    for r in rows:
+        fits, device = r["profile"]["fits"], r["profile"]["device"]
+        link = fits["links"].get("intra", {"bw": float("nan"), "base_latency_s": float("nan")})
+        mesh = "x".join(f"{k}={v}" for k, v in r["mesh"].items())
+        print(f"{r['world']:>2}  {mesh:<10} {r['preset_predicted_step_s'] * 1e3:>8.1f} ms "
+              f"{r['predicted_step_s'] * 1e3:>7.1f} ms {r['measured_step_s'] * 1e3:>6.1f} ms "
+              f"{r['error'] * 100:>+6.0f}% {r['fastest_step_s'] * 1e3:>6.1f} ms {r['error_vs_fastest'] * 100:>+6.0f}% "
+              f"{r['measured_update_s'] * 1e3:>6.1f} ms  "
+              f"{fits['matmul']['fp32']['rate'] / 1e9:>8.1f} {fits['memory']['rate'] / 1e9:>6.2f} "
+              f"{device['kernel_launch_s'] * 1e6:>6.0f} us {link['bw'] / 1e9:>9.2f} "
+              f"{link['base_latency_s'] * 1e6:>6.0f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4", help="comma-separated gloo world sizes (default 2,4)")
+    parser.add_argument("--steps", type=int, default=12, help="timed training steps per world (default 12)")
+    parser.add_argument("--quick", action="store_true", help="calibrate with `autopar calibrate --quick` sizes")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibration.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        rows = [measure_world(int(w), args.steps, args.quick, Path(directory)) for w in args.worlds.split(",")]
+    print_table(rows)
+    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

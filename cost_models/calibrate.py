@@ -1,0 +1,612 @@
+"""Calibration: measure the machine this process runs on and write a cluster profile for ``--cluster``.
+
+This module is for turning timings taken on real hardware into the numbers the cost model prices
+with (a ``DeviceSpec`` and a cluster file). It is not for pricing (``compute.py``, ``comm.py``) nor
+for launching processes (``autopar calibrate`` in ``autopar/cli.py`` spawns or joins the ranks and
+calls ``measure_rank`` on each).
+
+What is measured, on every rank at once (ranks share the host or the node, as in training):
+
+* **matmul**: seconds of ``a @ b`` for a few square and rectangular shapes, per dtype available on
+  the device (fp32 and bf16 on CPU; fp32, tf32, bf16, fp16 on CUDA);
+* **memory**: seconds of ``torch.add(a, b, out=c)`` on tensors larger than the caches (3 tensors
+  moved per call);
+* **op floor**: the time one small op holds the device. On CUDA the host enqueues asynchronously,
+  so the floor is a tiny kernel's launch-to-launch time (many queued, one synchronize). On CPU the
+  host *is* the device: the op's whole dispatch path in autopar's runtime runs on the same cores,
+  so the floor comes from a small GPT-2 block (layer_norms, linears with biases, attention with its
+  head views, GELU MLP, residuals) run as DTensors on the job's mesh, forward and backward, on
+  tensors too small for FLOPs to matter;
+* **collectives** (world > 1): seconds of all_reduce, all_gather and reduce_scatter by message
+  size, on the ranks of one node and, across nodes, on one rank per node.
+
+Every sample is the fastest of several timed repeats (slower ones measure other processes, not the
+machine); across ranks the slowest rank's figure is kept, since a synchronous step runs at the
+slowest rank's pace.
+
+How the numbers become profile fields (``build_profile``):
+
+* ``peak_flops[dtype] = rate / MATMUL_MAX_EFFICIENCY``, where ``rate`` is the slope of the least
+  squares line ``seconds = a + flops / rate`` over that dtype's matmuls: ``compute.py`` runs a large
+  GEMM at ``MATMUL_MAX_EFFICIENCY * peak``, so large GEMMs are priced at the measured rate.
+* ``hbm_bw = rate / MEMORY_EFFICIENCY`` from ``seconds = a + bytes / rate`` over the adds, for
+  the same reason (``compute.py`` runs bandwidth-bound kernels at ``MEMORY_EFFICIENCY * hbm_bw``).
+* ``kernel_launch_s``: the op floor. On CPU: the block's forward+backward time divided by its
+  non-view ops and by 3, because the pricer charges each non-view op the floor once forward and
+  twice backward and charges views nothing (``autopar/pricing.py``), while the runtime dispatches
+  views too; the floor thereby carries the views' share for graphs shaped like a transformer.
+* ``nvlink_bw``, ``intra_latency_s``, ``base_latency_s`` (and ``net_bw``, ``inter_latency_s``
+  across nodes): one non-negative least-squares fit per link of
+  ``seconds = base + ring_steps(kind, p) * step_latency + collective_bytes_per_rank(kind, n, p) / bw``
+  over all kinds and sizes, i.e. ``comm.py``'s flat-ring formula with its own helpers; fields the
+  run could not measure (the network on one node) keep the base preset's values.
+* ``hbm_bytes``: the device's memory (on CPU, the host's RAM divided among the node's ranks).
+
+The profile is a cluster file (``cluster.py``): ``nodes``, ``devices_per_node``, a ``device`` with
+``"base": preset`` and the measured fields, plus ``source`` (``autopar calibrate <date> on
+<host>``) and ``measured`` (every raw sample and fit), which the loader keeps as metadata.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass
+from itertools import combinations
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .comm import collective_bytes_per_rank, ring_steps
+from .compute import MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY
+from .hardware import DTYPE_BYTES, get_device, preset_for_cuda_name
+
+MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+PRICED_OPS_PER_FORWARD_OP = 3
+"""Forward + backward priced as 3 forwards (autopar/pricing.py: backward = 2x forward)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Plans of what to measure
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes and sizes one calibration run measures."""
+    matmuls: tuple[tuple[int, int, int], ...]
+    """(m, n, k) of ``[m, k] @ [k, n]``."""
+    add_elements: tuple[int, ...]
+    """Elements of each fp32 tensor of ``c = a + b``."""
+    message_bytes: tuple[int, ...]
+    """Full-tensor bytes of each collective (comm.py's convention)."""
+    min_repeat_s: float
+    """Each timed repeat runs the op enough times to last at least this long."""
+    repeats: int
+
+
+def sizes_for(device_type: str, quick: bool) -> Sizes:
+    """What to measure on ``device_type`` ("cpu" or "cuda"); ``quick`` for tests (seconds, not minutes)."""
+    if device_type == "cuda":
+        if quick:
+            return Sizes(((1024, 1024, 1024), (4096, 4096, 4096)), (1 << 24,), (1 << 16, 1 << 22),
+                         min_repeat_s=0.005, repeats=3)
+        return Sizes(((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
+                      (8192, 8192, 8192), (16384, 1024, 4096)),
+                     (1 << 24, 1 << 26, 1 << 28), tuple(1 << s for s in range(12, 29, 2)),
+                     min_repeat_s=0.02, repeats=5)
+    if quick:
+        return Sizes(((128, 128, 128), (256, 256, 256)), (1 << 20, 1 << 22), (1 << 12, 1 << 16, 1 << 20),
+                     min_repeat_s=0.005, repeats=3)
+    return Sizes(((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
+                  (2048, 256, 512)),
+                 (1 << 20, 1 << 22, 1 << 24), tuple(1 << s for s in range(10, 25, 2)),
+                 min_repeat_s=0.05, repeats=5)
+
+
+def dtypes_for(device_type: str) -> tuple[str, ...]:
+    """Canonical dtype keys whose matmul rate is measured on ``device_type``."""
+    return ("fp32", "tf32", "bf16", "fp16") if device_type == "cuda" else ("fp32", "bf16")
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting
+# --------------------------------------------------------------------------------------------
+
+
+def nonnegative_least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """``x >= 0`` minimizing ``|rows @ x - targets|``, exactly, by trying every set of free columns.
+
+    For the two or three unknowns of a calibration fit that is at most 7 small solves.
+    """
+    width = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    for count in range(width, 0, -1):
+        for free in combinations(range(width), count):
+            solution = _least_squares([[row[i] for i in free] for row in rows], targets)
+            if solution is None or min(solution) < 0:
+                continue
+            x = [0.0] * width
+            for i, value in zip(free, solution):
+                x[i] = value
+            residual = sum((sum(r * v for r, v in zip(row, x)) - t) ** 2 for row, t in zip(rows, targets))
+            if best is None or residual < best[0]:
+                best = (residual, x)
+    return best[1] if best is not None else [0.0] * width
+
+
+def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float] | None:
+    """Ordinary least squares through the normal equations, columns scaled to unit norm first."""
+    width = len(rows[0])
+    scale = [max(sum(row[i] ** 2 for row in rows) ** 0.5, 1e-300) for i in range(width)]
+    scaled = [[row[i] / scale[i] for i in range(width)] for row in rows]
+    gram = [[sum(r[i] * r[j] for r in scaled) for j in range(width)] for i in range(width)]
+    moment = [sum(r[i] * t for r, t in zip(scaled, targets)) for i in range(width)]
+    solution = _solve(gram, moment)
+    return None if solution is None else [s / c for s, c in zip(solution, scale)]
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when the matrix is (nearly) singular."""
+    n = len(vector)
+    a = [row[:] + [v] for row, v in zip(matrix, vector)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                factor = a[r][col] / a[col][col]
+                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+@dataclass(frozen=True)
+class RateFit:
+    """``seconds = intercept_s + work / rate``: a fixed cost plus work at a steady rate."""
+    intercept_s: float
+    rate: float
+
+
+def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
+    """Least-squares (non-negative) intercept and rate of ``seconds`` against ``work`` (FLOPs or bytes)."""
+    if len(work) != len(seconds) or not work:
+        raise ValueError(f"fit_rate needs as many timings as work sizes (at least one), got "
+                         f"{len(work)} and {len(seconds)}")
+    intercept, inverse_rate = nonnegative_least_squares([[1.0, float(w)] for w in work], seconds)
+    if inverse_rate <= 0:
+        raise ValueError(f"timings {list(seconds)} do not grow with work {list(work)}: no rate to fit; "
+                         "measure larger sizes")
+    return RateFit(intercept_s=intercept, rate=1.0 / inverse_rate)
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    """One measured collective: ``kind`` of ``nbytes`` (full-tensor size) on ``ranks`` ranks."""
+    kind: str
+    nbytes: int
+    ranks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """A link's parameters in ``comm.py``'s terms: fixed latency, per-ring-step latency, bandwidth."""
+    base_latency_s: float
+    step_latency_s: float
+    bw: float
+
+
+def fit_link(samples: Sequence[CollectiveSample]) -> LinkFit:
+    """Fit ``base + ring_steps * step_latency + ring_bytes / bw`` to collective timings.
+
+    ``ring_steps`` and the ring bytes (``collective_bytes_per_rank``) are comm.py's, so a link
+    priced with the fit reproduces the timings as closely as the flat-ring model allows. Base and
+    per-step latency are told apart by kinds (or group sizes) with different step counts.
+    """
+    if not samples:
+        raise ValueError("fit_link needs at least one collective timing")
+    rows = [[1.0, float(ring_steps(s.kind, s.ranks)), collective_bytes_per_rank(s.kind, s.nbytes, s.ranks)]
+            for s in samples]
+    base, step, inverse_bw = nonnegative_least_squares(rows, [s.seconds for s in samples])
+    if inverse_bw > 0:
+        return LinkFit(base_latency_s=base, step_latency_s=step, bw=1.0 / inverse_bw)
+    # Latency-bound at every measured size (small messages, noisy timings): the link moved each
+    # sample's bytes at least this fast, so take the fastest observed rate and fit latencies to the rest.
+    bw = max(row[2] / s.seconds for row, s in zip(rows, samples) if s.seconds > 0)
+    rest = [max(0.0, s.seconds - row[2] / bw) for row, s in zip(rows, samples)]
+    base, step = nonnegative_least_squares([row[:2] for row in rows], rest)
+    return LinkFit(base_latency_s=base, step_latency_s=step, bw=bw)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def _seconds_per_call(fn: Callable[[], Any], sync: Callable[[], None], sizes: Sizes,
+                      agree: Callable[[int], int] = lambda calls: calls) -> float:
+    """Fastest of ``sizes.repeats`` repeats of the mean time of ``fn``, each repeat >= min_repeat_s.
+
+    The fastest, as Python's ``timeit`` documentation advises: slower repeats are other processes
+    interfering, not the machine's speed (https://docs.python.org/3/library/timeit.html, ``repeat``).
+
+    ``agree`` turns this rank's call count into the one every rank of a collective uses (they must
+    all issue the same number of collectives).
+    """
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    single = max(time.perf_counter() - start, 1e-7)
+    calls = agree(max(1, int(sizes.min_repeat_s / single)))
+    timings = []
+    for _ in range(sizes.repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        timings.append((time.perf_counter() - start) / calls)
+    return min(timings)
+
+
+def _most_calls_in(group: Any) -> Callable[[int], int]:
+    """``agree`` for ``_seconds_per_call``: the largest call count of any rank of ``group``."""
+
+    def agree(calls: int) -> int:
+        count = torch.tensor([calls], dtype=torch.float64, device=_rank_device(dist.get_backend(group)))
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        return int(count.item())
+
+    return agree
+
+
+def _synchronizer(device: Any) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _torch_dtype(key: str) -> Any:
+    return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key]
+
+
+def measure_matmuls(device: Any, sizes: Sizes) -> list[dict[str, Any]]:
+    """Seconds of each (m, n, k) matmul for each dtype of the device."""
+    sync = _synchronizer(device)
+    samples = []
+    for key in dtypes_for(device.type):
+        previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = key == "tf32"
+        try:
+            for m, n, k in sizes.matmuls:
+                a = torch.randn(m, k, device=device, dtype=_torch_dtype(key))
+                b = torch.randn(k, n, device=device, dtype=_torch_dtype(key))
+                seconds = _seconds_per_call(lambda: a @ b, sync, sizes)
+                samples.append({"dtype": key, "m": m, "n": n, "k": k, "flops": 2 * m * n * k, "seconds": seconds})
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+    return samples
+
+
+def measure_memory(device: Any, sizes: Sizes) -> list[dict[str, Any]]:
+    """Seconds of ``c = a + b`` (fp32), which reads two tensors and writes one."""
+    sync = _synchronizer(device)
+    samples = []
+    for elements in sizes.add_elements:
+        a, b, c = (torch.randn(elements, device=device) for _ in range(3))
+        seconds = _seconds_per_call(lambda: torch.add(a, b, out=c), sync, sizes)
+        samples.append({"elements": elements, "bytes": 3 * elements * DTYPE_BYTES["fp32"], "seconds": seconds})
+    return samples
+
+
+def measure_op_floor(device: Any, sizes: Sizes) -> dict[str, Any]:
+    """Seconds one small op holds the device (see the module doc for CPU vs CUDA)."""
+    if device.type == "cuda":
+        return _cuda_kernel_floor(device, sizes)
+    return _dtensor_op_floor(sizes)
+
+
+def _cuda_kernel_floor(device: Any, sizes: Sizes) -> dict[str, Any]:
+    x = torch.zeros(1, device=device)
+    seconds = _seconds_per_call(lambda: x.add_(1), _synchronizer(device), sizes)
+    return {"method": "tiny CUDA kernels queued back to back", "seconds_per_op": seconds,
+            "kernel_launch_s": seconds}
+
+
+def _dtensor_op_floor(sizes: Sizes) -> dict[str, Any]:
+    """Per priced op time of a small transformer block's forward and backward as DTensors on the world mesh.
+
+    The pricer charges the floor on every non-view op and treats views as free, while autopar's
+    runtime dispatches both through DTensor; so the floor is the block's measured time divided by
+    its non-view ops (counted by dispatch), which folds the views' share into the ops a plan prices.
+    """
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.randn(2 * world, _BLOCK_SEQ, _BLOCK_WIDTH), mesh, [Shard(0)]).requires_grad_()
+    weights = {name: distribute_tensor(torch.randn(_BLOCK_WIDTH, _BLOCK_WIDTH) / _BLOCK_WIDTH, mesh,
+                                       [Replicate()]).requires_grad_()
+               for name in ("q", "k", "v", "o", "up", "down")}
+    weights.update({name: distribute_tensor(torch.zeros(_BLOCK_WIDTH), mesh, [Replicate()]).requires_grad_()
+                    for name in ("bias", "norm_bias")})
+    weights["norm_weight"] = distribute_tensor(torch.ones(_BLOCK_WIDTH), mesh, [Replicate()]).requires_grad_()
+
+    def forward() -> Any:
+        return _transformer_block(x, weights)
+
+    def forward_backward() -> None:
+        forward().sum().backward()
+
+    counter = _DispatchCounter()
+    with counter:
+        forward()
+    agree = _most_calls_in(None)
+    forward_s = _seconds_per_call(forward, lambda: None, sizes, agree)
+    forward_backward_s = _seconds_per_call(forward_backward, lambda: None, sizes, agree)
+    return {"method": "a GPT-2 block (width 16) as DTensors on the world mesh, forward and backward, "
+                      "per non-view op",
+            "priced_ops": counter.ops, "views": counter.views, "forward_s": forward_s / counter.ops,
+            "forward_backward_s": forward_backward_s / counter.ops,
+            "kernel_launch_s": forward_backward_s / counter.ops / PRICED_OPS_PER_FORWARD_OP}
+
+
+_BLOCK_WIDTH, _BLOCK_HEADS, _BLOCK_SEQ = 16, 2, 4
+"""A transformer block small enough that its FLOPs are negligible next to the per-op dispatch."""
+
+
+def _transformer_block(h: Any, w: Mapping[str, Any]) -> Any:
+    """GPT-2 block: pre-LN attention (heads split by views, softmax(q k^T) v) and GELU MLP, with biases."""
+    batch, seq, width = h.shape
+
+    def norm(t: Any) -> Any:
+        return F.layer_norm(t, (width,), w["norm_weight"], w["norm_bias"])
+
+    def linear(t: Any, name: str) -> Any:
+        return F.linear(t, w[name], w["bias"])
+
+    a = norm(h)
+    q, k, v = (linear(a, n).view(batch, seq, _BLOCK_HEADS, width // _BLOCK_HEADS).transpose(1, 2) for n in "qkv")
+    scores = torch.softmax(q @ k.transpose(-2, -1) / (width // _BLOCK_HEADS) ** 0.5, dim=-1)
+    h = h + linear((scores @ v).transpose(1, 2).reshape(batch, seq, width), "o")
+    return h + linear(F.gelu(linear(norm(h), "up")), "down")
+
+
+class _DispatchCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it: views apart from the rest."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.views = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.is_view:
+            self.views += 1
+        else:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure_collectives(group: Any, device: Any, sizes: Sizes) -> list[dict[str, Any]]:
+    """Seconds of each collective kind and message size on ``group`` (every member must call this)."""
+    p = dist.get_world_size(group)
+    sync = _synchronizer(device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    samples = []
+    for nbytes in sizes.message_bytes:
+        elements = max(p, nbytes // DTYPE_BYTES["fp32"] // p * p)
+        full = torch.zeros(elements, device=device)
+        shard = torch.zeros(elements // p, device=device)
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(full, group=group),
+            "all_gather": lambda: all_gather(full, shard, group=group),
+            "reduce_scatter": lambda: reduce_scatter(shard, full, group=group),
+        }
+        for kind in MEASURED_COLLECTIVES:
+            seconds = _seconds_per_call(calls[kind], sync, sizes, _most_calls_in(group))
+            samples.append({"kind": kind, "nbytes": elements * DTYPE_BYTES["fp32"], "ranks": p, "seconds": seconds})
+    return samples
+
+
+# --------------------------------------------------------------------------------------------
+# One rank's run
+# --------------------------------------------------------------------------------------------
+
+
+def measure_rank(quick: bool = False, ranks_per_node: int | None = None) -> dict[str, Any] | None:
+    """Measure on every rank of the initialized process group; rank 0 returns the combined results.
+
+    ``ranks_per_node`` defaults to torchrun's ``LOCAL_WORLD_SIZE`` (or the whole world). Every
+    rank must call this; ranks other than 0 return None.
+    """
+    if not dist.is_initialized():
+        raise ValueError("measure_rank needs an initialized process group (torchrun, or autopar "
+                         "calibrate --ranks N)")
+    world = dist.get_world_size()
+    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise ValueError(f"{world} ranks cannot be split into nodes of {per_node}: expected "
+                         "LOCAL_WORLD_SIZE to divide WORLD_SIZE")
+    device = _rank_device(dist.get_backend())
+    sizes = sizes_for(device.type, quick)
+    local = {
+        "matmul": measure_matmuls(device, sizes),
+        "memory": measure_memory(device, sizes),
+        "op_floor": measure_op_floor(device, sizes),
+        "links": _measure_links(device, sizes, world, per_node),
+    }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, local)
+    if dist.get_rank() != 0:
+        return None
+    return {"device_type": device.type, "device_name": _device_name(device), "world": world,
+            "ranks_per_node": per_node, "threads_per_rank": torch.get_num_threads(),
+            "hbm_bytes": _memory_per_rank(device, per_node), **_slowest_rank(gathered)}
+
+
+def measure_spawned_rank(rank: int, world: int, quick: bool) -> dict[str, Any] | None:
+    """``measure_rank`` for ranks spawned on one host (``autopar.launch.run_on_ranks(fn, world, quick)``)."""
+    return measure_rank(quick, ranks_per_node=world)
+
+
+def measure_in_job(quick: bool) -> dict[str, Any] | None:
+    """``measure_rank`` in a job launched by torchrun: joins (or reuses) its process group.
+
+    NCCL when CUDA is available (each rank on its ``LOCAL_RANK`` GPU), gloo otherwise.
+    """
+    created = not dist.is_initialized()
+    if created:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    try:
+        return measure_rank(quick)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _rank_device(backend: str) -> Any:
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _device_name(device: Any) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
+                                                                            platform.machine())
+
+
+def _memory_per_rank(device: Any, ranks_per_node: int) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_per_node
+
+
+def _measure_links(device: Any, sizes: Sizes, world: int, per_node: int) -> dict[str, list[dict[str, Any]]]:
+    """Collectives on this rank's node group ("intra") and its one-rank-per-node group ("inter").
+
+    ``new_group`` is collective: every rank creates every group, in the same order, and keeps its own.
+    """
+    rank, nodes = dist.get_rank(), world // per_node
+    links: dict[str, list[dict[str, Any]]] = {}
+    if per_node > 1:
+        groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
+        links["intra"] = measure_collectives(groups[rank // per_node], device, sizes)
+    if nodes > 1:
+        groups = [dist.new_group(list(range(local, world, per_node))) for local in range(per_node)]
+        links["inter"] = measure_collectives(groups[rank % per_node], device, sizes)
+    return links
+
+
+def _slowest_rank(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each sample's seconds (and the op floor) as the maximum over ranks: the pace of a synchronous step."""
+    first = per_rank[0]
+    combined: dict[str, Any] = {
+        "matmul": _max_seconds([r["matmul"] for r in per_rank]),
+        "memory": _max_seconds([r["memory"] for r in per_rank]),
+        "links": {name: _max_seconds([r["links"][name] for r in per_rank]) for name in first["links"]},
+    }
+    floor = dict(first["op_floor"])
+    for key in ("forward_s", "forward_backward_s", "seconds_per_op", "kernel_launch_s"):
+        if key in floor:
+            floor[key] = max(r["op_floor"][key] for r in per_rank)
+    combined["op_floor"] = floor
+    return combined
+
+
+def _max_seconds(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    return [{**samples[0], "seconds": max(s["seconds"] for s in samples)} for samples in zip(*per_rank)]
+
+
+# --------------------------------------------------------------------------------------------
+# Profile
+# --------------------------------------------------------------------------------------------
+
+
+def base_preset(measured: Mapping[str, Any]) -> str:
+    """The catalogue preset a measured device modifies: "cpu", or the NVIDIA part CUDA names."""
+    if measured["device_type"] != "cuda":
+        return "cpu"
+    return preset_for_cuda_name(str(measured["device_name"]))
+
+
+def build_profile(measured: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The cluster file for ``measured`` (``measure_rank``'s result); see the module doc for the mapping."""
+    base = get_device(base_preset(measured))
+    fits = {"matmul": _matmul_fits(measured["matmul"]), "memory": _memory_fit(measured["memory"]),
+            "links": {name: asdict(fit_link([CollectiveSample(**s) for s in samples]))
+                      for name, samples in measured["links"].items()}}
+    device: dict[str, Any] = {
+        "base": base.name,
+        "peak_flops": {key: fit["rate"] / MATMUL_MAX_EFFICIENCY for key, fit in fits["matmul"].items()},
+        "hbm_bytes": int(measured["hbm_bytes"]),
+        "hbm_bw": fits["memory"]["rate"] / MEMORY_EFFICIENCY,
+        "kernel_launch_s": measured["op_floor"]["kernel_launch_s"],
+    }
+    device.update(_link_fields(fits["links"]))
+    nodes = measured["world"] // measured["ranks_per_node"]
+    return {"source": source, "nodes": nodes, "devices_per_node": measured["ranks_per_node"], "device": device,
+            "measured": {**measured, "fits": fits}}
+
+
+def _matmul_fits(samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    fits = {}
+    for key in dict.fromkeys(s["dtype"] for s in samples):
+        chosen = [s for s in samples if s["dtype"] == key]
+        fits[key] = asdict(fit_rate([s["flops"] for s in chosen], [s["seconds"] for s in chosen]))
+    return fits
+
+
+def _memory_fit(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    return asdict(fit_rate([s["bytes"] for s in samples], [s["seconds"] for s in samples]))
+
+
+def _link_fields(links: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """DeviceSpec fields of the fitted links; the base latency from inside a node when measured there."""
+    fields: dict[str, float] = {}
+    if "inter" in links:
+        fields.update(net_bw=links["inter"]["bw"], inter_latency_s=links["inter"]["step_latency_s"],
+                      base_latency_s=links["inter"]["base_latency_s"])
+    if "intra" in links:
+        fields.update(nvlink_bw=links["intra"]["bw"], intra_latency_s=links["intra"]["step_latency_s"],
+                      base_latency_s=links["intra"]["base_latency_s"])
+    return fields
+
+
+def profile_summary(profile: Mapping[str, Any]) -> str:
+    """A few lines a person reads after calibrating: the fitted figures, in the units people use."""
+    device, measured = profile["device"], profile["measured"]
+    fits = measured["fits"]
+    lines = [f"{profile['source']}: {profile['nodes']}x{profile['devices_per_node']}x{device['base']} "
+             f"({measured['device_name']}, {measured['threads_per_rank']} thread(s) per rank)"]
+    for key, fit in fits["matmul"].items():
+        lines.append(f"  matmul {key:<5} {fit['rate'] / 1e9:10.1f} GFLOP/s achieved "
+                     f"(peak_flops {device['peak_flops'][key] / 1e9:.1f} G)")
+    lines.append(f"  memory       {fits['memory']['rate'] / 1e9:10.2f} GB/s achieved (hbm_bw {device['hbm_bw'] / 1e9:.2f} GB/s)")
+    lines.append(f"  op floor     {device['kernel_launch_s'] * 1e6:10.1f} us per priced op")
+    for name, fit in fits["links"].items():
+        lines.append(f"  {name}-node    {fit['bw'] / 1e9:10.2f} GB/s, {fit['step_latency_s'] * 1e6:.1f} us per ring step, "
+                     f"{fit['base_latency_s'] * 1e6:.1f} us per collective")
+    return "\n".join(lines)
+
+
+def profile_source() -> str:
+    """``autopar calibrate <UTC date and time> on <hostname>``."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"autopar calibrate {now} on {socket.gethostname()}"
+
+
+def write_profile(profile: Mapping[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(profile, handle, indent=2)
+        handle.write("\n")

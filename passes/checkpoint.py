@@ -1,0 +1,145 @@
+"""Activation checkpointing: run each repeated layer of the program under ``torch.utils.checkpoint``.
+
+The plan's ``checkpointing`` field (defined in ``autopar.stages``) says which activations a repeated
+layer keeps for backward; this pass makes the runtime keep exactly those:
+
+* ``none``: the program is returned unchanged;
+* ``full``: each layer runs inside ``checkpoint(..., use_reentrant=False)``, so only its inputs are
+  kept and every op of the layer runs again in backward. The layer's output is saved by the ops
+  that read it (the next layer's checkpoint keeps it as its input), as Megatron-LM's full recompute;
+* ``selective``: the same, with torch's selective activation checkpointing
+  (``create_selective_checkpoint_contexts``): matmul and attention outputs are ``MUST_SAVE``,
+  everything else ``PREFER_RECOMPUTE`` (Korthikanti et al. 2022).
+
+How: ``torch.fx.passes.split_module`` cuts the program into submodules, one per contiguous run of
+nodes of the same layer (``autopar.stages.layer_of``) or of nodes outside any layer; every layer
+submodule is then replaced by a ``CheckpointedLayer`` wrapping it. Values in the program are
+DTensors and the redistributes the earlier passes inserted are ordinary nodes, so a recomputed
+layer re-runs its forward collectives in backward: on every rank, in the same order, which is what
+the cost model prices (``stages._staged_edge``).
+
+Where we diverge from splitting purely by ``layer_of``: nodes the earlier passes inserted
+(``redistribute``, the replicated wrapping of factory ops) carry no module path (every captured op
+does: ``torch.export`` records an ``nn_module_stack`` for each, the loss's included). Each joins the
+layer of the ops that read it (a redistribute moves an op's input, so it belongs to that op, and a
+collective feeding a recomputed op is recomputed with it), or, if those disagree, the layer of its
+input. Partitions are numbered by contiguous runs rather than by layer name so that the code before
+the first layer and after the last (embedding, head, loss) are separate partitions, which keeps the
+partition graph acyclic even where layer membership is not contiguous.
+
+The matmul/attention op set is the one pricing counts as matmuls (torch's FLOP registry: mm, addmm,
+bmm, baddbmm, convolutions, fused attention kernels), plus the composite ``scaled_dot_product_attention``
+and the CPU flash kernel it dispatches to, which the registry does not list. The policy sees the op as
+dispatched at run time (after composite ops are decomposed), not the captured node.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
+from torch.utils.flop_counter import flop_registry
+
+from autopar.stages import CHECKPOINTING, layer_of
+
+_aten = torch.ops.aten
+SAVED_UNDER_SELECTIVE = frozenset(flop_registry) | {
+    _aten.scaled_dot_product_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+}
+"""Op packets whose outputs selective checkpointing keeps (matmuls and attention)."""
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep matmul and attention outputs, recompute everything else."""
+    if getattr(op, "overloadpacket", None) in SAVED_UNDER_SELECTIVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_contexts(checkpointing: str) -> Callable[[], Any]:
+    """``checkpoint``'s ``context_fn``: selective's policy, or torch's default (recompute everything)."""
+    if checkpointing == "selective":
+        return functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    return noop_context_fn
+
+
+class CheckpointedLayer(nn.Module):
+    """One repeated layer's subgraph, run under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, layer: fx.GraphModule, name: str, checkpointing: str):
+        super().__init__()
+        self.layer = layer
+        self.layer_name = name
+        self.checkpointing = checkpointing
+        self._context_fn = recompute_contexts(checkpointing)
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=self._context_fn)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}, checkpointing={self.checkpointing}"
+
+
+def checkpoint_layers(gm: fx.GraphModule, checkpointing: str) -> fx.GraphModule:
+    """``gm`` with each repeated layer run under activation checkpointing (``gm`` itself for "none")."""
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    if checkpointing == "none":
+        return gm
+    layers = program_layers(gm.graph)
+    if not any(layers.values()):
+        return gm
+    runs = _contiguous_runs(gm.graph, layers)
+    split = split_module(gm, None, lambda node: runs[node], keep_original_order=True,
+                         keep_original_node_name=True)
+    for run, layer in _layer_of_run(gm.graph, runs, layers).items():
+        if layer is not None:
+            name = f"submod_{run}"
+            setattr(split, name, CheckpointedLayer(getattr(split, name), layer, checkpointing))
+    return split
+
+
+def program_layers(graph: fx.Graph) -> dict[fx.Node, str | None]:
+    """The repeated layer of every computing node, inserted nodes following the ops they serve."""
+    layers: dict[fx.Node, str | None] = {}
+    for node in reversed(graph.nodes):  # readers first, so an inserted node's readers are known
+        if node.op in ("call_function", "call_method", "call_module"):
+            layers[node] = layer_of(node) if _has_module_path(node) else _inserted_node_layer(node, layers)
+    return layers
+
+
+def _has_module_path(node: fx.Node) -> bool:
+    return bool(node.meta.get("nn_module_stack"))
+
+
+def _inserted_node_layer(node: fx.Node, layers: dict[fx.Node, str | None]) -> str | None:
+    """A node without a module path belongs with its readers when they agree, else with its input."""
+    readers = {layers[user] for user in node.users if user in layers}
+    if len(readers) == 1:
+        return readers.pop()
+    inputs = [arg for arg in node.all_input_nodes if _has_module_path(arg)]
+    return layer_of(inputs[0]) if inputs else None
+
+
+def _contiguous_runs(graph: fx.Graph, layers: dict[fx.Node, str | None]) -> dict[fx.Node, int]:
+    """Partition id of every computing node: a new id each time the layer changes along the graph."""
+    runs: dict[fx.Node, int] = {}
+    run, previous = -1, object()
+    for node in graph.nodes:
+        if node not in layers:
+            continue
+        if layers[node] != previous:
+            run, previous = run + 1, layers[node]
+        runs[node] = run
+    return runs
+
+
+def _layer_of_run(graph: fx.Graph, runs: dict[fx.Node, int], layers: dict[fx.Node, str | None]
+                  ) -> dict[int, str | None]:
+    return {runs[node]: layers[node] for node in graph.nodes if node in runs}

@@ -1,0 +1,51 @@
+"""Memory layouts of DTensor values: keep the layout the captured graph was traced with.
+
+Kernels pick output layouts by device and size, and collectives return contiguous tensors, but the
+captured graph may rely on a layout (a ``view`` after a ``transpose`` is only valid on the layout the
+trace saw). These helpers restore a captured memory order on a DTensor's local shard.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from autopar.placement import strs_to_placements
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """Dims from outermost to innermost in memory."""
+    return tuple(sorted(range(t.ndim), key=lambda d: (t.stride(d), t.shape[d]), reverse=True))
+
+
+def wrap_with_layout(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[str], order: tuple[int, ...] | None) -> DTensor:
+    """A DTensor over ``local`` laid out in memory as the captured graph expects.
+
+    Kernels pick output layouts by device and size (CPU flash attention returns a permuted one, its meta
+    kernel may not), and the graph relies on the captured layout (a ``view`` after a transpose). So the
+    output is rearranged to the captured memory order when it differs, and its global strides keep it.
+    """
+    order = order or memory_order(local)
+    if memory_order(local) != order:
+        local = local.permute(order).contiguous().permute(_inverse(order))
+    shape = list(local.shape)
+    for p, size in zip(placements, mesh.shape):
+        if p.startswith("S("):
+            shape[int(p[2:-1])] *= size
+    stride = [0] * local.ndim
+    step = 1
+    for d in reversed(order):
+        stride[d] = step
+        step *= shape[d]
+    return DTensor.from_local(local, mesh, strs_to_placements(placements), run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return tuple(inv)

@@ -1,0 +1,100 @@
+"""The data-parallel family without processes: DDP, ZeRO-1/2 (sharded optimizer state and gradients),
+FSDP (ZeRO-3) and HSDP (shard inside a node, replicate across nodes), priced by the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import BadInputError
+from autopar.capture import capture
+from autopar.cost_models import parse_cluster
+from autopar.launch import run_on_ranks
+from autopar.models import build_model
+from autopar.planner import make_plan
+
+CLUSTER = "4x8xH100"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    b = build_model("tiny-gpt", global_batch=64)
+    return capture(b.model, b.example_inputs, b.example_targets, b.loss_fn)
+
+
+def _plan(captured, constraints, cluster=CLUSTER):
+    return make_plan(captured, parse_cluster(cluster), model_name="tiny-gpt", constraints=constraints)
+
+
+@pytest.fixture(scope="module")
+def by_stage(gpt):
+    return {stage: _plan(gpt, {"dp": 32, "fsdp": stage}) for stage in (0, 1, 2, 3)}
+
+
+def test_zero_stages_shard_optimizer_then_gradients_then_parameters(by_stage):
+    mem = {stage: plan.predicted["memory_bytes"] for stage, plan in by_stage.items()}
+    ddp = mem[0]
+    assert mem[1]["optimizer"] == pytest.approx(ddp["optimizer"] / 32, rel=1e-3)  # ZeRO-1
+    assert mem[1]["grads"] == ddp["grads"] and mem[1]["params"] == ddp["params"]
+    assert mem[2]["grads"] == pytest.approx(ddp["grads"] / 32, rel=1e-3)  # ZeRO-2
+    assert mem[2]["optimizer"] == mem[1]["optimizer"]
+    assert mem[3]["params"] < ddp["params"] / 4  # ZeRO-3 (FSDP): the weight matrices are sharded too
+    for stage, plan in by_stage.items():
+        assert plan.degrees.get("zero", 0) == stage  # absent for DDP: every degree is >= 1
+    # fsdp=3 may shard over all 32 ranks or, as HSDP, inside each node of 8 (whichever is faster)
+    assert by_stage[3].degrees["fsdp"] in (8, 32) and by_stage[1].degrees["fsdp"] == 1
+
+
+def test_zero_1_and_2_cost_what_ddp_costs(by_stage):
+    """reduce_scatter + all_gather move the bytes of one all_reduce: same step time, less memory."""
+    ddp = by_stage[0].predicted
+    for stage in (1, 2):
+        assert by_stage[stage].predicted["step_time_s"] == pytest.approx(ddp["step_time_s"], rel=1e-9)
+        assert by_stage[stage].placements == by_stage[0].placements
+        assert by_stage[stage].predicted["peak_memory_bytes"] < ddp["peak_memory_bytes"]
+
+
+def test_pinned_hsdp_shards_inside_a_node_and_replicates_across(gpt):
+    plan = _plan(gpt, {"dp": 32, "dp_shard": 8})
+    assert plan.mesh == {"shape": [4, 8], "dim_names": ["dp_replicate", "dp"]}
+    assert plan.degrees["dp"] == 32 and plan.degrees["fsdp"] == 8 and plan.degrees["dp_replicate"] == 4
+    assert all(p[0] == "R" for p in plan.placements.values())
+    matrices = [fqn for fqn in plan.placements if fqn.endswith("proj.weight") or "fc_" in fqn and "weight" in fqn]
+    assert matrices and all(plan.placements[fqn][1].startswith("S(") for fqn in matrices)
+    for name in plan.inputs:  # the batch is split over both data-parallel dims
+        assert plan.inputs[name]["placements"] == ["S(0)", "S(0)"]
+
+
+def test_free_search_tries_hsdp_when_data_parallelism_leaves_the_node(gpt):
+    plan = _plan(gpt, {"tp": 1, "pp": 1})
+    meshes = [c["mesh"]["dim_names"] for c in plan.candidates]
+    pruned = [list(d) for d in plan.solver["pruned_meshes"]]
+    assert ["dp_replicate", "dp"] in meshes + pruned
+
+
+@pytest.mark.parametrize("constraints, match", [
+    ({"dp": 32, "dp_shard": 8, "fsdp": 0}, r"dp_shard=8 \(HSDP\) shards parameters: it needs fsdp=3"),
+    ({"fsdp": 4}, r"fsdp=4.*ZeRO stage"),
+])
+def test_bad_data_parallel_constraints(gpt, constraints, match):
+    with pytest.raises(BadInputError, match=match):
+        _plan(gpt, constraints)
+
+
+def _run_zero2_plan(rank: int, world: int) -> str:
+    import autopar
+
+    b = build_model("tiny-gpt", global_batch=8, device="cpu")
+    try:
+        autopar.autoparallelize(b.model, b.example_inputs, b.loss_fn, cluster="1x2xcpu",
+                                constraints={"dp": 2, "fsdp": 2}, example_targets=b.example_targets)
+    except BadInputError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_runtime_refuses_zero_1_2_plans_clearly():
+    """The runtime keeps the optimizer unsharded: a ZeRO-2 plan is refused, never run with more memory."""
+    messages = run_on_ranks(_run_zero2_plan, 2)
+    assert all("ZeRO-2" in m and "fsdp=0 or fsdp=3" in m for m in messages)

@@ -1,0 +1,157 @@
+"""Pipeline stages, schedules and activation checkpointing in the planner (autopar/stages.py), without
+processes: the staging arithmetic by hand, then plans of a GPT on meta tensors with pinned degrees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import autopar
+from autopar import BadInputError
+from autopar.capture import capture
+from autopar.cost_models import parse_cluster
+from autopar.models import build_model
+from autopar.planner import make_plan
+from autopar.stages import Staging
+
+CLUSTER = "4x8xA100-80GB"
+
+
+# ---- staging arithmetic -------------------------------------------------------------------------
+
+def test_in_flight_microbatches_per_schedule():
+    assert Staging(1, 8).in_flight(16) == 1
+    assert Staging(4, 8, "gpipe").in_flight(16) == 16  # GPipe holds every microbatch
+    assert Staging(4, 8, "1f1b").in_flight(16) == 4  # 1F1B: at most p on the first stage
+    assert Staging(4, 8, "1f1b").in_flight(2) == 2
+    # interleaved: p (1 + (p - 1) / (p v)) (Korthikanti et al. 2022)
+    assert Staging(4, 8, "interleaved", chunks=2).in_flight(16) == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_bubble_fraction_is_p_minus_1_over_v_m():
+    assert Staging(4, 8, "1f1b").bubble_fraction(12) == pytest.approx(3 / 12)
+    assert Staging(4, 8, "interleaved", chunks=2).bubble_fraction(12) == pytest.approx(3 / 24)
+    assert Staging(1, 8).bubble_fraction(5) == 0
+
+
+def test_layers_per_stage_round_up():
+    assert Staging(4, 8).layers_per_stage == 2
+    assert Staging(4, 10).layers_per_stage == 3  # the slowest stage bounds the pipeline
+    assert Staging(2, 8, "interleaved", chunks=2).layers_per_stage == 4
+    assert Staging(2, 10, "interleaved", chunks=2).layers_per_stage == 6  # 2 chunks of ceil(10 / 4)
+
+
+# ---- plans --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt8():
+    """An 8-layer GPT (about 0.4B parameters) at global batch 64, captured once."""
+    b = build_model("gpt-megatron", global_batch=64, overrides={"layers": 8, "hidden": 2048, "heads": 16, "seq": 1024})
+    return capture(b.model, b.example_inputs, b.example_targets, b.loss_fn)
+
+
+def _plan(captured, constraints, cluster=CLUSTER):
+    return make_plan(captured, parse_cluster(cluster), model_name="gpt8", constraints=constraints)
+
+
+@pytest.fixture(scope="module")
+def pp2(gpt8):
+    return _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8})
+
+
+def test_pinned_pipeline_degree(pp2):
+    assert pp2.degrees["pp"] == 2 and pp2.degrees["tp"] == 8 and pp2.degrees["dp"] == 2
+    assert pp2.mesh == {"shape": [2, 8], "dim_names": ["dp", "tp"]}  # one stage's submesh
+    assert pp2.pipeline["stages"] == [[0, 4], [4, 8]]
+    assert pp2.pipeline["schedule"] == "1f1b" and pp2.pipeline["microbatches"] == 8
+    assert pp2.pipeline["microbatch_size"] == 64 // (8 * 2)
+
+
+def test_pipeline_step_time_is_microbatches_plus_bubble(pp2):
+    """step = (work per microbatch) x (m + p - 1) + exposed gradient sync: the bubble is (p - 1) / m
+    of the pipelined work, and stage-to-stage transfers are priced as p2p."""
+    p = pp2.predicted
+    m, stages = 8, 2
+    assert p["bubble_s"] > 0 and p["comm_s"]["p2p"] > 0
+    pipelined = p["step_time_s"] - p["bubble_s"]  # = m x per-microbatch + exposed sync
+    assert p["bubble_s"] == pytest.approx(pipelined * (stages - 1) / m, rel=0.05)
+    assert p["bubble_s"] <= pipelined * (stages - 1) / m + 1e-12
+
+
+def test_a_stage_holds_its_share_of_the_layers(gpt8, pp2):
+    """Parameter bytes per device: half of the repeated layers plus everything outside them."""
+    one = _plan(gpt8, {"pp": 1, "tp": 8, "dp": 4, "microbatches": 4})
+    numel = {}  # elements of each parameter's local shard
+    for fqn, shape in gpt8.param_shapes().items():
+        numel[fqn] = math.prod(shape) / math.prod(
+            size for size, pl in zip(pp2.mesh["shape"], pp2.placements[fqn]) if pl.startswith("S("))
+    in_layers = sum(n for fqn, n in numel.items() if fqn.startswith("blocks."))
+    outside = sum(numel.values()) - in_layers
+    ratio = pp2.predicted["memory_bytes"]["params"] / one.predicted["memory_bytes"]["params"]
+    # the same tp=8 placements in both plans: the ratio is the share of parameters a stage holds
+    assert pp2.placements == one.placements
+    assert ratio == pytest.approx((in_layers / 2 + outside) / (in_layers + outside), rel=1e-6)
+
+
+def test_interleaving_shrinks_the_bubble(gpt8, pp2):
+    inter = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "interleaved", "virtual_stages": 2})
+    assert inter.pipeline["schedule"] == "interleaved" and inter.pipeline["virtual_stages"] == 2
+    assert inter.pipeline["stages"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    assert inter.predicted["bubble_s"] < 0.6 * pp2.predicted["bubble_s"]
+    assert inter.predicted["comm_s"]["p2p"] == pytest.approx(2 * pp2.predicted["comm_s"]["p2p"], rel=0.01)
+
+
+def test_gpipe_holds_more_activations_than_1f1b(gpt8, pp2):
+    gpipe = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "gpipe", "checkpointing": "none"})
+    ofob = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "1f1b", "checkpointing": "none"})
+    act = lambda plan: plan.predicted["memory_bytes"]["activations"]  # noqa: E731
+    assert act(gpipe) > 3 * act(ofob)  # m = 8 microbatches in flight vs p = 2
+
+
+@pytest.fixture(scope="module")
+def by_checkpointing(gpt8):
+    return {mode: _plan(gpt8, {"dp": 4, "tp": 8, "microbatches": 2, "checkpointing": mode})
+            for mode in ("none", "selective", "full")}
+
+
+def test_checkpointing_trades_memory_for_recompute(by_checkpointing):
+    none, selective, full = (by_checkpointing[k].predicted for k in ("none", "selective", "full"))
+    assert full["memory_bytes"]["activations"] < selective["memory_bytes"]["activations"] \
+        < none["memory_bytes"]["activations"]
+    assert none["compute_s"] < selective["compute_s"] < full["compute_s"]
+    # full recomputation runs the layers' forward again (fwd + 2 fwd -> 4 fwd): a third more compute
+    # for the layers, nothing more for the embedding, head and loss (a fifth of this model's work)
+    assert none["compute_s"] * 1.2 < full["compute_s"] < none["compute_s"] * 4 / 3
+    for mode, plan in by_checkpointing.items():
+        assert plan.checkpointing == mode
+
+
+def test_free_search_checkpoints_only_when_memory_needs_it(gpt8):
+    free = _plan(gpt8, {"dp": 4, "tp": 8})
+    assert free.checkpointing == "none"  # 80 GB is plenty: recomputation would only cost time
+    tight = _plan(gpt8, {"dp": 4, "tp": 8, "microbatches": 1, "memory_gb": 3})
+    assert tight.checkpointing in ("selective", "full")
+    assert tight.predicted["peak_memory_bytes"] <= 3e9
+
+
+def test_fixed_pipeline_through_the_cli(tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    code = main(["plan", "tiny-gpt", "--cluster", "2x4xH100", "--global-batch", "16",
+                 "--fix", "pp=2,schedule=1F1B,checkpointing=full", "-o", str(out)])
+    assert code == 0
+    plan = autopar.Plan.load(str(out))
+    assert plan.degrees["pp"] == 2 and plan.pipeline["schedule"] == "1f1b" and plan.checkpointing == "full"
+    assert plan.predicted["bubble_s"] > 0
+
+
+@pytest.mark.parametrize("constraints, match", [
+    ({"pp": 16}, r"pp=16: the model has only 8 repeated layers"),
+    ({"pp": 3}, r"pp=3 does not divide the 32 devices"),
+    ({"schedule": "zigzag"}, r"schedule='zigzag'"),
+])
+def test_bad_pipeline_constraints(gpt8, constraints, match):
+    with pytest.raises(BadInputError, match=match):
+        _plan(gpt8, constraints)
