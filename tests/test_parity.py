@@ -35,7 +35,7 @@ def _degrees(result) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["mlp", "tiny-gpt"])
+@pytest.mark.parametrize("name", [pytest.param("mlp", marks=pytest.mark.heavy), "tiny-gpt"])
 def test_solver_dp_and_tp_plans_match_single_process(name: str, world: int) -> None:
     constraint_sets = [None, {"dp": world}, {"tp": world}] + ([{"dp": 2, "tp": 2}] if world == 4 else [])
     results = train_parallel_many(world, _runs(name, constraint_sets))
