@@ -1,4 +1,4 @@
-"""The collectives one training step runs, as the plan predicts them: a count and bytes per kind.
+"""The collectives one training step runs, as the plan predicts them: a count per kind.
 
 Derived from the collectives the planner records per op (``plan.ops[name]["collectives"]``, built by
 ``autopar.explain.collective_terms`` from ``Pricer.edge_collectives`` and
@@ -81,14 +81,3 @@ def predicted_collectives(plan_data: Mapping[str, Any], phases: Iterable[str] = 
         if c.phase in wanted:
             counts[c.kind] = counts.get(c.kind, 0) + c.times
     return counts
-
-
-def predicted_collective_bytes(plan_data: Mapping[str, Any], phases: Iterable[str] = PHASES) -> dict[str, float]:
-    """Bytes per kind one step moves through collectives, each counted at its full-tensor size as
-    the group sees it (``collective_time``'s convention)."""
-    total: dict[str, float] = {}
-    wanted = set(phases)
-    for c in step_collectives(plan_data):
-        if c.phase in wanted:
-            total[c.kind] = total.get(c.kind, 0.0) + c.times * c.nbytes
-    return total

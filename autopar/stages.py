@@ -80,11 +80,6 @@ class Staging:
             return 0.0
         return pipeline_bubble_fraction(self.schedule, self.stages, microbatches, self.chunks)
 
-    def describe(self) -> str:
-        parts = [f"pp={self.stages} {self.schedule}" + (f" v={self.chunks}" if self.chunks > 1 else "")] \
-            if self.stages > 1 else []
-        return ", ".join(parts + [f"checkpointing={self.checkpointing}"])
-
 
 @dataclass(frozen=True)
 class LayerRoles:
