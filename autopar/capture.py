@@ -24,6 +24,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
 from .errors import UnsupportedModelError
+from .saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -94,6 +95,12 @@ class CapturedGraph:
                     kinds[node.name] = "activation" if any(k != "none" for k in sources) else "none"
             self._grad_kinds = kinds
         return self._grad_kinds
+
+    def saved_for_backward(self) -> SavedTensors:
+        """What autograd keeps for backward, per node (``saved_tensors.py``; one meta run, cached)."""
+        if not hasattr(self, "_saved"):
+            self._saved = find_saved_tensors(self)
+        return self._saved
 
     def layer_count(self) -> int:
         """How many repeated layers the tie keys found (0 when the model has none)."""

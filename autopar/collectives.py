@@ -10,7 +10,10 @@ Derived from the collectives the planner records per op (``plan.ops[name]["colle
 * the gradient all_reduces of parameters (``grad_sync``) run once per step, after the last
   microbatch, in buckets: gradients are grouped by the mesh dims they are partial on and cut into
   25 MB buckets by the rule ``passes/gradient_sync.py`` applies, and each bucket is one all_reduce
-  per partial mesh dim.
+  per partial mesh dim;
+* under ZeRO-1/2 (``passes/zero.py``) a parameter with sharded optimizer state instead has one
+  reduce_scatter of its gradient (per microbatch under ZeRO-2, once under ZeRO-1) and one all_gather
+  of its updated value per step, per data-parallel dim, whatever number of ops read it.
 
 This is the plan's prediction; ``tests/test_collective_parity.py`` holds it against what a step on
 gloo ranks actually issues (design.md §7, collective parity), including where DTensor's backward
@@ -49,21 +52,33 @@ def step_collectives(plan_data: Mapping[str, Any], bucket_bytes: float = BUCKET_
     terms = [t for op in plan_data.get("ops", {}).values() for t in op.get("collectives", [])]
     found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"], microbatches)
              for t in terms if not t["grad_sync"]]
-    return found + gradient_buckets([t for t in terms if t["grad_sync"]], bucket_bytes)
+    syncs = [t for t in terms if t["grad_sync"]]
+    return (found + gradient_buckets([t for t in syncs if t["kind"] == "all_reduce"], bucket_bytes)
+            + sharded_state_syncs([t for t in syncs if t["kind"] != "all_reduce"], microbatches))
+
+
+def sharded_state_syncs(terms: Iterable[Mapping[str, Any]], microbatches: int) -> list[StepCollective]:
+    """ZeRO-1/2's per-parameter gradient reduce_scatters and parameter all_gathers: one per tensor,
+    kind and mesh dim (a parameter read by several ops syncs once), repeated per microbatch when the
+    term says so."""
+    unique = {(t["tensor"], t["kind"], t["mesh_dim"]): t for t in terms}
+    return [StepCollective(kind, "grad_sync", t["nbytes"], dim, microbatches if t["per_microbatch"] else 1)
+            for (_, kind, dim), t in unique.items()]
 
 
 def gradient_buckets(terms: Iterable[Mapping[str, Any]], bucket_bytes: float = BUCKET_BYTES
                      ) -> list[StepCollective]:
     """The all_reduces of ``GradientSync`` for the plan's parameter-gradient terms: one gradient per
-    tensor (a term per mesh dim it is partial on), grouped by those dims in first-use order and
-    bucketed; one all_reduce of the bucket's bytes per bucket and partial dim."""
+    tensor (a term per mesh dim it is partial on), grouped by those dims and bucketed in the order
+    backward finishes them (the reverse of first use); one all_reduce of the bucket's bytes per bucket
+    and partial dim."""
     partial_dims: dict[str, list[int]] = {}
     nbytes: dict[str, float] = {}
     for t in terms:
         partial_dims.setdefault(t["tensor"], []).append(t["mesh_dim"])
         nbytes[t["tensor"]] = t["nbytes"]
     groups: dict[tuple[int, ...], list[str]] = {}
-    for tensor, dims in partial_dims.items():
+    for tensor, dims in reversed(partial_dims.items()):
         groups.setdefault(tuple(sorted(set(dims))), []).append(tensor)
     found = []
     for dims, tensors in groups.items():
@@ -80,4 +95,29 @@ def predicted_collectives(plan_data: Mapping[str, Any], phases: Iterable[str] = 
     for c in step_collectives(plan_data):
         if c.phase in wanted:
             counts[c.kind] = counts.get(c.kind, 0) + c.times
+    return counts
+
+
+_OP_KINDS = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
+}
+"""``CommDebugMode``'s keys (functional collectives, and c10d ops such as the gradient sync's
+``dist.all_reduce``) by the name of the op, to the kinds plans use; other ops keep their own name."""
+
+
+def count_by_kind(comm_counts: Mapping[Any, int]) -> dict[str, int]:
+    """What ``CommDebugMode().get_comm_counts()`` counted, per plan kind: to hold a step's collectives
+    against ``predicted_collectives``."""
+    counts: dict[str, int] = {}
+    for op, n in comm_counts.items():
+        name = str(op).rsplit(".", 1)[-1]
+        kind = _OP_KINDS.get(name, name)
+        counts[kind] = counts.get(kind, 0) + n
     return counts

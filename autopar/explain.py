@@ -20,7 +20,7 @@ from torch import fx
 from .capture import CapturedGraph
 from .cost_models import GroupTopology, collective_time
 from .cost_models.symbolic import render_collective, tensor_bytes_text
-from .pricing import Collective, Pricer, bucketed_all_reduce_time
+from .pricing import Collective, Pricer
 from .problem import Problem, source_of
 from .report import fmt_bytes, fmt_seconds
 from .strategies import Strategy, tensor_inputs
@@ -147,14 +147,14 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
     args = tensor_inputs(node)
     kinds = captured.gradient_kinds()
     for c in pricer.gradient_collectives(node, strategy, [kinds[a.name] for a in args]):
-        terms.append(_term(c, "partial gradient", args[c.slot], captured, pricer))
+        terms.append(_term(c, "partial gradient", args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
     return terms
 
 
 def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer: Pricer,
           per_microbatch: bool = False) -> dict[str, Any]:
     val, group = arg.meta["val"], pricer.groups[c.mesh_dim]
-    seconds = bucketed_all_reduce_time(c.nbytes, group) if c.grad_sync else collective_time(c.kind, c.nbytes, group)
+    seconds = pricer.collective_seconds(c)
     return {"kind": c.kind, "phase": c.phase, "why": why,
             "tensor": captured.params.get(source_of(arg)[0].name, arg.name),
             "shape": list(val.shape), "element_bytes": pricer.element_bytes(val), "mesh_dim": c.mesh_dim,
@@ -191,9 +191,11 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
     lines = [f"  {term['phase']} {term['kind']} over {dim_names[term['mesh_dim']]} ({term['why']} of "
              f"{term['tensor']}): {shown.algorithm}, {shown.layout}",
              f"      {shown.formula}" + (f"  with {given}" if given else "") + f" -> {fmt_seconds(seconds)}"]
-    if term["grad_sync"]:
+    if term["grad_sync"] and term["kind"] == "all_reduce":
         lines.append(f"      bucketed with other gradients: charged its bandwidth term, {fmt_seconds(term['seconds'])}, "
                      "overlapped with backward")
+    elif term["grad_sync"]:
+        lines.append("      ZeRO gradient sync (passes/zero.py), overlapped with backward")
     microbatches = plan_data.get("pipeline", {}).get("microbatches", 1)
     if term["per_microbatch"] and microbatches > 1:
         lines.append(f"      once per microbatch: x{microbatches} = {fmt_seconds(microbatches * term['seconds'])}")

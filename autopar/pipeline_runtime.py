@@ -59,7 +59,7 @@ from autopar.placement import strs_to_placements
 from .capture import CapturedGraph
 from .errors import BadInputError
 from .plan import Plan
-from .runtime import _copy_graph, _produced_placements, microbatch_shape  # shared with ParallelModule's program
+from .runtime import copy_graph, produced_placements, microbatch_shape  # shared with ParallelModule's program
 from .stages import layer_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -333,8 +333,8 @@ class PipelineParallelModule(nn.Module):
         self.world_mesh, self.mesh = pipeline_meshes(plan, device_type)
         self.pp_group = self.world_mesh.get_group("pp")
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
-        program = fx.GraphModule(captured.graph_module, _copy_graph(captured.graph))
-        self.redistributes = insert_redistributes(program, plan.ops, _produced_placements(captured, plan), self.mesh)
+        program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
+        self.redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), self.mesh)
         run_locally(program, plan.ops, self.mesh)
         stages = split_program(program, plan.pipeline["stages"], captured.params, captured.user_inputs)
         self.chunks = nn.ModuleList(self._stage_module(stages[i], program, model)

@@ -57,3 +57,18 @@ def is_sharded(text: str) -> bool:
 
 def is_partial(text: str) -> bool:
     return text.startswith("P")
+
+
+def optimizer_shard_dim(shape: Sequence[int], placements: Sequence[str], ways: int) -> int | None:
+    """The tensor dim on which ZeRO-1/2 splits a parameter's optimizer state and gradient ``ways``
+    ways: the first dim that no mesh dim already shards and that has at least ``ways`` elements.
+    None when there is none (a tensor-parallel bias, a scalar): that parameter keeps whole state.
+
+    One rule for both sides: ``Pricer.parameter_memory`` divides state by ``ways`` exactly when this
+    finds a dim, and ``passes/zero.py`` shards the optimizer's parameters on it.
+    """
+    taken = {int(p[2:-1]) % max(1, len(shape)) for p in placements if is_sharded(p)}
+    for dim, size in enumerate(shape):
+        if dim not in taken and size >= ways:
+            return dim
+    return None

@@ -16,7 +16,9 @@ placements and the ``allow`` rules encode:
   replicated while ``dp`` shards them inside a node; ops place tensors alike on both dims.
 * ``tp``: example inputs are replicated and every weight matrix (parameter of 2+ dims) is split on
   this dim; the ILP picks which dim (column/row, heads, vocabulary) and how activations flow
-  between them (sharded, partial, or split on the sequence) from DTensor's strategies.
+  between them (sharded, partial, or split on the sequence) from DTensor's strategies. Constraint
+  ``sp`` pins sequence parallelism: 1 keeps the norms and the residual stream split on the sequence
+  over tp, 0 keeps the norms off it (``sequence_parallel.py``).
 
 A size-1 dimension is dropped. Per mesh, ``_MeshSearch`` tries activation checkpointing modes (none,
 selective, full: more recomputation only when it lets fewer microbatches fit) and microbatch counts
@@ -40,18 +42,19 @@ from torch import fx
 
 from .capture import CapturedGraph, module_path
 from .explain import collective_terms, explanations
-from .cost_models import Cluster, usable_bytes
+from .cost_models import Cluster, adamw_step_time, usable_bytes
 from .errors import BadInputError, NoFeasiblePlanError
 from .placement import is_sharded
 from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
+from .sequence_parallel import norm_sites, sequence_parallel_rule, sequence_sharded
 from .solver import Pruned, Solution, exposed_grad_sync, infeasible_reason, least_memory, solve
 from .stages import CHECKPOINTING, SCHEDULES, Staging, layer_roles, stage_problem
 from .strategies import LOCAL_RULES, StrategyFinder, tensor_inputs
 
-KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "fsdp", "dp_shard", "cp", "ep", "microbatches", "microbatch_size", "schedule",
-                     "virtual_stages", "checkpointing", "memory_gb", "time_limit_s", "dtype"}
+KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "sp", "fsdp", "dp_shard", "cp", "ep", "microbatches", "microbatch_size",
+                     "schedule", "virtual_stages", "checkpointing", "memory_gb", "time_limit_s", "dtype"}
 OVERLAP_FRACTION = 0.8
 """Share of backward compute behind which bucketed gradient all_reduce can hide (the last bucket and
 the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."""
@@ -80,10 +83,6 @@ class MeshChoice:
         if name == "dp":
             return sizes.get("dp", 1) * sizes.get("dp_replicate", 1)
         return sizes.get(name, 1)
-
-    def shape_without_dp(self) -> tuple[int, bool]:
-        """The layout apart from data parallelism: the tp degree, and whether it is HSDP."""
-        return self.degree("tp"), "dp_replicate" in self.names
 
     def dims_named(self, *names: str) -> list[int]:
         return [i for i, (n, s) in enumerate(self.dims) if n in names and s > 1]
@@ -125,11 +124,10 @@ def make_plan(
     pruned: list[MeshChoice] = []
     start = time.perf_counter()
     search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints)
-    fits_without_stages: set[tuple] = set()  # stage meshes (without pp) on which a plan fits
-    for mesh in mesh_candidates(cluster, constraints, batch, captured.layer_count()):
+    for mesh in _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch,
+                                                                       captured.layer_count())):
         best = min(results, key=lambda c: c.step_s, default=None)
-        if "pp" not in constraints and mesh.stages > 1 and (
-                mesh.shape_without_dp() in fits_without_stages or _pipeline_cannot_win(mesh, best, batch)):
+        if "pp" not in constraints and _pipeline_cannot_win(mesh, best, batch):
             pruned.append(mesh)
             continue
         found = search.run(mesh, best.step_s if best else None)
@@ -139,8 +137,6 @@ def make_plan(
             failures.append(found)
         else:
             results.append(found)
-        if mesh.stages == 1 and not isinstance(found, str):
-            fits_without_stages.add(mesh.shape_without_dp())
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures))
     results.sort(key=lambda c: c.step_s)
@@ -149,14 +145,33 @@ def make_plan(
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
 
 
+def _sequence_splits(captured: CapturedGraph, constraints: Mapping[str, Any], meshes: list[MeshChoice]
+                     ) -> list[MeshChoice]:
+    """The meshes constraint ``sp=1`` can run on: those whose tp degree splits every norm's sequence dim
+    evenly (plans keep shards equal; ``mesh_candidates`` already left out meshes without tp)."""
+    if constraints.get("sp") != 1:
+        return meshes
+    sites = norm_sites(captured)
+    if not sites:
+        raise BadInputError("constraint sp=1: the model has no LayerNorm or RMSNorm over [batch, seq, hidden] "
+                            "activations to split on the sequence")
+    lengths = sorted({site.seq_len for site in sites})
+    kept = [m for m in meshes if all(n % m.degree("tp") == 0 for n in lengths)]
+    if not kept:
+        degrees = sorted({m.degree("tp") for m in meshes})
+        raise BadInputError(f"constraint sp=1: sequence length {', '.join(map(str, lengths))} cannot be split "
+                            f"evenly over tp={' or '.join(map(str, degrees))}")
+    return kept
+
+
 def _pipeline_cannot_win(mesh: MeshChoice, best: Candidate | None, batch: int | None) -> bool:
     """Whether a free pipeline mesh is skipped unsolved (a pinned ``pp`` is always solved).
 
-    A pipeline is a memory tool first: it is searched only for tensor-parallel layouts on which no
-    single-stage plan fits (Megatron-LM: "model parallelism just large enough to fit"; checked by the
-    caller). It also pays a bubble of at least ``(p - 1) / m_max`` of its compute and wins only by
-    removing communication: when the best plan so far exposes less communication than that bubble,
-    the mesh is skipped."""
+    A pipeline pays a bubble of at least ``(p - 1) / m_max`` of its compute and wins only by removing
+    communication (data-parallel gathers and syncs across nodes, tensor parallelism wider than a
+    node): when the best plan so far exposes less communication than that bubble, the mesh is
+    skipped. (Skipping pipelines wherever a single-stage plan fits is unsound: a 162B GPT on 64 A100s
+    fits as FSDP x TP, yet pp=8 x tp=8 is 11% faster; ``benchmarks/cost_model_validation.py``.)"""
     if mesh.stages == 1 or best is None:
         return False
     most_microbatches = (batch or 1) // mesh.degree("dp")
@@ -329,13 +344,7 @@ def _shortfall(failures: list[str]) -> str:
     return "no plan fits any mesh; closest: " + min((f for f in failures if "cannot be cut" not in f), key=len)
 
 
-NOT_YET = {"sp": "sequence parallelism is chosen by the solver and cannot be pinned yet"}
-
-
 def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
-    for key, why in NOT_YET.items():
-        if key in constraints:
-            raise BadInputError(f"constraint {key}={constraints[key]!r}: {why}")
     unknown = set(constraints) - KNOWN_CONSTRAINTS
     if unknown:
         raise BadInputError(f"unknown constraint(s) {', '.join(sorted(unknown))}: "
@@ -351,9 +360,14 @@ def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
                                 "parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) or 3 "
                                 "(and parameters: FSDP)")
         out["fsdp"] = int(out["fsdp"])
+    if "sp" in out:
+        out["sp"] = _switch("sp", out["sp"])
     for key in ("dp", "tp", "pp", "dp_shard", "microbatches", "microbatch_size", "virtual_stages"):
         if key in out:
             out[key] = _positive(key, out[key], int)
+    if out.get("sp") == 1 and out.get("tp") == 1:
+        raise BadInputError("constraint sp=1 splits the norms on the sequence over the tp mesh dim: it needs "
+                            "tp > 1, got tp=1")
     if "dp_shard" in out and out.get("fsdp", 3) != 3:
         raise BadInputError(f"constraint dp_shard={out['dp_shard']} (HSDP) shards parameters: it needs fsdp=3, "
                             f"got fsdp={out['fsdp']}")
@@ -374,6 +388,17 @@ def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
     if "virtual_stages" in out and out["virtual_stages"] > 1:
         out["schedule"] = "interleaved"
     return out
+
+
+_SWITCH = {"0": 0, "1": 1, "false": 0, "true": 1}
+
+
+def _switch(key: str, value: Any) -> int:
+    """An on/off constraint (``sp``) as 0 or 1, from 0, 1, true or false (any case, or a Python bool)."""
+    on = _SWITCH.get(str(value).strip().lower())
+    if on is None:
+        raise BadInputError(f"constraint {key}={value!r}: expected 0 or 1 (or false/true)")
+    return on
 
 
 def _check_choice(out: dict[str, Any], key: str, allowed: tuple[str, ...]) -> None:
@@ -415,6 +440,8 @@ def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int
                 continue
             if not fixed["tp"] and tp > cluster.devices_per_node:
                 continue  # keep tensor parallelism on NVLink unless asked otherwise
+            if tp == 1 and constraints.get("sp") == 1:
+                continue  # sequence parallelism splits over the tp dim
             if batch is not None and batch % dp:
                 if fixed["dp"]:
                     raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
@@ -423,6 +450,10 @@ def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int
                 named = (("dp_replicate", replicas), ("dp", dp // replicas), ("tp", tp))
                 dims = tuple((n, s) for n, s in named if s > 1) or (("dp", 1),)
                 out.append(MeshChoice(dims, pp))
+    if not out and constraints.get("sp") == 1:
+        raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
+                            f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"
+                            + (f", global batch {batch}" if batch is not None else "") + ")")
     if not out:
         raise BadInputError(f"global batch {batch} cannot be split over any data-parallel degree of "
                             f"{world} devices with tp <= {cluster.devices_per_node}: use a batch divisible "
@@ -512,7 +543,8 @@ def _problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capa
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
         allow=_all_of(_batch_stays_split(captured, dp_dims), _weights_stay_split(captured, tp_dims),
-                      _replicas_act_as_shards(replica_dims, shard_dims)),
+                      _replicas_act_as_shards(replica_dims, shard_dims),
+                      sequence_parallel_rule(captured, tp_dims, constraints.get("sp"))),
     )
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
     return build_problem(captured, StrategyFinder(shape, copies), pricer, roles, capacity, OVERLAP_FRACTION)
@@ -527,16 +559,21 @@ def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
 
 
 def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
-    """Data-parallel role: ops that depend on the inputs keep their (non-scalar) output split on dp."""
+    """Data-parallel role: ops that depend on the inputs keep their (non-scalar) output split on dp:
+    sharded, or partial where the op reduces (a sum over the batch). A partial output of an op that
+    does not shrink its input would be tensor parallelism on the dp dim under the wrong name (every
+    rank holding a full-batch addend), which the role forbids."""
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
 
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data or not dp_dims:
             return True
         out, val = strategy.outputs[0], node.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
         if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
             return True
-        return all(out[d] != "R" for d in dp_dims)
+        reduces = val.numel() < max((a.meta["val"].numel() for a in tensor_inputs(node)), default=0)
+        return all(out[d].startswith("S(") or (reduces and out[d].startswith("P")) for d in dp_dims)
 
     return allow
 
@@ -684,8 +721,9 @@ def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, s
 
 
 def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stage: int) -> dict[str, int]:
-    """Degrees of design.md §5, plus ``dp_replicate`` (HSDP's replica groups, 1 without HSDP) and, when
-    anything is sharded over data parallelism, ``zero``: the ZeRO stage (1-2 optimizer state and
+    """Degrees of design.md §5 (``sp`` is the tp degree when a norm's result is split on its sequence
+    dim over tp: ``sequence_parallel.norm_sites``), plus ``dp_replicate`` (HSDP's replica groups, 1
+    without HSDP) and, when anything is sharded over data parallelism, ``zero``: the ZeRO stage (1-2 optimizer state and
     gradients sharded, 3 parameters too); absent for DDP."""
     tp, dp = mesh.degree("tp"), mesh.degree("dp")
     fsdp = 1
@@ -695,14 +733,8 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
         sharded = sum(numel[n] for n in captured.params if is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]))
         if sharded * 2 > sum(numel.values()):
             fsdp = mesh.degree("dp") // mesh.degree("dp_replicate")
-    sp = 1
-    if tp > 1:
-        tp_dim = mesh.names.index("tp")
-        for node in captured.graph.nodes:
-            if "layer_norm" in str(node.target) and node.name in by_node:
-                out = by_node[node.name][1].strategy.outputs[0]
-                if out is not None and is_sharded(out[tp_dim]) and out[tp_dim] != f"S({node.meta['val'][0].ndim - 1})":
-                    sp = tp
+    outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
+    sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index("tp")) else 1
     zero = 3 if fsdp > 1 else zero_stage
     return {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
             "dp_replicate": mesh.degree("dp_replicate"), **({"zero": zero} if zero else {})}
@@ -746,7 +778,24 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, chose
         "peak_memory_bytes": int(sum(memory.values())),
         "memory_bytes": {k: int(v) for k, v in memory.items()},
         "memory_capacity_bytes": problem.memory_capacity_bytes,
+        "optimizer_s": _optimizer_s(captured, problem, chosen, pricer),
     }
+
+
+def _optimizer_s(captured: CapturedGraph, problem: Problem, chosen: dict, pricer: Pricer) -> float:
+    """Seconds of the AdamW update after a step, on one device: every parameter tensor it holds, over the
+    elements whose optimizer state it keeps (its shard; under ZeRO-1/2 the share of that). Apart from
+    ``step_time_s``, which prices ``pm.step`` (design.md §2: the optimizer is the caller's)."""
+    seconds = 0.0
+    for key, opt in chosen.items():
+        d = problem.decisions[key]
+        name = d.nodes[0]
+        if name not in captured.params or not captured.has_node(name):
+            continue
+        val, placements = captured.node(name).meta["val"], opt.strategy.outputs[0]
+        updated = pricer.local_numel(val, placements) / pricer.optimizer_shards(val, placements)
+        seconds += d.count * adamw_step_time([updated], pricer.cluster.device, pricer.dtype)
+    return seconds
 
 
 def _add_memory(memory: dict, captured: CapturedGraph, d, opt, pricer: Pricer) -> None:

@@ -12,6 +12,8 @@ optimizer memory) into the numbers the solver needs for a captured graph on a me
 Rules, per mesh dimension (we price the forward graph and derive its backward, design.md §9):
 * a node whose strategy shards anything on a mesh dim splits its work over that dim; an all-``R`` node
   computes everything on every rank. Backward costs twice the forward (two matmuls per matmul).
+  A view launches no kernel but is dispatched like any op, so it costs the host's dispatch
+  (``compute_time`` of no work: nothing on the presets, ``host_op_s`` on a calibrated CPU).
 * an input that is ``R`` on a dim where the node's output is not ``R`` is used differently by each
   rank, so its gradient is a partial sum that must be all-reduced in backward. For a parameter this is
   the data-parallel gradient all_reduce (bucketed and overlapped with backward: reported apart as
@@ -35,6 +37,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from .cost_models import Cluster, adamw_state_bytes, collective_time, compute_time
+from .placement import optimizer_shard_dim
 from .strategies import Placements, Strategy, output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -49,7 +52,9 @@ class Cost:
     compute_s: float = 0.0
     comm_s: dict[str, float] = field(default_factory=dict)  # critical-path collectives by kind
     grad_sync_s: float = 0.0  # gradient all_reduce that can hide behind backward
+    grad_sync_per_microbatch_s: float = 0.0  # the part of grad_sync_s redone every microbatch (ZeRO-2)
     memory_bytes: float = 0.0  # per device
+    output_bytes: float = 0.0  # per device, all of an op's outputs (what selective checkpointing keeps)
     backward_compute_s: float = 0.0  # part of compute_s that runs in backward (overlap budget)
     kernel: tuple[float, float, str] | None = None  # forward (flops, bytes moved, kind) on the whole batch
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
@@ -101,6 +106,7 @@ class Pricer:
             out.backward_compute_s = last_backward / m
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
+        out.grad_sync_s = cost.grad_sync_s + (m - 1) * cost.grad_sync_per_microbatch_s
         if cost.repeats_per_microbatch:
             out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
             out.forward_comm_s = {k: v * m for k, v in cost.forward_comm_s.items()}
@@ -133,29 +139,37 @@ class Pricer:
         return self.local_numel(val, placements) * self.element_bytes(val)
 
     # ---- nodes -------------------------------------------------------------------------------
-    def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]) -> Cost:
-        """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``)."""
+    def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], saved: Sequence[float]) -> Cost:
+        """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``);
+        ``saved``: per output, the share of its bytes autograd keeps for backward (``SavedTensors.of``),
+        which is the activation memory the op holds until its backward runs."""
         cost = Cost()
         if getattr(node.target, "is_view", False):
-            return cost  # views move no data; their memory is their base's
+            # a view moves no data and its memory is its base's, but the runtime dispatches it
+            cost.kernel = (0.0, 0.0, "elementwise")
+            cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
+            return cost
         split = self._work_divisor(strategy)
         flops = global_flops(node) / split
         moved = self._bytes_moved(node, strategy)
         cost.kernel = (flops, moved, "matmul" if is_matmul(node) else "elementwise")
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
-        cost.memory_bytes = sum(
-            self.local_bytes(v, p) for v, p in zip(output_vals(node), strategy.outputs)
-            if isinstance(v, torch.Tensor) and p is not None
-        )
+        outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
+                   if isinstance(v, torch.Tensor) and p is not None]
+        cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs)
+        cost.output_bytes = sum(nbytes for nbytes, _ in outputs)
         cost.batch_memory = True
         self._partial_gradients(node, strategy, grad_kinds, cost)
         return cost
 
     def _work_divisor(self, strategy: Strategy) -> int:
+        """How many ways the op's work is split: by each mesh dim on which some input or output is
+        sharded. A partial placement alone splits nothing: each rank holds a full-size tensor (its
+        addend of the sum), so an op on partials does the whole op's work on every rank."""
         divisor = 1
         for dim, size in enumerate(self.mesh_shape):
             placed = [p[dim] for p in (*strategy.inputs, *strategy.outputs) if p is not None]
-            if any(p != "R" for p in placed):
+            if any(p.startswith("S(") for p in placed):
                 divisor *= size
         return divisor
 
@@ -171,17 +185,35 @@ class Pricer:
         self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], cost: Cost
     ) -> None:
         for c in self.gradient_collectives(node, strategy, grad_kinds):
-            group = self.groups[c.mesh_dim]
-            if c.grad_sync:
-                cost.grad_sync_s += bucketed_all_reduce_time(c.nbytes, group)
-            else:
-                cost.add_comm(c.kind, collective_time(c.kind, c.nbytes, group))
+            seconds = self.collective_seconds(c)
+            if not c.grad_sync:
+                cost.add_comm(c.kind, seconds)
+                continue
+            cost.grad_sync_s += seconds
+            if c.per_microbatch:
+                cost.grad_sync_per_microbatch_s += seconds
+
+    def collective_seconds(self, c: "Collective") -> float:
+        """Seconds pricing charges for ``c``: a data-parallel gradient all_reduce is bucketed (its
+        bandwidth term only); everything else pays the whole formula."""
+        group = self.groups[c.mesh_dim]
+        if c.grad_sync and c.kind == "all_reduce":
+            return bucketed_all_reduce_time(c.nbytes, group)
+        return collective_time(c.kind, c.nbytes, group)
 
     def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
                              ) -> list["Collective"]:
         """Backward all_reduces a strategy implies: an input that is ``R`` on a dim where the output is
         not is used differently by each rank, so its gradient is a partial sum (for a parameter, the
-        data-parallel gradient sync; for an activation, Megatron's "f" on the critical path)."""
+        data-parallel gradient sync; for an activation, Megatron's "f" on the critical path).
+
+        Under ZeRO-1/2 a parameter whose state is sharded on a data-parallel dim
+        (``optimizer_shard_dim``) syncs as ``passes/zero.py`` runs it: its gradient is
+        reduce-scattered onto the shards (ZeRO-2: every microbatch, so full gradients never
+        accumulate; ZeRO-1: once, after the last) and, after the optimizer updates the shards, the
+        parameter is all-gathered: the same bytes as DDP's all_reduce (Rajbhandari et al., SC20, §7),
+        per parameter rather than bucketed. (A parameter whose gradient is not partial on that dim
+        is still gathered at run time; pricing charges the gather with the reduce-scatter.)"""
         out = strategy.outputs[0] if strategy.outputs else None
         if out is None or getattr(node.target, "is_view", False):
             return []
@@ -192,9 +224,36 @@ class Pricer:
                 continue  # no gradient flows back into this input
             for dim, group in enumerate(self.groups):
                 if placements[dim] == "R" and out[dim] != "R" and group.size > 1:
-                    found.append(Collective("all_reduce", "backward", self.local_bytes(val, placements), dim,
-                                            placements, grad_sync=kind == "param", slot=slot))
+                    nbytes = self.local_bytes(val, placements)
+                    if kind == "param" and dim in self._zero_dims(val, placements):
+                        found += self._zero_sync(nbytes, dim, placements, slot)
+                    else:
+                        found.append(Collective("all_reduce", "backward", nbytes, dim, placements,
+                                                grad_sync=kind == "param", slot=slot))
         return found
+
+    def _zero_dims(self, val: torch.Tensor, placements: Placements) -> tuple[int, ...]:
+        """The data-parallel dims on which ZeRO-1/2 shards this parameter's state (none without ZeRO)."""
+        if self.zero_stage not in (1, 2):
+            return ()
+        dims = tuple(d for d in self.dp_dims if placements[d] == "R" and self.mesh_shape[d] > 1)
+        ways = 1
+        for d in dims:
+            ways *= self.mesh_shape[d]
+        return dims if optimizer_shard_dim(tuple(val.shape), placements, ways) is not None else ()
+
+    def optimizer_shards(self, val: torch.Tensor, placements: Placements) -> int:
+        """Into how many pieces ZeRO-1/2 cuts this parameter shard's optimizer state (1 without)."""
+        shards = 1
+        for d in self._zero_dims(val, placements):
+            shards *= self.mesh_shape[d]
+        return shards
+
+    def _zero_sync(self, nbytes: float, dim: int, placements: Placements, slot: int) -> list["Collective"]:
+        every_microbatch = self.zero_stage == 2
+        return [Collective("reduce_scatter", "backward", nbytes, dim, placements, grad_sync=True, slot=slot,
+                           per_microbatch=every_microbatch),
+                Collective("all_gather", "backward", nbytes, dim, placements, grad_sync=True, slot=slot)]
 
     # ---- pipeline ----------------------------------------------------------------------------
     def stage_transfer(self, nbytes: float, copies_dim: int | None) -> float:
@@ -221,10 +280,7 @@ class Pricer:
         """
         numel = int(self.local_numel(val, placements))
         state_dtype = torch.float32 if self.dtype == "fp32" else torch.bfloat16
-        shards = 1
-        for d in self.dp_dims:
-            if placements[d] == "R":
-                shards *= self.mesh_shape[d]
+        shards = self.optimizer_shards(val, placements)
         return {
             "params": numel * self.element_bytes(val),
             "grads": numel * self.element_bytes(val) / (shards if self.zero_stage >= 2 else 1),
@@ -272,8 +328,9 @@ class Collective:
     nbytes: float  # full-tensor bytes as the group sees it (collective_time's convention)
     mesh_dim: int
     placements: Placements  # of the tensor as the group sees it (nbytes are its local bytes)
-    grad_sync: bool = False  # a parameter's gradient all_reduce (bucketed, overlapped with backward)
+    grad_sync: bool = False  # a parameter's gradient sync (overlapped with backward)
     slot: int | None = None  # for an input gradient: which tensor input of the node
+    per_microbatch: bool = False  # a gradient sync redone after every microbatch (ZeRO-2's reduce_scatter)
 
 
 def bucketed_all_reduce_time(nbytes: float, group) -> float:

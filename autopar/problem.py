@@ -21,7 +21,7 @@ from torch import fx
 
 from .capture import CapturedGraph
 from .pricing import Cost, Pricer
-from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, tensor_inputs
+from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, output_vals, tensor_inputs
 
 
 @dataclass
@@ -114,6 +114,7 @@ def build_problem(
     decisions[OUTPUT_KEY] = Decision(OUTPUT_KEY, [OUTPUT_KEY], [
         Option(Strategy((tuple(["R"] * len(pricer.mesh_shape)),), ()), Cost())
     ])
+    _charge_working_set(captured, decisions, pricer)
     edges = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
                    set(finder.unsupported))
@@ -144,7 +145,46 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     grad_kinds = [kinds[a.name] for a in tensor_inputs(node)]
     strategies = finder.for_node(node)
     allowed = [s for s in strategies if roles.allow(node, s)] or strategies
-    return [Option(s, pricer.node(node, s, grad_kinds)) for s in allowed]
+    saved = captured.saved_for_backward().of(node)
+    return [Option(s, pricer.node(node, s, grad_kinds, saved)) for s in allowed]
+
+
+def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> None:
+    """Add, once per problem, the largest working set of one op to that op's options.
+
+    Ops are charged the bytes autograd saves (``saved_tensors.py``), all alive when forward ends.
+    On top of them, an op's forward holds its inputs and outputs, and its backward the gradients of
+    its outputs and of its activation inputs: tensors of the same shapes. The step's peak is bounded
+    by the saved bytes plus the largest such working set (in a language model the loss's: the
+    logits, their log-softmax and its gradient), which we charge to the op that has it, at the
+    placements each of its strategies gives those tensors, divided among the nodes that share the
+    decision so that it counts once. It is per microbatch (``batch_memory``); under a pipeline,
+    ``stages.py`` holds it for every microbatch in flight, which overstates it (only one is in
+    backward at a time) on the side of caution.
+    """
+    candidates = [n for n in captured.graph.nodes if _is_decision(n) and n.op == "call_function"
+                  and not getattr(n.target, "is_view", False)]
+    if not candidates:
+        return
+    widest = max(candidates, key=lambda n: _working_set_bytes(n, captured, pricer, None))
+    decision = decisions[captured.tie_keys[widest.name]]
+    for option in decision.options:
+        extra = _working_set_bytes(widest, captured, pricer, option.strategy) / len(decision.nodes)
+        option.cost = replace(option.cost, memory_bytes=option.cost.memory_bytes + extra)
+
+
+def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, strategy: Strategy | None) -> float:
+    """Bytes of ``node``'s outputs and non-parameter inputs, local under ``strategy`` (None: whole)."""
+    kinds = captured.gradient_kinds()
+    outs, ins = output_vals(node), tensor_inputs(node)
+    whole = tuple("R" for _ in pricer.mesh_shape)
+    out_places = strategy.outputs if strategy else [whole] * len(outs)
+    in_places = strategy.inputs if strategy else [whole] * len(ins)
+    total = sum(pricer.local_bytes(v, p) for v, p in zip(outs, out_places)
+                if isinstance(v, torch.Tensor) and p is not None)
+    total += sum(pricer.local_bytes(a.meta["val"], p) for a, p in zip(ins, in_places)
+                 if kinds[a.name] != "param")
+    return total
 
 
 def source_of(arg: fx.Node) -> tuple[fx.Node, int]:

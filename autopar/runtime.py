@@ -8,7 +8,11 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting):
   autograd derives the backward (with the dual collectives);
 * with the plan's ``checkpointing`` other than ``none``, each repeated layer of the program runs under
   ``torch.utils.checkpoint`` and is recomputed in backward as the plan priced it;
-* ``step`` runs forward, loss and backward, then the bucketed gradient synchronization.
+* ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
+  with the last microbatch's backward;
+* under ZeRO-1/2 (``plan.degrees["zero"]``) ``parameters()`` are dp-sharded copies the program's
+  replicated parameters are gathered from before each step, and gradients are reduce-scattered onto
+  them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it.
 
 Where we diverge from rewriting local shapes into the graph ourselves: DTensor already maps global
 shape arguments (``view``, ``expand``...) to local ones for every op it shards, so the graph keeps
@@ -25,8 +29,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.passes import (GradientSync, checkpoint_layers, insert_redistributes, run_locally, shard_parameters,
-                            shard_tensor)
+from autopar.passes import (GradientSync, ShardedOptimizerState, checkpoint_layers, insert_redistributes,
+                            run_locally, shard_parameters, shard_tensor)
 from autopar.placement import strs_to_placements
 
 from .capture import CapturedGraph
@@ -65,16 +69,20 @@ class ParallelModule(nn.Module):
         self._buffers_dt = {fqn: shard_tensor(named_buffers[fqn], mesh, pl) for fqn, pl in plan.buffers.items()}
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
         self.program, self.redistributes = _build_program(captured, plan, mesh)
-        self._grad_sync = GradientSync(self._params.values())
+        zero = int(plan.degrees.get("zero", 0))
+        self._zero = ShardedOptimizerState(self._params, mesh, zero) if zero in (1, 2) else None
+        self._grad_sync = GradientSync(self._zero.unsharded() if self._zero else self._params.values())
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters to optimize: the plan's shards (under ZeRO-1/2, the dp-sharded copies)."""
+        shards = self._zero.shards if self._zero else {}
         for k, p in self._params.items():
-            yield prefix + self._fqns[k], p
+            yield prefix + self._fqns[k], shards.get(k, p)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return iter(self._params.values())
+        return (p for _, p in self.named_parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full (global) value, on every rank."""
@@ -83,6 +91,11 @@ class ParallelModule(nn.Module):
     # ---- running ------------------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
+        if self._zero:
+            self._zero.gather()
+        return self._run_program(inputs, local)
+
+    def _run_program(self, inputs: Sequence[torch.Tensor], local: bool) -> DTensor:
         args = self._placeholder_values(inputs, local)
         (loss,) = self.program(*args)
         return loss
@@ -100,11 +113,17 @@ class ParallelModule(nn.Module):
         """
         m = self.microbatches
         total = torch.zeros(())
-        for piece in zip(*(torch.chunk(a, m, dim=0) for a in args)):
-            loss = self.forward(*piece, local=local).to_local()
+        if self._zero:
+            self._zero.gather()
+        for i, piece in enumerate(zip(*(torch.chunk(a, m, dim=0) for a in args))):
+            loss = self._run_program(piece, local).to_local()
+            if i == m - 1:
+                self._grad_sync.arm()  # reduce gradients as the last backward produces them
             (loss / m).backward()
             total = total + loss.detach() / m
         self._grad_sync()
+        if self._zero:
+            self._zero.reduce_gradients()
         return total
 
     def _placeholder_values(self, inputs: Sequence[torch.Tensor], local: bool) -> list[Any]:
@@ -147,21 +166,24 @@ def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
 
 
 def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tuple[fx.GraphModule, int]:
-    gm = fx.GraphModule(captured.graph_module, _copy_graph(captured.graph))
-    produced = _produced_placements(captured, plan)
+    gm = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
+    produced = produced_placements(captured, plan)
     inserted = insert_redistributes(gm, plan.ops, produced, mesh)
     run_locally(gm, plan.ops, mesh)
     return checkpoint_layers(gm, plan.checkpointing), inserted
 
 
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` to rewrite, leaving the captured one as it is (shared with the pipeline runtime)."""
     new = fx.Graph()
     out = new.graph_copy(graph, {})
     new.output(out)
     return new
 
 
-def _produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:
+def produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:
+    """Placement of every value as the plan produces it (parameters, buffers, inputs, op outputs; an
+    output of a multi-output op as ``name.i``): what ``insert_redistributes`` reshards from."""
     produced: dict[str, list[str]] = {}
     for name, fqn in captured.params.items():
         produced[name] = plan.placements[fqn]

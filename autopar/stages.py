@@ -20,8 +20,12 @@ GPipe, ``min(p, m)`` for 1F1B, ``min(p, m) (1 + (p - 1) / (p v))`` interleaved (
 Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per repeated layer:
 
 * ``none``: every op keeps its output for backward;
-* ``selective``: the layer's cheap ops (everything but matmuls and attention) are recomputed in
-  backward; matmul and attention outputs, whose recomputation is expensive, stay saved;
+* ``selective``: the layer's cheap ops are recomputed in backward; the outputs of its linear layers
+  (matmuls against weights: ``mm``/``addmm``) and of fused attention kernels, whose recomputation is
+  expensive and whose outputs are small, stay saved (``KEPT_UNDER_SELECTIVE``). Batched matmuls of
+  two activations (an unfused attention's ``q k^T`` and ``p v``) are recomputed with the softmax
+  between them: their outputs are the ``s x s`` scores, the memory Korthikanti et al.'s selective
+  recomputation exists to drop;
 * ``full``: every op of the layer is recomputed except the layer's output, which the next layer
   reads (Megatron-LM's full recomputation keeps only each layer's input).
 
@@ -36,11 +40,12 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+import torch
 from torch import fx
 
 from .capture import CapturedGraph, module_path
 from .cost_models.pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
-from .pricing import Cost, is_matmul
+from .pricing import Cost
 from .problem import Edge, Option, Problem
 
 CHECKPOINTING = ("none", "selective", "full")
@@ -81,6 +86,20 @@ class Staging:
         return pipeline_bubble_fraction(self.schedule, self.stages, microbatches, self.chunks)
 
 
+_aten = torch.ops.aten
+KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
+    "mm", "addmm", "convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
+"""Op packets whose outputs selective checkpointing keeps: the pricer's and the runtime's one list
+(``passes/checkpoint.py``'s policy sees the ops as dispatched, the pricer as captured; both are aten)."""
+
+
+def kept_under_selective(target: object) -> bool:
+    """Whether selective checkpointing keeps the output of an op with this aten ``target``."""
+    return getattr(target, "overloadpacket", target) in KEPT_UNDER_SELECTIVE
+
+
 @dataclass(frozen=True)
 class LayerRoles:
     """Per decision key, what the layer structure says about it (from the captured graph)."""
@@ -102,7 +121,7 @@ def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
         if node.op == "call_function":
             if any(layer_of(user) != layer for user in _users_through_getitem(node)):
                 boundary.add(key)
-            if is_matmul(node):
+            if kept_under_selective(node.target):
                 expensive.add(key)
     return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive))
 
@@ -131,12 +150,14 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
         return problem
     roles = layer_roles(captured, problem)
     recomputed = _recomputed(roles, staging.checkpointing)
+    kept_whole = _kept_whole(roles, staging.checkpointing)
     in_flight = staging.in_flight(problem.microbatches)
     decisions = {}
     for key, d in problem.decisions.items():
         scale = staging.layer_scale if _is_layer_decision(key, roles) else 1.0
-        options = [Option(o.strategy, _device_cost(o.cost, key in recomputed, in_flight, staging,
-                                                   problem.microbatches)) for o in d.options]
+        options = [Option(o.strategy, _device_cost(_as_kept(o.cost) if key in kept_whole else o.cost,
+                                                   key in recomputed, in_flight, staging, problem.microbatches))
+                   for o in d.options]
         decisions[key] = replace(d, options=options, scale=d.scale * scale)
     again: dict[int, Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
     edges = [_staged_edge(e, decisions[e.dst].scale, e.dst in recomputed, again) for e in problem.edges]
@@ -156,6 +177,18 @@ def _recomputed(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
     if checkpointing == "selective":
         return roles.in_layer - roles.boundary - roles.expensive
     return frozenset()
+
+
+def _kept_whole(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
+    """Ops whose outputs the checkpoint policy saves whole, needed by backward or not: selective
+    checkpointing's linear layers and fused attention (``passes/checkpoint.py`` marks them MUST_SAVE)."""
+    if checkpointing == "selective":
+        return (roles.in_layer & roles.expensive) - roles.boundary
+    return frozenset()
+
+
+def _as_kept(cost: Cost) -> Cost:
+    return replace(cost, memory_bytes=max(cost.memory_bytes, cost.output_bytes)) if cost.batch_memory else cost
 
 
 def _device_cost(cost: Cost, recomputed: bool, in_flight: float, staging: Staging, microbatches: int) -> Cost:

@@ -73,7 +73,7 @@ MEGATRON_SC21_TABLE1 = [
 
 def constraints_for(run: PublishedRun) -> dict[str, object]:
     fixed: dict[str, object] = {"tp": run.tp, "pp": run.pp, "dp": run.dp, "microbatch_size": run.microbatch,
-                                "checkpointing": "full"}
+                                "checkpointing": "full", "fsdp": 0}  # the 2021 runs: plain data parallelism
     if run.pp > 1:
         fixed["schedule"] = "interleaved" if run.chunks > 1 else "1f1b"
     if run.chunks > 1:

@@ -9,7 +9,8 @@ It knows nothing of the solver or of autopar's other packages (it never imports 
   rendering for users (``render_collective``);
 * ``comm``: collective_time, the single entry point for collective costs (evaluates ``symbolic``);
 * ``pipeline``: bubble fraction and microbatches in flight of a pipeline schedule;
-* ``compute``: compute_time, a roofline for one kernel;
+* ``compute``: compute_time, a roofline for one kernel with its host dispatch; adamw_step_time, the
+  optimizer update;
 * ``memory``: AdamW state bytes and usable HBM;
 * ``calibrate``: measure the machine (matmuls, memory, op floor, collectives) and write a cluster
   profile (``autopar calibrate``); it imports torch, so it is imported by name, not here.
@@ -17,7 +18,7 @@ It knows nothing of the solver or of autopar's other packages (it never imports 
 
 from .cluster import Cluster, ClusterSpecError, GroupTopology, parse_cluster
 from .comm import COLLECTIVES, collective_bytes_per_rank, collective_time
-from .compute import compute_time, op_efficiency
+from .compute import adamw_step_time, compute_time, dispatched_time, op_efficiency
 from .hardware import DEVICES, DeviceSpec, dtype_key, get_device
 from .memory import adamw_state_bytes, reserve_fraction, usable_bytes
 from .pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
@@ -31,9 +32,11 @@ __all__ = [
     "GroupTopology",
     "SCHEDULES",
     "adamw_state_bytes",
+    "adamw_step_time",
     "collective_bytes_per_rank",
     "collective_time",
     "compute_time",
+    "dispatched_time",
     "dtype_key",
     "get_device",
     "microbatches_in_flight",

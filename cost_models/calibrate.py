@@ -11,12 +11,15 @@ What is measured, on every rank at once (ranks share the host or the node, as in
   the device (fp32 and bf16 on CPU; fp32, tf32, bf16, fp16 on CUDA);
 * **memory**: seconds of ``torch.add(a, b, out=c)`` on tensors larger than the caches (3 tensors
   moved per call);
-* **op floor**: the time one small op holds the device. On CUDA the host enqueues asynchronously,
-  so the floor is a tiny kernel's launch-to-launch time (many queued, one synchronize). On CPU the
-  host *is* the device: the op's whole dispatch path in autopar's runtime runs on the same cores,
-  so the floor comes from a small GPT-2 block (layer_norms, linears with biases, attention with its
+* **op floor**: the time one small op holds the device: a tiny kernel's launch-to-launch time on a
+  plain tensor (many queued, one synchronize on CUDA);
+* **host dispatch** (CPU only): the host time one op spends in autopar's runtime (DTensor's sharding
+  propagation, autograd, Python). On CPU the host *is* the device, so this adds to every op, views
+  included; it comes from a small GPT-2 block (layer_norms, linears with biases, attention with its
   head views, GELU MLP, residuals) run as DTensors on the job's mesh, forward and backward, on
-  tensors too small for FLOPs to matter;
+  tensors too small for FLOPs to matter; and, outside autograd, from ``torch.optim.AdamW``'s update
+  of that block's weights. On CUDA the host enqueues ahead of the device and its dispatch hides
+  behind the kernels, so it is not measured (the profile keeps the preset's 0);
 * **collectives** (world > 1): seconds of all_reduce, all_gather and reduce_scatter by message
   size, on the ranks of one node and, across nodes, on one rank per node.
 
@@ -31,10 +34,13 @@ How the numbers become profile fields (``build_profile``):
   GEMM at ``MATMUL_MAX_EFFICIENCY * peak``, so large GEMMs are priced at the measured rate.
 * ``hbm_bw = rate / MEMORY_EFFICIENCY`` from ``seconds = a + bytes / rate`` over the adds, for
   the same reason (``compute.py`` runs bandwidth-bound kernels at ``MEMORY_EFFICIENCY * hbm_bw``).
-* ``kernel_launch_s``: the op floor. On CPU: the block's forward+backward time divided by its
-  non-view ops and by 3, because the pricer charges each non-view op the floor once forward and
-  twice backward and charges views nothing (``autopar/pricing.py``), while the runtime dispatches
-  views too; the floor thereby carries the views' share for graphs shaped like a transformer.
+* ``kernel_launch_s``: the op floor.
+* ``host_op_s`` (CPU): the block's forward+backward time, less its non-view ops' kernel floors
+  (3 each), divided by 3 dispatches per op it ran forward, views included: the pricer charges every
+  op of the graph, views included, one dispatch forward and two backward (``autopar/pricing.py``,
+  backward = 2x forward), and ``compute.dispatched_time`` adds it to each op's kernel.
+* ``host_update_op_s`` (CPU): AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
+  per weight), less the op floor: what ``compute.adamw_step_time`` charges per kernel besides bytes.
 * ``nvlink_bw``, ``intra_latency_s``, ``base_latency_s`` (and ``net_bw``, ``inter_latency_s``
   across nodes): one non-negative least-squares fit per link of
   ``seconds = base + ring_steps(kind, p) * step_latency + collective_bytes_per_rank(kind, n, p) / bw``
@@ -67,12 +73,12 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .comm import collective_bytes_per_rank, ring_steps
-from .compute import MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY
+from .compute import ADAMW_KERNELS_PER_TENSOR, MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY
 from .hardware import DTYPE_BYTES, get_device, preset_for_cuda_name
 
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 PRICED_OPS_PER_FORWARD_OP = 3
-"""Forward + backward priced as 3 forwards (autopar/pricing.py: backward = 2x forward)."""
+"""Forward + backward priced as 3 forwards, views included (autopar/pricing.py: backward = 2x forward)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,25 +316,24 @@ def measure_memory(device: Any, sizes: Sizes) -> list[dict[str, Any]]:
 
 
 def measure_op_floor(device: Any, sizes: Sizes) -> dict[str, Any]:
-    """Seconds one small op holds the device (see the module doc for CPU vs CUDA)."""
-    if device.type == "cuda":
-        return _cuda_kernel_floor(device, sizes)
-    return _dtensor_op_floor(sizes)
-
-
-def _cuda_kernel_floor(device: Any, sizes: Sizes) -> dict[str, Any]:
+    """Seconds one small op holds the device and, on CPU, the host's dispatch of one op (module doc)."""
     x = torch.zeros(1, device=device)
-    seconds = _seconds_per_call(lambda: x.add_(1), _synchronizer(device), sizes)
-    return {"method": "tiny CUDA kernels queued back to back", "seconds_per_op": seconds,
-            "kernel_launch_s": seconds}
+    floor = _seconds_per_call(lambda: x.add_(1), _synchronizer(device), sizes)
+    kernel = {"method": f"tiny {device.type.upper()} kernels on a plain tensor, back to back",
+              "seconds_per_op": floor, "kernel_launch_s": floor}
+    if device.type == "cuda":
+        return kernel
+    return {**kernel, **_dtensor_dispatch(sizes, floor)}
 
 
-def _dtensor_op_floor(sizes: Sizes) -> dict[str, Any]:
-    """Per priced op time of a small transformer block's forward and backward as DTensors on the world mesh.
+def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
+    """Host seconds per op dispatched through DTensor: a small transformer block, forward and backward.
 
-    The pricer charges the floor on every non-view op and treats views as free, while autopar's
-    runtime dispatches both through DTensor; so the floor is the block's measured time divided by
-    its non-view ops (counted by dispatch), which folds the views' share into the ops a plan prices.
+    The pricer charges every op of a graph, views included, one dispatch forward and two backward, and
+    a non-view op also its kernel floor (3 times); so the block's time less those floors, divided by
+    3 per op it dispatches forward (counted by dispatch), is the dispatch the pricer must charge.
+    AdamW's update of the block's weights, per kernel less its floor, is the dispatch of an op run
+    outside autograd (``compute.adamw_step_time``).
     """
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -352,11 +357,27 @@ def _dtensor_op_floor(sizes: Sizes) -> dict[str, Any]:
     agree = _most_calls_in(None)
     forward_s = _seconds_per_call(forward, lambda: None, sizes, agree)
     forward_backward_s = _seconds_per_call(forward_backward, lambda: None, sizes, agree)
-    return {"method": "a GPT-2 block (width 16) as DTensors on the world mesh, forward and backward, "
-                      "per non-view op",
-            "priced_ops": counter.ops, "views": counter.views, "forward_s": forward_s / counter.ops,
-            "forward_backward_s": forward_backward_s / counter.ops,
-            "kernel_launch_s": forward_backward_s / counter.ops / PRICED_OPS_PER_FORWARD_OP}
+    for w in weights.values():  # replicated gradients, as the runtime's sync leaves them (not Partial)
+        w.grad = torch.ones_like(w)
+    optimizer = torch.optim.AdamW(list(weights.values()))
+    update_s = _seconds_per_call(optimizer.step, lambda: None, sizes, agree)
+    update_ops = ADAMW_KERNELS_PER_TENSOR * len(weights)
+    dispatched = counter.ops + counter.views
+    return {"dispatch_method": "a GPT-2 block (width 16) as DTensors on the world mesh, forward and backward, "
+                               "per op dispatched forward (views included)",
+            "priced_ops": counter.ops, "views": counter.views, "forward_s": forward_s / dispatched,
+            "forward_backward_s": forward_backward_s / dispatched,
+            "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, kernel_launch_s),
+            "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
+            "update_s": update_s / update_ops,
+            "host_update_op_s": max(0.0, update_s / update_ops - kernel_launch_s)}
+
+
+def host_dispatch_s(forward_backward_s: float, ops: int, views: int, kernel_launch_s: float) -> float:
+    """``host_op_s`` from a graph's forward+backward seconds and the non-view ops and views it dispatches
+    forward: its time less the ops' kernel floors, per dispatch as the pricer counts them (3 per op)."""
+    floors = PRICED_OPS_PER_FORWARD_OP * ops * kernel_launch_s
+    return max(0.0, forward_backward_s - floors) / ((ops + views) * PRICED_OPS_PER_FORWARD_OP)
 
 
 _BLOCK_WIDTH, _BLOCK_HEADS, _BLOCK_SEQ = 16, 2, 4
@@ -517,7 +538,8 @@ def _slowest_rank(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "links": {name: _max_seconds([r["links"][name] for r in per_rank]) for name in first["links"]},
     }
     floor = dict(first["op_floor"])
-    for key in ("forward_s", "forward_backward_s", "seconds_per_op", "kernel_launch_s"):
+    for key in ("forward_s", "forward_backward_s", "seconds_per_op", "kernel_launch_s", "host_op_s", "update_s",
+                "host_update_op_s"):
         if key in floor:
             floor[key] = max(r["op_floor"][key] for r in per_rank)
     combined["op_floor"] = floor
@@ -553,6 +575,8 @@ def build_profile(measured: Mapping[str, Any], source: str) -> dict[str, Any]:
         "hbm_bw": fits["memory"]["rate"] / MEMORY_EFFICIENCY,
         "kernel_launch_s": measured["op_floor"]["kernel_launch_s"],
     }
+    device.update({key: measured["op_floor"][key] for key in ("host_op_s", "host_update_op_s")
+                   if key in measured["op_floor"]})
     device.update(_link_fields(fits["links"]))
     nodes = measured["world"] // measured["ranks_per_node"]
     return {"source": source, "nodes": nodes, "devices_per_node": measured["ranks_per_node"], "device": device,
@@ -593,7 +617,10 @@ def profile_summary(profile: Mapping[str, Any]) -> str:
         lines.append(f"  matmul {key:<5} {fit['rate'] / 1e9:10.1f} GFLOP/s achieved "
                      f"(peak_flops {device['peak_flops'][key] / 1e9:.1f} G)")
     lines.append(f"  memory       {fits['memory']['rate'] / 1e9:10.2f} GB/s achieved (hbm_bw {device['hbm_bw'] / 1e9:.2f} GB/s)")
-    lines.append(f"  op floor     {device['kernel_launch_s'] * 1e6:10.1f} us per priced op")
+    lines.append(f"  op floor     {device['kernel_launch_s'] * 1e6:10.1f} us per kernel")
+    if "host_op_s" in device:
+        lines.append(f"  dispatch     {device['host_op_s'] * 1e6:10.1f} us per op (views included) on the host, "
+                     f"{device['host_update_op_s'] * 1e6:.1f} us per optimizer kernel")
     for name, fit in fits["links"].items():
         lines.append(f"  {name}-node    {fit['bw'] / 1e9:10.2f} GB/s, {fit['step_latency_s'] * 1e6:.1f} us per ring step, "
                      f"{fit['base_latency_s'] * 1e6:.1f} us per collective")

@@ -5,8 +5,10 @@ counting FLOPs or bytes of an op (the strategies do that) nor for communication 
 
 Model::
 
-    time = max(flops / (flop_peak * op_efficiency(kind, flops)),
-               bytes_moved / (hbm_bw * MEMORY_EFFICIENCY)) + kernel_launch_s
+    kernel = max(flops / (flop_peak * op_efficiency(kind, flops)),
+                 bytes_moved / (hbm_bw * MEMORY_EFFICIENCY)) + kernel_launch_s
+    time   = kernel + host_op_s        where the host runs the kernels (CPU: host_runs_kernels)
+           = max(kernel, host_op_s)    where it enqueues them ahead of the device (CUDA)
 
 * ``matmul`` runs on tensor cores at ``device.peak(dtype)``. Its efficiency rises smoothly with
   size: ``eff = MATMUL_MAX_EFFICIENCY * f / (f + f_half)``, so its compute time is
@@ -19,16 +21,31 @@ Model::
 * ``elementwise`` and ``other`` ops are bandwidth-bound: they reach about 70% of HBM bandwidth
   (typical of fused elementwise kernels measured against STREAM-like peaks) and run their few
   FLOPs on the vector units at the fp32 (non-tensor) peak, with the same 0.7.
-* A kernel with no FLOPs and no bytes costs nothing (it is not launched).
+* An op with no FLOPs and no bytes (a view) launches no kernel; it still costs its dispatch.
+* Dispatch (``dispatched_time``): every op a step runs goes through autopar's runtime on the host
+  (DTensor's sharding propagation, autograd, Python: ``host_op_s``). On CPU the same cores then run
+  the kernel, so the two add up; on CUDA the host enqueues kernels asynchronously and runs ahead, so
+  an op costs the longer of the two (the host is hidden while the device is the slower).
+* The optimizer update (``adamw_step_time``): AdamW as ``torch.optim.AdamW`` runs it by default
+  off CUDA (``torch/optim/adam.py``, ``_single_tensor_adam``): per parameter tensor
+  ``ADAMW_KERNELS_PER_TENSOR`` elementwise kernels (weight decay ``mul_``, ``exp_avg.lerp_``,
+  ``exp_avg_sq.mul_`` and ``addcmul_``, ``sqrt``, ``div``, ``add_`` of eps, ``param.addcdiv_``),
+  each paying its floor and its dispatch outside autograd (``host_update_op_s``), which together
+  move ``adamw_bytes_per_element`` bytes per element of the tensor's local shard: the fewest any
+  AdamW implementation moves, read and written once (the fp32 value, master copy or parameter, and
+  both moments), plus the gradient read and, with a master copy, the low-precision parameter
+  written. CUDA's foreach/fused variants launch fewer kernels, so there the per-tensor floors are
+  an upper bound.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-from .hardware import DeviceSpec
+from .hardware import DTYPE_BYTES, DeviceSpec, dtype_key
+from .memory import FP32_BYTES, adamw_state_bytes
 
 MATMUL_MAX_EFFICIENCY = 0.8
 """Fraction of dense tensor-core peak that a large GEMM achieves."""
@@ -38,6 +55,8 @@ REFERENCE_PEAK_FLOPS = 312e12
 """Peak used by op_efficiency when none is given (A100 BF16): f_half = 1.56e9 FLOPs."""
 MEMORY_EFFICIENCY = 0.7
 """Fraction of HBM bandwidth (and of vector FLOP/s) a bandwidth-bound kernel achieves."""
+ADAMW_KERNELS_PER_TENSOR = 8
+"""Elementwise kernels ``torch.optim.AdamW`` (single-tensor path, weight decay on) runs per parameter."""
 
 def matmul_half_flops(peak_flops: float) -> float:
     """FLOPs at which a GEMM reaches half its maximum efficiency on a device of ``peak_flops``."""
@@ -76,13 +95,47 @@ def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FL
 
 def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any,
                  kind: str = "matmul") -> float:
-    """Seconds for one kernel: roofline of FLOPs and HBM bytes, plus the launch floor."""
+    """Seconds one op adds to a step: its kernel (roofline of FLOPs and HBM bytes, plus the launch
+    floor; none for an op with neither) and its dispatch on the host."""
     _check_kind(kind)
     flops, bytes_moved = _non_negative("flops", flops), _non_negative("bytes_moved", bytes_moved)
+    return dispatched_time(kernel_time(flops, bytes_moved, device, dtype, kind), device.host_op_s, device)
+
+
+def kernel_time(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any, kind: str) -> float:
+    """Seconds one kernel holds the device: roofline plus launch floor; 0 when there is no work to launch."""
     if flops == 0 and bytes_moved == 0:
         return 0.0
     memory_s = bytes_moved / (device.hbm_bw * MEMORY_EFFICIENCY)
     return max(_flop_time(flops, device, dtype, kind), memory_s) + device.kernel_launch_s
+
+
+def dispatched_time(kernel_s: float, host_s: float, device: DeviceSpec) -> float:
+    """Seconds an op adds to a step given its kernel's and its host dispatch's: their sum where the host
+    runs the kernels itself (CPU), the longer of the two where it enqueues them ahead (CUDA)."""
+    if device.host_runs_kernels:
+        return kernel_s + host_s
+    return max(kernel_s, host_s)
+
+
+def adamw_bytes_per_element(param_dtype: Any) -> int:
+    """HBM bytes one AdamW update moves per parameter element (see the module doc): 28 in fp32 and in
+    mixed precision (bf16 parameter and gradient, fp32 master copy and moments)."""
+    itemsize = DTYPE_BYTES[dtype_key(param_dtype)]
+    master = itemsize < FP32_BYTES
+    parameter_passes = 1 if master else 2  # the parameter is written (and, as its own master, read)
+    return 2 * adamw_state_bytes(1, param_dtype) + itemsize + parameter_passes * itemsize
+
+
+def adamw_step_time(shard_numels: Iterable[float], device: DeviceSpec, param_dtype: Any) -> float:
+    """Seconds of one AdamW update of parameter shards of ``shard_numels`` elements each (one per tensor)."""
+    per_element = adamw_bytes_per_element(param_dtype)
+    total = 0.0
+    for numel in shard_numels:
+        kernel_bytes = _non_negative("numel", numel) * per_element / ADAMW_KERNELS_PER_TENSOR
+        kernel = kernel_time(0.0, kernel_bytes, device, param_dtype, "elementwise")
+        total += ADAMW_KERNELS_PER_TENSOR * dispatched_time(kernel, device.host_update_op_s, device)
+    return total
 
 
 def _flop_time(flops: float, device: DeviceSpec, dtype: Any, kind: str) -> float:

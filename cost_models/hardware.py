@@ -28,7 +28,7 @@ physical HBM is slightly larger, so this errs on the safe side for memory fittin
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
 # --------------------------------------------------------------------------------------------
@@ -132,6 +132,14 @@ class DeviceSpec:
     """Fixed launch latency, paid once per collective."""
     kernel_launch_s: float
     """Floor paid by every kernel."""
+    host_op_s: float = 0.0
+    """Host seconds to dispatch one op through autopar's runtime (DTensor sharding propagation,
+    autograd, Python), views and collectives included; ``compute.dispatched_time`` applies it."""
+    host_update_op_s: float = 0.0
+    """Host seconds to dispatch one op of the optimizer update, which runs outside autograd."""
+    host_runs_kernels: bool = False
+    """Whether the host's cores run the kernels too (CPU): then an op's dispatch and its kernel add up;
+    otherwise (CUDA) the host enqueues kernels ahead of the device and an op takes the longer of the two."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -141,8 +149,12 @@ class DeviceSpec:
             raise ValueError(f"device {self.name}: hbm_bytes must be a positive int, got {self.hbm_bytes!r}")
         for attr in ("hbm_bw", "nvlink_bw", "net_bw"):
             _require_positive(self.name, attr, getattr(self, attr))
-        for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s"):
+        for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s", "host_op_s",
+                     "host_update_op_s"):
             _require_non_negative(self.name, attr, getattr(self, attr))
+        if not isinstance(self.host_runs_kernels, bool):
+            raise ValueError(f"device {self.name}: host_runs_kernels must be true or false, "
+                             f"got {self.host_runs_kernels!r}")
 
     def peak(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype`` (torch.dtype or string); ValueError if not catalogued."""
@@ -162,10 +174,12 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceSpec":
-        """Build from a dict with every field of DeviceSpec; unknown or missing keys raise ValueError."""
+        """Build from a dict with every field of DeviceSpec (those with defaults may be left out, as in files
+        written before they existed); unknown or missing keys raise ValueError."""
         names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(required - set(data))
         if unknown or missing:
             raise ValueError(f"bad device dict: unknown keys {unknown}, missing keys {missing}; "
                              f"expected exactly {sorted(names)}")
@@ -207,7 +221,8 @@ GIB = 2**30
 NCCL_BASE_LATENCY_S = 6.6e-6
 NVLINK_STEP_LATENCY_S = 0.6e-6
 NET_STEP_LATENCY_S = 2.7e-6
-# Per-kernel floor on a GPU: CUDA launch and tail, typically 2-5 us.
+# Per-kernel floor on a GPU: CUDA launch and tail, typically 2-5 us. The host's per-op dispatch
+# (host_op_s) is left at 0: it runs ahead of the device and hides behind kernels longer than it.
 GPU_KERNEL_LAUNCH_S = 4e-6
 
 # Achieved bus bandwidth per device (nccl-tests, published-runs.md).
@@ -244,12 +259,14 @@ B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12,
 
 # Placeholder CPU "device" for gloo runs; `autopar calibrate` measures the real figures of a machine.
 # Roughly: a few cores of fp32 GEMM (~100 GFLOP/s), DRAM ~20 GB/s, gloo over shared memory
-# ~5 GB/s with ~50 us per step, 10 GbE (1.25 GB/s) between hosts.
+# ~5 GB/s with ~50 us per step, 10 GbE (1.25 GB/s) between hosts. The host runs the kernels; its
+# per-op dispatch cost is left unpriced here (host_op_s 0) and measured by calibration.
 CPU = DeviceSpec(
     name="cpu",
     peak_flops={"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 50e9},
     hbm_bytes=16 * GIB, hbm_bw=20e9, nvlink_bw=5e9, net_bw=1.25e9,
     intra_latency_s=50e-6, inter_latency_s=100e-6, base_latency_s=20e-6, kernel_launch_s=10e-6,
+    host_runs_kernels=True,
 )
 
 #: Presets by canonical name.

@@ -10,7 +10,9 @@ One pass per file, each named for what it does; ``build_program`` applies them i
    local rules such as fused attention split on heads) run on local shards;
 4. ``checkpoint``: with the plan's ``checkpointing`` other than ``none``, each repeated layer becomes a
    submodule run under ``torch.utils.checkpoint`` (full or selective recomputation);
-5. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets.
+5. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets;
+6. ``zero`` (ZeRO-1/2 plans): the optimizer gets dp-sharded copies of the parameters, gradients are
+   reduce-scattered onto them and parameters all-gathered from them before each step.
 
 Passes read a Plan, never the solver.
 """
@@ -20,5 +22,6 @@ from .gradient_sync import GradientSync
 from .insert_redistributes import insert_redistributes
 from .run_locally import run_locally
 from .shard_parameters import shard_parameters, shard_tensor
+from .zero import ShardedOptimizerState
 
-__all__ = ["GradientSync", "checkpoint_layers", "insert_redistributes", "run_locally", "shard_parameters", "shard_tensor"]
+__all__ = ["GradientSync", "ShardedOptimizerState", "checkpoint_layers", "insert_redistributes", "run_locally", "shard_parameters", "shard_tensor"]

@@ -8,8 +8,9 @@ layer keeps for backward; this pass makes the runtime keep exactly those:
   kept and every op of the layer runs again in backward. The layer's output is saved by the ops
   that read it (the next layer's checkpoint keeps it as its input), as Megatron-LM's full recompute;
 * ``selective``: the same, with torch's selective activation checkpointing
-  (``create_selective_checkpoint_contexts``): matmul and attention outputs are ``MUST_SAVE``,
-  everything else ``PREFER_RECOMPUTE`` (Korthikanti et al. 2022).
+  (``create_selective_checkpoint_contexts``): linear-layer (``mm``/``addmm``) and fused-attention
+  outputs are ``MUST_SAVE``, everything else, an unfused attention's ``s x s`` scores included,
+  ``PREFER_RECOMPUTE`` (Korthikanti et al. 2022).
 
 How: ``torch.fx.passes.split_module`` cuts the program into submodules, one per contiguous run of
 nodes of the same layer (``autopar.stages.layer_of``) or of nodes outside any layer; every layer
@@ -27,10 +28,9 @@ input. Partitions are numbered by contiguous runs rather than by layer name so t
 the first layer and after the last (embedding, head, loss) are separate partitions, which keeps the
 partition graph acyclic even where layer membership is not contiguous.
 
-The matmul/attention op set is the one pricing counts as matmuls (torch's FLOP registry: mm, addmm,
-bmm, baddbmm, convolutions, fused attention kernels), plus the composite ``scaled_dot_product_attention``
-and the CPU flash kernel it dispatches to, which the registry does not list. The policy sees the op as
-dispatched at run time (after composite ops are decomposed), not the captured node.
+The kept op set is ``autopar.stages.KEPT_UNDER_SELECTIVE``, the list pricing uses. The policy sees
+the op as dispatched at run time (after composite ops are decomposed), not the captured node, which is
+why the list names the fused attention kernels as well as the composite.
 """
 
 from __future__ import annotations
@@ -43,21 +43,12 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
-from torch.utils.flop_counter import flop_registry
 
-from autopar.stages import CHECKPOINTING, layer_of
-
-_aten = torch.ops.aten
-SAVED_UNDER_SELECTIVE = frozenset(flop_registry) | {
-    _aten.scaled_dot_product_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu,
-}
-"""Op packets whose outputs selective checkpointing keeps (matmuls and attention)."""
-
+from autopar.stages import CHECKPOINTING, kept_under_selective, layer_of
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep matmul and attention outputs, recompute everything else."""
-    if getattr(op, "overloadpacket", None) in SAVED_UNDER_SELECTIVE:
+    """Keep linear-layer and fused-attention outputs, recompute everything else."""
+    if kept_under_selective(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -1,10 +1,11 @@
-"""Gradient synchronization: all-reduce partial gradients in buckets after backward.
+"""Gradient synchronization: all-reduce partial gradients in buckets, overlapped with backward.
 
 A parameter replicated on a mesh dim where its users split the batch (data parallelism) ends backward
 with a *partial* gradient on that dim: each rank holds its batch shard's contribution. We reduce those
-in flat buckets (PyTorch DDP's idea: few large collectives beat many small ones), one bucket list per
-set of mesh dims, then store each gradient with its parameter's placements so the optimizer sees
-plain replicated or sharded DTensors.
+in flat buckets (PyTorch DDP's idea: few large collectives beat many small ones, and a bucket's
+all_reduce runs while backward computes the next gradients), one bucket list per set of mesh dims,
+then store each gradient with its parameter's placements so the optimizer sees plain replicated or
+sharded DTensors.
 """
 
 from __future__ import annotations
@@ -21,16 +22,22 @@ BUCKET_BYTES = 25 * 2**20
 """Bucket size, PyTorch DDP's default ``bucket_cap_mb=25``."""
 
 
+def closes_bucket(bucket_size: float, nbytes: float, bucket_bytes: float = BUCKET_BYTES) -> bool:
+    """Whether a gradient of ``nbytes`` closes the open bucket of ``bucket_size`` bytes (and opens the
+    next): it would take a non-empty bucket past ``bucket_bytes``. A gradient larger than that is a
+    bucket of its own."""
+    return bucket_size > 0 and bucket_size + nbytes > bucket_bytes
+
+
 def buckets(sizes: Sequence[float], bucket_bytes: float = BUCKET_BYTES) -> list[list[int]]:
-    """Indices of ``sizes`` (gradient bytes, in reduction order) grouped into buckets: a bucket closes
-    when the next gradient would take it past ``bucket_bytes``; a gradient larger than that is a
-    bucket of its own. ``GradientSync`` reduces each bucket with one all_reduce per partial mesh dim;
-    ``autopar.collectives`` counts a plan's gradient all_reduces with the same rule."""
+    """Indices of ``sizes`` (gradient bytes, in the order they are filed) grouped into buckets by
+    ``closes_bucket``, the rule ``GradientSync`` applies as gradients arrive; ``autopar.collectives``
+    counts a plan's gradient all_reduces with it."""
     found: list[list[int]] = []
     bucket: list[int] = []
     size = 0.0
     for i, nbytes in enumerate(sizes):
-        if bucket and size + nbytes > bucket_bytes:
+        if closes_bucket(size, nbytes, bucket_bytes):
             found.append(bucket)
             bucket, size = [], 0.0
         bucket.append(i)
@@ -41,45 +48,98 @@ def buckets(sizes: Sequence[float], bucket_bytes: float = BUCKET_BYTES) -> list[
 
 
 class GradientSync:
+    """Bucketed reduction of partial gradients, overlapped with backward when armed.
+
+    ``arm()`` before the last microbatch's backward: each gradient then joins its group's open bucket
+    as autograd finishes it (a post-accumulate-grad hook), and a bucket that reaches ``bucket_bytes``
+    starts its all_reduce at once, asynchronously, while backward goes on (DDP's overlap). Calling
+    the object after backward launches what is left, waits for every reduction and stores each
+    gradient with its parameter's placements. Unarmed (the pipeline runtime, whose schedule runs
+    the microbatches' backwards itself), everything happens in that call, after backward.
+    """
+
     def __init__(self, params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
         self.params = list(params)
         self.bucket_bytes = bucket_bytes
         self.collectives = 0  # all_reduce calls issued by the last sync (for tests and reports)
+        self._armed = False
+        self._open: dict[tuple[tuple[int, str], ...], list[nn.Parameter]] = defaultdict(list)
+        self._open_bytes: dict[tuple[tuple[int, str], ...], int] = defaultdict(int)
+        self._launched: list[_Reduction] = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def arm(self) -> None:
+        """Reduce gradients as the next backward produces them."""
+        self._armed = True
+        self.collectives = 0
 
     def __call__(self) -> None:
-        self.collectives = 0
-        groups: dict[tuple[tuple[int, str], ...], list[nn.Parameter]] = defaultdict(list)
-        for p in self.params:
-            if isinstance(p.grad, DTensor):
-                partial = tuple((d, pl.reduce_op) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Partial))
-                if partial:
-                    groups[partial].append(p)
-                elif p.grad.placements != p.placements:
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        for partial, params in groups.items():
-            for bucket in self._buckets(params):
-                self._reduce(bucket, partial)
+        if not self._armed:
+            self.collectives = 0
+            for p in self.params:
+                self._add(p)
+        self._armed = False
+        for partial in list(self._open):
+            self._launch(partial)
+        for reduction in self._launched:
+            reduction.finish()
+        self._launched = []
 
-    def _buckets(self, params: list[nn.Parameter]) -> Iterable[list[nn.Parameter]]:
-        sizes = [p.grad.to_local().numel() * p.grad.to_local().element_size() for p in params]
-        for indices in buckets(sizes, self.bucket_bytes):
-            yield [params[i] for i in indices]
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        if self._armed:
+            self._add(p)
 
-    def _reduce(self, bucket: list[nn.Parameter], partial: tuple[tuple[int, str], ...]) -> None:
-        locals_ = [p.grad.to_local() for p in bucket]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        mesh = bucket[0].device_mesh
-        for dim, reduce_op in partial:
-            dist.all_reduce(flat, group=mesh.get_group(dim))
-            self.collectives += 1
+    def _add(self, p: nn.Parameter) -> None:
+        """File ``p``'s gradient: partial ones into their group's bucket (launched when full), the rest
+        straight to the parameter's placements."""
+        if not isinstance(p.grad, DTensor):
+            return
+        partial = tuple((d, pl.reduce_op) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Partial))
+        if not partial:
+            if p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            return
+        local = p.grad.to_local()
+        nbytes = local.numel() * local.element_size()
+        if closes_bucket(self._open_bytes[partial], nbytes, self.bucket_bytes):
+            self._launch(partial)
+        self._open[partial].append(p)
+        self._open_bytes[partial] += nbytes
+
+    def _launch(self, partial: tuple[tuple[int, str], ...]) -> None:
+        bucket = self._open.pop(partial, [])
+        self._open_bytes.pop(partial, None)
+        if bucket:
+            self._launched.append(_Reduction(bucket, partial))
+            self.collectives += len(partial)
+
+
+class _Reduction:
+    """One bucket's all_reduces: the first mesh dim's starts now (asynchronously); ``finish`` waits,
+    reduces over any further partial dim and hands each parameter its reduced gradient."""
+
+    def __init__(self, bucket: list[nn.Parameter], partial: tuple[tuple[int, str], ...]):
+        self.bucket, self.partial = bucket, partial
+        self.locals = [p.grad.to_local() for p in bucket]
+        self.flat = torch.cat([t.reshape(-1) for t in self.locals])
+        self.mesh = bucket[0].device_mesh
+        dim, _ = partial[0]
+        self.work = dist.all_reduce(self.flat, group=self.mesh.get_group(dim), async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        for i, (dim, reduce_op) in enumerate(self.partial):
+            if i > 0:
+                dist.all_reduce(self.flat, group=self.mesh.get_group(dim))
             if reduce_op == "avg":
-                flat /= mesh.size(dim)
+                self.flat /= self.mesh.size(dim)
         offset = 0
-        for p, t in zip(bucket, locals_):
-            reduced = flat[offset: offset + t.numel()].view_as(t)
+        for p, t in zip(self.bucket, self.locals):
+            reduced = self.flat[offset: offset + t.numel()].view_as(t)
             offset += t.numel()
-            grad = DTensor.from_local(reduced, mesh, _without_partial(p.grad.placements), run_check=False)
-            p.grad = grad if grad.placements == p.placements else grad.redistribute(mesh, p.placements)
+            grad = DTensor.from_local(reduced, self.mesh, _without_partial(p.grad.placements), run_check=False)
+            p.grad = grad if grad.placements == p.placements else grad.redistribute(self.mesh, p.placements)
 
 
 def _without_partial(placements) -> list:

@@ -16,10 +16,12 @@ import pytest
 
 from autopar.api import resolve_cluster
 from autopar.cli import main
-from autopar.cost_models import ClusterSpecError, GroupTopology, collective_time, compute_time, parse_cluster
-from autopar.cost_models.calibrate import (CollectiveSample, build_profile, fit_link, fit_rate,
+from autopar.cost_models import (ClusterSpecError, DeviceSpec, GroupTopology, adamw_step_time, collective_time,
+                                 compute_time, dispatched_time, get_device, parse_cluster)
+from autopar.cost_models.calibrate import (CollectiveSample, build_profile, fit_link, fit_rate, host_dispatch_s,
                                            nonnegative_least_squares, profile_summary, write_profile)
-from autopar.cost_models.compute import MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY
+from autopar.cost_models.compute import (ADAMW_KERNELS_PER_TENSOR, MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY,
+                                         adamw_bytes_per_element)
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -98,7 +100,7 @@ def synthetic_measurement(world: int = 2) -> dict:
             "threads_per_rank": 1, "hbm_bytes": 8 * 10**9, "matmul": matmul, "memory": memory,
             "links": {"intra": link},
             "op_floor": {"method": "synthetic", "forward_s": 1e-4, "forward_backward_s": 3e-4,
-                         "kernel_launch_s": 1e-4}}
+                         "kernel_launch_s": 1e-4, "host_op_s": 2e-4, "host_update_op_s": 5e-5}}
 
 
 @pytest.fixture
@@ -118,6 +120,7 @@ def test_profile_is_a_cluster_file_with_the_measured_figures(profile_path):
     assert device.intra_latency_s == pytest.approx(40e-6, rel=1e-6)
     assert device.base_latency_s == pytest.approx(25e-6, rel=1e-6)
     assert device.kernel_launch_s == 1e-4
+    assert (device.host_op_s, device.host_update_op_s, device.host_runs_kernels) == (2e-4, 5e-5, True)
     data = json.loads(profile_path.read_text())
     assert data["source"].startswith("autopar calibrate")
     assert {"matmul", "memory", "links", "op_floor", "fits"} <= set(data["measured"])
@@ -126,8 +129,60 @@ def test_profile_is_a_cluster_file_with_the_measured_figures(profile_path):
 def test_profile_prices_a_large_matmul_at_the_measured_rate(profile_path):
     device = parse_cluster(str(profile_path)).device
     flops = 2 * 4096**3
-    seconds = compute_time(flops, 0, device, "fp32") - device.kernel_launch_s
+    seconds = compute_time(flops, 0, device, "fp32") - device.kernel_launch_s - device.host_op_s
     assert flops / seconds == pytest.approx(50e9, rel=0.01)
+
+
+# ---- host dispatch and the optimizer update ----------------------------------------------------
+
+
+def test_host_dispatch_is_the_block_time_less_floors_per_priced_dispatch():
+    # 10 ops and 20 views forward: 90 priced dispatches; 30 kernel floors of 10 us = 0.3 ms
+    assert host_dispatch_s(9.3e-3, ops=10, views=20, kernel_launch_s=10e-6) == pytest.approx(100e-6)
+    assert host_dispatch_s(1e-4, ops=10, views=0, kernel_launch_s=10e-6) == 0.0  # floors exceed the time
+
+
+def cpu_device(**fields) -> DeviceSpec:
+    return DeviceSpec.from_dict({**get_device("cpu").to_dict(), **fields})
+
+
+def test_dispatch_adds_to_the_kernel_on_cpu_and_hides_behind_it_on_cuda():
+    cpu = cpu_device(host_op_s=50e-6)
+    assert dispatched_time(30e-6, 50e-6, cpu) == pytest.approx(80e-6)
+    gpu = DeviceSpec.from_dict({**get_device("H100").to_dict(), "host_op_s": 50e-6})
+    assert dispatched_time(30e-6, 50e-6, gpu) == 50e-6  # host-bound: the device waits for the host
+    assert dispatched_time(2e-3, 50e-6, gpu) == 2e-3  # device-bound: the host runs ahead
+
+
+def test_a_view_costs_its_dispatch_and_an_op_its_kernel_plus_dispatch():
+    cpu = cpu_device(host_op_s=50e-6, kernel_launch_s=5e-6, hbm_bw=10e9)
+    assert compute_time(0, 0, cpu, "fp32", "elementwise") == pytest.approx(50e-6)
+    # 7e6 bytes at 0.7 x 10 GB/s = 1 ms, plus the 5 us floor, plus 50 us of dispatch
+    assert compute_time(0, 7e6, cpu, "fp32", "elementwise") == pytest.approx(1.055e-3)
+    assert compute_time(0, 0, get_device("H100"), "bf16", "elementwise") == 0.0  # presets: no host term
+
+
+def test_adamw_moves_28_bytes_per_element_in_fp32_and_in_mixed_precision():
+    # fp32: read p, g, m, v (16) and write p, m, v (12); bf16: read master, m, v (12) and the bf16 grad (2),
+    # write master, m, v (12) and the bf16 parameter (2)
+    assert adamw_bytes_per_element("fp32") == 28 and adamw_bytes_per_element("bf16") == 28
+
+
+def test_adamw_step_time_is_per_tensor_floors_plus_bytes():
+    cpu = cpu_device(kernel_launch_s=5e-6, host_update_op_s=40e-6, hbm_bw=10e9)
+    assert ADAMW_KERNELS_PER_TENSOR == 8
+    # 1e6 fp32 elements: 28 MB at 7 GB/s = 4 ms; 8 kernels x (5 + 40) us = 0.36 ms
+    assert adamw_step_time([1e6], cpu, "fp32") == pytest.approx(4.36e-3)
+    assert adamw_step_time([1e6, 1e6], cpu, "fp32") == pytest.approx(8.72e-3)
+    gpu = get_device("H100")  # 28 MB at 0.7 x 3.35 TB/s, 8 launch floors of 4 us, no host term
+    assert adamw_step_time([1e6], gpu, "bf16") == pytest.approx(28e6 / (0.7 * 3350e9) + 8 * 4e-6)
+
+
+def test_device_files_written_before_the_dispatch_fields_still_load():
+    old = {k: v for k, v in get_device("cpu").to_dict().items()
+           if k not in ("host_op_s", "host_update_op_s", "host_runs_kernels")}
+    device = DeviceSpec.from_dict(old)
+    assert (device.host_op_s, device.host_update_op_s, device.host_runs_kernels) == (0.0, 0.0, False)
 
 
 def test_cluster_file_rejects_malformed_metadata(tmp_path):
@@ -146,6 +201,10 @@ def test_plan_accepts_the_profile(profile_path, capsys):
     assert main(["plan", "tiny-gpt", "--cluster", str(profile_path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["cluster"]["devices"] == 2 and plan["predicted"]["step_time_s"] > 0
+    # without a pipeline every rank updates each of tiny-gpt's 37 parameter tensors (whole or a shard):
+    # at least their kernels' floors and dispatches, 8 x (100 + 50) us per tensor
+    assert plan["pipeline"]["stages"] == [[0, 2]]
+    assert plan["predicted"]["optimizer_s"] >= 37 * 8 * 150e-6
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import pytest
 
-from autopar.collectives import KINDS, predicted_collectives
+from autopar.collectives import KINDS, count_by_kind, predicted_collectives
 from autopar.launch import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]
@@ -44,29 +44,6 @@ BACKWARD_GAPS: dict[str, dict[str, int]] = {
     "tiny-llama": {},
 }
 """Backward plus gradient sync under data parallelism, observed minus predicted, per kind."""
-
-_OP_KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-}
-"""CommDebugMode's keys (functional collectives, and c10d ops such as the gradient sync's
-``dist.all_reduce``) by the name of the op, to the kinds plans use; other ops keep their own name."""
-
-
-def count_by_kind(comm_counts: Mapping[Any, int]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for op, n in comm_counts.items():
-        name = str(op).rsplit(".", 1)[-1]
-        kind = _OP_KINDS.get(name, name)
-        counts[kind] = counts.get(kind, 0) + n
-    return counts
-
 
 def _counted_steps(rank: int, world: int) -> list[dict[str, Any]]:
     return [_counted_step(rank, world, name, constraints) for name, constraints in CONFIGS]

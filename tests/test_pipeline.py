@@ -117,8 +117,8 @@ def by_checkpointing(gpt8):
 
 def test_checkpointing_trades_memory_for_recompute(by_checkpointing):
     none, selective, full = (by_checkpointing[k].predicted for k in ("none", "selective", "full"))
-    assert full["memory_bytes"]["activations"] < selective["memory_bytes"]["activations"] \
-        < none["memory_bytes"]["activations"]
+    assert full["memory_bytes"]["activations"] < none["memory_bytes"]["activations"] / 2
+    assert full["memory_bytes"]["activations"] < selective["memory_bytes"]["activations"]
     assert none["compute_s"] < selective["compute_s"] < full["compute_s"]
     # full recomputation runs the layers' forward again (fwd + 2 fwd -> 4 fwd): a third more compute
     # for the layers, nothing more for the embedding, head and loss (a fifth of this model's work)
@@ -127,12 +127,23 @@ def test_checkpointing_trades_memory_for_recompute(by_checkpointing):
         assert plan.checkpointing == mode
 
 
+def test_selective_checkpointing_keeps_linear_outputs_whole(gpt8):
+    """Selective keeps every linear-layer output, saved by autograd or not: under data parallelism
+    that is less than what the cheap ops it recomputes would save; under tensor parallelism the
+    row-parallel outputs are partial sums (full size on every rank), and selective costs more memory
+    than no checkpointing, so the search never picks it there."""
+    modes = ("none", "selective")
+    dp = {m: _plan(gpt8, {"dp": 32, "microbatches": 2, "checkpointing": m}).predicted for m in modes}
+    assert dp["selective"]["memory_bytes"]["activations"] < dp["none"]["memory_bytes"]["activations"]
+    assert dp["none"]["compute_s"] < dp["selective"]["compute_s"]
+
+
 def test_free_search_checkpoints_only_when_memory_needs_it(gpt8):
     free = _plan(gpt8, {"dp": 4, "tp": 8})
     assert free.checkpointing == "none"  # 80 GB is plenty: recomputation would only cost time
-    tight = _plan(gpt8, {"dp": 4, "tp": 8, "microbatches": 1, "memory_gb": 3})
+    tight = _plan(gpt8, {"dp": 4, "tp": 8, "microbatches": 1, "memory_gb": 2.5})  # none needs ~3 GB here
     assert tight.checkpointing in ("selective", "full")
-    assert tight.predicted["peak_memory_bytes"] <= 3e9
+    assert tight.predicted["peak_memory_bytes"] <= 2.5e9
 
 
 def test_fixed_pipeline_through_the_cli(tmp_path):

@@ -21,7 +21,7 @@ from autopar.capture import CapturedGraph, capture
 from autopar.errors import BadInputError
 from autopar.parity import build, max_param_diff, train_parallel_many, train_single
 from autopar.pipeline_runtime import StageProgram, split_program
-from autopar.runtime import _copy_graph
+from autopar.runtime import copy_graph
 
 STEPS = 3
 BATCH = 8
@@ -38,7 +38,7 @@ def _captured(name: str, tie_embeddings: bool = False) -> tuple[CapturedGraph, f
     values.update({n: params[fqn] for n, fqn in cg.params.items()})
     values.update({n: buffers[fqn] for n, fqn in cg.buffers.items()})
     values.update(cg.constants)
-    return cg, fx.GraphModule(cg.graph_module, _copy_graph(cg.graph)), values
+    return cg, fx.GraphModule(cg.graph_module, copy_graph(cg.graph)), values
 
 
 @torch.no_grad()

@@ -1,0 +1,197 @@
+"""Which values of a captured training step autograd keeps for backward: the activation memory.
+
+Between forward and backward a training step holds the tensors autograd saved, not every value the
+forward computed: ``add`` saves nothing, ``mm`` saves its inputs (each one only if the other's
+gradient is needed), ``relu`` and ``softmax`` their output, fused attention its inputs, its output
+and the log-sum-exp of each row. Rather than tabulate such rules per op, we ask autograd itself: the
+captured forward+loss graph runs once on meta tensors (nothing is allocated, so a 405B model takes
+seconds), parameters requiring grad, under ``torch.autograd.graph.saved_tensors_hooks``, and every
+tensor autograd packs is traced to the node that produced its storage. A saved view keeps its whole
+base alive, so it is charged to the base's producer; a storage saved twice (one layer-norm output
+read by three projections) is counted once.
+
+What is not a node output is reported apart: saved placeholders (user inputs, buffers, constants,
+parameters: memory the step holds anyway) in ``inputs``, and storages an op creates and saves
+without returning them (fused attention's log-sum-exp) as extra bytes of that op's first output.
+
+Attention: the captured ``scaled_dot_product_attention`` is the composite op, which on the meta
+device falls back to the math path and would save the ``s x s`` scores. Training runs the fused
+kernel (flash attention), so the recorder runs it as ``_scaled_dot_product_flash_attention_for_cpu``,
+whose backward keeps what flash attention keeps on any device: q, k, v, the output and the
+log-sum-exp. This is the ``5as/h`` term of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", §4.1: ``sbh(34 + 5as/h)`` bytes per layer) disappearing,
+as that paper notes it does with fused attention.
+
+An op that cannot run on the meta device (no meta kernel, data-dependent output) is assumed to save
+its outputs and its inputs that need a gradient, and the walk goes on with outputs of its recorded
+shapes, so one opaque op costs a conservative guess at its own memory, not the whole analysis.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+if TYPE_CHECKING:
+    from .capture import CapturedGraph
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@dataclass(frozen=True)
+class SavedTensors:
+    """What autograd keeps for backward, per node of a captured graph."""
+
+    fractions: Mapping[str, tuple[float, ...]]  # op node -> per output: saved bytes / the output's bytes
+    inputs: frozenset[str] = frozenset()  # placeholders autograd saves (not activations)
+    opaque: frozenset[str] = frozenset()  # ops that could not run on meta (their memory is a guess)
+
+    def of(self, node: fx.Node) -> tuple[float, ...]:
+        """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
+        return self.fractions.get(node.name, (0.0,) * len(_outputs(node.meta.get("val"))))
+
+    def saved_nodes(self) -> frozenset[str]:
+        """Op nodes some of whose output bytes are saved."""
+        return frozenset(name for name, fs in self.fractions.items() if any(f > 0 for f in fs))
+
+
+def find_saved_tensors(captured: "CapturedGraph") -> SavedTensors:
+    """Run ``captured``'s forward+loss once on meta tensors and record what autograd saves."""
+    recorder = _SavedTensorRecorder(captured.graph_module)
+    args = [_placeholder_value(node, captured) for node in captured.graph.nodes if node.op == "placeholder"]
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
+        recorder.run(*args)
+    return recorder.result(captured)
+
+
+def _placeholder_value(node: fx.Node, captured: "CapturedGraph") -> torch.Tensor | Any:
+    val = captured.constants.get(node.name, node.meta.get("val"))
+    if not isinstance(val, torch.Tensor):
+        return val
+    meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    return meta.requires_grad_(node.name in captured.params and val.dtype.is_floating_point)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _SavedTensorRecorder(fx.Interpreter):
+    """Runs a graph and remembers, per storage, the node that produced it, and what autograd packs."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.producer: dict[StorageWeakRef, tuple[str, int]] = {}
+        self.alive: list[torch.Tensor] = []  # every value stays referenced: no storage address is reused
+        self.packed: list[tuple[torch.Tensor, str]] = []  # (saved tensor, node running when it was saved)
+        self.opaque: list[str] = []
+        self.running = ""
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.packed.append((tensor, self.running))
+        return tensor
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.running = n.name
+        try:
+            out = super().run_node(n)
+        except (NotImplementedError, RuntimeError):
+            if n.op != "call_function":
+                raise
+            out = self._opaque(n)
+        for index, value in enumerate(_outputs(out)):
+            if isinstance(value, torch.Tensor):
+                self.producer.setdefault(_storage(value), (n.name, index))
+                self.alive.append(value)
+        return out
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is _SDPA:
+            return self._flash_attention(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def _flash_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                         *, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        """The fused kernel's forward; with grouped-query attention, k and v are repeated to the query
+        heads and the copies charged to the unrepeated k and v (what a native GQA kernel saves)."""
+        if enable_gqa:
+            key, value = (self._repeat_heads(t, query.shape[-3]) for t in (key, value))
+        out, _logsumexp = _FLASH(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return out
+
+    def _repeat_heads(self, tensor: torch.Tensor, heads: int) -> torch.Tensor:
+        repeated = tensor.repeat_interleave(heads // tensor.shape[-3], dim=-3)
+        self.producer[_storage(repeated)] = self.producer[_storage(tensor)]
+        return repeated
+
+    def _opaque(self, n: fx.Node) -> Any:
+        """Outputs of the recorded shapes for an op meta cannot run; its graded inputs count as saved."""
+        self.opaque.append(n.name)
+        inputs = [a for a in self.map_nodes_to_values(n.all_input_nodes, n) if isinstance(a, torch.Tensor)]
+        graded = any(a.requires_grad for a in inputs)
+        for tensor in inputs:
+            if tensor.requires_grad:
+                self.pack(tensor)
+        out = _meta_like(n.meta.get("val"), graded)
+        for value in _outputs(out):
+            if isinstance(value, torch.Tensor) and graded:
+                self.pack(value)
+        return out
+
+    def result(self, captured: "CapturedGraph") -> SavedTensors:
+        saved: dict[str, set[int]] = defaultdict(set)
+        extra: dict[str, float] = defaultdict(float)
+        inputs: set[str] = set()
+        placeholders = {n.name for n in captured.graph.nodes if n.op == "placeholder"}
+        seen: set[StorageWeakRef] = set()
+        for tensor, running in self.packed:
+            ref = _storage(tensor)
+            if ref in seen:
+                continue
+            seen.add(ref)
+            owner = self.producer.get(ref)
+            if owner is None:
+                extra[running] += tensor.untyped_storage().nbytes()
+            elif owner[0] in placeholders:
+                inputs.add(owner[0])
+            else:
+                saved[owner[0]].add(owner[1])
+        fractions = {}
+        for node in captured.graph.nodes:
+            if node.name in saved or node.name in extra:
+                fractions[node.name] = _fractions(node, saved[node.name], extra[node.name])
+        return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque))
+
+
+def _fractions(node: fx.Node, saved: set[int], extra_bytes: float) -> tuple[float, ...]:
+    outputs = _outputs(node.meta.get("val"))
+    shares = [1.0 if i in saved else 0.0 for i in range(len(outputs))]
+    first = outputs[0] if outputs else None
+    if extra_bytes and isinstance(first, torch.Tensor) and first.numel():
+        shares[0] += extra_bytes / (first.numel() * first.element_size())
+    return tuple(shares)
+
+
+def _outputs(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _storage(tensor: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+def _meta_like(val: Any, requires_grad: bool) -> Any:
+    if isinstance(val, torch.Tensor):
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return meta.requires_grad_(requires_grad and val.dtype.is_floating_point)
+    if isinstance(val, (list, tuple)):
+        return type(val)(_meta_like(v, requires_grad) for v in val)
+    return val
+

@@ -1,0 +1,99 @@
+"""ZeRO-1/2: the optimizer's parameters are shards; the program computes with whole (replicated) ones.
+
+A plan with ``degrees["zero"]`` 1 or 2 replicates parameters on the data-parallel mesh dim (as DDP)
+but prices each rank with only its share of the optimizer state, and under ZeRO-2 of the gradient
+(Rajbhandari et al., "ZeRO", SC20). This pass makes that true at run time:
+
+* **shards** (``ShardedOptimizerState.shards``): for every parameter that
+  ``autopar.placement.optimizer_shard_dim`` can split, a second ``nn.Parameter`` holding this rank's
+  slice of it on the ``dp`` dim (``Shard(d)`` where the plan says ``R``); ``ParallelModule.parameters()``
+  hands these to the user's optimizer, so its state (AdamW's moments) is sharded with no change to the
+  optimizer;
+* **gather** before a step's first forward: each replicated parameter the program reads is refreshed
+  from its shard (an all_gather on ``dp``: the "parameter all_gather after the update" of ZeRO);
+* **reduce** its gradient onto the shard: DTensor's ``Partial -> Shard`` redistribute, a
+  reduce_scatter. ZeRO-2 does it from a post-accumulate-grad hook, every microbatch, so the whole
+  gradient is freed as soon as it is reduced and never accumulates across microbatches; ZeRO-1 does
+  it once, after the last microbatch's backward.
+
+Parameters it cannot split keep the plan's placement and are synchronized like DDP's
+(``passes/gradient_sync.py``). Where we diverge from ``torch.distributed.optim.ZeroRedundancyOptimizer``
+(which gives each rank whole parameters and broadcasts them after the step): that class owns the
+optimizer and supports only ZeRO-1, while here the user's optimizer, whatever it is, sees DTensor
+shards and the collectives are the reduce_scatter/all_gather pair that ``autopar.pricing`` prices.
+Where we diverge from DeepSpeed: collectives are per parameter, not over flat buckets (as FSDP2 shards
+each parameter on its own).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autopar.placement import optimizer_shard_dim, placements_to_strs
+
+DATA_PARALLEL_DIM = "dp"
+"""The mesh dim ZeRO shards over (plans with ZeRO-1/2 have no HSDP replica dim)."""
+
+
+class ShardedOptimizerState:
+    """The shard parameters of ZeRO-1 (``stage`` 1) or ZeRO-2 (``stage`` 2) for ``params`` (key ->
+    the program's replicated parameter) on ``mesh``."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter], mesh: DeviceMesh, stage: int):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage {stage}: this pass runs stages 1 and 2 (3 is a sharded plan)")
+        self.stage = stage
+        self.mesh = mesh
+        self.full = dict(params)
+        self.shards = {key: nn.Parameter(_shard_of(p, dim, mesh)) for key, p in self.full.items()
+                       if (dim := _shard_dim(p, mesh)) is not None}
+        if stage == 2:
+            for key in self.shards:
+                self.full[key].register_post_accumulate_grad_hook(lambda p, key=key: self._reduce(key))
+
+    def unsharded(self) -> list[nn.Parameter]:
+        """The program's parameters this pass leaves whole (their gradients need DDP's sync)."""
+        return [p for key, p in self.full.items() if key not in self.shards]
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Refresh every replicated parameter from its (possibly updated) shard: one all_gather each."""
+        for key, shard in self.shards.items():
+            full = self.full[key]
+            full.copy_(shard.redistribute(self.mesh, full.placements))
+
+    def reduce_gradients(self) -> None:
+        """After backward: ZeRO-1 reduce-scatters every gradient now (ZeRO-2 did it in backward)."""
+        if self.stage == 1:
+            for key in self.shards:
+                self._reduce(key)
+
+    def _reduce(self, key: str) -> None:
+        full, shard = self.full[key], self.shards[key]
+        if full.grad is None:
+            return
+        grad = full.grad.redistribute(self.mesh, shard.placements)
+        full.grad = None
+        shard.grad = grad if shard.grad is None else shard.grad + grad
+
+
+def _shard_dim(param: nn.Parameter, mesh: DeviceMesh) -> int | None:
+    names = mesh.mesh_dim_names or ()
+    if DATA_PARALLEL_DIM not in names:
+        return None
+    dp = names.index(DATA_PARALLEL_DIM)
+    if not isinstance(param, DTensor) or param.placements[dp] != Replicate() or mesh.size(dp) == 1:
+        return None
+    return optimizer_shard_dim(tuple(param.shape), placements_to_strs(param.placements), mesh.size(dp))
+
+
+def _shard_of(param: DTensor, dim: int, mesh: DeviceMesh) -> DTensor:
+    """This rank's slice of ``param`` on the dp dim: slicing a replicated tensor needs no communication."""
+    dp = (mesh.mesh_dim_names or ()).index(DATA_PARALLEL_DIM)
+    placements = [Shard(dim) if i == dp else p for i, p in enumerate(param.placements)]
+    return param.detach().redistribute(mesh, placements).clone()
