@@ -559,10 +559,11 @@ def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
 
 
 def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
-    """Data-parallel role: ops that depend on the inputs keep their (non-scalar) output split on dp:
-    sharded, or partial where the op reduces (a sum over the batch). A partial output of an op that
-    does not shrink its input would be tensor parallelism on the dp dim under the wrong name (every
-    rank holding a full-batch addend), which the role forbids."""
+    """Data-parallel role: ops that depend on the inputs read the data split on dp and keep their
+    (non-scalar) output split there: sharded, or partial where the op reduces (a sum over the batch).
+    Gathering the data on dp, or a partial output of an op that does not shrink its input, would be
+    tensor parallelism on the dp dim under the wrong name (each rank computing a slice or an addend of
+    the whole batch), which the role forbids."""
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
 
     def allow(node: fx.Node, strategy) -> bool:
@@ -572,7 +573,11 @@ def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
         val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
         if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
             return True
-        reduces = val.numel() < max((a.meta["val"].numel() for a in tensor_inputs(node)), default=0)
+        args = tensor_inputs(node)
+        if any(a.name in on_data and a.meta["val"].ndim > 0 and placements[d] == "R"
+               for a, placements in zip(args, strategy.inputs) for d in dp_dims):
+            return False
+        reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
         return all(out[d].startswith("S(") or (reduces and out[d].startswith("P")) for d in dp_dims)
 
     return allow

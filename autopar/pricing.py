@@ -36,7 +36,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from .cost_models import Cluster, adamw_state_bytes, collective_time, compute_time
+from .cost_models import GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time
 from .placement import optimizer_shard_dim
 from .strategies import Placements, Strategy, output_vals, tensor_inputs
 
@@ -60,6 +60,7 @@ class Cost:
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
     forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
+    host_s: float = 0.0  # part of compute_s the host spends once per step outside kernels (gradient sync)
 
     def add_comm(self, kind: str, seconds: float) -> None:
         """Add ``seconds`` of critical-path collective ``kind``."""
@@ -103,6 +104,7 @@ class Pricer:
         out = replace(cost, comm_s=dict(cost.comm_s), forward_comm_s=dict(cost.forward_comm_s))
         if cost.kernel is not None:
             out.compute_s, last_backward = self._kernel_times(cost.kernel, m)
+            out.compute_s += cost.host_s
             out.backward_compute_s = last_backward / m
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
@@ -192,6 +194,10 @@ class Pricer:
             cost.grad_sync_s += seconds
             if c.per_microbatch:
                 cost.grad_sync_per_microbatch_s += seconds
+            if c.kind == "all_reduce":  # GradientSync's own host work on this gradient: on the critical path
+                host = GRADIENT_SYNC_HOST_OPS * self.cluster.device.host_op_s
+                cost.host_s += host
+                cost.compute_s += host
 
     def collective_seconds(self, c: "Collective") -> float:
         """Seconds pricing charges for ``c``: a data-parallel gradient all_reduce is bucketed (its

@@ -56,6 +56,10 @@ class GradientSync:
     the object after backward launches what is left, waits for every reduction and stores each
     gradient with its parameter's placements. Unarmed (the pipeline runtime, whose schedule runs
     the microbatches' backwards itself), everything happens in that call, after backward.
+
+    Per reduced gradient the host makes ``cost_models.GRADIENT_SYNC_HOST_OPS`` DTensor dispatches
+    (``to_local``, ``DTensor.from_local``), which pricing charges: keep that count in step with this
+    code.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
@@ -63,7 +67,7 @@ class GradientSync:
         self.bucket_bytes = bucket_bytes
         self.collectives = 0  # all_reduce calls issued by the last sync (for tests and reports)
         self._armed = False
-        self._open: dict[tuple[tuple[int, str], ...], list[nn.Parameter]] = defaultdict(list)
+        self._open: dict[tuple[tuple[int, str], ...], list[tuple[nn.Parameter, torch.Tensor]]] = defaultdict(list)
         self._open_bytes: dict[tuple[tuple[int, str], ...], int] = defaultdict(int)
         self._launched: list[_Reduction] = []
         for p in self.params:
@@ -104,7 +108,7 @@ class GradientSync:
         nbytes = local.numel() * local.element_size()
         if closes_bucket(self._open_bytes[partial], nbytes, self.bucket_bytes):
             self._launch(partial)
-        self._open[partial].append(p)
+        self._open[partial].append((p, local))
         self._open_bytes[partial] += nbytes
 
     def _launch(self, partial: tuple[tuple[int, str], ...]) -> None:
@@ -119,11 +123,12 @@ class _Reduction:
     """One bucket's all_reduces: the first mesh dim's starts now (asynchronously); ``finish`` waits,
     reduces over any further partial dim and hands each parameter its reduced gradient."""
 
-    def __init__(self, bucket: list[nn.Parameter], partial: tuple[tuple[int, str], ...]):
-        self.bucket, self.partial = bucket, partial
-        self.locals = [p.grad.to_local() for p in bucket]
+    def __init__(self, bucket: list[tuple[nn.Parameter, torch.Tensor]], partial: tuple[tuple[int, str], ...]):
+        self.params = [p for p, _ in bucket]
+        self.locals = [t for _, t in bucket]
+        self.partial = partial
         self.flat = torch.cat([t.reshape(-1) for t in self.locals])
-        self.mesh = bucket[0].device_mesh
+        self.mesh = self.params[0].device_mesh
         dim, _ = partial[0]
         self.work = dist.all_reduce(self.flat, group=self.mesh.get_group(dim), async_op=True)
 
@@ -134,11 +139,10 @@ class _Reduction:
                 dist.all_reduce(self.flat, group=self.mesh.get_group(dim))
             if reduce_op == "avg":
                 self.flat /= self.mesh.size(dim)
-        offset = 0
-        for p, t in zip(self.bucket, self.locals):
-            reduced = self.flat[offset: offset + t.numel()].view_as(t)
-            offset += t.numel()
-            grad = DTensor.from_local(reduced, self.mesh, _without_partial(p.grad.placements), run_check=False)
+        pieces = torch.split(self.flat, [t.numel() for t in self.locals])
+        for p, t, piece in zip(self.params, self.locals, pieces):
+            grad = DTensor.from_local(piece.view(t.shape), self.mesh, _without_partial(p.grad.placements),
+                                      run_check=False)
             p.grad = grad if grad.placements == p.placements else grad.redistribute(self.mesh, p.placements)
 
 

@@ -162,6 +162,37 @@ def test_a_view_costs_its_dispatch_and_an_op_its_kernel_plus_dispatch():
     assert compute_time(0, 0, get_device("H100"), "bf16", "elementwise") == 0.0  # presets: no host term
 
 
+def test_gradient_sync_host_work_is_charged_per_reduced_gradient():
+    """Every op pays its dispatch forward and twice backward (3 x host_op_s); an op whose weight
+    gradient the bucketed sync reduces pays GRADIENT_SYNC_HOST_OPS more per gradient, once per step."""
+    from dataclasses import replace
+
+    from autopar.capture import capture
+    from autopar.cost_models import GRADIENT_SYNC_HOST_OPS
+    from autopar.models import build_model
+    from autopar.planner import make_plan
+
+    b = build_model("mlp", global_batch=8)
+    captured = capture(b.model, b.example_inputs, b.example_targets, b.loss_fn)
+    base = resolve_cluster("1x2xcpu")
+    host = 50e-6
+    plans = [make_plan(captured, replace(base, device=cpu_device(host_op_s=h)), model_name="mlp",
+                       constraints={"dp": 2, "microbatches": m})
+             for h, m in ((0.0, 1), (host, 1), (0.0, 2), (host, 2))]
+    synced = 0
+    for name, op in plans[1].ops.items():
+        if any(plan.ops[name]["outputs"] != op["outputs"] or plan.ops[name]["inputs"] != op["inputs"]
+               for plan in (plans[0], plans[2], plans[3])):
+            continue  # dispatch cost made the solver place this op otherwise: not comparable
+        grads = sum(1 for t in op.get("collectives", []) if t["grad_sync"] and t["kind"] == "all_reduce")
+        synced += grads
+        extra = op["cost"]["compute_s"] - plans[0].ops[name]["cost"]["compute_s"]
+        assert extra == pytest.approx((3 + GRADIENT_SYNC_HOST_OPS * grads) * host), name
+        twice = plans[3].ops[name]["cost"]["compute_s"] - plans[2].ops[name]["cost"]["compute_s"]
+        assert twice == pytest.approx((6 + GRADIENT_SYNC_HOST_OPS * grads) * host), name  # m=2: sync once
+    assert synced >= 2  # the mlp's weights
+
+
 def test_adamw_moves_28_bytes_per_element_in_fp32_and_in_mixed_precision():
     # fp32: read p, g, m, v (16) and write p, m, v (12); bf16: read master, m, v (12) and the bf16 grad (2),
     # write master, m, v (12) and the bf16 parameter (2)
