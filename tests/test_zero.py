@@ -1,6 +1,7 @@
 """ZeRO-1/2 end to end: the plan's predicted gradient sync, then on 4 gloo ranks the sharded optimizer
 (``passes/zero.py``): numerical parity with single-process training, optimizer state really sharded,
-and the collectives of a step as predicted. FSDP x TP (ZeRO-3 on a 2-D mesh) runs beside them."""
+and the collectives of a step as predicted. FSDP x TP (ZeRO-3 on a 2-D mesh) parity is in the heavy
+tier."""
 
 from __future__ import annotations
 
@@ -57,12 +58,13 @@ def test_zero_sync_costs_more_latency_but_less_memory_than_ddp(llama):
 
 
 RUNS = [("tiny-llama", {"dp": 4, "fsdp": 1}), ("tiny-llama", {"dp": 4, "fsdp": 2, "microbatches": 2}),
-        ("tiny-gpt", {"dp": 2, "tp": 2, "fsdp": 1}), ("tiny-gpt", {"dp": 2, "tp": 2, "fsdp": 3}),
-        ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3})]
+        ("tiny-gpt", {"dp": 2, "tp": 2, "fsdp": 1})]
+FSDP_TP_RUNS = [("tiny-gpt", {"dp": 2, "tp": 2, "fsdp": 3}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3})]
+"""FSDP (ZeRO-3) on a 2-D mesh, weights sharded on both dims (heavy tier: one more spawn)."""
 
 
-def _train_rank(rank: int, world: int) -> list[dict[str, Any]]:
-    return [_train(name, constraints) for name, constraints in RUNS]
+def _train_rank(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[dict[str, Any]]:
+    return [_train(name, constraints) for name, constraints in runs]
 
 
 class _CountCollectives(TorchDispatchMode):
@@ -103,19 +105,35 @@ def _train(name: str, constraints: dict) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def trained() -> list[list[dict[str, Any]]]:
-    return run_on_ranks(_train_rank, WORLD)
+    return run_on_ranks(_train_rank, WORLD, RUNS)
+
+
+@pytest.fixture(scope="module")
+def trained_fsdp_tp() -> list[list[dict[str, Any]]]:
+    return run_on_ranks(_train_rank, WORLD, FSDP_TP_RUNS)
+
+
+def _check_parity(name: str, per_rank_results: list[dict[str, Any]]) -> None:
+    reference = train_single(name, None, BATCH, None, STEPS)
+    for result in per_rank_results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=0)
+    assert max_param_diff(reference.params, per_rank_results[0]["params"]) < 1e-5
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"{n}-{c}" for n, c in RUNS])
 def test_matches_single_process(trained, index: int) -> None:
-    name = RUNS[index][0]
-    reference = train_single(name, None, BATCH, None, STEPS)
-    for per_rank in trained:
-        result = per_rank[index]
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=0)
-    assert max_param_diff(reference.params, trained[0][index]["params"]) < 1e-5
+    _check_parity(RUNS[index][0], [per_rank[index] for per_rank in trained])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("index", range(len(FSDP_TP_RUNS)), ids=[f"{n}-{c}" for n, c in FSDP_TP_RUNS])
+def test_fsdp_times_tp_matches_single_process(trained_fsdp_tp, index: int) -> None:
+    _check_parity(FSDP_TP_RUNS[index][0], [per_rank[index] for per_rank in trained_fsdp_tp])
+    assert trained_fsdp_tp[0][index]["plan"]["degrees"]["fsdp"] == 2
 
 
 @pytest.mark.dist
