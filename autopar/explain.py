@@ -63,7 +63,7 @@ def _edge_delta(problem: Problem, before: Mapping[str, int], after: Mapping[str,
 
 def _edge_price(problem: Problem, edge, choice: Mapping[str, int]) -> float:
     p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
-    q = problem.decisions[edge.dst].options[choice[edge.dst]].strategy.inputs[edge.slot]
+    q = problem.decisions[edge.dst].options[choice[edge.dst]].edge_key(edge.slot)
     return edge.price[(p, q)].exposed_s
 
 
@@ -135,17 +135,19 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
     """
     strategy = strategy_of(node.name)
     terms = []
-    for arg, wanted in zip(tensor_inputs(node), strategy.inputs):
-        src, out = source_of(arg)
-        have = strategy_of(src.name).outputs[out]
-        if have is None or have == wanted:
-            continue
-        for c in pricer.edge_collectives(arg.meta["val"], have, wanted):
-            why = f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}"
-            weight = captured.gradient_kinds()[src.name] == "param"  # a parameter or a view of one
-            terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
     args = tensor_inputs(node)
     kinds = captured.gradient_kinds()
+    partial = pricer.grad_partial_dims(node, strategy, [kinds[a.name] for a in args])
+    for arg, wanted, grad_partial in zip(args, strategy.inputs, partial):
+        src, out = source_of(arg)
+        have = strategy_of(src.name).outputs[out]
+        if have is None or (have == wanted and not grad_partial):
+            continue
+        for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial)):
+            # edge_collectives lists the partial gradient's reductions first, one per dim
+            why = "partial gradient" if i < len(grad_partial) else f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}"
+            weight = kinds[src.name] == "param"  # a parameter or a view of one
+            terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
     for c in pricer.gradient_collectives(node, strategy, [kinds[a.name] for a in args]):
         terms.append(_term(c, "partial gradient", args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
     return terms

@@ -708,7 +708,7 @@ def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, dict[st
     out: dict[str, dict[str, float]] = {}
     for edge in problem.edges:
         p = problem.decisions[edge.src].options[solution.choice[edge.src]].strategy.outputs[edge.src_out]
-        q = problem.decisions[edge.dst].options[solution.choice[edge.dst]].strategy.inputs[edge.slot]
+        q = problem.decisions[edge.dst].options[solution.choice[edge.dst]].edge_key(edge.slot)
         share = edge.count / problem.decisions[edge.dst].count
         for kind, sec in edge.price[(p, q)].comm_s.items():
             out.setdefault(edge.dst, {})[kind] = out.setdefault(edge.dst, {}).get(kind, 0.0) + share * sec
@@ -761,7 +761,7 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, chose
         _add_memory(memory, captured, d, opt, pricer)
     for edge in problem.edges:
         p = chosen[edge.src].strategy.outputs[edge.src_out]
-        q = chosen[edge.dst].strategy.inputs[edge.slot]
+        q = chosen[edge.dst].edge_key(edge.slot)
         for kind, s in edge.price[(p, q)].comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + edge.count * s
     comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s

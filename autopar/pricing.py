@@ -209,9 +209,9 @@ class Pricer:
 
     def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
                              ) -> list["Collective"]:
-        """Backward all_reduces a strategy implies: an input that is ``R`` on a dim where the output is
-        not is used differently by each rank, so its gradient is a partial sum (for a parameter, the
-        data-parallel gradient sync; for an activation, Megatron's "f" on the critical path).
+        """A parameter's gradient sync: a parameter read ``R`` on a dim where the op's output is not is
+        used differently by each rank, so its gradient is a partial sum, reduced by the data-parallel
+        gradient sync (activations' partial gradients are priced on their edges).
 
         Under ZeRO-1/2 a parameter whose state is sharded on a data-parallel dim
         (``optimizer_shard_dim``) syncs as ``passes/zero.py`` runs it: its gradient is
@@ -225,18 +225,34 @@ class Pricer:
             return []
         found = []
         for slot, (arg, placements, kind) in enumerate(zip(tensor_inputs(node), strategy.inputs, grad_kinds)):
+            if kind != "param":
+                continue  # an activation's partial gradient is priced on its edge (``edge_collectives``)
             val = arg.meta["val"]
-            if kind == "none" or not val.dtype.is_floating_point:
-                continue  # no gradient flows back into this input
-            for dim, group in enumerate(self.groups):
-                if placements[dim] == "R" and out[dim] != "R" and group.size > 1:
-                    nbytes = self.local_bytes(val, placements)
-                    if kind == "param" and dim in self._zero_dims(val, placements):
-                        found += self._zero_sync(nbytes, dim, placements, slot)
-                    else:
-                        found.append(Collective("all_reduce", "backward", nbytes, dim, placements,
-                                                grad_sync=kind == "param", slot=slot))
+            for dim in self._partial_dims(val, placements, out):
+                nbytes = self.local_bytes(val, placements)
+                if dim in self._zero_dims(val, placements):
+                    found += self._zero_sync(nbytes, dim, placements, slot)
+                else:
+                    found.append(Collective("all_reduce", "backward", nbytes, dim, placements, grad_sync=True,
+                                            slot=slot))
         return found
+
+    def grad_partial_dims(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
+                          ) -> tuple[tuple[int, ...], ...]:
+        """Per tensor input: the mesh dims on which ``strategy`` leaves that activation's gradient a
+        partial sum (the input is ``R`` there and the output is not). Which collective reduces it
+        depends on how the input arrived (``edge_collectives``), so the ILP's edges carry it."""
+        out = strategy.outputs[0] if strategy.outputs else None
+        if out is None or getattr(node.target, "is_view", False):
+            return tuple(() for _ in strategy.inputs)
+        return tuple(self._partial_dims(arg.meta["val"], placements, out) if kind == "activation" else ()
+                     for arg, placements, kind in zip(tensor_inputs(node), strategy.inputs, grad_kinds))
+
+    def _partial_dims(self, val: torch.Tensor, placements: Placements, out: Placements) -> tuple[int, ...]:
+        if not val.dtype.is_floating_point:
+            return ()  # no gradient flows back into this input
+        return tuple(d for d, group in enumerate(self.groups)
+                     if placements[d] == "R" and out[d] != "R" and group.size > 1)
 
     def _zero_dims(self, val: torch.Tensor, placements: Placements) -> tuple[int, ...]:
         """The data-parallel dims on which ZeRO-1/2 shards this parameter's state (none without ZeRO)."""
@@ -294,27 +310,37 @@ class Pricer:
         }
 
     # ---- edges -------------------------------------------------------------------------------
-    def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False) -> Cost:
-        """Resharding ``val`` from ``src`` to ``dst``; ``per_microbatch``: the tensor is the same for
+    def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
+             grad_partial: tuple[int, ...] = ()) -> Cost:
+        """Resharding ``val`` from ``src`` to ``dst``, and reducing its gradient where the consumer
+        leaves it partial (``grad_partial``: mesh dims); ``per_microbatch``: the tensor is the same for
         every microbatch (a parameter), so under gradient accumulation its collectives repeat."""
-        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch)
+        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial)
         if key not in self._edge_cache:
-            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch)
+            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial)
         return self._edge_cache[key]
 
-    def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool) -> Cost:
+    def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool,
+              grad_partial: tuple[int, ...]) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
-        for c in self.edge_collectives(val, src, dst):
+        for c in self.edge_collectives(val, src, dst, grad_partial):
             seconds = collective_time(c.kind, c.nbytes, self.groups[c.mesh_dim])
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0:
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
         return cost
 
-    def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements) -> list["Collective"]:
+    def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
+                         grad_partial: tuple[int, ...] = ()) -> list["Collective"]:
         """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
-        (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim)."""
-        found = []
+        (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim).
+
+        On each dim of ``grad_partial`` the consumer leaves the gradient a partial sum. Arrived by an
+        all_gather (``S -> R``), it goes back as a reduce_scatter onto the shard (the gather's
+        backward, as DTensor runs it); otherwise it is all-reduced (Megatron's "f" on the critical
+        path)."""
+        found = [Collective("reduce_scatter" if src[d].startswith("S(") else "all_reduce", "backward",
+                            self.local_bytes(val, dst), d, dst) for d in grad_partial]
         for dim, group in enumerate(self.groups):
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:

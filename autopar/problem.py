@@ -28,6 +28,12 @@ from .strategies import Placements, Strategy, StrategyFinder, candidate_placemen
 class Option:
     strategy: Strategy
     cost: Cost  # per occurrence; the solver multiplies by the decision's count
+    grad_partial: tuple[tuple[int, ...], ...] = ()  # per input slot: mesh dims its gradient is left partial on
+
+    def edge_key(self, slot: int) -> tuple[Placements, tuple[int, ...]]:
+        """What an edge into input ``slot`` depends on: the placement this option reads it in, and the
+        dims on which it leaves its gradient partial (``Pricer.grad_partial_dims``)."""
+        return self.strategy.inputs[slot], self.grad_partial[slot] if self.grad_partial else ()
 
 
 @dataclass
@@ -52,7 +58,8 @@ class Edge:
     dst: str
     slot: int
     count: float  # occurrences the solver pays for (scaled like the consumer's decision)
-    price: dict[tuple[Placements, Placements], Cost] = field(default_factory=dict)
+    price: dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost] = field(default_factory=dict)
+    # keyed (producer's output placement, consumer's ``Option.edge_key``)
 
 
 @dataclass
@@ -68,7 +75,7 @@ class Problem:
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches."""
         decisions = {
-            k: replace(d, options=[Option(o.strategy, pricer.for_microbatches(o.cost, m)) for o in d.options])
+            k: replace(d, options=[replace(o, cost=pricer.for_microbatches(o.cost, m)) for o in d.options])
             for k, d in self.decisions.items()
         }
         edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count,
@@ -146,7 +153,8 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     strategies = finder.for_node(node)
     allowed = [s for s in strategies if roles.allow(node, s)] or strategies
     saved = captured.saved_for_backward().of(node)
-    return [Option(s, pricer.node(node, s, grad_kinds, saved)) for s in allowed]
+    return [Option(s, pricer.node(node, s, grad_kinds, saved), pricer.grad_partial_dims(node, s, grad_kinds))
+            for s in allowed]
 
 
 def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> None:
@@ -222,10 +230,11 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
 
 
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                 from_param: bool) -> dict[tuple[Placements, Placements], Cost]:
+                 from_param: bool) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
     srcs = {o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options}
-    dsts = {o.strategy.inputs[edge.slot] for o in decisions[edge.dst].options}
-    return {(a, b): pricer.edge(val, a, b, per_microbatch=from_param) for a in srcs if a is not None for b in dsts}
+    dsts = {o.edge_key(edge.slot) for o in decisions[edge.dst].options}
+    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1])
+            for a in srcs if a is not None for b in dsts}
 
 
 def placeholder_candidates(mesh_shape: Sequence[int], fixed: dict[int, str]) -> Callable[[torch.Tensor], list[Placements]]:

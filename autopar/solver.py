@@ -154,7 +154,7 @@ def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str
         for k, o in enumerate(src.options):
             by_src.setdefault(o.strategy.outputs[edge.src_out], []).append((x[edge.src][k], -1.0))
         for k, o in enumerate(dst.options):
-            by_dst.setdefault(o.strategy.inputs[edge.slot], []).append((x[edge.dst][k], -1.0))
+            by_dst.setdefault(o.edge_key(edge.slot), []).append((x[edge.dst][k], -1.0))
         for terms in (*by_src.values(), *by_dst.values()):
             _row(solver, 0.0, 0.0, terms)
         y[e_idx] = pairs
@@ -212,7 +212,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float]
         memory += d.count * c.memory_bytes
     for edge in problem.edges:
         p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
-        q = problem.decisions[edge.dst].options[choice[edge.dst]].strategy.inputs[edge.slot]
+        q = problem.decisions[edge.dst].options[choice[edge.dst]].edge_key(edge.slot)
         step += edge.count * edge.price[(p, q)].exposed_s
     return step + exposed_grad_sync(problem, choice), memory
 

@@ -46,7 +46,7 @@ from torch import fx
 from .capture import CapturedGraph, module_path
 from .cost_models.pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
 from .pricing import Cost
-from .problem import Edge, Option, Problem
+from .problem import Edge, Problem
 
 CHECKPOINTING = ("none", "selective", "full")
 _LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "layers.3.attn.q" -> "layers.3"
@@ -155,8 +155,8 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     decisions = {}
     for key, d in problem.decisions.items():
         scale = staging.layer_scale if _is_layer_decision(key, roles) else 1.0
-        options = [Option(o.strategy, _device_cost(_as_kept(o.cost) if key in kept_whole else o.cost,
-                                                   key in recomputed, in_flight, staging, problem.microbatches))
+        options = [replace(o, cost=_device_cost(_as_kept(o.cost) if key in kept_whole else o.cost,
+                                                key in recomputed, in_flight, staging, problem.microbatches))
                    for o in d.options]
         decisions[key] = replace(d, options=options, scale=d.scale * scale)
     again: dict[int, Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)

@@ -56,7 +56,7 @@ def _flip_problem(reshard_s: float, edge_count: int = 1) -> Problem:
     # producer a: R is cheaper (1.0 ms) than S(0) (1.5 ms); consumer b needs S(0).
     a = dec("a", [opt(R, compute=1.0e-3), opt(S0, compute=1.5e-3)])
     b = dec("b", [opt(R, [S0], compute=1.0e-3)])
-    price = {(R, S0): Cost(comm_s={"all_gather": reshard_s}), (S0, S0): Cost()}
+    price = {(R, (S0, ())): Cost(comm_s={"all_gather": reshard_s}), (S0, (S0, ())): Cost()}
     return problem([a, b], [Edge("a", 0, "b", 0, edge_count, price)])
 
 
@@ -86,7 +86,7 @@ def test_decision_count_multiplies_node_cost():
     def build(count):
         a = dec("a", [opt(R, compute=1.0e-3), opt(S0, compute=2.0e-3)], count=count)
         b = dec("b", [opt(R, [S0])])
-        price = {(R, S0): Cost(comm_s={"all_gather": 1.2e-3}), (S0, S0): Cost()}
+        price = {(R, (S0, ())): Cost(comm_s={"all_gather": 1.2e-3}), (S0, (S0, ())): Cost()}
         return problem([a, b], [Edge("a", 0, "b", 0, 1, price)])
 
     one, three = solve(build(1)), solve(build(3))
@@ -157,7 +157,7 @@ def test_gradient_overlap_is_one_budget_for_the_whole_step():
 def test_evaluate_by_hand():
     a = dec("a", [opt(R, compute=1e-3, comm={"all_reduce": 0.5e-3}, sync=2e-3, bwd=1e-3, mem=1 * GIB)], count=2)
     b = dec("b", [opt(S0, [R], compute=3e-3, mem=2 * GIB)])
-    p = problem([a, b], [Edge("a", 0, "b", 0, 3, {(R, R): Cost(comm_s={"all_gather": 0.1e-3})})], beta=0.5)
+    p = problem([a, b], [Edge("a", 0, "b", 0, 3, {(R, (R, ())): Cost(comm_s={"all_gather": 0.1e-3})})], beta=0.5)
     step, memory = evaluate(p, {"a": 0, "b": 0})
     # nodes: 2 * 1.5 + 3 = 6 ms; edge 3 * 0.1 = 0.3 ms; z = 2 * 2 - 0.5 * 2 * 1 = 3 ms
     assert close(step, 9.3e-3)
@@ -207,8 +207,8 @@ def random_problem(seed: int) -> Problem:
     for k in keys:
         for slot, src in enumerate(incoming[k]):
             outs = {o.strategy.outputs[0] for o in decisions[src].options}
-            ins = {o.strategy.inputs[slot] for o in decisions[k].options}
-            price = {(a, b): Cost(comm_s={} if a == b else {"all_gather": rng.uniform(0, 2e-3)})
+            ins = {o.edge_key(slot) for o in decisions[k].options}
+            price = {(a, b): Cost(comm_s={} if a == b[0] else {"all_gather": rng.uniform(0, 2e-3)})
                      for a in outs for b in ins}
             edges.append(Edge(src, 0, k, slot, rng.randint(1, 3), price))
     lo = sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in decisions.values())
