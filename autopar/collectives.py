@@ -26,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from autopar.passes.gradient_sync import BUCKET_BYTES, buckets
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -108,16 +111,30 @@ _OP_KINDS = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "all_to_all_single": "all_to_all", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
 }
-"""``CommDebugMode``'s keys (functional collectives, and c10d ops such as the gradient sync's
-``dist.all_reduce``) by the name of the op, to the kinds plans use; other ops keep their own name."""
+"""Collective ops (functional collectives, and c10d ops such as the gradient sync's ``dist.all_reduce``)
+by the name of the op, to the kinds plans use."""
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+"""Ops of the collective namespaces that move no data (waiting on a collective, wrapping its result)."""
 
 
-def count_by_kind(comm_counts: Mapping[Any, int]) -> dict[str, int]:
-    """What ``CommDebugMode().get_comm_counts()`` counted, per plan kind: to hold a step's collectives
-    against ``predicted_collectives``."""
-    counts: dict[str, int] = {}
-    for op, n in comm_counts.items():
-        name = str(op).rsplit(".", 1)[-1]
-        kind = _OP_KINDS.get(name, name)
-        counts[kind] = counts.get(kind, 0) + n
-    return counts
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives run inside it, per plan kind (``counts``): to hold a step's collectives
+    against ``predicted_collectives``.
+
+    Where we diverge from ``torch.distributed.tensor.debug.CommDebugMode``, which counts the same way
+    (letting DTensor desugar first, then counting the collective ops it dispatches): its module
+    tracker fails when a module runs forward again after a backward, as ``ParallelModule.step`` does
+    with several microbatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run and desugar into the collectives counted below
+        name = getattr(func, "_overloadpacket", func).__name__
+        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional") and name not in _NOT_COLLECTIVES:
+            kind = _OP_KINDS.get(name, name)  # a collective no plan predicts keeps its own name
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+        return func(*args, **(kwargs or {}))

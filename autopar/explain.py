@@ -137,7 +137,8 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
     terms = []
     args = tensor_inputs(node)
     kinds = captured.gradient_kinds()
-    partial = pricer.grad_partial_dims(node, strategy, [kinds[a.name] for a in args])
+    grad_kinds = [kinds[a.name] for a in args]
+    partial = pricer.grad_partial_dims(node, strategy, grad_kinds)
     for arg, wanted, grad_partial in zip(args, strategy.inputs, partial):
         src, out = source_of(arg)
         have = strategy_of(src.name).outputs[out]
@@ -148,7 +149,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
             why = "partial gradient" if i < len(grad_partial) else f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}"
             weight = kinds[src.name] == "param"  # a parameter or a view of one
             terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
-    for c in pricer.gradient_collectives(node, strategy, [kinds[a.name] for a in args]):
+    for c in pricer.gradient_collectives(node, strategy, grad_kinds):
         terms.append(_term(c, "partial gradient", args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
     return terms
 

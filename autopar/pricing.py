@@ -228,9 +228,9 @@ class Pricer:
             if kind != "param":
                 continue  # an activation's partial gradient is priced on its edge (``edge_collectives``)
             val = arg.meta["val"]
+            nbytes, zero_dims = self.local_bytes(val, placements), self._zero_dims(val, placements)
             for dim in self._partial_dims(val, placements, out):
-                nbytes = self.local_bytes(val, placements)
-                if dim in self._zero_dims(val, placements):
+                if dim in zero_dims:
                     found += self._zero_sync(nbytes, dim, placements, slot)
                 else:
                     found.append(Collective("all_reduce", "backward", nbytes, dim, placements, grad_sync=True,

@@ -1,8 +1,9 @@
 """Collective parity on gloo (design.md §7): the collectives a step runs are the ones the plan predicts.
 
 One set of 4 gloo ranks plans a built-in model under each configuration, then counts with
-``CommDebugMode`` the collectives of a forward pass and of a whole ``ParallelModule.step`` (forward,
-backward, gradient sync), per kind, against ``autopar.collectives.predicted_collectives``.
+``autopar.collectives.CollectiveCounter`` the collectives of a forward pass and of a whole
+``ParallelModule.step`` (forward, backward, gradient sync), per kind, against
+``autopar.collectives.predicted_collectives``.
 
 The forward is exact: every redistribute the plan inserts is the collective pricing charges. In
 backward, autograd runs DTensor's own strategies for the backward ops, which differ from what pricing
@@ -30,7 +31,7 @@ from typing import Any, Mapping
 
 import pytest
 
-from autopar.collectives import KINDS, count_by_kind, predicted_collectives
+from autopar.collectives import KINDS, CollectiveCounter, predicted_collectives
 from autopar.launch import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]
@@ -51,8 +52,6 @@ def _counted_steps(rank: int, world: int) -> list[dict[str, Any]]:
 
 def _counted_step(rank: int, world: int, name: str, constraints: dict) -> dict[str, Any]:
     """Plan (rank 0, for this world) and run one step; the forward's and the step's collectives."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     import autopar
     from autopar.models import build_model
     from autopar.parity import batches
@@ -62,12 +61,11 @@ def _counted_step(rank: int, world: int, name: str, constraints: dict) -> dict[s
                                  example_targets=bundle.example_targets, constraints=constraints)
     assert pm.microbatches == 1, "a forward pass is one microbatch only when there is one"
     (batch,) = batches(bundle, 1, seed=0)
-    with CommDebugMode() as forward:
+    with CollectiveCounter() as forward:
         pm(*batch)
-    with CommDebugMode() as step:
+    with CollectiveCounter() as step:
         pm.step(*batch)
-    return {"plan": pm.plan.to_dict(), "forward": count_by_kind(forward.get_comm_counts()),
-            "step": count_by_kind(step.get_comm_counts())}
+    return {"plan": pm.plan.to_dict(), "forward": forward.counts, "step": step.counts}
 
 
 def _minus(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:

@@ -11,10 +11,7 @@ import pytest
 import torch
 
 from autopar.capture import capture
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from autopar.collectives import KINDS, count_by_kind, predicted_collectives
+from autopar.collectives import CollectiveCounter, predicted_collectives
 from autopar.cost_models import parse_cluster
 from autopar.launch import run_on_ranks
 from autopar.models import build_model
@@ -67,22 +64,6 @@ def _train_rank(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[dic
     return [_train(name, constraints) for name, constraints in runs]
 
 
-class _CountCollectives(TorchDispatchMode):
-    """Collective ops dispatched, by op. (``CommDebugMode`` cannot count a step with microbatches: its
-    module tracker fails when the program module runs again after a backward.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[Any, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor desugar into the collectives counted below
-        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional"):
-            self.counts[func._overloadpacket] = self.counts.get(func._overloadpacket, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _train(name: str, constraints: dict) -> dict[str, Any]:
     """Three AdamW steps under the plan, counting the collectives of the last; what each rank holds."""
     import autopar
@@ -94,9 +75,9 @@ def _train(name: str, constraints: dict) -> dict[str, Any]:
     losses, counted = [], {}
     for i, batch in enumerate(batches(bundle, STEPS, seed=0)):
         opt.zero_grad()
-        with _CountCollectives() as comm:
+        with CollectiveCounter() as comm:
             losses.append(pm.step(*batch).item())
-        counted = {k: n for k, n in count_by_kind(comm.counts).items() if k in KINDS}
+        counted = comm.counts
         opt.step()
     state = sum(t.to_local().numel() for s in opt.state.values() for k, t in s.items() if k == "exp_avg")
     return {"losses": losses, "params": pm.full_state_dict(), "plan": pm.plan.to_dict(), "counted": counted,
