@@ -72,10 +72,7 @@ def find_saved_tensors(captured: "CapturedGraph") -> SavedTensors:
 
 def _placeholder_value(node: fx.Node, captured: "CapturedGraph") -> torch.Tensor | Any:
     val = captured.constants.get(node.name, node.meta.get("val"))
-    if not isinstance(val, torch.Tensor):
-        return val
-    meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-    return meta.requires_grad_(node.name in captured.params and val.dtype.is_floating_point)
+    return _meta_like(val, node.name in captured.params) if isinstance(val, torch.Tensor) else val
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
