@@ -394,7 +394,7 @@ class PipelineParallelModule(nn.Module):
         by_name = {n.name: n for n in program.graph.nodes}
         inputs = [boundary_of(by_name[n], self.plan) for n in stage.inputs]
         outputs = [boundary_of(by_name[n], self.plan) for n in stage.outputs]
-        return StageModule(stage, checkpoint_layers(stage.graph_module, self.plan.checkpointing),
+        return StageModule(stage, checkpoint_layers(stage.graph_module, self.plan.checkpointing_of),
                            self._placeholder_values(stage, model), inputs, outputs, self._user_input,
                            self.captured.user_inputs, self.mesh)
 

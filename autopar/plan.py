@@ -17,6 +17,10 @@ from .errors import PlanFormatError
 from .placement import str_to_placement
 
 SCHEMA = "autopar.plan/1"
+CHECKPOINTING = ("none", "selective", "full")
+"""Activation checkpointing modes of a repeated layer (priced in ``stages.py``, run by ``passes/checkpoint.py``)."""
+MIXED = "mixed"
+"""``checkpointing`` of a plan whose layers run in different modes, listed in ``recomputed_layers``."""
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
 
@@ -28,7 +32,7 @@ class Plan:
     mesh: dict[str, Any]  # shape, dim_names
     degrees: dict[str, int]  # dp, fsdp, tp, sp, cp, ep, pp
     pipeline: dict[str, Any]  # stages, schedule, microbatches, microbatch_size
-    checkpointing: str
+    checkpointing: str  # one of CHECKPOINTING for every layer, or MIXED
     placements: dict[str, list[str]]  # parameter fqn -> placement per mesh dim
     ops: dict[str, dict[str, Any]]  # node -> {"op", "inputs": [[...]], "outputs": [[...]|None], "local"?}
     predicted: dict[str, Any]
@@ -37,6 +41,7 @@ class Plan:
     buffers: dict[str, list[str]] = field(default_factory=dict)  # buffer fqn -> placement per mesh dim
     candidates: list[dict[str, Any]] = field(default_factory=list)  # runners-up of the mesh search
     explanations: dict[str, Any] = field(default_factory=dict)  # alternatives per decision (autopar explain)
+    recomputed_layers: dict[str, str] = field(default_factory=dict)  # MIXED: layer -> selective|full (others: none)
     schema: str = SCHEMA
 
     # ---- JSON ---------------------------------------------------------------------------------
@@ -87,6 +92,24 @@ class Plan:
             _check_placements(source, f"placement of {fqn!r}", pls, len(shape))
         for fqn, pls in self.buffers.items():
             _check_placements(source, f"placement of buffer {fqn!r}", pls, len(shape))
+        self._check_checkpointing(source)
+
+    def _check_checkpointing(self, source: str) -> None:
+        if self.checkpointing not in (*CHECKPOINTING, MIXED):
+            raise PlanFormatError(f"{source}: checkpointing must be one of {', '.join((*CHECKPOINTING, MIXED))}, "
+                                  f"got {self.checkpointing!r}")
+        if (self.checkpointing == MIXED) != bool(self.recomputed_layers):
+            raise PlanFormatError(f"{source}: recomputed_layers lists each recomputed layer's mode when, and only "
+                                  f"when, checkpointing is {MIXED!r}")
+        bad = {layer: mode for layer, mode in self.recomputed_layers.items() if mode not in CHECKPOINTING[1:]}
+        if bad:
+            raise PlanFormatError(f"{source}: recomputed_layers: modes must be selective or full, got {bad}")
+
+    def checkpointing_of(self, layer: str) -> str:
+        """The checkpointing mode repeated layer ``layer`` (``blocks.3``) runs in."""
+        if self.checkpointing == MIXED:
+            return self.recomputed_layers.get(layer, "none")
+        return self.checkpointing
 
     def _checked_mesh(self, source: str) -> list[int]:
         shape, names = self.mesh.get("shape"), self.mesh.get("dim_names")
@@ -124,7 +147,7 @@ class Plan:
 _SECTION_TYPES: dict[str, type] = {
     "model": dict, "cluster": dict, "mesh": dict, "degrees": dict, "pipeline": dict, "checkpointing": str,
     "placements": dict, "ops": dict, "predicted": dict, "solver": dict, "inputs": dict, "buffers": dict,
-    "candidates": list, "explanations": dict,
+    "candidates": list, "explanations": dict, "recomputed_layers": dict,
 }
 _JSON_NAMES = {dict: "object", str: "string", list: "array"}
 _PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",

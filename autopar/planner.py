@@ -20,10 +20,12 @@ placements and the ``allow`` rules encode:
   ``sp`` pins sequence parallelism: 1 keeps the norms and the residual stream split on the sequence
   over tp, 0 keeps the norms off it (``sequence_parallel.py``).
 
-A size-1 dimension is dropped. Per mesh, ``_MeshSearch`` tries activation checkpointing modes (none,
-selective, full: more recomputation only when it lets fewer microbatches fit) and microbatch counts
-(without a pipeline the fewest that fit; with one, larger counts while the bubble shrinks faster than
-the kernels slow down), applying ``stages.stage_problem`` to price one device of the pipeline.
+A size-1 dimension is dropped. Per mesh, ``_MeshSearch`` tries activation checkpointing modes for the
+whole model (none, selective, full: more recomputation only when it lets fewer microbatches fit) and
+microbatch counts (without a pipeline the fewest that fit; with one, larger counts while the bubble
+shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
+the pipeline. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
+a decision of the ILP: recomputing some layers, not all, often fits at less cost.
 Constraints (``{"dp": 2, "tp": 2}``) pin degrees and options; the rest is searched. Meshes are solved
 in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
 soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
@@ -45,12 +47,13 @@ from .explain import collective_terms, explanations
 from .cost_models import Cluster, adamw_step_time, usable_bytes
 from .errors import BadInputError, NoFeasiblePlanError
 from .placement import is_sharded
-from .plan import Plan
 from .pricing import Pricer, global_flops, is_matmul
 from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
 from .sequence_parallel import norm_sites, sequence_parallel_rule, sequence_sharded
 from .solver import Pruned, Solution, exposed_grad_sync, infeasible_reason, least_memory, solve
-from .stages import CHECKPOINTING, SCHEDULES, Staging, layer_roles, stage_problem
+from .plan import CHECKPOINTING, MIXED, Plan
+from .stages import (SCHEDULES, Staging, assign_layer_modes, checkpointing_summary, layer_names, layer_roles,
+                     stage_problem)
 from .strategies import LOCAL_RULES, StrategyFinder, tensor_inputs
 
 KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "sp", "fsdp", "dp_shard", "cp", "ep", "microbatches", "microbatch_size",
@@ -104,6 +107,18 @@ class Candidate:
     p2p_s: float = 0.0
 
     @property
+    def layer_modes(self) -> dict[str, int]:
+        """How many of a device's layers run in each checkpointing mode."""
+        if self.solution.layer_modes:
+            return self.solution.layer_modes
+        layers = self.staging.layers_per_stage
+        return {self.staging.checkpointing[0]: layers} if layers else {}
+
+    @property
+    def checkpointing(self) -> str:
+        return checkpointing_summary(self.layer_modes)
+
+    @property
     def compute_s(self) -> float:
         chosen = self.solution.choice
         return sum(d.count * d.options[chosen[k]].cost.compute_s for k, d in self.problem.decisions.items())
@@ -140,6 +155,9 @@ def make_plan(
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures))
     results.sort(key=lambda c: c.step_s)
+    refined = search.refine_layer_modes(results[0])
+    if refined is not results[0]:
+        results.insert(0, refined)
     plan = _to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
                     time.perf_counter() - start, constraints)
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
@@ -225,6 +243,29 @@ class _MeshSearch:
             return best
         return mesh if was_pruned or not reason else reason
 
+    def refine_layer_modes(self, best: Candidate) -> Candidate:
+        """``best`` (one checkpointing mode for every layer) re-solved with each layer's mode left to the
+        ILP (``solver.py`` (5)-(8)), on its mesh and microbatch count; the better of the two.
+
+        The mesh search prices whole-model modes, which keeps each of its ILPs small and fast; the
+        per-layer ILP is larger and its memory row makes it a hard knapsack (HiGHS did not prove an
+        8-layer GPT's optimum in 120 s, where a uniform mode takes 1-2 s), so it runs once, on the
+        winner, under the search's time limit, with SCIP, which returns its best plan when the limit
+        stops it (OR-Tools' HiGHS interface returns none)."""
+        if "checkpointing" in self.constraints or best.checkpointing == "none" or best.staging.layers_per_stage < 2:
+            return best
+        staging = replace(best.staging, checkpointing=CHECKPOINTING)
+        pricer = pricer_for(self.cluster, best.mesh, self.dtype, self.constraints)
+        whole = _problem_for(self.captured, best.mesh, pricer, self.capacity, self.constraints)
+        problem = self._staged(whole.with_microbatches(best.problem.microbatches, pricer), staging)
+        try:
+            solution = solve(problem, self.time_limit_s, backend="SCIP")
+        except NoFeasiblePlanError:
+            return best  # the limit stopped the solver before it found a plan
+        found = _with_pipeline_time(self.captured, best.mesh, staging, problem.with_layer_modes(solution.layer_modes),
+                                    solution, pricer)
+        return found if found.step_s < best.step_s else best
+
     def _stagings(self, mesh: MeshChoice) -> list[Staging]:
         layers = self.captured.layer_count()
         schedule, chunks = "none", 1
@@ -232,7 +273,7 @@ class _MeshSearch:
             schedule = self.constraints.get("schedule", "1f1b")
             chunks = self.constraints.get("virtual_stages", 2 if schedule == "interleaved" else 1)
         modes = [self.constraints["checkpointing"]] if "checkpointing" in self.constraints else list(CHECKPOINTING)
-        return [Staging(mesh.stages, layers, schedule, chunks, mode) for mode in modes]
+        return [Staging(mesh.stages, layers, schedule, chunks, (mode,)) for mode in modes]
 
     def _staged(self, problem: Problem, staging: Staging) -> Problem:
         return stage_problem(problem, self.captured, staging)
@@ -640,7 +681,8 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
         mesh={"shape": list(mesh.shape), "dim_names": list(mesh.names)},
         degrees=_degrees(mesh, captured, by_node, pricer.zero_stage),
         pipeline=_pipeline_section(captured, best),
-        checkpointing=staging.checkpointing,
+        checkpointing=best.checkpointing,
+        recomputed_layers=_recomputed_layers(captured, best),
         placements=placements,
         inputs={name: {"placements": list(by_node[name][1].strategy.outputs[0]),
                        "shape": list(captured.node(name).meta["val"].shape),
@@ -658,7 +700,7 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
         candidates=[{"mesh": {"shape": list(c.mesh.shape), "dim_names": list(c.mesh.names)},
                      "degrees": {"pp": c.mesh.stages, "dp": c.mesh.degree("dp"), "tp": c.mesh.degree("tp")},
                      "microbatches": c.problem.microbatches, "schedule": c.staging.schedule,
-                     "checkpointing": c.staging.checkpointing,
+                     "checkpointing": c.checkpointing, "layer_modes": c.layer_modes,
                      "step_time_s": c.step_s, "status": c.solution.status} for c in results],
     )
 
@@ -674,6 +716,18 @@ def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any
     return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
             "microbatches": m,
             "microbatch_size": (_global_batch(captured) or 1) // (m * best.mesh.degree("dp"))}
+
+
+def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, str]:
+    """Under mixed checkpointing, each recomputed layer's mode: on every device (stage), its first
+    layers get the most recomputation (``stages.assign_layer_modes``)."""
+    if best.checkpointing != MIXED:
+        return {}
+    names = layer_names(captured)
+    stages, ranges = best.staging.stages, _pipeline_section(captured, best)["stages"]
+    device_layers = [[name for first, end in ranges[s::stages] for name in names[first:end]] for s in range(stages)]
+    modes = assign_layer_modes(device_layers, best.layer_modes)
+    return {layer: mode for layer, mode in modes.items() if mode != "none"}
 
 
 def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node: dict, pricer: Pricer

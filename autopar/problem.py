@@ -5,6 +5,11 @@ prices of ``pricing.py``; the solver reads it and knows nothing of torch. Nodes 
 share one *decision* (their tie key), so an 80-layer model costs the solver one layer's worth of
 variables; prices are multiplied by how many nodes share the decision.
 
+Activation checkpointing may be left to the solver per repeated layer (``LayerModes``, built by
+``stages.stage_problem``): an op of a layer then has a price per checkpointing mode (``Option.by_mode``)
+and the solver picks how many of a device's layers run in each mode; ``Problem.with_layer_modes``
+fixes those counts and gives back a plain problem whose prices mix the modes.
+
 Placeholders are decisions too: a parameter's options are its placements (``R``/``S(d)`` per mesh
 dim), a user input's options are those its role allows. ``getitem`` nodes are not decisions: they
 select one output of their producer, so edges leaving them start at the producer's output slot.
@@ -13,7 +18,7 @@ select one output of their producer, so edges leaving them start at the producer
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Sequence
 
 import torch
@@ -29,6 +34,10 @@ class Option:
     strategy: Strategy
     cost: Cost  # per occurrence; the solver multiplies by the decision's count
     grad_partial: tuple[tuple[int, ...], ...] = ()  # per input slot: mesh dims its gradient is left partial on
+    by_mode: dict[str, Cost] = field(default_factory=dict)  # per checkpointing mode (``LayerModes``), per occurrence
+    recompute_bytes: dict[str, float] = field(default_factory=dict)
+    # per mode that recomputes the op: bytes of one layer's worth of its activations, live while that
+    # layer's backward runs (charged once when any layer runs in the mode)
 
     def edge_key(self, slot: int) -> tuple[Placements, tuple[int, ...]]:
         """What an edge into input ``slot`` depends on: the placement this option reads it in, and the
@@ -48,6 +57,12 @@ class Decision:
         """Occurrences the solver pays for: the nodes sharing the decision, times ``scale``."""
         return len(self.nodes) * self.scale
 
+    def least_memory(self) -> float:
+        """Its smallest memory over options (and checkpointing modes, each with its recompute working set)."""
+        return min(min((self.count * c.memory_bytes + o.recompute_bytes.get(m, 0.0)
+                        for m, c in o.by_mode.items()), default=self.count * o.cost.memory_bytes)
+                   for o in self.options)
+
 
 @dataclass
 class Edge:
@@ -60,6 +75,17 @@ class Edge:
     count: float  # occurrences the solver pays for (scaled like the consumer's decision)
     price: dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost] = field(default_factory=dict)
     # keyed (producer's output placement, consumer's ``Option.edge_key``)
+    recomputed_under: tuple[str, ...] = ()  # checkpointing modes that recompute the consumer: its
+    # forward collectives (``Cost.forward_comm_s``) run again in backward for each layer in those modes
+
+
+@dataclass(frozen=True)
+class LayerModes:
+    """Activation checkpointing left to the solver: each of the ``layers`` repeated layers a device
+    holds runs in one of ``modes`` (``stages.CHECKPOINTING``); the solver picks how many in each."""
+
+    layers: int
+    modes: tuple[str, ...]
 
 
 @dataclass
@@ -71,6 +97,7 @@ class Problem:
     overlap_fraction: float  # share of backward compute that can hide gradient all_reduce
     unsupported_ops: set[str] = field(default_factory=set)  # ops with no DTensor strategy (run replicated)
     microbatches: int = 1  # gradient accumulation steps the prices assume
+    layer_modes: LayerModes | None = None  # per-layer checkpointing still to choose (solver.py (5)-(8))
 
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches."""
@@ -82,9 +109,71 @@ class Problem:
                       {pq: pricer.for_microbatches(c, m) for pq, c in e.price.items()}) for e in self.edges]
         return replace(self, decisions=decisions, edges=edges, microbatches=m)
 
+    def with_layer_modes(self, counts: dict[str, int]) -> "Problem":
+        """The plain problem once ``counts[mode]`` of a device's layers run in each mode: a layer op's
+        price is the mix ``sum_m counts[m] / layers * by_mode[m]`` plus, per recomputing mode in use,
+        one layer's working set; an edge into an op recomputed in ``m`` pays its forward collectives
+        again for that share of the layers."""
+        modes = self.layer_modes
+        if modes is None:
+            return self
+        if set(counts) - set(modes.modes) or sum(counts.values()) != modes.layers:
+            raise ValueError(f"layer modes {counts} do not give the {modes.layers} layers modes of {modes.modes}")
+        share = {m: counts.get(m, 0) / modes.layers for m in modes.modes}
+        decisions = {k: replace(d, options=[_settled(o, share, d.count) for o in d.options])
+                     for k, d in self.decisions.items()}
+        again: dict[tuple[int, float], Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
+        edges = [_settled_edge(e, sum(share[m] for m in e.recomputed_under if m in share), again) for e in self.edges]
+        return replace(self, decisions=decisions, edges=edges, layer_modes=None)
+
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
         return (sum(len(d.options) for d in self.decisions.values()), sum(len(e.price) for e in self.edges))
+
+
+def _settled(option: Option, share: dict[str, float], count: float) -> Option:
+    if not option.by_mode:
+        return option
+    cost = mixed_cost([(share[m], c) for m, c in option.by_mode.items() if share[m]])
+    cost.memory_bytes += sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
+    return replace(option, cost=cost, by_mode={}, recompute_bytes={})
+
+
+def _settled_edge(edge: Edge, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> Edge:
+    if not recomputed_share:
+        return replace(edge, recomputed_under=())
+    price = {}
+    for pq, c in edge.price.items():
+        if (id(c), recomputed_share) not in again:
+            again[(id(c), recomputed_share)] = with_forward_again(c, recomputed_share)
+        price[pq] = again[(id(c), recomputed_share)]
+    return replace(edge, price=price, recomputed_under=())
+
+
+def with_forward_again(cost: Cost, times: float = 1.0) -> Cost:
+    """``cost`` with its forward collectives run ``times`` more (a recomputed consumer's inputs)."""
+    if not cost.forward_comm_s:
+        return cost
+    out = replace(cost, comm_s=dict(cost.comm_s))
+    for kind, seconds in cost.forward_comm_s.items():
+        out.add_comm(kind, times * seconds)
+    return out
+
+
+def mixed_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
+    """``sum_i w_i c_i`` field by field (the weights sum to 1: flags and the kernel come from the first)."""
+    out = replace(weighted[0][1], comm_s={}, forward_comm_s={})
+    for f in fields(Cost):
+        first = getattr(weighted[0][1], f.name)
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            setattr(out, f.name, sum(w * getattr(c, f.name) for w, c in weighted))
+        elif isinstance(first, dict):
+            total: dict[str, float] = {}
+            for w, c in weighted:
+                for kind, seconds in getattr(c, f.name).items():
+                    total[kind] = total.get(kind, 0.0) + w * seconds
+            setattr(out, f.name, total)
+    return out
 
 
 OUTPUT_KEY = "<loss>"

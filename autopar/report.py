@@ -8,10 +8,11 @@ plan or needs torch.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any, Sequence
 
 from .collectives import KINDS, predicted_collectives
-from .plan import Plan
+from .plan import CHECKPOINTING, MIXED, Plan
 
 _LAYER = re.compile(r"\.\d+\.")
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -67,7 +68,16 @@ def _schedule_text(plan: Plan) -> str:
         chunks = pipe.get("virtual_stages", 1)
         text = (f"pp={stages} {pipe.get('schedule')}" + (f" (v={chunks})" if chunks > 1 else "")
                 + f", layer ranges {pipe.get('stages')}, " + text)
-    return text + f"; checkpointing {plan.checkpointing}"
+    return text + f"; checkpointing {checkpointing_text(plan)}"
+
+
+def checkpointing_text(plan: Plan) -> str:
+    """The plan's activation checkpointing: its one mode, or how many layers recompute in each."""
+    if plan.checkpointing != MIXED:
+        return plan.checkpointing
+    counts = Counter(plan.recomputed_layers.values())
+    recomputed = ", ".join(f"{mode} on {counts[mode]}" for mode in CHECKPOINTING if counts[mode])
+    return f"{MIXED} ({recomputed} of {plan.model.get('layers', '?')} layers, none on the rest)"
 
 
 def summarize(plan: Plan) -> str:
@@ -111,6 +121,8 @@ def summarize(plan: Plan) -> str:
             shape = " x ".join([f"pp={stages}"] * (stages > 1) + [
                 f"{n}={s}" for n, s in zip(c["mesh"]["dim_names"], c["mesh"]["shape"])])
             how = ", ".join(f"{k} {c[k]}" for k in ("microbatches", "checkpointing") if k in c)
+            if c.get("checkpointing") == MIXED:
+                how += " (" + ", ".join(f"{m} {n}" for m, n in c.get("layer_modes", {}).items() if n) + " layers)"
             lines.append(f"  {shape:<20} {fmt_seconds(c['step_time_s'])}  ({c['status']}{'; ' + how if how else ''})")
         for dims in plan.solver.get("pruned_meshes", []):
             shape = " x ".join(f"{n}={s}" for n, s in dims.items())

@@ -18,7 +18,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 from .plan import Plan
-from .report import collapsed_placements, fmt_bytes, fmt_count, fmt_seconds
+from .report import checkpointing_text, collapsed_placements, fmt_bytes, fmt_count, fmt_seconds
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _INDEX = re.compile(r"(^|\.)\d+(?=\.|$)")
@@ -63,7 +63,7 @@ def _header(plan: Plan) -> str:
         ("model", m["name"], f"{fmt_count(m['params'])} params, {m.get('layers', '?')} layers, {m.get('dtype', '')}"),
         ("cluster", c["spec"], f"{c.get('nodes', '?')} x {c.get('devices_per_node', '?')} {c.get('device', '')}"),
         ("devices", str(c["devices"]), _mesh_text(plan.mesh)),
-        ("step time", fmt_seconds(p["step_time_s"]), f"checkpointing {plan.checkpointing}"),
+        ("step time", fmt_seconds(p["step_time_s"]), f"checkpointing {checkpointing_text(plan)}"),
         ("tokens/s", f"{p['tokens_per_s']:,.0f}", f"{plan.pipeline.get('microbatches', 1)} microbatch(es)"),
         ("MFU", f"{p['mfu'] * 100:.1f}%", "of peak, model FLOPs"),
         ("solver", s["status"], f"gap {s['gap'] * 100:.2f}%, {s['variables']} vars, {s['wall_s']:.2f} s"),

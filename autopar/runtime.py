@@ -6,7 +6,7 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting):
 * the captured forward+loss graph, with redistributes inserted, is this rank's program; values in it
   are DTensors, so DTensor computes local shapes and the collectives of each redistribute, and
   autograd derives the backward (with the dual collectives);
-* with the plan's ``checkpointing`` other than ``none``, each repeated layer of the program runs under
+* each repeated layer the plan recomputes (``Plan.checkpointing_of``) runs under
   ``torch.utils.checkpoint`` and is recomputed in backward as the plan priced it;
 * ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
   with the last microbatch's backward;
@@ -170,7 +170,7 @@ def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tup
     produced = produced_placements(captured, plan)
     inserted = insert_redistributes(gm, plan.ops, produced, mesh)
     run_locally(gm, plan.ops, mesh)
-    return checkpoint_layers(gm, plan.checkpointing), inserted
+    return checkpoint_layers(gm, plan.checkpointing_of), inserted
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -7,11 +7,21 @@ memory ``M_dk``; edges ``e = (u, i) -> (v, j)`` (output ``i`` of ``u`` feeds inp
 ``n_e`` times) with resharding price ``r_e(p, q)`` for producer placement ``p`` and consumer
 placement ``q``.
 
+With per-layer activation checkpointing left open (``Problem.layer_modes``: a device's ``L`` layers,
+modes ``m``), a layer op's option has a price per mode, ``c_dkm`` etc., and a working set ``R_dkm``
+(one recomputed layer's activations, live while its backward runs); the edges into an op that mode
+``m`` recomputes run their forward collectives ``f_e(p,q)`` again.
+
 Variables::
 
     x_dk in {0,1}          decision d takes option k                     (add_choice_variables)
     y_epq in {0,1}         edge e carries placement p into placement q   (add_edge_variables)
     z >= 0                 gradient all_reduce time left exposed         (add_overlap_constraint)
+    n_m in {0..L}          layers that run in checkpointing mode m       (add_layer_mode_variables)
+    a_m in {0,1}           some layer runs in recomputing mode m
+    w_dkm >= 0             = n_m x_dk: layers of option k in mode m      (add_mode_choice_variables)
+    v_dkm >= 0             = a_m x_dk: option k's working set is held
+    u_epqm >= 0            = n_m y_epq: layers whose edge p->q reruns    (add_recompute_edge_variables)
 
 Constraints::
 
@@ -20,6 +30,18 @@ Constraints::
         sum_p y_epq = sum_{k: in_j(v,k)  = q} x_vk   for all q   ... and with their consumer
     (3) z >= sum_dk n_d g_dk x_dk - beta * sum_dk n_d b_dk x_dk  gradient sync hides behind backward
     (4) sum_dk n_d M_dk x_dk <= capacity                        memory of every device (add_memory_constraint)
+    (5) sum_m n_m = L;  n_m <= L a_m                            every layer has one mode
+    (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
+    (7) v_dkm <= x_dk;  sum_k v_dkm = a_m                       working set of a recomputing mode in use
+    (8) u_epqm <= L y_epq;  sum_{pq in F_e} (u_epqm - L y_epq) >= n_m - L   forward collectives run again
+
+In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
+(its price mixed over the layers' modes), memory (4) adds ``sum_dkm R_dkm v_dkm`` and the objective
+``sum_epqm (n_e / L) f_e(p,q) u_epqm``, over the pairs ``F_e`` of edge ``e`` with forward collectives.
+(6) and (7) multiply "one option per decision" by ``n_m`` or ``a_m`` (a reformulation-linearization):
+they make the products exact at integral ``x`` without big-M rows and keep the LP relaxation tight (a
+transportation polytope per decision). (8) is exact at integral ``y``: u is 0 off the chosen pair and,
+on a chosen pair of ``F_e``, at least ``n_m``; only ``F_e`` gets variables, which keeps the model small.
 
 Objective (predicted step time)::
 
@@ -39,8 +61,8 @@ import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, NamedTuple
 
 from ortools.linear_solver import pywraplp
 
@@ -60,6 +82,7 @@ class Solution:
     wall_s: float
     variables: int
     constraints: int
+    layer_modes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> layers (n_m)
 
     @property
     def gap(self) -> float:
@@ -93,17 +116,17 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS",
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
-    # No banner on stdout (``--json`` prints only JSON); a tighter gap than HiGHS's default 1e-4.
-    options = "output_flag=false\nmip_rel_gap=1e-6"
-    if cutoff_s is not None:  # HiGHS prunes every branch whose bound reaches it
-        options += f"\nobjective_bound={cutoff_s * _US}"
-    solver.SetSolverSpecificParametersAsString(options)
+    solver.SetSolverSpecificParametersAsString(_backend_options(backend, cutoff_s))
     solver.SetTimeLimit(int(time_limit_s * 1000))
     x = add_choice_variables(solver, problem)
+    n, a = add_layer_mode_variables(solver, problem)
+    w, v = add_mode_choice_variables(solver, problem, x, n, a)
     y = add_edge_variables(solver, problem, x)
-    z = add_overlap_constraint(solver, problem, x)
-    add_memory_constraint(solver, problem, x)
-    set_objective(solver, problem, x, y, z)
+    u = add_recompute_edge_variables(solver, problem, y, n)
+    terms = priced_terms(problem, x, w)
+    z = add_overlap_constraint(solver, terms, problem.overlap_fraction)
+    add_memory_constraint(solver, problem, terms, v)
+    set_objective(solver, problem, terms, y, u, z)
     start = time.perf_counter()
     with _native_stdout_to_stderr():
         status = solver.Solve()
@@ -125,7 +148,21 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS",
         wall_s=wall,
         variables=solver.NumVariables(),
         constraints=solver.NumConstraints(),
+        layer_modes={m: round(var.solution_value()) for m, var in n.items()},
     )
+
+def _backend_options(backend: str, cutoff_s: float | None) -> str:
+    """A tighter relative gap than the backends' default 1e-4; for HiGHS no banner on stdout (``--json``
+    prints only JSON) and the cutoff, with which it prunes every branch whose bound reaches it."""
+    if backend != "HIGHS":
+        if cutoff_s is not None:
+            raise ValueError(f"a cutoff is only passed to HiGHS, not {backend}")
+        return "limits/gap = 1e-6" if backend == "SCIP" else ""
+    options = "output_flag=false\nmip_rel_gap=1e-6"
+    if cutoff_s is not None:
+        options += f"\nobjective_bound={cutoff_s * _US}"
+    return options
+
 
 # The model is built with OR-Tools' low-level API (SetCoefficient on rows): its operator-overloading
 # API builds Python expression trees and costs more than the solve on problems of 10^5 variables.
@@ -161,28 +198,108 @@ def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str
     return y
 
 
-def add_overlap_constraint(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]):
+def add_layer_mode_variables(solver: pywraplp.Solver, problem: Problem) -> tuple[dict, dict]:
+    """n_m, a_m and constraint (5); none without ``layer_modes``."""
+    modes = problem.layer_modes
+    if modes is None:
+        return {}, {}
+    n = {m: solver.IntVar(0.0, modes.layers, f"n[{m}]") for m in modes.modes}
+    a = {m: solver.BoolVar(f"a[{m}]") for m in modes.modes if m != "none"}
+    _row(solver, modes.layers, modes.layers, [(var, 1.0) for var in n.values()])
+    for m, used in a.items():
+        _row(solver, -solver.infinity(), 0.0, [(n[m], 1.0), (used, -float(modes.layers))])
+    return n, a
+
+
+def add_mode_choice_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list],
+                              n: Mapping[str, object], a: Mapping[str, object]) -> tuple[dict, dict]:
+    """w_dkm, v_dkm and constraints (6), (7), for the decisions priced per mode."""
+    w: dict[tuple[str, int], dict] = {}
+    v: dict[tuple[str, int], dict] = {}
+    if problem.layer_modes is None:
+        return w, v
+    layers = float(problem.layer_modes.layers)
+    for key, d in problem.decisions.items():
+        if not d.options[0].by_mode:
+            continue
+        for k in range(len(d.options)):
+            w[key, k] = {m: solver.NumVar(0.0, layers, "") for m in n}
+            _row(solver, 0.0, 0.0, [*((var, 1.0) for var in w[key, k].values()), (x[key][k], -layers)])
+            v[key, k] = {m: solver.NumVar(0.0, 1.0, "") for m in a}
+            for var in v[key, k].values():
+                _row(solver, -solver.infinity(), 0.0, [(var, 1.0), (x[key][k], -1.0)])
+        for m in n:
+            _row(solver, 0.0, 0.0, [*((w[key, k][m], 1.0) for k in range(len(d.options))), (n[m], -1.0)])
+        for m in a:
+            _row(solver, 0.0, 0.0, [*((v[key, k][m], 1.0) for k in range(len(d.options))), (a[m], -1.0)])
+    return w, v
+
+
+def add_recompute_edge_variables(solver: pywraplp.Solver, problem: Problem, y: Mapping[int, dict],
+                                 n: Mapping[str, object]) -> dict:
+    """u_epqm and constraint (8), for the edge pairs into recomputed ops with forward collectives."""
+    u: dict[tuple[int, object, str], object] = {}
+    if problem.layer_modes is None:
+        return u
+    layers = float(problem.layer_modes.layers)
+    for e_idx, edge in enumerate(problem.edges):
+        rerun = [pq for pq, c in edge.price.items() if c.forward_comm_s]
+        if not edge.recomputed_under or not rerun:
+            continue
+        for m in edge.recomputed_under:
+            for pq in rerun:  # u <= L y
+                u[e_idx, pq, m] = solver.NumVar(0.0, layers, "")
+                _row(solver, -solver.infinity(), 0.0, [(u[e_idx, pq, m], 1.0), (y[e_idx][pq], -layers)])
+            # sum_F u - n_m - L sum_F y >= -L
+            _row(solver, -layers, solver.infinity(), [*((u[e_idx, pq, m], 1.0) for pq in rerun), (n[m], -1.0),
+                                                      *((y[e_idx][pq], -layers) for pq in rerun)])
+    return u
+
+
+def priced_terms(problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, int], dict]) -> list:
+    """(variable, cost, occurrences) of every priced choice: ``x_dk`` with ``n_d``, or for an option
+    priced per mode, ``w_dkm`` with ``n_d / L``."""
+    terms = []
+    for key, d in problem.decisions.items():
+        for k, option in enumerate(d.options):
+            if (key, k) in w:
+                share = d.count / problem.layer_modes.layers
+                terms.extend((w[key, k][m], option.by_mode[m], share) for m in w[key, k])
+            else:
+                terms.append((x[key][k], option.cost, d.count))
+    return terms
+
+
+def add_overlap_constraint(solver: pywraplp.Solver, terms: list, overlap_fraction: float):
     """z and constraint (3): z - sum(sync) + beta * sum(backward) >= 0."""
     z = solver.NumVar(0.0, solver.infinity(), "z")
-    terms = _weighted(problem, x, lambda c: (problem.overlap_fraction * c.backward_compute_s - c.grad_sync_s) * _US)
-    _row(solver, 0.0, solver.infinity(), [(z, 1.0), *terms])
+    weighted = _weighted(terms, lambda c: (overlap_fraction * c.backward_compute_s - c.grad_sync_s) * _US)
+    _row(solver, 0.0, solver.infinity(), [(z, 1.0), *weighted])
     return z
 
 
-def add_memory_constraint(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> None:
-    """Constraint (4)."""
-    terms = _weighted(problem, x, lambda c: c.memory_bytes / _GIB)
-    _row(solver, -solver.infinity(), problem.memory_capacity_bytes / _GIB, terms)
+def add_memory_constraint(solver: pywraplp.Solver, problem: Problem, terms: list, v: Mapping) -> None:
+    """Constraint (4), with the working sets of (7)."""
+    weighted = _weighted(terms, lambda c: c.memory_bytes / _GIB)
+    for (key, k), held in v.items():
+        recompute_bytes = problem.decisions[key].options[k].recompute_bytes
+        weighted.extend((var, recompute_bytes[m] / _GIB) for m, var in held.items() if recompute_bytes.get(m))
+    _row(solver, -solver.infinity(), problem.memory_capacity_bytes / _GIB, weighted)
 
 
-def set_objective(solver: pywraplp.Solver, problem: Problem, x, y, z) -> None:
+def set_objective(solver: pywraplp.Solver, problem: Problem, terms: list, y, u, z) -> None:
     objective = solver.Objective()
-    for var, coef in _weighted(problem, x, lambda c: c.exposed_s * _US):
+    for var, coef in _weighted(terms, lambda c: c.exposed_s * _US):
         objective.SetCoefficient(var, coef)
     for e_idx, edge in enumerate(problem.edges):
         for pq, var in y[e_idx].items():
             if edge.price[pq].exposed_s:
                 objective.SetCoefficient(var, edge.count * edge.price[pq].exposed_s * _US)
+    for (e_idx, pq, m), var in u.items():
+        edge = problem.edges[e_idx]
+        again = sum(edge.price[pq].forward_comm_s.values())
+        if again:
+            objective.SetCoefficient(var, edge.count / problem.layer_modes.layers * again * _US)
     objective.SetCoefficient(z, 1.0)
     objective.SetMinimization()
 
@@ -193,18 +310,21 @@ def _row(solver: pywraplp.Solver, lb: float, ub: float, terms) -> None:
         row.SetCoefficient(var, row.GetCoefficient(var) + coef)
 
 
-def _weighted(problem: Problem, x: Mapping[str, list], price) -> list:
-    terms = []
-    for key, d in problem.decisions.items():
-        for k, option in enumerate(d.options):
-            coef = d.count * price(option.cost)
-            if coef:
-                terms.append((x[key][k], coef))
-    return terms
+def _weighted(terms: list, price) -> list:
+    out = []
+    for var, cost, occurrences in terms:
+        coef = occurrences * price(cost)
+        if coef:
+            out.append((var, coef))
+    return out
 
 
-def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float]:
-    """(objective seconds, memory bytes) of an assignment, by the ILP's own formulas."""
+def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[str, int] | None = None
+             ) -> tuple[float, float]:
+    """(objective seconds, memory bytes) of an assignment (with its layers' checkpointing modes when the
+    problem leaves them open), by the ILP's own formulas."""
+    if problem.layer_modes is not None:
+        problem = problem.with_layer_modes(dict(layer_modes or {}))
     step = memory = 0.0
     for key, d in problem.decisions.items():
         c = d.options[choice[key]].cost
@@ -227,23 +347,44 @@ def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
     return max(0.0, sync - hide)
 
 
-def brute_force(problem: Problem) -> tuple[dict[str, int], float]:
-    """The best feasible assignment by enumeration (tests only: exponential)."""
+class Best(NamedTuple):
+    choice: dict[str, int]
+    step_s: float
+    layer_modes: dict[str, int]  # empty unless the problem leaves checkpointing modes open
+
+
+def brute_force(problem: Problem) -> Best:
+    """The best feasible assignment by enumeration, layers' checkpointing modes included (tests only:
+    exponential)."""
     keys = list(problem.decisions)
-    best: tuple[dict[str, int], float] | None = None
-    for combo in itertools.product(*(range(len(problem.decisions[k].options)) for k in keys)):
-        choice = dict(zip(keys, combo))
-        step, memory = evaluate(problem, choice)
-        if memory <= problem.memory_capacity_bytes and (best is None or step < best[1]):
-            best = (choice, step)
+    best: Best | None = None
+    for counts in _layer_mode_counts(problem):
+        plain = problem.with_layer_modes(counts)
+        for combo in itertools.product(*(range(len(problem.decisions[k].options)) for k in keys)):
+            choice = dict(zip(keys, combo))
+            step, memory = evaluate(plain, choice)
+            if memory <= problem.memory_capacity_bytes and (best is None or step < best.step_s):
+                best = Best(choice, step, counts)
     if best is None:
         raise NoFeasiblePlanError("no assignment fits memory")
     return best
 
 
+def _layer_mode_counts(problem: Problem) -> Iterator[dict[str, int]]:
+    """Every way of giving the problem's layers modes (one empty assignment when none are open)."""
+    if problem.layer_modes is None:
+        yield {}
+        return
+    modes, layers = problem.layer_modes.modes, problem.layer_modes.layers
+    for counts in itertools.product(range(layers + 1), repeat=len(modes) - 1):
+        if sum(counts) <= layers:
+            yield {**dict(zip(modes, counts)), modes[-1]: layers - sum(counts)}
+
+
 def least_memory(problem: Problem) -> float:
-    """A lower bound of any plan's memory per device: every decision at its smallest option."""
-    return sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in problem.decisions.values())
+    """A lower bound of any plan's memory per device: every decision at its smallest option (and
+    checkpointing mode)."""
+    return sum(d.least_memory() for d in problem.decisions.values())
 
 
 def infeasible_reason(problem: Problem, status: int = pywraplp.Solver.INFEASIBLE) -> str:

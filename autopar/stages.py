@@ -32,6 +32,16 @@ Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per 
 A recomputed op runs its forward again in backward (its compute and the forward collectives that feed
 it), and its activations are live only while its own layer's backward runs: one layer of one
 microbatch at a time, instead of every layer of every microbatch in flight.
+
+The mode can be a decision of the ILP, per layer: with several modes in ``Staging.checkpointing``, each
+layer op is priced in every mode and the solver picks how many of a device's ``layers_per_stage``
+layers run in each, together with the placements (``solver.py`` constraints (5)-(8)); e.g. 3 of 4
+layers selectively recomputed and one not at all, where recomputing every layer would waste time and
+none would not fit (Megatron-LM's ``--recompute-num-layers``, chosen by the cost model instead of by
+hand). The planner's mesh search prices one mode for the whole model and re-solves its winner this way
+(``planner._MeshSearch.refine_layer_modes``). All layers share one sharding decision, so which layers
+get which mode does not change the price: ``assign_layer_modes`` gives each stage's first layers the
+most recomputation.
 """
 
 from __future__ import annotations
@@ -39,16 +49,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from torch import fx
 
 from .capture import CapturedGraph, module_path
+from .plan import MIXED
 from .cost_models.pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
 from .pricing import Cost
-from .problem import Edge, Problem
+from .problem import LayerModes, Option, Problem
 
-CHECKPOINTING = ("none", "selective", "full")
 _LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "layers.3.attn.q" -> "layers.3"
 
 
@@ -60,7 +71,7 @@ class Staging:
     layers: int = 0  # L, repeated layers of the model
     schedule: str = "none"  # none (p = 1) | gpipe | 1f1b | interleaved
     chunks: int = 1  # v, model chunks per device (interleaved only)
-    checkpointing: str = "none"
+    checkpointing: tuple[str, ...] = ("none",)  # modes a layer may run in: one pins it, several are solved
 
     @property
     def layers_per_stage(self) -> int:
@@ -93,6 +104,39 @@ KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
 """Op packets whose outputs selective checkpointing keeps: the pricer's and the runtime's one list
 (``passes/checkpoint.py``'s policy sees the ops as dispatched, the pricer as captured; both are aten)."""
+
+
+def layer_names(captured: CapturedGraph) -> list[str]:
+    """The repeated-layer instances of the graph, in graph order (``blocks.0``, ``blocks.1``, ...)."""
+    return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
+
+
+def assign_layer_modes(device_layers: list[list[str]], counts: dict[str, int]) -> dict[str, str]:
+    """Each layer's checkpointing mode when every device runs ``counts[mode]`` of its layers (listed in
+    ``device_layers``) in each mode: full first, then selective, the rest none (a device holding fewer
+    layers than priced recomputes at least as large a share)."""
+    order = [m for m in ("full", "selective", "none") if counts.get(m)]
+    modes = {}
+    for layers in device_layers:
+        queue = [m for m in order for _ in range(counts[m])]
+        modes.update(zip(layers, queue))
+    return modes
+
+
+def checkpointing_summary(counts: dict[str, int]) -> str:
+    """A plan's ``checkpointing`` from its layers' modes: the one they all run in, or ``MIXED``."""
+    used = [m for m, n in counts.items() if n]
+    return used[0] if len(used) == 1 else (MIXED if used else "none")
+
+
+def count_layer_modes(device_layers: list[str], mode_of: Callable[[str], str], layers: int) -> dict[str, int]:
+    """How many of the ``layers`` a device is priced for run in each mode, from the modes of the
+    layers it holds (``device_layers``); any it is priced for beyond those count as ``none``."""
+    counts: dict[str, int] = {}
+    for layer in device_layers:
+        counts[mode_of(layer)] = counts.get(mode_of(layer), 0) + 1
+    recomputed = sum(n for mode, n in counts.items() if mode != "none")
+    return {**counts, "none": layers - recomputed} if layers > recomputed else counts
 
 
 def kept_under_selective(target: object) -> bool:
@@ -145,23 +189,53 @@ def _users_through_getitem(node: fx.Node) -> list[fx.Node]:
 
 
 def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -> Problem:
-    """``problem`` (priced for its microbatches) as one device of ``staging`` pays for it."""
-    if staging.stages == 1 and staging.checkpointing == "none":
+    """``problem`` (priced for its microbatches) as one device of ``staging`` pays for it. With one
+    checkpointing mode the result is plain; with several, each layer op is priced per mode and the
+    problem carries ``LayerModes`` for the solver to choose how many layers run in each."""
+    layers = staging.layers_per_stage
+    modes = staging.checkpointing if layers else ("none",)
+    if staging.stages == 1 and modes == ("none",):
         return problem
     roles = layer_roles(captured, problem)
-    recomputed = _recomputed(roles, staging.checkpointing)
-    kept_whole = _kept_whole(roles, staging.checkpointing)
+    recomputed = {m: _recomputed(roles, m) for m in modes}
+    kept_whole = {m: _kept_whole(roles, m) for m in modes}
     in_flight = staging.in_flight(problem.microbatches)
     decisions = {}
     for key, d in problem.decisions.items():
-        scale = staging.layer_scale if _is_layer_decision(key, roles) else 1.0
-        options = [replace(o, cost=_device_cost(_as_kept(o.cost) if key in kept_whole else o.cost,
-                                                key in recomputed, in_flight, staging, problem.microbatches))
-                   for o in d.options]
-        decisions[key] = replace(d, options=options, scale=d.scale * scale)
-    again: dict[int, Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
-    edges = [_staged_edge(e, decisions[e.dst].scale, e.dst in recomputed, again) for e in problem.edges]
-    return replace(problem, decisions=decisions, edges=edges)
+        staged = replace(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
+        if key in roles.in_layer - roles.boundary:
+            options = [_priced_by_mode(o, {m: (key in recomputed[m], key in kept_whole[m]) for m in modes},
+                                       in_flight, staged.count / layers, problem.microbatches) for o in d.options]
+        else:
+            options = [replace(o, cost=_held(o.cost, in_flight)) for o in d.options]
+        decisions[key] = replace(staged, options=options)
+    edges = [replace(e, count=e.count * decisions[e.dst].scale,
+                     recomputed_under=tuple(m for m in modes if e.dst in recomputed[m]))
+             for e in problem.edges]
+    staged_problem = replace(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
+    return staged_problem.with_layer_modes({modes[0]: layers}) if len(modes) == 1 else staged_problem
+
+
+def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool]], in_flight: float,
+                    per_layer: float, microbatches: int) -> Option:
+    """A layer op's option priced in each checkpointing mode (``treatment[mode]``: whether the mode
+    recomputes the op, whether it keeps its outputs whole): its saved activations held for every
+    microbatch in flight, kept whole (selective's linear layers), or recomputed: paid again in forward
+    time during backward (which also lengthens the last microbatch's backward that gradient sync hides
+    behind), its activations live for one layer of one microbatch at a time (``recompute_bytes``)."""
+    cost = option.cost
+    by_mode, recompute_bytes = {}, {}
+    for mode, (recomputed, kept_whole) in treatment.items():
+        if not cost.batch_memory:
+            by_mode[mode] = cost
+        elif recomputed:
+            forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
+            by_mode[mode] = replace(cost, compute_s=cost.compute_s + forward, memory_bytes=0.0,
+                                    backward_compute_s=cost.backward_compute_s + forward / microbatches)
+            recompute_bytes[mode] = cost.memory_bytes * per_layer  # per_layer: occurrences in one layer
+        else:
+            by_mode[mode] = _held(_as_kept(cost) if kept_whole else cost, in_flight)
+    return replace(option, by_mode=by_mode, recompute_bytes=recompute_bytes)
 
 
 def _is_layer_decision(key: str, roles: LayerRoles) -> bool:
@@ -191,36 +265,6 @@ def _as_kept(cost: Cost) -> Cost:
     return replace(cost, memory_bytes=max(cost.memory_bytes, cost.output_bytes)) if cost.batch_memory else cost
 
 
-def _device_cost(cost: Cost, recomputed: bool, in_flight: float, staging: Staging, microbatches: int) -> Cost:
-    """A cost as one device pays for it: saved activations held for every microbatch in flight, or,
-    recomputed, live for one layer at a time and paid again in forward time (during backward, so it
-    also lengthens the last microbatch's backward that gradient sync hides behind)."""
-    if not cost.batch_memory:
-        return cost
-    if not recomputed:
-        return replace(cost, memory_bytes=cost.memory_bytes * in_flight)
-    forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
-    return replace(cost, compute_s=cost.compute_s + forward,
-                   backward_compute_s=cost.backward_compute_s + forward / microbatches,
-                   memory_bytes=cost.memory_bytes / max(1, staging.layers_per_stage))
-
-
-def _staged_edge(edge: Edge, scale: float, into_recomputed: bool, again: dict[int, Cost]) -> Edge:
-    """An edge scaled like its consumer; feeding a recomputed op, its forward collectives run twice."""
-    price = edge.price
-    if into_recomputed:
-        price = {}
-        for pq, c in edge.price.items():
-            if id(c) not in again:
-                again[id(c)] = _with_forward_again(c)
-            price[pq] = again[id(c)]
-    return replace(edge, count=edge.count * scale, price=price)
-
-
-def _with_forward_again(cost: Cost) -> Cost:
-    if not cost.forward_comm_s:
-        return cost
-    out = replace(cost, comm_s=dict(cost.comm_s))
-    for kind, seconds in cost.forward_comm_s.items():
-        out.add_comm(kind, seconds)
-    return out
+def _held(cost: Cost, in_flight: float) -> Cost:
+    """Saved activations held for every microbatch in flight."""
+    return replace(cost, memory_bytes=cost.memory_bytes * in_flight) if cost.batch_memory else cost

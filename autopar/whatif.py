@@ -15,6 +15,7 @@ The compute dtype stays the plan's, and memory is checked against the new device
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from .capture import CapturedGraph
 from .cost_models import Cluster, usable_bytes
@@ -24,7 +25,7 @@ from .planner import MeshChoice, _problem_for, _to_plan, _with_pipeline_time, fi
 from .problem import OUTPUT_KEY, Decision, Problem
 from .problem_file import SavedProblem
 from .solver import Solution, evaluate
-from .stages import Staging, stage_problem
+from .stages import Staging, count_layer_modes, layer_names, stage_problem
 from .strategies import Strategy
 
 
@@ -38,12 +39,13 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, cluster: str | Cl
     check_same_model(plan, captured)
     check_same_world(plan, target)
     mesh = _plan_mesh(plan)
-    staging, dtype, constraints = _staging(plan, captured), plan.model["dtype"], _pricing_constraints(plan)
-    priced = _planner_problem(captured, target, mesh, staging, dtype, int(plan.pipeline["microbatches"]), constraints)
+    (staging, layer_modes), dtype, constraints = _staging(plan, captured), plan.model["dtype"], _pricing_constraints(plan)
+    priced = _planner_problem(captured, target, mesh, staging, dtype, int(plan.pipeline["microbatches"]),
+                              constraints).with_layer_modes(layer_modes)
     choice = plan_choice(plan, captured, priced)
     objective_s, _ = evaluate(priced, choice)
     solution = Solution(choice=choice, status="repriced", objective_s=objective_s, bound_s=objective_s,
-                        wall_s=time.perf_counter() - start, variables=0, constraints=0)
+                        wall_s=time.perf_counter() - start, variables=0, constraints=0, layer_modes=layer_modes)
     return _planner_plan(captured, target, plan.model["name"], dtype, mesh, staging, priced, solution,
                          time.perf_counter() - start, constraints)
 
@@ -114,11 +116,17 @@ def _plan_mesh(plan: Plan) -> MeshChoice:
     return MeshChoice(tuple(zip(plan.mesh["dim_names"], plan.mesh["shape"])), int(plan.degrees.get("pp", 1)))
 
 
-def _staging(plan: Plan, captured: CapturedGraph) -> Staging:
-    """The plan's pipeline schedule and activation checkpointing."""
+def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, int]]:
+    """The plan's pipeline schedule, and how many of a device's layers run in each checkpointing mode
+    (those of the first stage, which pricing holds for every device)."""
     pipeline = plan.pipeline
-    return Staging(int(plan.degrees.get("pp", 1)), captured.layer_count(), pipeline.get("schedule", "none"),
-                   int(pipeline.get("virtual_stages", 1)), plan.checkpointing)
+    staging = Staging(int(plan.degrees.get("pp", 1)), captured.layer_count(), pipeline.get("schedule", "none"),
+                      int(pipeline.get("virtual_stages", 1)))
+    names = layer_names(captured)
+    ranges = pipeline.get("stages") or [[0, len(names)]]
+    first_stage = [name for first, end in ranges[::staging.stages] for name in names[first:end]]
+    counts = count_layer_modes(first_stage, plan.checkpointing_of, staging.layers_per_stage)
+    return replace(staging, checkpointing=tuple(counts) or ("none",)), counts
 
 
 def _pricing_constraints(plan: Plan) -> dict[str, int]:

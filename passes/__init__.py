@@ -8,8 +8,8 @@ One pass per file, each named for what it does; ``build_program`` applies them i
    falls out of autograd);
 3. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
    local rules such as fused attention split on heads) run on local shards;
-4. ``checkpoint``: with the plan's ``checkpointing`` other than ``none``, each repeated layer becomes a
-   submodule run under ``torch.utils.checkpoint`` (full or selective recomputation);
+4. ``checkpoint``: each repeated layer the plan recomputes becomes a submodule run under
+   ``torch.utils.checkpoint`` (full or selective recomputation, per layer);
 5. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets;
 6. ``zero`` (ZeRO-1/2 plans): the optimizer gets dp-sharded copies of the parameters, gradients are
    reduce-scattered onto them and parameters all-gathered from them before each step.

@@ -1,9 +1,10 @@
 """Activation checkpointing: run each repeated layer of the program under ``torch.utils.checkpoint``.
 
-The plan's ``checkpointing`` field (defined in ``autopar.stages``) says which activations a repeated
-layer keeps for backward; this pass makes the runtime keep exactly those:
+The plan says, per repeated layer, which activations it keeps for backward (``Plan.checkpointing_of``:
+one mode for every layer, or each layer's own under ``mixed`` checkpointing, as the solver chose and
+``autopar.stages`` priced it); this pass makes the runtime keep exactly those:
 
-* ``none``: the program is returned unchanged;
+* ``none``: the layer runs as captured (a program with no recomputed layer is returned unchanged);
 * ``full``: each layer runs inside ``checkpoint(..., use_reentrant=False)``, so only its inputs are
   kept and every op of the layer runs again in backward. The layer's output is saved by the ops
   that read it (the next layer's checkpoint keeps it as its input), as Megatron-LM's full recompute;
@@ -44,7 +45,8 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
-from autopar.stages import CHECKPOINTING, kept_under_selective, layer_of
+from autopar.plan import CHECKPOINTING
+from autopar.stages import kept_under_selective, layer_of
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep linear-layer and fused-attention outputs, recompute everything else."""
@@ -77,22 +79,23 @@ class CheckpointedLayer(nn.Module):
         return f"{self.layer_name}, checkpointing={self.checkpointing}"
 
 
-def checkpoint_layers(gm: fx.GraphModule, checkpointing: str) -> fx.GraphModule:
-    """``gm`` with each repeated layer run under activation checkpointing (``gm`` itself for "none")."""
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
-    if checkpointing == "none":
-        return gm
+def checkpoint_layers(gm: fx.GraphModule, mode_of: Callable[[str], str]) -> fx.GraphModule:
+    """``gm`` with each repeated layer run in its activation checkpointing mode ``mode_of(layer)``
+    (``gm`` itself when every layer's is "none")."""
     layers = program_layers(gm.graph)
-    if not any(layers.values()):
+    modes = {layer: mode_of(layer) for layer in set(layers.values()) if layer is not None}
+    unknown = {layer: mode for layer, mode in modes.items() if mode not in CHECKPOINTING}
+    if unknown:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {unknown}")
+    if all(mode == "none" for mode in modes.values()):
         return gm
     runs = _contiguous_runs(gm.graph, layers)
     split = split_module(gm, None, lambda node: runs[node], keep_original_order=True,
                          keep_original_node_name=True)
     for run, layer in _layer_of_run(gm.graph, runs, layers).items():
-        if layer is not None:
+        if layer is not None and modes[layer] != "none":
             name = f"submod_{run}"
-            setattr(split, name, CheckpointedLayer(getattr(split, name), layer, checkpointing))
+            setattr(split, name, CheckpointedLayer(getattr(split, name), layer, modes[layer]))
     return split
 
 

@@ -4,10 +4,11 @@ field changes what is recomputed in backward, never the numbers.
 * one process, a 1-rank gloo group: the same plan with ``none``, ``full`` and ``selective`` gives the
   same loss and gradients; full recomputes every op of a layer in backward (matmuls and attention
   included), selective only the cheap ones; checkpointing keeps fewer tensors for backward;
-* gloo at world 4 (2x2 dp x tp, and dp=4): 3 AdamW steps of tiny-gpt and tiny-llama under full and
-  selective checkpointing match single-process training within design.md §7's tolerances. Each
-  model runs one mode per mesh (the modes swapped between models) to keep each test to one spawn of
-  two runs; 2x2 is the mesh with collectives inside the recomputed layers.
+* a mixed plan (each layer its own mode) wraps only its recomputed layers, with the same numbers;
+* gloo at world 4 (2x2 dp x tp, and dp=4): 3 AdamW steps of tiny-gpt and tiny-llama under full,
+  selective and mixed (the planner's per-layer choice under a memory limit) checkpointing match
+  single-process training within design.md §7's tolerances. Each test is one spawn of two runs;
+  2x2 is the mesh with collectives inside the recomputed layers.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ def _bundle() -> ModelBundle:
     return build_model("tiny-gpt", global_batch=BATCH, device="cpu", seed=0)
 
 
-def _module(gpt: tuple[CapturedGraph, dict[str, Any]], checkpointing: str
+def _module(gpt: tuple[CapturedGraph, dict[str, Any]], checkpointing: str, recomputed: dict[str, str] | None = None
             ) -> tuple[ParallelModule, tuple[torch.Tensor, ...]]:
-    """A fresh tiny-gpt under its plan with ``checkpointing`` set, and one training batch."""
+    """A fresh tiny-gpt under its plan with ``checkpointing`` (and ``recomputed_layers``) set, and one
+    training batch."""
     captured, plan = gpt
-    the_plan = autopar.Plan.from_dict({**plan, "checkpointing": checkpointing})
+    the_plan = autopar.Plan.from_dict({**plan, "checkpointing": checkpointing, "recomputed_layers": recomputed or {}})
     bundle = _bundle()
     pm = ParallelModule(bundle.model, captured, the_plan, mesh_for_plan(the_plan))
     return pm, batches(bundle, 1, seed=0)[0]
@@ -76,14 +78,23 @@ def test_checkpointing_wraps_each_layer_and_none_keeps_the_program(gpt: tuple[Ca
         assert {m.checkpointing for m in wrapped} == {mode}
 
 
+MIXED = {"blocks.1": "full"}  # a mixed plan: blocks.0 keeps its activations, blocks.1 recomputes
+
+
+def test_mixed_checkpointing_wraps_only_the_recomputed_layers(gpt: tuple[CapturedGraph, dict[str, Any]]) -> None:
+    pm, _ = _module(gpt, "mixed", MIXED)
+    wrapped = [m for m in pm.program.modules() if isinstance(m, CheckpointedLayer)]
+    assert [(m.layer_name, m.checkpointing) for m in wrapped] == [("blocks.1", "full")]
+
+
 def test_checkpointed_program_gives_the_same_loss_and_gradients(gpt: tuple[CapturedGraph, dict[str, Any]]) -> None:
     results = {}
-    for mode in MODES:
-        pm, batch = _module(gpt, mode)
+    for mode in (*MODES, "mixed"):
+        pm, batch = _module(gpt, mode, MIXED if mode == "mixed" else None)
         loss = pm.step(*batch)
         results[mode] = loss, {name: p.grad.full_tensor() for name, p in pm.named_parameters()}
     loss_none, grads_none = results["none"]
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "mixed"):
         loss, grads = results[mode]
         torch.testing.assert_close(loss, loss_none, rtol=0, atol=0)
         for name, grad in grads.items():
@@ -147,9 +158,13 @@ def _op_in(graph: fx.Graph, fn: Any, arg: fx.Node, path: str) -> fx.Node:
 
 
 # ---- gloo, 4 ranks ----------------------------------------------------------------------------------
+FOUR_LAYERS = {"layers": 4}
+MIXED_RUN = {"dp": 4, "fsdp": 0, "microbatches": 1, "memory_gb": 0.00489}
+"""Memory between what tiny-gpt with 4 layers needs on dp=4 with full recomputation (4.22 MB) and
+without (5.11 MB): the planner recomputes some layers only (``mixed``, selective on 3 of 4)."""
 COVERAGE = {  # each model under both modes, each mode on both meshes; two runs per spawn keeps a test short
-    "tiny-gpt": [{"dp": 2, "tp": 2, "checkpointing": "full"}, {"dp": 4, "checkpointing": "selective"}],
-    "tiny-llama": [{"dp": 2, "tp": 2, "checkpointing": "selective"}, {"dp": 4, "checkpointing": "full"}],
+    "tiny-gpt": [({"dp": 2, "tp": 2, "checkpointing": "full"}, None), (MIXED_RUN, FOUR_LAYERS)],
+    "tiny-llama": [({"dp": 2, "tp": 2, "checkpointing": "selective"}, None), ({"dp": 4, "checkpointing": "full"}, None)],
 }
 
 
@@ -157,12 +172,12 @@ COVERAGE = {  # each model under both modes, each mode on both meshes; two runs 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(COVERAGE))
 def test_checkpointed_training_matches_single_process(name: str) -> None:
-    runs = [dict(name=name, overrides=None, global_batch=BATCH, seq=None, steps=STEPS, plan=None, constraints=c)
-            for c in COVERAGE[name]]
+    runs = [dict(name=name, overrides=o, global_batch=BATCH, seq=None, steps=STEPS, plan=None, constraints=c)
+            for c, o in COVERAGE[name]]
     results = train_parallel_many(4, runs)
-    reference = train_single(name, None, BATCH, None, STEPS)
-    for constraints, result in zip(COVERAGE[name], results):
-        assert result["plan"]["checkpointing"] == constraints["checkpointing"]
+    for (constraints, overrides), result in zip(COVERAGE[name], results):
+        reference = train_single(name, overrides, BATCH, None, STEPS)
+        assert result["plan"]["checkpointing"] == constraints.get("checkpointing", "mixed")
         for rank_losses in result["losses"]:
             torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(reference.losses), rtol=1e-4, atol=0)
         assert max_param_diff(reference.params, result["params"]) < 1e-5, constraints

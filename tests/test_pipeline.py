@@ -14,6 +14,7 @@ from autopar.cost_models import parse_cluster
 from autopar.models import build_model
 from autopar.planner import make_plan
 from autopar.stages import Staging
+from autopar.whatif import reprice
 
 CLUSTER = "4x8xA100-80GB"
 
@@ -141,8 +142,8 @@ def test_selective_checkpointing_keeps_linear_outputs_whole(gpt8):
 def test_free_search_checkpoints_only_when_memory_needs_it(gpt8):
     free = _plan(gpt8, {"dp": 4, "tp": 8})
     assert free.checkpointing == "none"  # 80 GB is plenty: recomputation would only cost time
-    tight = _plan(gpt8, {"dp": 4, "tp": 8, "microbatches": 1, "memory_gb": 2.5})  # none needs ~3 GB here
-    assert tight.checkpointing in ("selective", "full")
+    tight = _plan(gpt8, {"dp": 4, "tp": 8, "microbatches": 1, "memory_gb": 2.5, "time_limit_s": 5})  # none needs ~3 GB
+    assert tight.checkpointing in ("selective", "full", "mixed")
     assert tight.predicted["peak_memory_bytes"] <= 2.5e9
 
 
@@ -166,3 +167,47 @@ def test_fixed_pipeline_through_the_cli(tmp_path):
 def test_bad_pipeline_constraints(gpt8, constraints, match):
     with pytest.raises(BadInputError, match=match):
         _plan(gpt8, constraints)
+
+
+# ---- per-layer checkpointing, chosen by the ILP -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt4_uniform():
+    """tiny-gpt with 4 layers on 4 CPUs (dp=4, DDP, one microbatch), and its plan in each pinned mode."""
+    bundle = build_model("tiny-gpt", global_batch=8, device="meta", overrides={"layers": 4})
+    constraints = {"dp": 4, "fsdp": 0, "microbatches": 1}
+    plans = {mode: autopar.plan(bundle.model, bundle.example_inputs, "1x4xcpu", bundle.loss_fn,
+                                {**constraints, "checkpointing": mode}, example_targets=bundle.example_targets)
+             for mode in ("none", "selective", "full")}
+    return bundle, constraints, plans
+
+
+@pytest.mark.parametrize("share", [0.5, 0.75])
+def test_per_layer_checkpointing_recomputes_only_what_memory_needs(gpt4_uniform, share):
+    """With memory between what full and no recomputation need, the ILP recomputes some layers, not
+    all: faster than every uniform mode that fits, within memory."""
+    bundle, constraints, uniform = gpt4_uniform
+    need = {mode: p.predicted["peak_memory_bytes"] for mode, p in uniform.items()}
+    capacity = need["full"] + share * (need["none"] - need["full"])
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x4xcpu", bundle.loss_fn,
+                        {**constraints, "memory_gb": capacity / 1e9}, example_targets=bundle.example_targets)
+    assert plan.checkpointing == "mixed"
+    assert 0 < len(plan.recomputed_layers) < 4 and set(plan.recomputed_layers) <= {f"blocks.{i}" for i in range(4)}
+    assert plan.predicted["peak_memory_bytes"] <= capacity
+    fitting = [p.predicted["step_time_s"] for mode, p in uniform.items() if need[mode] <= capacity]
+    assert fitting and plan.predicted["step_time_s"] < min(fitting)
+    assert plan.predicted["step_time_s"] > uniform["none"].predicted["step_time_s"]  # recomputation costs time
+    assert "mixed (" in plan.summary() and plan.candidates[0]["layer_modes"]["none"] == 4 - len(plan.recomputed_layers)
+    again = autopar.Plan.from_dict(plan.to_dict())
+    assert again.checkpointing_of("blocks.3") == plan.recomputed_layers.get("blocks.3", "none")
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    repriced = reprice(again, captured, "1x4xcpu")  # the what-if path reads the layers' modes back
+    assert repriced.recomputed_layers == plan.recomputed_layers
+    assert repriced.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert repriced.predicted["peak_memory_bytes"] == plan.predicted["peak_memory_bytes"]
+
+
+def test_pinned_checkpointing_keeps_one_mode_for_every_layer(gpt4_uniform):
+    _, _, uniform = gpt4_uniform
+    for mode, plan in uniform.items():
+        assert plan.checkpointing == mode and plan.recomputed_layers == {}

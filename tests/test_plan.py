@@ -225,7 +225,24 @@ def test_nonexistent_file(tmp_path):
         Plan.load(path)
 
 
-@pytest.mark.parametrize("key", ["inputs", "buffers"])
+@pytest.mark.parametrize("checkpointing, recomputed, match", [
+    ("some", {}, "checkpointing must be one of none, selective, full, mixed"),
+    ("mixed", {}, "recomputed_layers lists each recomputed layer"),
+    ("full", {"blocks.0": "full"}, "only when, checkpointing is 'mixed'"),
+    ("mixed", {"blocks.0": "most"}, "modes must be selective or full"),
+])
+def test_bad_checkpointing_is_a_format_error(plan_dict, tmp_path, checkpointing, recomputed, match):
+    plan_dict.update(checkpointing=checkpointing, recomputed_layers=recomputed)
+    _raises_naming(_write(tmp_path, plan_dict, "checkpointing.json"), match)
+
+
+def test_mixed_checkpointing_names_each_layer_mode(plan_dict, tmp_path):
+    plan_dict.update(checkpointing="mixed", recomputed_layers={"blocks.1": "selective"})
+    loaded = Plan.load(_write(tmp_path, plan_dict, "mixed.json"))
+    assert [loaded.checkpointing_of(f"blocks.{i}") for i in range(3)] == ["none", "selective", "none"]
+
+
+@pytest.mark.parametrize("key", ["inputs", "buffers", "recomputed_layers"])
 def test_sections_beyond_the_design_minimum_are_optional(plan_dict, tmp_path, key):
     """design.md §5 lists the minimum keys; a plan without autopar's extra sections still loads."""
     del plan_dict[key]

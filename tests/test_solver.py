@@ -14,7 +14,7 @@ from torch import nn
 
 from autopar.errors import NoFeasiblePlanError
 from autopar.pricing import Cost
-from autopar.problem import Decision, Edge, Option, Problem
+from autopar.problem import Decision, Edge, LayerModes, Option, Problem
 from autopar.solver import brute_force, evaluate, least_memory, solve
 from autopar.strategies import Strategy
 
@@ -42,7 +42,7 @@ def close(a, b, rel=1e-9):
 
 def check_against_brute_force(p: Problem):
     sol = solve(p)
-    choice, best = brute_force(p)
+    choice, best, _ = brute_force(p)
     step, memory = evaluate(p, sol.choice)
     assert close(step, best), (step, best)
     assert close(sol.objective_s, best), (sol.objective_s, best)
@@ -70,7 +70,7 @@ def test_edge_resharding_cost_flips_the_choice(reshard_s, want_a, want_s):
     assert sol.choice == {"a": want_a, "b": 0}
     assert close(sol.objective_s, want_s)
     assert close(evaluate(p, sol.choice)[0], want_s)
-    assert brute_force(p) == ({"a": want_a, "b": 0}, pytest.approx(want_s, rel=1e-12))
+    assert brute_force(p) == ({"a": want_a, "b": 0}, pytest.approx(want_s, rel=1e-12), {})
 
 
 @pytest.mark.parametrize("count, want_a, want_s", [(1, 0, 2.3e-3), (2, 1, 2.5e-3)])
@@ -237,8 +237,8 @@ def test_random_problems_exercise_memory_and_overlap():
     memory_bound = exposed_sync = 0
     for seed in SEEDS:
         p = random_problem(seed)
-        _, best = brute_force(p)
-        _, free_best = brute_force(dataclasses.replace(p, memory_capacity_bytes=math.inf))
+        best = brute_force(p).step_s
+        free_best = brute_force(dataclasses.replace(p, memory_capacity_bytes=math.inf)).step_s
         memory_bound += best > free_best * (1 + 1e-9)
         choice = solve(p).choice
         sync = sum(d.count * d.options[choice[k]].cost.grad_sync_s for k, d in p.decisions.items())
@@ -339,3 +339,88 @@ def test_infeasible_real_graph_raises(wide_problem):
     p = dataclasses.replace(wide_problem, memory_capacity_bytes=1024.0)
     with pytest.raises(NoFeasiblePlanError, match="GiB"):
         solve(p)
+
+
+# ---- (d) per-layer activation checkpointing: modes chosen by the ILP ---------------------------
+
+MODES = ("none", "selective", "full")
+
+
+def random_layered_problem(seed: int) -> Problem:
+    """``random_problem`` whose first decisions are ops of ``L`` repeated layers, each priced per
+    checkpointing mode (recomputation adds compute, frees memory but holds one layer's working set),
+    and whose edges into them rerun forward collectives when recomputed."""
+    rng = random.Random(1000 + seed)
+    p = random_problem(seed)
+    layers = rng.randint(2, 5)
+    layered = [k for k in p.decisions if k != "d0"][: rng.randint(1, 3)]
+    decisions = dict(p.decisions)
+    for k in layered:
+        d = decisions[k]
+        decisions[k] = dataclasses.replace(d, options=[_by_mode(o, rng, d.count, layers) for o in d.options])
+    recomputed = {"selective": set(layered[:1]), "full": set(layered)}
+    edges = []
+    for e in p.edges:
+        under = tuple(m for m in MODES if e.dst in recomputed.get(m, ()))
+        price = {pq: dataclasses.replace(c, forward_comm_s=dict(c.comm_s)) if c.comm_s and under else c
+                 for pq, c in e.price.items()}
+        edges.append(dataclasses.replace(e, price=price, recomputed_under=under))
+    out = dataclasses.replace(p, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, MODES))
+    lo, hi = least_memory(out), least_memory(out.with_layer_modes({"none": layers}))
+    return dataclasses.replace(out, memory_capacity_bytes=lo + rng.uniform(0.2, 1.1) * (hi - lo))
+
+
+def _by_mode(option: Option, rng: random.Random, count: float, layers: int) -> Option:
+    c = option.cost
+    by_mode = {"none": c,
+               "selective": dataclasses.replace(c, compute_s=c.compute_s * 1.2, memory_bytes=c.memory_bytes * 0.5,
+                                                backward_compute_s=c.backward_compute_s * 1.2),
+               "full": dataclasses.replace(c, compute_s=c.compute_s * 1.33, memory_bytes=0.0,
+                                           backward_compute_s=c.backward_compute_s * 1.5)}
+    working = {"selective": c.memory_bytes * 0.3 * count / layers, "full": c.memory_bytes * 0.6 * count / layers}
+    return dataclasses.replace(option, by_mode=by_mode, recompute_bytes=working)
+
+
+LAYERED_SEEDS = list(range(12))
+
+
+@pytest.mark.parametrize("seed", LAYERED_SEEDS)
+@pytest.mark.parametrize("backend", ["HIGHS", "SCIP"])
+def test_layer_modes_match_brute_force(seed, backend):
+    """Constraints (5)-(8) make the ILP exact: its optimum over placements and per-layer modes equals
+    enumeration of both, and its objective is the settled problem's price of its own answer."""
+    p = random_layered_problem(seed)
+    sol = solve(p, backend=backend)
+    best = brute_force(p)
+    assert sum(sol.layer_modes.values()) == p.layer_modes.layers
+    step, memory = evaluate(p, sol.choice, sol.layer_modes)
+    assert close(step, best.step_s, rel=1e-6), (step, best)
+    assert close(sol.objective_s, step, rel=1e-6)
+    assert memory <= p.memory_capacity_bytes * (1 + 1e-9)
+
+
+def test_layered_problems_mix_modes():
+    """The property test above is only as good as its problems: in some the best plan recomputes some
+    layers in one mode and others in another, in some every layer runs in one mode."""
+    mixes = [brute_force(random_layered_problem(seed)).layer_modes for seed in LAYERED_SEEDS]
+    assert sum(sum(1 for n in counts.values() if n) > 1 for counts in mixes) >= 3, mixes
+    assert any(max(counts.values()) == sum(counts.values()) for counts in mixes), mixes
+
+
+def test_settled_problem_prices_the_mix_by_hand():
+    """Two layers, one op: 1 ms and 4 GiB kept (none) or 1.5 ms and a 1 GiB working set (full);
+    its input edge runs a 0.2 ms forward all_gather, again when recomputed. One layer of each: 1.25 ms
+    + 2 GiB per occurrence (x2 layers), plus the working set once; the edge pays 0.2 ms + 0.1 ms."""
+    none = Cost(compute_s=1e-3, memory_bytes=4 * GIB, batch_memory=True)
+    full = Cost(compute_s=1.5e-3, batch_memory=True)
+    op = Option(Strategy((S0,), (S0,)), none, by_mode={"none": none, "full": full}, recompute_bytes={"full": 1 * GIB})
+    src = dec("x", [opt(R)])
+    gather = Cost(comm_s={"all_gather": 2e-4}, forward_comm_s={"all_gather": 2e-4})
+    p = Problem((4,), {"x": src, "op": dec("op", [op], count=2)},
+                [Edge("x", 0, "op", 0, 2, {(R, (S0, ())): gather}, recomputed_under=("full",))],
+                1e30, 0.8, layer_modes=LayerModes(2, ("none", "full")))
+    step, memory = evaluate(p, {"x": 0, "op": 0}, {"none": 1, "full": 1})
+    assert close(step, 2 * 1.25e-3 + 2 * 2e-4 + 2 * 0.5 * 2e-4)
+    assert close(memory, 2 * 2 * GIB + 1 * GIB)
+    with pytest.raises(ValueError, match="do not give the 2 layers"):
+        p.with_layer_modes({"none": 1})
