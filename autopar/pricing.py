@@ -18,6 +18,10 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   rank, so its gradient is a partial sum that must be all-reduced in backward. For a parameter this is
   the data-parallel gradient all_reduce (bucketed and overlapped with backward: reported apart as
   ``grad_sync``); for an activation it is Megatron's "f" all_reduce on the critical path.
+* a collective on the critical path (a resharding, an activation's partial gradient) costs the
+  link's formula plus the device's ``redistribute_s``: DTensor runs it inside the step, and on a
+  calibrated CPU that costs more than the bare collective (nothing on the presets). The bucketed
+  gradient sync runs plain c10d all_reduces and is charged its host work per gradient instead.
 * resharding an edge, forward -> backward: S->R all_gather -> (none); P->R all_reduce -> (none);
   P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
   all_to_all. A partial gradient never needs the backward of R->P.
@@ -201,11 +205,12 @@ class Pricer:
 
     def collective_seconds(self, c: "Collective") -> float:
         """Seconds pricing charges for ``c``: a data-parallel gradient all_reduce is bucketed (its
-        bandwidth term only); everything else pays the whole formula."""
+        bandwidth term only); everything else pays the whole formula and, run by DTensor inside the
+        step, the device's ``redistribute_s`` (zero on the presets)."""
         group = self.groups[c.mesh_dim]
         if c.grad_sync and c.kind == "all_reduce":
             return bucketed_all_reduce_time(c.nbytes, group)
-        return collective_time(c.kind, c.nbytes, group)
+        return in_step_collective_time(c.kind, c.nbytes, group, self.cluster.device.redistribute_s)
 
     def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
                              ) -> list["Collective"]:
@@ -324,7 +329,7 @@ class Pricer:
               grad_partial: tuple[int, ...]) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
         for c in self.edge_collectives(val, src, dst, grad_partial):
-            seconds = collective_time(c.kind, c.nbytes, self.groups[c.mesh_dim])
+            seconds = self.collective_seconds(c)
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0:
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
@@ -373,6 +378,14 @@ def bucketed_all_reduce_time(nbytes: float, group) -> float:
     the marginal time of the formula (t(n) - t(1 byte)), which is that bandwidth term.
     """
     return max(0.0, collective_time("all_reduce", nbytes, group) - collective_time("all_reduce", 1.0, group))
+
+
+def in_step_collective_time(kind: str, nbytes: float, group, redistribute_s: float) -> float:
+    """Seconds a collective run by DTensor inside a step adds to it: the link's formula plus the
+    device's per-collective ``redistribute_s`` (measured by ``autopar calibrate``); nothing for a
+    collective that moves nothing (a group of one)."""
+    seconds = collective_time(kind, nbytes, group)
+    return seconds + redistribute_s if seconds > 0 else 0.0
 
 
 def _unsharded_on(placements: Placements, dim: int) -> Placements:

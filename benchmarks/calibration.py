@@ -109,7 +109,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'W':>2}  {'mesh':<10} {'preset pred':>11} {'calib pred':>10} {'median':>9} {'error':>7} "
           f"{'fastest':>9} {'error':>7} "
           f"{'opt pred':>9} {'opt.step':>9}  {'GFLOP/s':>8} {'GB/s':>6} {'dispatch':>9} {'link GB/s':>9} "
-          f"{'link lat':>9}")
+          f"{'link lat':>9} {'redistr':>8}")
     for r in rows:
         fits, device = r["profile"]["fits"], r["profile"]["device"]
         link = fits["links"].get("intra", {"bw": float("nan"), "base_latency_s": float("nan")})
@@ -120,7 +120,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['predicted_update_s'] * 1e3:>6.1f} ms {r['measured_update_s'] * 1e3:>6.1f} ms  "
               f"{fits['matmul']['fp32']['rate'] / 1e9:>8.1f} {fits['memory']['rate'] / 1e9:>6.2f} "
               f"{device.get('host_op_s', 0.0) * 1e6:>6.0f} us {link['bw'] / 1e9:>9.2f} "
-              f"{link['base_latency_s'] * 1e6:>6.0f} us")
+              f"{link['base_latency_s'] * 1e6:>6.0f} us {device.get('redistribute_s', 0.0) * 1e6:>5.0f} us")
 
 
 def main() -> None:

@@ -20,12 +20,19 @@ What is measured, on every rank at once (ranks share the host or the node, as in
   tensors too small for FLOPs to matter; and, outside autograd, from ``torch.optim.AdamW``'s update
   of that block's weights. On CUDA the host enqueues ahead of the device and its dispatch hides
   behind the kernels, so it is not measured (the profile keeps the preset's 0);
+* **redistribute** (CPU only): what one collective run by DTensor inside a step adds to it: the same
+  block's forward and backward with its output all-gathered (``Shard(0) -> Replicate``), less the
+  block alone (the median difference of alternating repeats of the two). Besides the gloo
+  collective this holds DTensor's and autograd's wrapping of it and, when ranks outnumber cores,
+  the wait for the last rank to be scheduled and reach it, which a collective timed in a tight
+  loop (all ranks already waiting in it) does not show;
 * **collectives** (world > 1): seconds of all_reduce, all_gather and reduce_scatter by message
   size, on the ranks of one node and, across nodes, on one rank per node.
 
 Every sample is the fastest of several timed repeats (slower ones measure other processes, not the
-machine); across ranks the slowest rank's figure is kept, since a synchronous step runs at the
-slowest rank's pace.
+machine), except the redistribute's marginal time (a median of paired differences, see
+``_fastest_and_marginal``); across ranks the slowest rank's figure is kept, since a synchronous
+step runs at the slowest rank's pace.
 
 How the numbers become profile fields (``build_profile``):
 
@@ -42,10 +49,13 @@ How the numbers become profile fields (``build_profile``):
 * ``host_update_op_s`` (CPU): AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
   per weight), less the op floor: what ``compute.adamw_step_time`` charges per kernel besides bytes.
 * ``nvlink_bw``, ``intra_latency_s``, ``base_latency_s`` (and ``net_bw``, ``inter_latency_s``
-  across nodes): one non-negative least-squares fit per link of
+  across nodes): one non-negative least-squares fit per link, in relative error, of
   ``seconds = base + ring_steps(kind, p) * step_latency + collective_bytes_per_rank(kind, n, p) / bw``
   over all kinds and sizes, i.e. ``comm.py``'s flat-ring formula with its own helpers; fields the
   run could not measure (the network on one node) keep the base preset's values.
+* ``redistribute_s`` (CPU): the redistribute's marginal time less what that formula gives its
+  all_gather on the fitted link (the intra-node one, or across nodes when there is one rank per
+  node); ``autopar/pricing.py`` adds it to every collective on a step's critical path.
 * ``hbm_bytes``: the device's memory (on CPU, the host's RAM divided among the node's ranks).
 
 The profile is a cluster file (``cluster.py``): ``nodes``, ``devices_per_node``, a ``device`` with
@@ -60,6 +70,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from itertools import combinations
@@ -212,6 +223,16 @@ class LinkFit:
     step_latency_s: float
     bw: float
 
+    def seconds(self, kind: str, nbytes: float, ranks: int) -> float:
+        """The fitted formula's time for one collective."""
+        one, steps, ring_bytes = _link_terms(kind, nbytes, ranks)
+        return one * self.base_latency_s + steps * self.step_latency_s + ring_bytes / self.bw
+
+
+def _link_terms(kind: str, nbytes: float, ranks: int) -> list[float]:
+    """The formula's terms, multiplying (base latency, per-step latency, 1 / bandwidth)."""
+    return [1.0, float(ring_steps(kind, ranks)), collective_bytes_per_rank(kind, nbytes, ranks)]
+
 
 def fit_link(samples: Sequence[CollectiveSample]) -> LinkFit:
     """Fit ``base + ring_steps * step_latency + ring_bytes / bw`` to collective timings.
@@ -219,12 +240,18 @@ def fit_link(samples: Sequence[CollectiveSample]) -> LinkFit:
     ``ring_steps`` and the ring bytes (``collective_bytes_per_rank``) are comm.py's, so a link
     priced with the fit reproduces the timings as closely as the flat-ring model allows. Base and
     per-step latency are told apart by kinds (or group sizes) with different step counts.
+
+    The fit minimizes *relative* error (each sample's row and target divided by its seconds): the
+    timings span four orders of magnitude, and an absolute fit, ruled by the largest messages, can
+    leave a small collective (what a step's redistributes send) priced at several times its time.
     """
     if not samples:
         raise ValueError("fit_link needs at least one collective timing")
-    rows = [[1.0, float(ring_steps(s.kind, s.ranks)), collective_bytes_per_rank(s.kind, s.nbytes, s.ranks)]
-            for s in samples]
-    base, step, inverse_bw = nonnegative_least_squares(rows, [s.seconds for s in samples])
+    if min(s.seconds for s in samples) <= 0:
+        raise ValueError("fit_link needs positive collective timings")
+    rows = [_link_terms(s.kind, s.nbytes, s.ranks) for s in samples]
+    relative = [[value / s.seconds for value in row] for row, s in zip(rows, samples)]
+    base, step, inverse_bw = nonnegative_least_squares(relative, [1.0] * len(samples))
     if inverse_bw > 0:
         return LinkFit(base_latency_s=base, step_latency_s=step, bw=1.0 / inverse_bw)
     # Latency-bound at every measured size (small messages, noisy timings): the link moved each
@@ -250,21 +277,49 @@ def _seconds_per_call(fn: Callable[[], Any], sync: Callable[[], None], sizes: Si
     ``agree`` turns this rank's call count into the one every rank of a collective uses (they must
     all issue the same number of collectives).
     """
+    calls = _calls_per_repeat(fn, sync, sizes, agree)
+    return min(_timed_repeat(fn, sync, calls) for _ in range(sizes.repeats))
+
+
+def _fastest_and_marginal(base: Callable[[], Any], extended: Callable[[], Any], sizes: Sizes,
+                          agree: Callable[[int], int], align: Callable[[], None]) -> tuple[float, float]:
+    """(``base``'s fastest repeat, the median over paired repeats of ``extended``'s time less ``base``'s).
+
+    The two run in alternating repeats, so each difference is taken under the same load; its median
+    keeps one repeat disturbed by another process from moving the marginal time (a difference of
+    two separately taken fastest repeats can be off by the whole disturbance). ``align`` (a barrier)
+    starts every repeat on all ranks together: otherwise a rank that ran ahead in ``base``, which has
+    no collective, would charge its wait for the others to ``extended``'s first collective."""
+    no_sync = lambda: None  # noqa: E731 (host-bound: nothing queued to wait for)
+    calls = {fn: _calls_per_repeat(fn, no_sync, sizes, agree) for fn in (base, extended)}
+
+    def repeat(fn: Callable[[], Any]) -> float:
+        align()
+        return _timed_repeat(fn, no_sync, calls[fn])
+
+    pairs = [(repeat(base), repeat(extended)) for _ in range(sizes.repeats)]
+    return min(a for a, _ in pairs), statistics.median(b - a for a, b in pairs)
+
+
+def _calls_per_repeat(fn: Callable[[], Any], sync: Callable[[], None], sizes: Sizes,
+                      agree: Callable[[int], int]) -> int:
+    """Calls of ``fn`` that last at least ``sizes.min_repeat_s`` (after one warm-up call), agreed by ``agree``."""
     fn()
     sync()
     start = time.perf_counter()
     fn()
     sync()
     single = max(time.perf_counter() - start, 1e-7)
-    calls = agree(max(1, int(sizes.min_repeat_s / single)))
-    timings = []
-    for _ in range(sizes.repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        timings.append((time.perf_counter() - start) / calls)
-    return min(timings)
+    return agree(max(1, int(sizes.min_repeat_s / single)))
+
+
+def _timed_repeat(fn: Callable[[], Any], sync: Callable[[], None], calls: int) -> float:
+    """Mean seconds per call of ``calls`` back-to-back calls of ``fn``."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls
 
 
 def _most_calls_in(group: Any) -> Callable[[int], int]:
@@ -333,7 +388,8 @@ def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
     a non-view op also its kernel floor (3 times); so the block's time less those floors, divided by
     3 per op it dispatches forward (counted by dispatch), is the dispatch the pricer must charge.
     AdamW's update of the block's weights, per kernel less its floor, is the dispatch of an op run
-    outside autograd (``compute.adamw_step_time``).
+    outside autograd (``compute.adamw_step_time``). The block with its output all-gathered by DTensor,
+    less the block, is what one redistribute adds to a step (``redistribute_overhead_s``).
     """
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -351,12 +407,16 @@ def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
     def forward_backward() -> None:
         forward().sum().backward()
 
+    def forward_backward_gathered() -> None:  # the same step with one redistribute: all_gather of the output
+        forward().redistribute(mesh, [Replicate()]).sum().backward()
+
     counter = _DispatchCounter()
     with counter:
         forward()
     agree = _most_calls_in(None)
     forward_s = _seconds_per_call(forward, lambda: None, sizes, agree)
-    forward_backward_s = _seconds_per_call(forward_backward, lambda: None, sizes, agree)
+    forward_backward_s, redistribute_s = _fastest_and_marginal(forward_backward, forward_backward_gathered,
+                                                               sizes, agree, align=dist.barrier)
     for w in weights.values():  # replicated gradients, as the runtime's sync leaves them (not Partial)
         w.grad = torch.ones_like(w)
     optimizer = torch.optim.AdamW(list(weights.values()))
@@ -370,7 +430,11 @@ def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
             "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, kernel_launch_s),
             "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
             "update_s": update_s / update_ops,
-            "host_update_op_s": max(0.0, update_s / update_ops - kernel_launch_s)}
+            "host_update_op_s": max(0.0, update_s / update_ops - kernel_launch_s),
+            "redistribute_method": "the same forward and backward with the block's output all-gathered "
+                                   "(Shard(0) -> Replicate) by DTensor, less the block alone",
+            "redistribute": {"kind": "all_gather", "nbytes": x.numel() * DTYPE_BYTES["fp32"], "ranks": world,
+                             "seconds": max(0.0, redistribute_s)}}
 
 
 def host_dispatch_s(forward_backward_s: float, ops: int, views: int, kernel_launch_s: float) -> float:
@@ -542,6 +606,8 @@ def _slowest_rank(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "host_update_op_s"):
         if key in floor:
             floor[key] = max(r["op_floor"][key] for r in per_rank)
+    if "redistribute" in floor:
+        floor["redistribute"] = _max_seconds([[r["op_floor"]["redistribute"]] for r in per_rank])[0]
     combined["op_floor"] = floor
     return combined
 
@@ -578,9 +644,18 @@ def build_profile(measured: Mapping[str, Any], source: str) -> dict[str, Any]:
     device.update({key: measured["op_floor"][key] for key in ("host_op_s", "host_update_op_s")
                    if key in measured["op_floor"]})
     device.update(_link_fields(fits["links"]))
+    if "redistribute" in measured["op_floor"]:
+        link = fits["links"]["intra" if "intra" in fits["links"] else "inter"]
+        device["redistribute_s"] = redistribute_overhead_s(measured["op_floor"]["redistribute"], LinkFit(**link))
     nodes = measured["world"] // measured["ranks_per_node"]
     return {"source": source, "nodes": nodes, "devices_per_node": measured["ranks_per_node"], "device": device,
             "measured": {**measured, "fits": fits}}
+
+
+def redistribute_overhead_s(sample: Mapping[str, Any], link: LinkFit) -> float:
+    """``redistribute_s``: what one DTensor redistribute added to a step (``sample``: its kind, full bytes,
+    ranks and marginal seconds) beyond the time ``comm.py``'s formula gives it on the fitted ``link``."""
+    return max(0.0, sample["seconds"] - link.seconds(sample["kind"], sample["nbytes"], sample["ranks"]))
 
 
 def _matmul_fits(samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
@@ -621,6 +696,9 @@ def profile_summary(profile: Mapping[str, Any]) -> str:
     if "host_op_s" in device:
         lines.append(f"  dispatch     {device['host_op_s'] * 1e6:10.1f} us per op (views included) on the host, "
                      f"{device['host_update_op_s'] * 1e6:.1f} us per optimizer kernel")
+    if "redistribute_s" in device:
+        lines.append(f"  redistribute {device['redistribute_s'] * 1e6:10.1f} us per collective in a step, "
+                     "beyond the link's formula")
     for name, fit in fits["links"].items():
         lines.append(f"  {name}-node    {fit['bw'] / 1e9:10.2f} GB/s, {fit['step_latency_s'] * 1e6:.1f} us per ring step, "
                      f"{fit['base_latency_s'] * 1e6:.1f} us per collective")

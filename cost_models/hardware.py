@@ -137,6 +137,11 @@ class DeviceSpec:
     autograd, Python), views and collectives included; ``compute.dispatched_time`` applies it."""
     host_update_op_s: float = 0.0
     """Host seconds to dispatch one op of the optimizer update, which runs outside autograd."""
+    redistribute_s: float = 0.0
+    """Seconds a collective run inside a training step (a DTensor redistribute) costs beyond the
+    link's formula: DTensor's and autograd's wrapping of it and, where ranks share cores, the wait
+    for the last rank to reach it. Charged once per critical-path collective (``autopar/pricing.py``);
+    measured by ``autopar calibrate`` on CPU, 0 on the presets (a GPU host enqueues it ahead)."""
     host_runs_kernels: bool = False
     """Whether the host's cores run the kernels too (CPU): then an op's dispatch and its kernel add up;
     otherwise (CUDA) the host enqueues kernels ahead of the device and an op takes the longer of the two."""
@@ -150,7 +155,7 @@ class DeviceSpec:
         for attr in ("hbm_bw", "nvlink_bw", "net_bw"):
             _require_positive(self.name, attr, getattr(self, attr))
         for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s", "host_op_s",
-                     "host_update_op_s"):
+                     "host_update_op_s", "redistribute_s"):
             _require_non_negative(self.name, attr, getattr(self, attr))
         if not isinstance(self.host_runs_kernels, bool):
             raise ValueError(f"device {self.name}: host_runs_kernels must be true or false, "

@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopar.api import resolve_cluster
 from autopar.cli import main
 from autopar.cost_models import (ClusterSpecError, DeviceSpec, GroupTopology, adamw_step_time, collective_time,
                                  compute_time, dispatched_time, get_device, parse_cluster)
-from autopar.cost_models.calibrate import (CollectiveSample, build_profile, fit_link, fit_rate, host_dispatch_s,
-                                           nonnegative_least_squares, profile_summary, write_profile)
+from autopar.cost_models.calibrate import (CollectiveSample, LinkFit, build_profile, fit_link, fit_rate,
+                                           host_dispatch_s, nonnegative_least_squares, profile_summary,
+                                           redistribute_overhead_s, write_profile)
 from autopar.cost_models.compute import (ADAMW_KERNELS_PER_TENSOR, MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY,
                                          adamw_bytes_per_element)
 
@@ -71,6 +73,18 @@ def test_fit_link_bounds_bandwidth_when_every_size_is_latency_bound():
     largest = max(SIZES)
     assert fit.bw == pytest.approx(largest / 1e-3, rel=1e-9)  # ring bytes of a 2-rank all_reduce = n
     assert fit.base_latency_s + 2 * fit.step_latency_s <= 1e-3 + 1e-12
+
+
+def test_fit_link_prices_small_messages_by_their_own_latency():
+    """Small messages at 100 us, large ones with a slower fixed part (a protocol switch): the fit weighs
+    every size alike, so the smallest stays priced near its 100 us (an absolute fit, ruled by the 16 MB
+    samples, priced it at about 1 ms)."""
+    small = [CollectiveSample("all_gather", n, 2, 100e-6 + n / 1e9) for n in (1 << 10, 1 << 12, 1 << 14)]
+    large = [CollectiveSample("all_gather", n, 2, 1e-3 + n / 1e9) for n in (1 << 22, 1 << 24)]
+    fit = fit_link(small + large)
+    group = ring(2, bw=fit.bw, step=fit.step_latency_s, base=fit.base_latency_s)
+    assert collective_time("all_gather", 1 << 10, group) == pytest.approx(small[0].seconds, rel=0.5)
+    assert collective_time("all_gather", 1 << 24, group) == pytest.approx(large[-1].seconds, rel=0.2)
 
 
 def test_fit_rate_recovers_rate_and_intercept():
@@ -140,6 +154,86 @@ def test_host_dispatch_is_the_block_time_less_floors_per_priced_dispatch():
     # 10 ops and 20 views forward: 90 priced dispatches; 30 kernel floors of 10 us = 0.3 ms
     assert host_dispatch_s(9.3e-3, ops=10, views=20, kernel_launch_s=10e-6) == pytest.approx(100e-6)
     assert host_dispatch_s(1e-4, ops=10, views=0, kernel_launch_s=10e-6) == 0.0  # floors exceed the time
+
+
+def test_redistribute_overhead_is_the_marginal_time_less_the_link_formula():
+    link = LinkFit(base_latency_s=200e-6, step_latency_s=50e-6, bw=1e9)
+    # a 2-rank all_gather of 1 MB: 200 + 1 x 50 us + 0.5 MB / 1 GB/s = 0.75 ms by the formula
+    sample = {"kind": "all_gather", "nbytes": 1e6, "ranks": 2, "seconds": 2e-3}
+    assert redistribute_overhead_s(sample, link) == pytest.approx(1.25e-3)
+    assert redistribute_overhead_s({**sample, "seconds": 0.5e-3}, link) == 0.0  # faster than the formula
+
+
+def test_marginal_time_is_the_median_of_paired_differences(monkeypatch):
+    """A fake clock: the base call takes 1 s, the extended one 3 s, and one repeat of the base is
+    disturbed (+10 s per call). The fastest base repeat is 1 s and the marginal time stays 2 s."""
+    from autopar.cost_models import calibrate
+
+    clock = {"now": 0.0, "base_calls": 0}
+
+    def base() -> None:
+        clock["base_calls"] += 1
+        clock["now"] += 11.0 if clock["base_calls"] == 5 else 1.0  # calls 1-2 size the repeat; 5: repeat 3
+
+    def extended() -> None:
+        clock["now"] += 3.0
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    sizes = calibrate.Sizes((), (), (), min_repeat_s=0.5, repeats=5)
+    fastest, marginal = calibrate._fastest_and_marginal(base, extended, sizes, agree=lambda calls: calls,
+                                                        align=lambda: None)
+    assert (fastest, marginal) == (1.0, 2.0)
+
+
+def test_profile_carries_the_redistribute_overhead_measured_over_the_fitted_link():
+    measured = synthetic_measurement()
+    measured["op_floor"]["redistribute"] = {"kind": "all_gather", "nbytes": 1024, "ranks": 2, "seconds": 1e-3}
+    device = build_profile(measured, "test")["device"]
+    link = LinkFit(base_latency_s=25e-6, step_latency_s=40e-6, bw=3e9)  # synthetic_samples' ring(2)
+    assert device["redistribute_s"] == pytest.approx(redistribute_overhead_s(measured["op_floor"]["redistribute"],
+                                                                             link), rel=1e-6)
+    assert device["redistribute_s"] == pytest.approx(1e-3 - 25e-6 - 40e-6 - 512 / 3e9, rel=1e-6)
+    assert "redistribute_s" not in build_profile(synthetic_measurement(), "test")["device"]
+
+
+def test_each_critical_path_collective_pays_the_redistribute_overhead_and_gradient_sync_does_not():
+    from dataclasses import replace
+
+    from autopar.pricing import Collective, Pricer
+
+    base = resolve_cluster("1x2xcpu")
+    plain, slow = (Pricer(replace(base, device=cpu_device(redistribute_s=r)), (2,), "fp32") for r in (0.0, 1e-3))
+    val = torch.empty(8, 16)
+    # S(0) -> R: an all_gather forward, nothing backward; with a partial gradient, a reduce_scatter too
+    assert slow.edge(val, ("S(0)",), ("R",)).exposed_s == pytest.approx(plain.edge(val, ("S(0)",), ("R",)).exposed_s
+                                                                        + 1e-3)
+    gathered = (slow.edge(val, ("S(0)",), ("R",), grad_partial=(0,)).exposed_s
+                - plain.edge(val, ("S(0)",), ("R",), grad_partial=(0,)).exposed_s)
+    assert gathered == pytest.approx(2e-3)
+    assert slow.edge(val, ("R",), ("R",)).exposed_s == 0.0
+    sync = Collective("all_reduce", "backward", 4096, 0, ("R",), grad_sync=True)
+    assert slow.collective_seconds(sync) == plain.collective_seconds(sync)  # bucketed, raw c10d: no DTensor
+
+
+def test_a_plan_priced_with_a_profile_charges_its_redistributes(profile_path, tmp_path, capsys):
+    """tiny-gpt on 2 ranks priced with a profile whose redistributes cost 2 ms: each critical-path
+    collective of the plan is the link's formula plus 2 ms, and the step's communication is their sum."""
+    from autopar.pricing import Pricer
+
+    data = json.loads(profile_path.read_text())
+    data["device"]["redistribute_s"] = 2e-3
+    slower = tmp_path / "slower.json"
+    slower.write_text(json.dumps(data))
+    assert main(["plan", "tiny-gpt", "--cluster", str(slower), "--fix", "dp=2,microbatches=1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    group = Pricer(resolve_cluster(str(slower)), (2,), "fp32").groups[0]
+    critical = [c for op in plan["ops"].values() for c in op.get("collectives", []) if not c["grad_sync"]]
+    assert critical  # the loss's gathers, at least
+    for c in critical:
+        assert c["seconds"] == pytest.approx(collective_time(c["kind"], c["nbytes"], group) + 2e-3)
+    predicted = plan["predicted"]
+    comm = sum(predicted["comm_s"].values()) - predicted["grad_sync_s"]
+    assert comm == pytest.approx(sum(c["seconds"] for c in critical))
 
 
 def cpu_device(**fields) -> DeviceSpec:
