@@ -199,6 +199,9 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
                      "overlapped with backward")
     elif term["grad_sync"]:
         lines.append("      ZeRO gradient sync (passes/zero.py), overlapped with backward")
+    elif term["seconds"] > seconds:  # pricing.in_step_collective_time: the device's redistribute_s
+        lines.append(f"      + {fmt_seconds(term['seconds'] - seconds)} per collective DTensor runs inside a step "
+                     f"(the device's calibrated redistribute_s) = {fmt_seconds(term['seconds'])}")
     microbatches = plan_data.get("pipeline", {}).get("microbatches", 1)
     if term["per_microbatch"] and microbatches > 1:
         lines.append(f"      once per microbatch: x{microbatches} = {fmt_seconds(microbatches * term['seconds'])}")

@@ -17,6 +17,7 @@ import torch
 
 from autopar.api import resolve_cluster
 from autopar.cli import main
+from autopar.plan import Plan
 from autopar.cost_models import (ClusterSpecError, DeviceSpec, GroupTopology, adamw_step_time, collective_time,
                                  compute_time, dispatched_time, get_device, parse_cluster)
 from autopar.cost_models.calibrate import (CollectiveSample, LinkFit, build_profile, fit_link, fit_rate,
@@ -234,6 +235,8 @@ def test_a_plan_priced_with_a_profile_charges_its_redistributes(profile_path, tm
     predicted = plan["predicted"]
     comm = sum(predicted["comm_s"].values()) - predicted["grad_sync_s"]
     assert comm == pytest.approx(sum(c["seconds"] for c in critical))
+    op = next(name for name, op in plan["ops"].items() if any(not c["grad_sync"] for c in op.get("collectives", [])))
+    assert "(the device's calibrated redistribute_s)" in Plan.from_dict(plan).explain(op)  # explain shows the term
 
 
 def cpu_device(**fields) -> DeviceSpec:
