@@ -48,7 +48,7 @@ from .cost_models import Cluster, adamw_step_time, usable_bytes
 from .errors import BadInputError, NoFeasiblePlanError
 from .placement import is_sharded
 from .pricing import Pricer, global_flops, is_matmul
-from .problem import OUTPUT_KEY, Problem, Roles, build_problem, placeholder_candidates
+from .problem import Problem, Roles, build_problem, placeholder_candidates
 from .sequence_parallel import norm_sites, sequence_parallel_rule, sequence_sharded
 from .solver import Pruned, Solution, exposed_grad_sync, infeasible_reason, least_memory, solve
 from .plan import CHECKPOINTING, MIXED, Plan

@@ -134,7 +134,7 @@ class Problem:
 def _settled(option: Option, share: dict[str, float], count: float) -> Option:
     if not option.by_mode:
         return option
-    cost = mixed_cost([(share[m], c) for m, c in option.by_mode.items() if share[m]])
+    cost = _mixed_cost([(share[m], c) for m, c in option.by_mode.items() if share[m]])
     cost.memory_bytes += sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
     return replace(option, cost=cost, by_mode={}, recompute_bytes={})
 
@@ -145,12 +145,12 @@ def _settled_edge(edge: Edge, recomputed_share: float, again: dict[tuple[int, fl
     price = {}
     for pq, c in edge.price.items():
         if (id(c), recomputed_share) not in again:
-            again[(id(c), recomputed_share)] = with_forward_again(c, recomputed_share)
+            again[(id(c), recomputed_share)] = _with_forward_again(c, recomputed_share)
         price[pq] = again[(id(c), recomputed_share)]
     return replace(edge, price=price, recomputed_under=())
 
 
-def with_forward_again(cost: Cost, times: float = 1.0) -> Cost:
+def _with_forward_again(cost: Cost, times: float) -> Cost:
     """``cost`` with its forward collectives run ``times`` more (a recomputed consumer's inputs)."""
     if not cost.forward_comm_s:
         return cost
@@ -160,7 +160,7 @@ def with_forward_again(cost: Cost, times: float = 1.0) -> Cost:
     return out
 
 
-def mixed_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
+def _mixed_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
     """``sum_i w_i c_i`` field by field (the weights sum to 1: flags and the kernel come from the first)."""
     out = replace(weighted[0][1], comm_s={}, forward_comm_s={})
     for f in fields(Cost):
