@@ -52,7 +52,7 @@ from .problem import Problem, Roles, build_problem, placeholder_candidates
 from .sequence_parallel import norm_sites, sequence_parallel_rule, sequence_sharded
 from .solver import Pruned, Solution, exposed_grad_sync, infeasible_reason, least_memory, solve
 from .plan import CHECKPOINTING, MIXED, Plan
-from .stages import (SCHEDULES, Staging, assign_layer_modes, checkpointing_summary, layer_names, layer_roles,
+from .stages import (SCHEDULES, Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles,
                      stage_problem)
 from .strategies import LOCAL_RULES, StrategyFinder, tensor_inputs
 
@@ -723,10 +723,8 @@ def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, st
     layers get the most recomputation (``stages.assign_layer_modes``)."""
     if best.checkpointing != MIXED:
         return {}
-    names = layer_names(captured)
-    stages, ranges = best.staging.stages, _pipeline_section(captured, best)["stages"]
-    device_layers = [[name for first, end in ranges[s::stages] for name in names[first:end]] for s in range(stages)]
-    modes = assign_layer_modes(device_layers, best.layer_modes)
+    layers = device_layers(captured, _pipeline_section(captured, best)["stages"], best.staging.stages)
+    modes = assign_layer_modes(layers, best.layer_modes)
     return {layer: mode for layer, mode in modes.items() if mode != "none"}
 
 

@@ -82,7 +82,7 @@ class Edge:
 @dataclass(frozen=True)
 class LayerModes:
     """Activation checkpointing left to the solver: each of the ``layers`` repeated layers a device
-    holds runs in one of ``modes`` (``stages.CHECKPOINTING``); the solver picks how many in each."""
+    holds runs in one of ``modes`` (``plan.CHECKPOINTING``); the solver picks how many in each."""
 
     layers: int
     modes: tuple[str, ...]

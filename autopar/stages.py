@@ -111,14 +111,21 @@ def layer_names(captured: CapturedGraph) -> list[str]:
     return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
 
 
-def assign_layer_modes(device_layers: list[list[str]], counts: dict[str, int]) -> dict[str, str]:
+def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int) -> list[list[str]]:
+    """The layers each pipeline stage's device holds, from a plan's layer ranges (chunk ``i`` on stage
+    ``i mod stages``)."""
+    names = layer_names(captured)
+    ranges = ranges or [[0, len(names)]]
+    return [[name for first, end in ranges[s::stages] for name in names[first:end]] for s in range(stages)]
+
+
+def assign_layer_modes(layers_by_device: list[list[str]], counts: dict[str, int]) -> dict[str, str]:
     """Each layer's checkpointing mode when every device runs ``counts[mode]`` of its layers (listed in
-    ``device_layers``) in each mode: full first, then selective, the rest none (a device holding fewer
-    layers than priced recomputes at least as large a share)."""
-    order = [m for m in ("full", "selective", "none") if counts.get(m)]
+    ``layers_by_device``) in each mode: full first, then selective, the rest none (a device holding
+    fewer layers than priced recomputes at least as large a share)."""
+    queue = [m for m in ("full", "selective", "none") for _ in range(counts.get(m, 0))]
     modes = {}
-    for layers in device_layers:
-        queue = [m for m in order for _ in range(counts[m])]
+    for layers in layers_by_device:
         modes.update(zip(layers, queue))
     return modes
 

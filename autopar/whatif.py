@@ -25,7 +25,7 @@ from .planner import MeshChoice, _problem_for, _to_plan, _with_pipeline_time, fi
 from .problem import OUTPUT_KEY, Decision, Problem
 from .problem_file import SavedProblem
 from .solver import Solution, evaluate
-from .stages import Staging, count_layer_modes, layer_names, stage_problem
+from .stages import Staging, count_layer_modes, device_layers, stage_problem
 from .strategies import Strategy
 
 
@@ -122,9 +122,7 @@ def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, in
     pipeline = plan.pipeline
     staging = Staging(int(plan.degrees.get("pp", 1)), captured.layer_count(), pipeline.get("schedule", "none"),
                       int(pipeline.get("virtual_stages", 1)))
-    names = layer_names(captured)
-    ranges = pipeline.get("stages") or [[0, len(names)]]
-    first_stage = [name for first, end in ranges[::staging.stages] for name in names[first:end]]
+    first_stage = device_layers(captured, pipeline.get("stages"), staging.stages)[0]
     counts = count_layer_modes(first_stage, plan.checkpointing_of, staging.layers_per_stage)
     return replace(staging, checkpointing=tuple(counts) or ("none",)), counts
 
