@@ -40,7 +40,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from .cost_models import GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time
+from .cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
+                          matmul_kind)
 from .placement import optimizer_shard_dim
 from .strategies import Placements, Strategy, output_vals, tensor_inputs
 
@@ -141,6 +142,16 @@ class Pricer:
                 n /= size
         return n
 
+    def local_shape(self, val: torch.Tensor, placements: Placements | None) -> list[int]:
+        """One rank's shape of ``val``: each sharded dim split over its mesh dims (rounded up, as
+        DTensor gives the first ranks the larger pieces of an uneven split)."""
+        shape = list(val.shape)
+        for p, size in zip(placements or (), self.mesh_shape):
+            if p.startswith("S("):
+                dim = int(p[2:-1])
+                shape[dim] = -(-shape[dim] // size)
+        return shape
+
     def local_bytes(self, val: torch.Tensor, placements: Placements | None) -> float:
         return self.local_numel(val, placements) * self.element_bytes(val)
 
@@ -158,7 +169,7 @@ class Pricer:
         split = self._work_divisor(strategy)
         flops = global_flops(node) / split
         moved = self._bytes_moved(node, strategy)
-        cost.kernel = (flops, moved, "matmul" if is_matmul(node) else "elementwise")
+        cost.kernel = (flops, moved, self._kernel_kind(node, strategy))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -167,6 +178,17 @@ class Pricer:
         cost.batch_memory = True
         self._partial_gradients(node, strategy, grad_kinds, cost)
         return cost
+
+    def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:
+        """``elementwise``, or a GEMM's kind by the matrix dimensions of its local operands (the last two
+        of each input of two or more; fused attention's kernels have no such rule)."""
+        if not is_matmul(node):
+            return "elementwise"
+        if getattr(node.target, "overloadpacket", None) is _SDPA:
+            return "matmul"
+        dims = [d for arg, p in zip(tensor_inputs(node), strategy.inputs) if arg.meta["val"].ndim >= 2
+                for d in self.local_shape(arg.meta["val"], p)[-2:]]
+        return matmul_kind(dims, self.cluster.device, self.dtype)
 
     def _work_divisor(self, strategy: Strategy) -> int:
         """How many ways the op's work is split: by each mesh dim on which some input or output is

@@ -644,7 +644,7 @@ def build_profile(measured: Mapping[str, Any], source: str) -> dict[str, Any]:
     device.update({key: measured["op_floor"][key] for key in ("host_op_s", "host_update_op_s")
                    if key in measured["op_floor"]})
     device.update(_link_fields(fits["links"]))
-    if "redistribute" in measured["op_floor"]:
+    if "redistribute" in measured["op_floor"] and fits["links"]:  # one rank runs no collective to charge
         link = fits["links"]["intra" if "intra" in fits["links"] else "inter"]
         device["redistribute_s"] = redistribute_overhead_s(measured["op_floor"]["redistribute"], LinkFit(**link))
     nodes = measured["world"] // measured["ranks_per_node"]

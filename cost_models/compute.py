@@ -18,6 +18,9 @@ Model::
   microseconds: with 5 us, f_half is 1.6e9 FLOPs on A100 BF16 and 4.9e9 on H100. Large cuBLAS
   GEMMs reach about 75-85% of dense peak on A100/H100 (hence 0.8); 4096^3 BF16 on A100 gets 0.79
   here and 1024^3 gets 0.46.
+* ``misaligned_matmul``: a GEMM with a dimension that breaks the device's tensor-core alignment
+  (``DeviceSpec.gemm_alignment_bytes``: GPT-2's 50,257-token vocabulary in bf16) falls back to
+  slower kernels: ``MISALIGNED_MATMUL_FACTOR`` of the aligned efficiency (``matmul_kind`` decides).
 * ``elementwise`` and ``other`` ops are bandwidth-bound: they reach about 70% of HBM bandwidth
   (typical of fused elementwise kernels measured against STREAM-like peaks) and run their few
   FLOPs on the vector units at the fp32 (non-tensor) peak, with the same 0.7.
@@ -51,6 +54,13 @@ MATMUL_MAX_EFFICIENCY = 0.8
 """Fraction of dense tensor-core peak that a large GEMM achieves."""
 MATMUL_RAMP_S = 5e-6
 """Seconds at peak that a GEMM must fill to reach half of MATMUL_MAX_EFFICIENCY."""
+MISALIGNED_MATMUL_FACTOR = 0.2
+"""Share of an aligned GEMM's rate that a misaligned one reaches. Measured on an H200 in bf16
+(``benchmarks/device_step.py``, results in ``benchmarks/README.md``): [16384, 4096] @ [4096, n] runs at
+137 TFLOP/s for n = 50,257 and 696 for n = 50,304 (142 and 693 for 32,001 and 32,000); its two backward
+products at 144-146 against 698-729. 0.20-0.21 throughout, so one factor for the forward and backward."""
+TENSOR_CORE_DTYPES = frozenset({"tf32", "bf16", "fp16", "fp8"})
+"""Dtypes whose GEMMs run on tensor cores (and so have the alignment rule); plain fp32 does not."""
 REFERENCE_PEAK_FLOPS = 312e12
 """Peak used by op_efficiency when none is given (A100 BF16): f_half = 1.56e9 FLOPs."""
 MEMORY_EFFICIENCY = 0.7
@@ -84,8 +94,13 @@ class _OpModel:
     tensor_cores: bool
 
 
+def _misaligned_matmul_efficiency(flops: float, peak_flops: float) -> float:
+    return MISALIGNED_MATMUL_FACTOR * _matmul_efficiency(flops, peak_flops)
+
+
 _OPS: Mapping[str, _OpModel] = {
     "matmul": _OpModel(_matmul_efficiency, tensor_cores=True),
+    "misaligned_matmul": _OpModel(_misaligned_matmul_efficiency, tensor_cores=True),
     "elementwise": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
     "other": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
 }
@@ -96,6 +111,16 @@ def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FL
     """Achievable fraction of peak for an op of ``kind`` doing ``flops`` on a device of ``peak_flops``."""
     _check_kind(kind)
     return _OPS[kind].efficiency(_non_negative("flops", flops), peak_flops)
+
+
+def matmul_kind(dims: Iterable[int], device: DeviceSpec, dtype: Any) -> str:
+    """``"matmul"``, or ``"misaligned_matmul"`` for a GEMM whose matrix dimensions ``dims`` (of the
+    local operands: m, k, n) are not all multiples of the device's tensor-core alignment in ``dtype``."""
+    key = dtype_key(dtype)
+    if not device.gemm_alignment_bytes or key not in TENSOR_CORE_DTYPES:
+        return "matmul"
+    elements = max(1, device.gemm_alignment_bytes // DTYPE_BYTES[key])
+    return "matmul" if all(int(d) % elements == 0 for d in dims) else "misaligned_matmul"
 
 
 def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any,

@@ -142,6 +142,10 @@ class DeviceSpec:
     link's formula: DTensor's and autograd's wrapping of it and, where ranks share cores, the wait
     for the last rank to reach it. Charged once per critical-path collective (``autopar/pricing.py``);
     measured by ``autopar calibrate`` on CPU, 0 on the presets (a GPU host enqueues it ahead)."""
+    gemm_alignment_bytes: int = 0
+    """A GEMM runs at full tensor-core speed only when each of its matrix dimensions spans a multiple
+    of this many bytes (16 on NVIDIA GPUs: 8 bf16/fp16 elements, 4 tf32; 0: no such rule, as on CPU);
+    ``compute.matmul_kind`` prices the others as ``misaligned_matmul``."""
     host_runs_kernels: bool = False
     """Whether the host's cores run the kernels too (CPU): then an op's dispatch and its kernel add up;
     otherwise (CUDA) the host enqueues kernels ahead of the device and an op takes the longer of the two."""
@@ -157,6 +161,10 @@ class DeviceSpec:
         for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s", "host_op_s",
                      "host_update_op_s", "redistribute_s"):
             _require_non_negative(self.name, attr, getattr(self, attr))
+        if not isinstance(self.gemm_alignment_bytes, int) or isinstance(self.gemm_alignment_bytes, bool) \
+                or self.gemm_alignment_bytes < 0:
+            raise ValueError(f"device {self.name}: gemm_alignment_bytes must be a non-negative int, "
+                             f"got {self.gemm_alignment_bytes!r}")
         if not isinstance(self.host_runs_kernels, bool):
             raise ValueError(f"device {self.name}: host_runs_kernels must be true or false, "
                              f"got {self.host_runs_kernels!r}")
@@ -235,6 +243,11 @@ HDR_NIC_BW = 24e9   # 200 Gb/s HDR InfiniBand, one NIC per GPU (DGX A100)
 NDR_NIC_BW = 46e9   # 400 Gb/s NDR InfiniBand / ConnectX-7, one NIC per GPU
 
 
+#: cuBLAS's tensor-core kernels need every matrix dimension to span a multiple of 16 bytes
+#: (NVIDIA, "Matrix Multiplication Background User's Guide", Tensor Core Requirements).
+TENSOR_CORE_ALIGNMENT_BYTES = 16
+
+
 def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int, hbm_bw: float,
             nvlink_bw: float, net_bw: float) -> DeviceSpec:
     """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; NCCL latencies."""
@@ -244,6 +257,7 @@ def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int,
         hbm_bytes=hbm_bytes, hbm_bw=hbm_bw, nvlink_bw=nvlink_bw, net_bw=net_bw,
         intra_latency_s=NVLINK_STEP_LATENCY_S, inter_latency_s=NET_STEP_LATENCY_S,
         base_latency_s=NCCL_BASE_LATENCY_S, kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+        gemm_alignment_bytes=TENSOR_CORE_ALIGNMENT_BYTES,
     )
 
 

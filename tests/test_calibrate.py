@@ -197,6 +197,17 @@ def test_profile_carries_the_redistribute_overhead_measured_over_the_fitted_link
     assert "redistribute_s" not in build_profile(synthetic_measurement(), "test")["device"]
 
 
+def test_a_single_rank_profile_keeps_the_presets_links_and_charges_no_redistribute():
+    """One rank measures no link: its profile keeps the base preset's link figures, and the
+    redistribute it timed (a no-op on one rank) sets no ``redistribute_s``."""
+    measured = synthetic_measurement(world=1)
+    measured["links"] = {}
+    measured["op_floor"]["redistribute"] = {"kind": "all_gather", "nbytes": 1024, "ranks": 1, "seconds": 1e-5}
+    profile = build_profile(measured, "test")
+    assert "redistribute_s" not in profile["device"] and "nvlink_bw" not in profile["device"]
+    assert (profile["nodes"], profile["devices_per_node"]) == (1, 1)
+
+
 def test_each_critical_path_collective_pays_the_redistribute_overhead_and_gradient_sync_does_not():
     from dataclasses import replace
 
@@ -367,6 +378,17 @@ def test_calibrate_on_two_gloo_ranks_writes_a_profile(tmp_path):
 
 
 @pytest.mark.slow
+def test_calibrate_on_one_rank_writes_a_profile_a_plan_accepts(tmp_path):
+    """``autopar calibrate`` with no job and no --ranks measures this process alone (one GPU, or a
+    laptop): no collective, so the profile keeps the preset's links; it still plans."""
+    run = run_python("-m", "autopar", "calibrate", "--quick", "-o", "one.json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    profile = json.loads((tmp_path / "one.json").read_text())
+    assert (profile["nodes"], profile["devices_per_node"]) == (1, 1) and profile["measured"]["links"] == {}
+    assert resolve_cluster(str(tmp_path / "one.json")).world_size == 1
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.heavy
 def test_calibration_benchmark_runs_and_writes_its_fields(tmp_path):
@@ -378,3 +400,23 @@ def test_calibration_benchmark_runs_and_writes_its_fields(tmp_path):
     assert {"world", "predicted_step_s", "preset_predicted_step_s", "measured_step_s", "measured_update_s",
             "error", "profile"} <= set(row)
     assert row["world"] == 2 and row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.heavy
+def test_device_step_benchmark_runs_on_cpu_and_reprices_its_rows(tmp_path):
+    """The GPU benchmark's CPU stand-in: calibrates, plans and times the small models; --reprice reads
+    the file back and re-plans each row."""
+    out = tmp_path / "device_step.json"
+    run = run_python(str(REPO / "benchmarks" / "device_step.py"), "--device", "cpu", "--quick", "--steps", "1",
+                     "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert [r["model"] for r in data["rows"]] == ["gpt h64 L2", "llama h64 L2"], data["rows"]
+    for row in data["rows"]:
+        assert row["eager"]["median_s"] > 0 and row["autopar"]["median_s"] > 0
+        assert row["predicted"]["calibrated"]["step_time_s"] > 0
+    again = run_python(str(REPO / "benchmarks" / "device_step.py"), "--reprice", str(out), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "gpt h64 L2" in again.stdout and "llama h64 L2" in again.stdout

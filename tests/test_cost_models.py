@@ -21,12 +21,13 @@ from autopar.cost_models import (
     collective_time,
     compute_time,
     get_device,
+    matmul_kind,
     op_efficiency,
     parse_cluster,
     reserve_fraction,
     usable_bytes,
 )
-from autopar.cost_models.compute import MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY
+from autopar.cost_models.compute import MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY, MISALIGNED_MATMUL_FACTOR
 
 # A group with round numbers, so expected times can be written out by hand.
 INTRA_BW, INTER_BW = 100e9, 10e9
@@ -323,6 +324,26 @@ def test_compute_time_picks_compute_bound_for_a_large_gemm() -> None:
     expected = flops / (989e12 * eff) + h100.kernel_launch_s
     assert compute_time(flops, nbytes, h100, torch.bfloat16) == pytest.approx(expected)
     assert flops / (989e12 * eff) > nbytes / (h100.hbm_bw * MEMORY_EFFICIENCY)
+
+
+@pytest.mark.parametrize("dims, dtype, device, kind", [
+    ((16384, 4096, 50257), "bf16", "H100", "misaligned_matmul"),  # GPT-2's vocabulary
+    ((16384, 4096, 50304), "bf16", "H100", "matmul"),             # ... padded to a multiple of 64
+    ((16384, 4096, 50260), "bf16", "H200", "misaligned_matmul"),  # 8 bf16 elements = 16 bytes
+    ((16384, 4096, 50260), "tf32", "A100", "matmul"),             # 4 tf32 elements = 16 bytes
+    ((16384, 4096, 50257), "fp32", "H100", "matmul"),             # no tensor cores: no rule
+    ((1000, 3, 7), "fp32", "cpu", "matmul"),                      # no rule on CPU
+])
+def test_matmul_kind_follows_the_tensor_core_alignment(dims, dtype, device, kind) -> None:
+    assert matmul_kind(dims, get_device(device), dtype) == kind
+
+
+def test_a_misaligned_gemm_runs_at_the_measured_fraction_of_the_aligned_rate() -> None:
+    h200, flops = get_device("H200"), 2.0 * 16384 * 4096 * 50257
+    aligned = compute_time(flops, 0, h200, "bf16", kind="matmul") - h200.kernel_launch_s
+    misaligned = compute_time(flops, 0, h200, "bf16", kind="misaligned_matmul") - h200.kernel_launch_s
+    assert misaligned == pytest.approx(aligned / MISALIGNED_MATMUL_FACTOR)
+    assert flops / misaligned == pytest.approx(150e12, rel=0.15)  # measured: 137-146 TFLOP/s
 
 
 def test_compute_time_picks_memory_bound_for_elementwise() -> None:
