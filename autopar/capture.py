@@ -102,10 +102,34 @@ class CapturedGraph:
             self._saved = find_saved_tensors(self)
         return self._saved
 
+    def keeps_parameter(self, consumer: fx.Node, arg: fx.Node) -> bool:
+        """Whether ``consumer`` saves for its backward the parameter that its input ``arg`` carries (the
+        parameter itself or a view of it), or is a view whose readers do (``t`` of a weight that ``mm``
+        keeps): a copy gathered for ``consumer`` would then be held from forward to backward, which the
+        runtime avoids by gathering it again in backward (``passes/reshard.py``)."""
+        root = arg
+        while _is_view(root) and root.all_input_nodes:
+            root = root.all_input_nodes[0]
+        if root.name not in self.params:
+            return False
+        kept = self.saved_for_backward().parameters_kept
+        readers = [consumer]
+        while readers:
+            reader = readers.pop()
+            if (reader.name, root.name) in kept:
+                return True
+            if _is_view(reader):
+                readers.extend(reader.users)
+        return False
+
     def layer_count(self) -> int:
         """How many repeated layers the tie keys found (0 when the model has none)."""
         counts = Counter(self.tie_keys.values())
         return max(counts.values(), default=0) if counts else 0
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "is_view", False)
 
 
 def capture(

@@ -144,9 +144,11 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         have = strategy_of(src.name).outputs[out]
         if have is None or (have == wanted and not grad_partial):
             continue
-        for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial)):
+        regathered = captured.keeps_parameter(node, arg)
+        for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered)):
             # edge_collectives lists the partial gradient's reductions first, one per dim
-            why = "partial gradient" if i < len(grad_partial) else f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}"
+            why = ("partial gradient" if i < len(grad_partial) else
+                   f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}" + (" again in backward" if c.regather else ""))
             weight = kinds[src.name] == "param"  # a parameter or a view of one
             terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds):

@@ -51,15 +51,15 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from autopar.passes import (GradientSync, checkpoint_layers, insert_redistributes, run_locally, shard_parameters,
-                            shard_tensor)
+from autopar.passes import (GradientSync, ResavedParameters, checkpoint_layers, insert_redistributes,
+                            reshard_after_forward, run_locally, shard_parameters, shard_tensor)
 from autopar.passes.insert_redistributes import as_replicated, redistribute
 from autopar.placement import strs_to_placements
 
 from .capture import CapturedGraph
 from .errors import BadInputError
 from .plan import Plan
-from .runtime import copy_graph, produced_placements, microbatch_shape  # shared with ParallelModule's program
+from .runtime import copy_graph, microbatch_shape, parameter_values, produced_placements  # shared with ParallelModule
 from .stages import layer_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -335,6 +335,7 @@ class PipelineParallelModule(nn.Module):
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
         program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
         self.redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), self.mesh)
+        self._gathers = reshard_after_forward(program, parameter_values(captured))
         run_locally(program, plan.ops, self.mesh)
         stages = split_program(program, plan.pipeline["stages"], captured.params, captured.user_inputs)
         self.chunks = nn.ModuleList(self._stage_module(stages[i], program, model)
@@ -394,7 +395,8 @@ class PipelineParallelModule(nn.Module):
         by_name = {n.name: n for n in program.graph.nodes}
         inputs = [boundary_of(by_name[n], self.plan) for n in stage.inputs]
         outputs = [boundary_of(by_name[n], self.plan) for n in stage.outputs]
-        return StageModule(stage, checkpoint_layers(stage.graph_module, self.plan.checkpointing_of),
+        stage_program = checkpoint_layers(stage.graph_module, self.plan.checkpointing_of)
+        return StageModule(stage, ResavedParameters(stage_program) if self._gathers else stage_program,
                            self._placeholder_values(stage, model), inputs, outputs, self._user_input,
                            self.captured.user_inputs, self.mesh)
 

@@ -22,6 +22,11 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   link's formula plus the device's ``redistribute_s``: DTensor runs it inside the step, and on a
   calibrated CPU that costs more than the bare collective (nothing on the presets). The bucketed
   gradient sync runs plain c10d all_reduces and is charged its host work per gradient instead.
+* a parameter gathered for an op that saves it for backward (``mm`` keeps its weight) is gathered
+  again in backward: the runtime does not hold the gathered copy from forward to backward
+  (``passes/reshard.py``, FSDP's reshard-after-forward), so such an edge's forward collectives run
+  again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
+  re-gathers once, as part of its recompute).
 * resharding an edge, forward -> backward: S->R all_gather -> (none); P->R all_reduce -> (none);
   P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
   all_to_all. A partial gradient never needs the backward of R->P.
@@ -338,34 +343,36 @@ class Pricer:
 
     # ---- edges -------------------------------------------------------------------------------
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
-             grad_partial: tuple[int, ...] = ()) -> Cost:
+             grad_partial: tuple[int, ...] = (), regathered: bool = False) -> Cost:
         """Resharding ``val`` from ``src`` to ``dst``, and reducing its gradient where the consumer
         leaves it partial (``grad_partial``: mesh dims); ``per_microbatch``: the tensor is the same for
-        every microbatch (a parameter), so under gradient accumulation its collectives repeat."""
-        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial)
+        every microbatch (a parameter), so under gradient accumulation its collectives repeat;
+        ``regathered``: a parameter the consumer saves for backward, moved again in backward."""
+        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered)
         if key not in self._edge_cache:
-            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial)
+            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered)
         return self._edge_cache[key]
 
     def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool,
-              grad_partial: tuple[int, ...]) -> Cost:
+              grad_partial: tuple[int, ...], regathered: bool) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
-        for c in self.edge_collectives(val, src, dst, grad_partial):
+        for c in self.edge_collectives(val, src, dst, grad_partial, regathered):
             seconds = self.collective_seconds(c)
             cost.add_comm(c.kind, seconds)
-            if c.phase == "forward" and seconds > 0:
+            if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
         return cost
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
-                         grad_partial: tuple[int, ...] = ()) -> list["Collective"]:
+                         grad_partial: tuple[int, ...] = (), regathered: bool = False) -> list["Collective"]:
         """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
         (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim).
 
         On each dim of ``grad_partial`` the consumer leaves the gradient a partial sum. Arrived by an
         all_gather (``S -> R``), it goes back as a reduce_scatter onto the shard (the gather's
         backward, as DTensor runs it); otherwise it is all-reduced (Megatron's "f" on the critical
-        path)."""
+        path). With ``regathered`` every forward collective is listed again, in backward (``regather``),
+        after the others."""
         found = [Collective("reduce_scatter" if src[d].startswith("S(") else "all_reduce", "backward",
                             self.local_bytes(val, dst), d, dst) for d in grad_partial]
         for dim, group in enumerate(self.groups):
@@ -375,6 +382,8 @@ class Pricer:
             seen = _unsharded_on(dst, dim) if b.startswith("S(") or a.startswith("S(") else dst
             for phase, kinds in zip(("forward", "backward"), _transition(a, b)):
                 found += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
+        if regathered:
+            found += [replace(c, phase="backward", regather=True) for c in found if c.phase == "forward"]
         return found
 
 
@@ -390,6 +399,7 @@ class Collective:
     grad_sync: bool = False  # a parameter's gradient sync (overlapped with backward)
     slot: int | None = None  # for an input gradient: which tensor input of the node
     per_microbatch: bool = False  # a gradient sync redone after every microbatch (ZeRO-2's reduce_scatter)
+    regather: bool = False  # a parameter's forward collective run again in backward (reshard after forward)
 
 
 def bucketed_all_reduce_time(nbytes: float, group) -> float:

@@ -296,6 +296,7 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     keys[OUTPUT_KEY] = OUTPUT_KEY
     grouped: dict[tuple[str, int, str, int], Edge] = {}
     vals: dict[tuple[str, int, str, int], torch.Tensor] = {}
+    kept: dict[tuple[str, int, str, int], bool] = {}  # the consumer saves the parameter the edge carries
     for node in captured.graph.nodes:
         if node.op == "output":
             consumer, args = OUTPUT_KEY, [captured.node(captured.loss_node)]
@@ -311,18 +312,19 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
             else:
                 grouped[ekey] = Edge(*ekey, count=1)
                 vals[ekey] = arg.meta["val"]
+                kept[ekey] = node.op != "output" and captured.keeps_parameter(node, arg)
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
     weights = {keys[name] for name, kind in kinds.items() if kind == "param"}
     for ekey, edge in grouped.items():
-        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in weights)
+        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in weights, kept[ekey])
     return list(grouped.values())
 
 
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                 from_param: bool) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
+                 from_param: bool, regathered: bool) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
     srcs = {o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options}
     dsts = {o.edge_key(edge.slot) for o in decisions[edge.dst].options}
-    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1])
+    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered)
             for a in srcs if a is not None for b in dsts}
 
 

@@ -6,6 +6,8 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting):
 * the captured forward+loss graph, with redistributes inserted, is this rank's program; values in it
   are DTensors, so DTensor computes local shapes and the collectives of each redistribute, and
   autograd derives the backward (with the dual collectives);
+* a parameter gathered for an op is gathered again in backward rather than held (reshard after
+  forward, ``passes/reshard.py``), as pricing charges it;
 * each repeated layer the plan recomputes (``Plan.checkpointing_of``) runs under
   ``torch.utils.checkpoint`` and is recomputed in backward as the plan priced it;
 * ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
@@ -29,8 +31,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.passes import (GradientSync, ShardedOptimizerState, checkpoint_layers, insert_redistributes,
-                            run_locally, shard_parameters, shard_tensor)
+from autopar.passes import (GradientSync, ResavedParameters, ShardedOptimizerState, checkpoint_layers,
+                            insert_redistributes, reshard_after_forward, run_locally, shard_parameters, shard_tensor)
 from autopar.placement import strs_to_placements
 
 from .capture import CapturedGraph
@@ -165,12 +167,19 @@ def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
     return [shape[0] // microbatches] + shape[1:] if shape else shape
 
 
-def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tuple[fx.GraphModule, int]:
+def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tuple[nn.Module, int]:
     gm = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
     produced = produced_placements(captured, plan)
     inserted = insert_redistributes(gm, plan.ops, produced, mesh)
+    gathers = reshard_after_forward(gm, parameter_values(captured))
     run_locally(gm, plan.ops, mesh)
-    return checkpoint_layers(gm, plan.checkpointing_of), inserted
+    program = checkpoint_layers(gm, plan.checkpointing_of)
+    return (ResavedParameters(program) if gathers else program), inserted
+
+
+def parameter_values(captured: CapturedGraph) -> set[str]:
+    """Names of the values that are parameters or views of one (the same every microbatch)."""
+    return {name for name, kind in captured.gradient_kinds().items() if kind == "param"}
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -51,6 +51,8 @@ class SavedTensors:
     fractions: Mapping[str, tuple[float, ...]]  # op node -> per output: saved bytes / the output's bytes
     inputs: frozenset[str] = frozenset()  # placeholders autograd saves (not activations)
     opaque: frozenset[str] = frozenset()  # ops that could not run on meta (their memory is a guess)
+    parameters_kept: frozenset[tuple[str, str]] = frozenset()  # (op, parameter placeholder): the op saves
+    # (a view of) the parameter for its backward, so a gathered copy of it would be held until then
 
     def of(self, node: fx.Node) -> tuple[float, ...]:
         """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
@@ -146,14 +148,17 @@ class _SavedTensorRecorder(fx.Interpreter):
         saved: dict[str, set[int]] = defaultdict(set)
         extra: dict[str, float] = defaultdict(float)
         inputs: set[str] = set()
+        parameters_kept: set[tuple[str, str]] = set()
         placeholders = {n.name for n in captured.graph.nodes if n.op == "placeholder"}
         seen: set[StorageWeakRef] = set()
         for tensor, running in self.packed:
             ref = _storage(tensor)
+            owner = self.producer.get(ref)
+            if owner is not None and owner[0] in captured.params:  # every op that keeps it, not only the first
+                parameters_kept.add((running, owner[0]))
             if ref in seen:
                 continue
             seen.add(ref)
-            owner = self.producer.get(ref)
             if owner is None:
                 extra[running] += tensor.untyped_storage().nbytes()
             elif owner[0] in placeholders:
@@ -164,7 +169,7 @@ class _SavedTensorRecorder(fx.Interpreter):
         for node in captured.graph.nodes:
             if node.name in saved or node.name in extra:
                 fractions[node.name] = _fractions(node, saved[node.name], extra[node.name])
-        return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque))
+        return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque), frozenset(parameters_kept))
 
 
 def _fractions(node: fx.Node, saved: set[int], extra_bytes: float) -> tuple[float, ...]:

@@ -33,6 +33,7 @@ measurement already taken.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -113,6 +114,7 @@ def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict
     name, preset, overrides, batch, seq = row
     dtype, dtype_key = (torch.bfloat16, "bf16") if device == "cuda" else (torch.float32, "fp32")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    baseline = _allocated(device)  # what earlier rows left allocated is not this step's memory
     bundle = bundle_for(preset, overrides, batch, seq, device, dtype)
     plans = {which: plan_for(bundle, cluster, dtype_key, name) for which, cluster in clusters.items()}
     chosen = plans["calibrated"]
@@ -121,12 +123,12 @@ def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict
                            "mesh": dict(zip(chosen.mesh["dim_names"], chosen.mesh["shape"])),
                            "checkpointing": chosen.checkpointing,
                            "predicted": {which: p.predicted for which, p in plans.items()}}
-    out["eager"] = _eager(bundle, sync, steps, device)
-    out["autopar"] = _autopar(bundle, chosen, sync, steps, device)
+    out["eager"] = _eager(bundle, sync, steps, device, baseline)
+    out["autopar"] = _autopar(bundle, chosen, sync, steps, device, baseline)
     return out
 
 
-def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str) -> dict[str, Any]:
+def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, baseline: int) -> dict[str, Any]:
     model, inputs, targets = bundle.model, bundle.example_inputs, bundle.example_targets
 
     def step() -> None:
@@ -136,11 +138,11 @@ def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str) -> di
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
     model.zero_grad(set_to_none=True)
-    return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": _peak_gb(device)}
+    return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": _peak_gb(device, baseline)}
 
 
-def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps: int, device: str
-             ) -> dict[str, Any]:
+def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps: int, device: str,
+             baseline: int) -> dict[str, Any]:
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, plan=chosen)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
@@ -151,7 +153,7 @@ def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps:
 
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
-    peak = _peak_gb(device)
+    peak = _peak_gb(device, baseline)
     updates = slowest_rank(timed(opt.step, sync, steps))
     return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": peak,
             "update_s": updates, "update_median_s": statistics.median(updates)}
@@ -159,12 +161,19 @@ def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps:
 
 def _reset_peak(device: str) -> None:
     if device == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gb(device: str) -> float | None:
-    return torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
+def _allocated(device: str) -> int:
+    gc.collect()
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
+def _peak_gb(device: str, baseline: int) -> float | None:
+    """The allocator's peak since the last reset, less what was allocated before the row began."""
+    return (torch.cuda.max_memory_allocated() - baseline) / 1e9 if device == "cuda" else None
 
 
 ALIGNMENT_PROBE = ((16384, 4096, 50257), (16384, 4096, 50304), (16384, 4096, 32001), (16384, 4096, 32000))

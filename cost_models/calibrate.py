@@ -13,13 +13,14 @@ What is measured, on every rank at once (ranks share the host or the node, as in
   moved per call);
 * **op floor**: the time one small op holds the device: a tiny kernel's launch-to-launch time on a
   plain tensor (many queued, one synchronize on CUDA);
-* **host dispatch** (CPU only): the host time one op spends in autopar's runtime (DTensor's sharding
-  propagation, autograd, Python). On CPU the host *is* the device, so this adds to every op, views
-  included; it comes from a small GPT-2 block (layer_norms, linears with biases, attention with its
-  head views, GELU MLP, residuals) run as DTensors on the job's mesh, forward and backward, on
-  tensors too small for FLOPs to matter; and, outside autograd, from ``torch.optim.AdamW``'s update
-  of that block's weights. On CUDA the host enqueues ahead of the device and its dispatch hides
-  behind the kernels, so it is not measured (the profile keeps the preset's 0);
+* **host dispatch**: the host time one op spends in autopar's runtime (DTensor's sharding
+  propagation, autograd, Python). It comes from a small GPT-2 block (layer_norms, linears with
+  biases, attention with its head views, GELU MLP, residuals) run as DTensors on the job's mesh,
+  forward and backward, on tensors too small for FLOPs to matter; and, outside autograd, from
+  ``torch.optim.AdamW``'s update of that block's weights. On CPU the host *is* the device, so this
+  adds to every op, views included; on CUDA the host enqueues ahead of the device and an op costs the
+  longer of its kernel and its dispatch, which is what makes a small model's step host-bound
+  (``benchmarks/device_step.py``: GPT-2 small under autopar's runtime, 3x the eager step on an H200);
 * **redistribute** (CPU only): what one collective run by DTensor inside a step adds to it: the same
   block's forward and backward with its output all-gathered (``Shard(0) -> Replicate``), less the
   block alone (the median difference of alternating repeats of the two). Besides the gloo
@@ -42,12 +43,14 @@ How the numbers become profile fields (``build_profile``):
 * ``hbm_bw = rate / MEMORY_EFFICIENCY`` from ``seconds = a + bytes / rate`` over the adds, for
   the same reason (``compute.py`` runs bandwidth-bound kernels at ``MEMORY_EFFICIENCY * hbm_bw``).
 * ``kernel_launch_s``: the op floor.
-* ``host_op_s`` (CPU): the block's forward+backward time, less its non-view ops' kernel floors
-  (3 each), divided by 3 dispatches per op it ran forward, views included: the pricer charges every
-  op of the graph, views included, one dispatch forward and two backward (``autopar/pricing.py``,
-  backward = 2x forward), and ``compute.dispatched_time`` adds it to each op's kernel.
-* ``host_update_op_s`` (CPU): AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
-  per weight), less the op floor: what ``compute.adamw_step_time`` charges per kernel besides bytes.
+* ``host_op_s``: the block's forward+backward time, less (on CPU) its non-view ops' kernel floors
+  (3 each; on CUDA they overlap the host), divided by 3 dispatches per op it ran forward, views
+  included: the pricer charges every op of the graph, views included, one dispatch forward and two
+  backward (``autopar/pricing.py``, backward = 2x forward), and ``compute.dispatched_time`` adds it
+  to each op's kernel (CPU) or takes the longer of the two (CUDA).
+* ``host_update_op_s``: AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
+  per weight), less the op floor on CPU: what ``compute.adamw_step_time`` charges per kernel
+  besides bytes.
 * ``nvlink_bw``, ``intra_latency_s``, ``base_latency_s`` (and ``net_bw``, ``inter_latency_s``
   across nodes): one non-negative least-squares fit per link, in relative error, of
   ``seconds = base + ring_steps(kind, p) * step_latency + collective_bytes_per_rank(kind, n, p) / bw``
@@ -376,12 +379,10 @@ def measure_op_floor(device: Any, sizes: Sizes) -> dict[str, Any]:
     floor = _seconds_per_call(lambda: x.add_(1), _synchronizer(device), sizes)
     kernel = {"method": f"tiny {device.type.upper()} kernels on a plain tensor, back to back",
               "seconds_per_op": floor, "kernel_launch_s": floor}
-    if device.type == "cuda":
-        return kernel
-    return {**kernel, **_dtensor_dispatch(sizes, floor)}
+    return {**kernel, **_dtensor_dispatch(device, sizes, floor)}
 
 
-def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
+def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
     """Host seconds per op dispatched through DTensor: a small transformer block, forward and backward.
 
     The pricer charges every op of a graph, views included, one dispatch forward and two backward, and
@@ -390,16 +391,24 @@ def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
     AdamW's update of the block's weights, per kernel less its floor, is the dispatch of an op run
     outside autograd (``compute.adamw_step_time``). The block with its output all-gathered by DTensor,
     less the block, is what one redistribute adds to a step (``redistribute_overhead_s``).
+
+    On CUDA the block's kernels are queued behind the host, which is the bound at this size: its time
+    per dispatch is the host's, with no floors to take out (they overlap it), and ``dispatched_time``
+    prices an op as the longer of its kernel and its dispatch. The redistribute is not measured there:
+    NCCL runs asynchronously to the host, so the bare link formula stands (``redistribute_s`` 0).
     """
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    x = distribute_tensor(torch.randn(2 * world, _BLOCK_SEQ, _BLOCK_WIDTH), mesh, [Shard(0)]).requires_grad_()
-    weights = {name: distribute_tensor(torch.randn(_BLOCK_WIDTH, _BLOCK_WIDTH) / _BLOCK_WIDTH, mesh,
-                                       [Replicate()]).requires_grad_()
-               for name in ("q", "k", "v", "o", "up", "down")}
-    weights.update({name: distribute_tensor(torch.zeros(_BLOCK_WIDTH), mesh, [Replicate()]).requires_grad_()
-                    for name in ("bias", "norm_bias")})
-    weights["norm_weight"] = distribute_tensor(torch.ones(_BLOCK_WIDTH), mesh, [Replicate()]).requires_grad_()
+    cuda = device.type == "cuda"
+    mesh = init_device_mesh(device.type, (world,))
+    with torch.device(device):
+        x = distribute_tensor(torch.randn(2 * world, _BLOCK_SEQ, _BLOCK_WIDTH), mesh, [Shard(0)]).requires_grad_()
+        weights = {name: distribute_tensor(torch.randn(_BLOCK_WIDTH, _BLOCK_WIDTH) / _BLOCK_WIDTH, mesh,
+                                           [Replicate()]).requires_grad_()
+                   for name in ("q", "k", "v", "o", "up", "down")}
+        weights.update({name: distribute_tensor(torch.zeros(_BLOCK_WIDTH), mesh, [Replicate()]).requires_grad_()
+                        for name in ("bias", "norm_bias")})
+        weights["norm_weight"] = distribute_tensor(torch.ones(_BLOCK_WIDTH), mesh, [Replicate()]).requires_grad_()
+    sync = _synchronizer(device)
 
     def forward() -> Any:
         return _transformer_block(x, weights)
@@ -414,23 +423,30 @@ def _dtensor_dispatch(sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
     with counter:
         forward()
     agree = _most_calls_in(None)
-    forward_s = _seconds_per_call(forward, lambda: None, sizes, agree)
-    forward_backward_s, redistribute_s = _fastest_and_marginal(forward_backward, forward_backward_gathered,
-                                                               sizes, agree, align=dist.barrier)
+    forward_s = _seconds_per_call(forward, sync, sizes, agree)
+    if cuda:
+        forward_backward_s = _seconds_per_call(forward_backward, sync, sizes, agree)
+    else:
+        forward_backward_s, redistribute_s = _fastest_and_marginal(forward_backward, forward_backward_gathered,
+                                                                   sizes, agree, align=dist.barrier)
     for w in weights.values():  # replicated gradients, as the runtime's sync leaves them (not Partial)
         w.grad = torch.ones_like(w)
-    optimizer = torch.optim.AdamW(list(weights.values()))
-    update_s = _seconds_per_call(optimizer.step, lambda: None, sizes, agree)
+    optimizer = torch.optim.AdamW(list(weights.values()), foreach=False)  # the per-tensor kernels priced
+    update_s = _seconds_per_call(optimizer.step, sync, sizes, agree)
     update_ops = ADAMW_KERNELS_PER_TENSOR * len(weights)
     dispatched = counter.ops + counter.views
-    return {"dispatch_method": "a GPT-2 block (width 16) as DTensors on the world mesh, forward and backward, "
-                               "per op dispatched forward (views included)",
-            "priced_ops": counter.ops, "views": counter.views, "forward_s": forward_s / dispatched,
-            "forward_backward_s": forward_backward_s / dispatched,
-            "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, kernel_launch_s),
-            "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
-            "update_s": update_s / update_ops,
-            "host_update_op_s": max(0.0, update_s / update_ops - kernel_launch_s),
+    floor = 0.0 if cuda else kernel_launch_s  # on CUDA the kernels overlap the host's dispatch
+    measured = {"dispatch_method": "a GPT-2 block (width 16) as DTensors on the world mesh, forward and backward, "
+                                   "per op dispatched forward (views included)",
+                "priced_ops": counter.ops, "views": counter.views, "forward_s": forward_s / dispatched,
+                "forward_backward_s": forward_backward_s / dispatched,
+                "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, floor),
+                "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
+                "update_s": update_s / update_ops,
+                "host_update_op_s": max(0.0, update_s / update_ops - floor)}
+    if cuda:
+        return measured
+    return {**measured,
             "redistribute_method": "the same forward and backward with the block's output all-gathered "
                                    "(Shard(0) -> Replicate) by DTensor, less the block alone",
             "redistribute": {"kind": "all_gather", "nbytes": x.numel() * DTYPE_BYTES["fp32"], "ranks": world,

@@ -20,6 +20,8 @@ predicted, per kind); for the other configurations the test checks the kinds. Th
   reduce-scattered to its shard by the redistribute's backward (P -> S). Pricing charges no backward
   for the gather and an all_reduce (a bucketed grad-sync one for a parameter: FSDP) for the partial
   gradient.
+* reshard after forward is exact: each parameter gathered for an op that saves it is gathered again
+  in backward (``passes/reshard.py``), and the plan prices each such gather (checked for FSDP).
 * 2-D meshes: DTensor's layer-norm backward takes a (S(0), P) gradient as reduce_scatter + all_gather
   on tp (sharding tokens) where pricing charges one all_reduce, which leaves the norm weights'
   gradients partial on tp too: the gradient sync adds a (dp, tp) group, two more all_reduces.
@@ -105,3 +107,12 @@ def test_data_parallel_backward_runs_the_predicted_collectives(counted, index: i
     predicted_backward = predicted_collectives(result["plan"], ["backward", "grad_sync"])
     assert _minus(backward, predicted_backward) == BACKWARD_GAPS[name], (
         f"backward + gradient sync ran {backward}, the plan predicts {predicted_backward}")
+
+
+@pytest.mark.parametrize("index", [i for i, (_, c) in enumerate(CONFIGS) if c.get("fsdp") == 3])
+def test_fsdp_backward_gathers_again_exactly_the_parameters_the_plan_regathers(counted, index: int) -> None:
+    result = counted[0][index]
+    backward = _minus(result["step"], result["forward"])
+    predicted = predicted_collectives(result["plan"], ["backward"])
+    assert predicted.get("all_gather", 0) > 0
+    assert backward.get("all_gather", 0) == predicted["all_gather"], (backward, predicted)

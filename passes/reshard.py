@@ -1,0 +1,187 @@
+"""Reshard after forward: a parameter gathered for an op is not held until that op's backward.
+
+Under FSDP / ZeRO-3 a parameter is sharded on the data-parallel dims and ``insert_redistributes``
+gathers it (``redistribute``, ``S -> R``) right before each op that needs it whole. Left alone,
+autograd would keep that gathered copy from the op's forward to its backward (``mm`` saves its
+weight), so after the forward every layer's full parameters would be alive at once: the memory
+sharding was meant to save, and more than the cost model charges. FSDP frees the gathered copy after
+forward and gathers again in backward (Zhao et al., "PyTorch FSDP", VLDB 2023, ``reshard_after_forward``;
+Rajbhandari et al., SC20, ZeRO-3); this pass does the same in autopar's flat program:
+
+* each redistribute of a parameter (or of a view of one) becomes ``gather_parameter``, which does the
+  same move and records the gathered tensor's storage with how to make it again;
+* ``ResavedParameters`` runs the program under ``torch.autograd.graph.saved_tensors_hooks``: when
+  autograd saves (a view of) a recorded gathered tensor, pack keeps the shard, the target placements
+  and the view's geometry instead, and unpack, in backward, gathers again and rebuilds the view.
+
+Every gathered parameter is resharded; there is no plan choice to hold them instead. Holding them
+would cost the peak memory of ZeRO-2 (every full parameter alive during backward) for the
+communication of ZeRO-3's forward gathers, and ZeRO-2 (``fsdp=2``), which the mesh search prices,
+reaches that peak with one gather per step instead of one per use.
+
+Only programs that gather parameters run under these hooks. Autograd uses only the innermost
+``saved_tensors_hooks``, so hooks the caller runs the step under (``torch.autograd.graph.save_on_cpu``,
+say) would no longer see the program's saved tensors; ours hand every tensor that is not a gathered
+parameter to them. Torch has no public way to read the enclosing hooks: we read them with
+``torch._C._autograd._top_saved_tensors_default_hooks`` (what AOTAutograd uses), where it exists.
+
+Inside a layer that activation checkpointing recomputes, ``torch.utils.checkpoint``'s own hooks take
+precedence and its recompute gathers again, so a parameter is gathered once more in backward in every
+mode, which is what ``autopar.pricing`` charges (``regathered`` edges). Where we diverge from FSDP2
+(``fully_shard``): it gathers a module's parameters in hooks around the module; autopar's program is an
+aten graph whose unit is the op and the saved tensor, so the saved tensor is what is made lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from .insert_redistributes import redistribute
+
+_ACTIVE: list["ParameterRegather"] = []
+"""The hooks of the program running forward now (innermost last); ``gather_parameter`` records there."""
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """A gathered parameter: its local tensor (weakly, to tell a reused address apart) and its source."""
+
+    local: "weakref.ref[torch.Tensor]"
+    source: DTensor
+    placements: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """What a saved (view of a) gathered parameter is replaced by until backward unpacks it."""
+
+    source: DTensor
+    placements: tuple[str, ...]
+    local_geometry: tuple[torch.Size, tuple[int, ...], int]  # size, stride, storage offset of the local view
+    mesh: DeviceMesh
+    saved_placements: tuple[Placement, ...]
+    saved_shape: torch.Size
+    saved_stride: tuple[int, ...]
+
+
+class ParameterRegather:
+    """Pack and unpack hooks that save a gathered parameter as its shard and gather it again in backward."""
+
+    def __init__(self, outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+                 ) -> None:
+        self._gathered: dict[int, _Gathered] = {}
+        self._outer = outer  # the enclosing (pack, unpack) hooks, for every other saved tensor
+        self.regathered = 0  # gathers run again in backward (for tests and reports)
+
+    def remember(self, gathered: DTensor, source: DTensor, placements: tuple[str, ...]) -> None:
+        local = _local(gathered)
+        self._gathered[_address(local)] = _Gathered(weakref.ref(local), source, placements)
+
+    def held(self) -> int:
+        """How many of the parameters gathered in this forward are still alive (0 once it has returned:
+        backward holds shards, not gathered copies)."""
+        return sum(entry.local() is not None for entry in self._gathered.values())
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        entry = self._gathered_entry(tensor)
+        if entry is None:
+            return self._outer[0](tensor) if self._outer else tensor
+        local = _local(tensor)
+        return _Regather(entry.source, entry.placements, (local.size(), local.stride(), local.storage_offset()),
+                         tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
+
+    def _gathered_entry(self, tensor: torch.Tensor) -> _Gathered | None:
+        """The record of the gathered parameter ``tensor`` is (a view of), if it is one."""
+        if not isinstance(tensor, DTensor):
+            return None
+        local = _local(tensor)
+        entry = self._gathered.get(_address(local))
+        base = entry.local() if entry is not None else None
+        return entry if base is not None and _address(base) == _address(local) else None
+
+    def unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _Regather):
+            return self._outer[1](saved) if self._outer else saved
+        with torch.no_grad():
+            whole = _local(redistribute(saved.source, saved.placements))
+        self.regathered += 1
+        view = whole.as_strided(*saved.local_geometry)
+        return DTensor.from_local(view, saved.mesh, saved.saved_placements, run_check=False,
+                                  shape=saved.saved_shape, stride=saved.saved_stride)
+
+    @classmethod
+    def active(cls) -> "ParameterRegather | None":
+        return _ACTIVE[-1] if _ACTIVE else None
+
+
+def gather_parameter(x: DTensor, placements: tuple[str, ...]) -> DTensor:
+    """``redistribute`` for a parameter: the same move, recorded so that a saved copy is made again in backward."""
+    moved = redistribute(x, placements)
+    hooks = ParameterRegather.active()
+    if hooks is not None and moved is not x:
+        hooks.remember(moved, x, placements)
+    return moved
+
+
+class ResavedParameters(nn.Module):
+    """A program whose gathered parameters are not kept for backward (see the module doc)."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.program = program
+        self.last = ParameterRegather()
+
+    def forward(self, *args: Any) -> Any:
+        self.last = ParameterRegather(_enclosing_hooks())
+        with _recording(self.last), torch.autograd.graph.saved_tensors_hooks(self.last.pack, self.last.unpack):
+            return self.program(*args)
+
+
+def reshard_after_forward(gm: fx.GraphModule, parameter_values: set[str]) -> int:
+    """Turn ``gm``'s redistributes of parameters (``parameter_values``: placeholders of parameters and
+    views of them) into ``gather_parameter``, in place; returns how many. Run the result under
+    ``ResavedParameters``."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is redistribute and node.args[0].name in parameter_values:
+            node.target = gather_parameter
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+@contextlib.contextmanager
+def _recording(hooks: ParameterRegather) -> Iterator[None]:
+    _ACTIVE.append(hooks)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def _enclosing_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The ``saved_tensors_hooks`` the caller runs under, if any (see the module doc)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top(True) if top is not None else None
+    except TypeError:  # another signature in another torch version: run without chaining
+        return None
+
+
+def _local(tensor: DTensor) -> torch.Tensor:
+    with torch.no_grad():  # to_local outside autograd is the local tensor itself, no new graph node
+        return tensor.to_local()
+
+
+def _address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
