@@ -108,7 +108,7 @@ class CapturedGraph:
         keeps): a copy gathered for ``consumer`` would then be held from forward to backward, which the
         runtime avoids by gathering it again in backward (``passes/reshard.py``)."""
         root = arg
-        while _is_view(root) and root.all_input_nodes:
+        while is_view(root) and root.all_input_nodes:
             root = root.all_input_nodes[0]
         if root.name not in self.params:
             return False
@@ -118,7 +118,7 @@ class CapturedGraph:
             reader = readers.pop()
             if (reader.name, root.name) in kept:
                 return True
-            if _is_view(reader):
+            if is_view(reader):
                 readers.extend(reader.users)
         return False
 
@@ -128,7 +128,8 @@ class CapturedGraph:
         return max(counts.values(), default=0) if counts else 0
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is an aten view op (its output shares its input's storage)."""
     return node.op == "call_function" and getattr(node.target, "is_view", False)
 
 

@@ -45,7 +45,7 @@ class StepCollective:
     phase: str
     nbytes: float
     mesh_dim: int
-    times: int = 1
+    times: float = 1  # a partial gradient's reduction shared by k readers counts 1/k at each
 
 
 def step_collectives(plan_data: Mapping[str, Any], bucket_bytes: float = BUCKET_BYTES) -> list[StepCollective]:
@@ -53,7 +53,7 @@ def step_collectives(plan_data: Mapping[str, Any], bucket_bytes: float = BUCKET_
     the bucketed gradient all_reduces."""
     microbatches = int(plan_data.get("pipeline", {}).get("microbatches", 1))
     terms = [t for op in plan_data.get("ops", {}).values() for t in op.get("collectives", [])]
-    found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"], microbatches)
+    found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"], microbatches * t.get("share", 1.0))
              for t in terms if not t["grad_sync"]]
     syncs = [t for t in terms if t["grad_sync"]]
     return (found + gradient_buckets([t for t in syncs if t["kind"] == "all_reduce"], bucket_bytes)
@@ -93,12 +93,12 @@ def gradient_buckets(terms: Iterable[Mapping[str, Any]], bucket_bytes: float = B
 
 def predicted_collectives(plan_data: Mapping[str, Any], phases: Iterable[str] = PHASES) -> dict[str, int]:
     """Collectives per kind that one step of the plan issues (in ``phases``), kinds with none left out."""
-    counts: dict[str, int] = {}
+    totals: dict[str, float] = {}
     wanted = set(phases)
     for c in step_collectives(plan_data):
         if c.phase in wanted:
-            counts[c.kind] = counts.get(c.kind, 0) + c.times
-    return counts
+            totals[c.kind] = totals.get(c.kind, 0.0) + c.times
+    return {kind: round(total) for kind, total in totals.items() if round(total)}
 
 
 _OP_KINDS = {

@@ -21,7 +21,7 @@ from .capture import CapturedGraph
 from .cost_models import GroupTopology, collective_time
 from .cost_models.symbolic import render_collective, tensor_bytes_text
 from .pricing import Collective, Pricer
-from .problem import Problem, source_of
+from .problem import Problem, partial_gradient_share, source_of
 from .report import fmt_bytes, fmt_seconds
 from .strategies import Strategy, tensor_inputs
 
@@ -145,7 +145,8 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         if have is None or (have == wanted and not grad_partial):
             continue
         regathered = captured.keeps_parameter(node, arg)
-        for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered)):
+        for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered,
+                                                      partial_gradient_share(arg))):
             # edge_collectives lists the partial gradient's reductions first, one per dim
             why = ("partial gradient" if i < len(grad_partial) else
                    f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}" + (" again in backward" if c.regather else ""))
@@ -165,7 +166,7 @@ def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer
             "shape": list(val.shape), "element_bytes": pricer.element_bytes(val), "mesh_dim": c.mesh_dim,
             "sharded_on": [d for d, p in enumerate(c.placements) if p.startswith("S(")],
             "group": [group.size, group.per_node, group.nodes], "nbytes": c.nbytes, "seconds": seconds,
-            "grad_sync": c.grad_sync, "per_microbatch": per_microbatch}
+            "grad_sync": c.grad_sync, "per_microbatch": per_microbatch, "share": c.share}
 
 
 def collective_lines(plan_data: Mapping[str, Any], name: str) -> list[str]:
@@ -201,6 +202,11 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
                      "overlapped with backward")
     elif term["grad_sync"]:
         lines.append("      ZeRO gradient sync (passes/zero.py), overlapped with backward")
+    elif term.get("share", 1.0) < 1:  # pricing: one reduction for all the readers that leave it partial
+        readers = round(1 / term["share"])
+        lines.append(f"      one reduction for the {readers} ops that leave this gradient partial (summed first): "
+                     f"1/{readers} of {fmt_seconds(term['seconds'] / term['share'])} charged here, "
+                     f"{fmt_seconds(term['seconds'])}")
     elif term["seconds"] > seconds:  # pricing.in_step_collective_time: the device's redistribute_s
         lines.append(f"      + {fmt_seconds(term['seconds'] - seconds)} per collective DTensor runs inside a step "
                      f"(the device's calibrated redistribute_s) = {fmt_seconds(term['seconds'])}")

@@ -27,6 +27,11 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   (``passes/reshard.py``, FSDP's reshard-after-forward), so such an edge's forward collectives run
   again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
   re-gathers once, as part of its recompute).
+* an activation several ops read, left partial by each of them, is reduced once: autograd sums the
+  partial gradients first and DTensor keeps the sum partial (q, k and v projections of one normed
+  input run one all_reduce, not three). Each of the ``k`` edges pays ``1/k`` of the reduction
+  (``partial_share``; ``k`` counts the value's non-view readers, so it is exact when all of them
+  leave it partial, the usual case).
 * resharding an edge, forward -> backward: S->R all_gather -> (none); P->R all_reduce -> (none);
   P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
   all_to_all. A partial gradient never needs the backward of R->P.
@@ -237,7 +242,7 @@ class Pricer:
         group = self.groups[c.mesh_dim]
         if c.grad_sync and c.kind == "all_reduce":
             return bucketed_all_reduce_time(c.nbytes, group)
-        return in_step_collective_time(c.kind, c.nbytes, group, self.cluster.device.redistribute_s)
+        return c.share * in_step_collective_time(c.kind, c.nbytes, group, self.cluster.device.redistribute_s)
 
     def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
                              ) -> list["Collective"]:
@@ -343,20 +348,22 @@ class Pricer:
 
     # ---- edges -------------------------------------------------------------------------------
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
-             grad_partial: tuple[int, ...] = (), regathered: bool = False) -> Cost:
+             grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0) -> Cost:
         """Resharding ``val`` from ``src`` to ``dst``, and reducing its gradient where the consumer
-        leaves it partial (``grad_partial``: mesh dims); ``per_microbatch``: the tensor is the same for
-        every microbatch (a parameter), so under gradient accumulation its collectives repeat;
-        ``regathered``: a parameter the consumer saves for backward, moved again in backward."""
-        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered)
+        leaves it partial (``grad_partial``: mesh dims; this edge's ``partial_share`` of that
+        reduction); ``per_microbatch``: the tensor is the same for every microbatch (a parameter), so
+        under gradient accumulation its collectives repeat; ``regathered``: a parameter the consumer
+        saves for backward, moved again in backward."""
+        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered, partial_share)
         if key not in self._edge_cache:
-            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered)
+            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered,
+                                               partial_share)
         return self._edge_cache[key]
 
     def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool,
-              grad_partial: tuple[int, ...], regathered: bool) -> Cost:
+              grad_partial: tuple[int, ...], regathered: bool, partial_share: float) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
-        for c in self.edge_collectives(val, src, dst, grad_partial, regathered):
+        for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share):
             seconds = self.collective_seconds(c)
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
@@ -364,7 +371,8 @@ class Pricer:
         return cost
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
-                         grad_partial: tuple[int, ...] = (), regathered: bool = False) -> list["Collective"]:
+                         grad_partial: tuple[int, ...] = (), regathered: bool = False,
+                         partial_share: float = 1.0) -> list["Collective"]:
         """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
         (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim).
 
@@ -374,7 +382,7 @@ class Pricer:
         path). With ``regathered`` every forward collective is listed again, in backward (``regather``),
         after the others."""
         found = [Collective("reduce_scatter" if src[d].startswith("S(") else "all_reduce", "backward",
-                            self.local_bytes(val, dst), d, dst) for d in grad_partial]
+                            self.local_bytes(val, dst), d, dst, share=partial_share) for d in grad_partial]
         for dim, group in enumerate(self.groups):
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:
@@ -400,6 +408,7 @@ class Collective:
     slot: int | None = None  # for an input gradient: which tensor input of the node
     per_microbatch: bool = False  # a gradient sync redone after every microbatch (ZeRO-2's reduce_scatter)
     regather: bool = False  # a parameter's forward collective run again in backward (reshard after forward)
+    share: float = 1.0  # the part of it charged here (a gradient several readers leave partial is reduced once)
 
 
 def bucketed_all_reduce_time(nbytes: float, group) -> float:

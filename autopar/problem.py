@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from .capture import CapturedGraph
+from .capture import CapturedGraph, is_view
 from .pricing import Cost, Pricer
 from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, output_vals, tensor_inputs
 
@@ -297,6 +297,7 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     grouped: dict[tuple[str, int, str, int], Edge] = {}
     vals: dict[tuple[str, int, str, int], torch.Tensor] = {}
     kept: dict[tuple[str, int, str, int], bool] = {}  # the consumer saves the parameter the edge carries
+    shares: dict[tuple[str, int, str, int], float] = {}  # its share of a partial gradient's reduction
     for node in captured.graph.nodes:
         if node.op == "output":
             consumer, args = OUTPUT_KEY, [captured.node(captured.loss_node)]
@@ -313,18 +314,39 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
                 grouped[ekey] = Edge(*ekey, count=1)
                 vals[ekey] = arg.meta["val"]
                 kept[ekey] = node.op != "output" and captured.keeps_parameter(node, arg)
+                shares[ekey] = partial_gradient_share(arg)
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
     weights = {keys[name] for name, kind in kinds.items() if kind == "param"}
     for ekey, edge in grouped.items():
-        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in weights, kept[ekey])
+        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in weights, kept[ekey], shares[ekey])
     return list(grouped.values())
 
 
+def partial_gradient_share(arg: fx.Node) -> float:
+    """The share of ``arg``'s partial-gradient reduction that one reader pays: ``1/k`` for a value read
+    by ``k`` ops other than views, directly or through views of it (``autopar.pricing``: the readers'
+    partial gradients are summed, through the views' backward, before the one reduction)."""
+    root = arg
+    while is_view(root) and root.all_input_nodes:
+        root = root.all_input_nodes[0]
+    readers, through = set(), [root]
+    while through:
+        for user in through.pop().users:
+            if is_view(user):
+                through.append(user)
+            elif user.op == "call_function":
+                readers.add(user)
+    return 1.0 / max(1, len(readers))
+
+
+
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                 from_param: bool, regathered: bool) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
+                 from_param: bool, regathered: bool, partial_share: float
+                 ) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
     srcs = {o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options}
     dsts = {o.edge_key(edge.slot) for o in decisions[edge.dst].options}
-    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered)
+    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered,
+                                partial_share=partial_share)
             for a in srcs if a is not None for b in dsts}
 
 

@@ -342,3 +342,20 @@ def test_an_unpadded_vocabulary_is_priced_at_the_slower_misaligned_gemm_rate():
     unpadded, padded = predicted(50257), predicted(50304)
     assert unpadded["compute_s"] > 1.5 * padded["compute_s"]
     assert unpadded["step_time_s"] > padded["step_time_s"]
+
+
+def test_tensor_parallel_gpt_reduces_the_attention_input_gradient_once_not_per_projection():
+    """Megatron's TP layer runs one backward all_reduce before attention and one before the MLP: q, k
+    and v read the same normed input, whose three partial gradients are summed, then reduced once
+    (as DTensor runs it; tests/test_collective_parity.py counts it on gloo), plus one for the head."""
+    from autopar.collectives import predicted_collectives
+
+    bundle = build_model("tiny-gpt", global_batch=8)
+    plan = _plan(_capture(bundle), "1x4xcpu", {"tp": 4})
+    qkv = [t for op in plan.ops.values() for t in op.get("collectives", [])
+           if t["phase"] == "backward" and t["why"] == "partial gradient" and t["share"] < 1]
+    assert len(qkv) == 3 * 2 and all(t["share"] == pytest.approx(1 / 3) for t in qkv)
+    assert predicted_collectives(plan.to_dict(), ["backward", "grad_sync"]) == {"all_reduce": 2 * 2 + 1}
+    q_proj = next(name for name, op in plan.ops.items()
+                  if any(t in qkv for t in op.get("collectives", [])))
+    assert "one reduction for the 3 ops that leave this gradient partial" in plan.explain(q_proj)
