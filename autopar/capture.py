@@ -107,20 +107,11 @@ class CapturedGraph:
         parameter itself or a view of it), or is a view whose readers do (``t`` of a weight that ``mm``
         keeps): a copy gathered for ``consumer`` would then be held from forward to backward, which the
         runtime avoids by gathering it again in backward (``passes/reshard.py``)."""
-        root = arg
-        while is_view(root) and root.all_input_nodes:
-            root = root.all_input_nodes[0]
+        root = view_root(arg)
         if root.name not in self.params:
             return False
         kept = self.saved_for_backward().parameters_kept
-        readers = [consumer]
-        while readers:
-            reader = readers.pop()
-            if (reader.name, root.name) in kept:
-                return True
-            if is_view(reader):
-                readers.extend(reader.users)
-        return False
+        return any((reader.name, root.name) in kept for reader in through_views(consumer))
 
     def layer_count(self) -> int:
         """How many repeated layers the tie keys found (0 when the model has none)."""
@@ -131,6 +122,18 @@ class CapturedGraph:
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` is an aten view op (its output shares its input's storage)."""
     return node.op == "call_function" and getattr(node.target, "is_view", False)
+
+
+def view_root(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a view of (through any chain of views), or ``node`` itself."""
+    while is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def through_views(node: fx.Node) -> list[fx.Node]:
+    """``node`` and, if it is a view, every node that reads it through views (views included)."""
+    return [node] + ([n for user in node.users for n in through_views(user)] if is_view(node) else [])
 
 
 def capture(

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from .capture import CapturedGraph, is_view
+from .capture import CapturedGraph, is_view, through_views, view_root
 from .pricing import Cost, Pricer
 from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, output_vals, tensor_inputs
 
@@ -295,9 +295,7 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     keys = dict(captured.tie_keys)
     keys[OUTPUT_KEY] = OUTPUT_KEY
     grouped: dict[tuple[str, int, str, int], Edge] = {}
-    vals: dict[tuple[str, int, str, int], torch.Tensor] = {}
-    kept: dict[tuple[str, int, str, int], bool] = {}  # the consumer saves the parameter the edge carries
-    shares: dict[tuple[str, int, str, int], float] = {}  # its share of a partial gradient's reduction
+    first: dict[tuple[str, int, str, int], tuple[fx.Node, fx.Node]] = {}  # (consumer, input) of its first occurrence
     for node in captured.graph.nodes:
         if node.op == "output":
             consumer, args = OUTPUT_KEY, [captured.node(captured.loss_node)]
@@ -312,13 +310,14 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
                 grouped[ekey].count += 1
             else:
                 grouped[ekey] = Edge(*ekey, count=1)
-                vals[ekey] = arg.meta["val"]
-                kept[ekey] = node.op != "output" and captured.keeps_parameter(node, arg)
-                shares[ekey] = partial_gradient_share(arg)
+                first[ekey] = (node, arg)
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
     weights = {keys[name] for name, kind in kinds.items() if kind == "param"}
     for ekey, edge in grouped.items():
-        edge.price = _edge_prices(edge, decisions, vals[ekey], pricer, edge.src in weights, kept[ekey], shares[ekey])
+        node, arg = first[ekey]
+        regathered = node.op != "output" and captured.keeps_parameter(node, arg)  # the consumer keeps the parameter
+        edge.price = _edge_prices(edge, decisions, arg.meta["val"], pricer, edge.src in weights, regathered,
+                                  partial_gradient_share(arg))
     return list(grouped.values())
 
 
@@ -326,16 +325,8 @@ def partial_gradient_share(arg: fx.Node) -> float:
     """The share of ``arg``'s partial-gradient reduction that one reader pays: ``1/k`` for a value read
     by ``k`` ops other than views, directly or through views of it (``autopar.pricing``: the readers'
     partial gradients are summed, through the views' backward, before the one reduction)."""
-    root = arg
-    while is_view(root) and root.all_input_nodes:
-        root = root.all_input_nodes[0]
-    readers, through = set(), [root]
-    while through:
-        for user in through.pop().users:
-            if is_view(user):
-                through.append(user)
-            elif user.op == "call_function":
-                readers.add(user)
+    readers = {n for user in view_root(arg).users for n in through_views(user)
+               if n.op == "call_function" and not is_view(n)}
     return 1.0 / max(1, len(readers))
 
 

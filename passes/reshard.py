@@ -92,18 +92,15 @@ class ParameterRegather:
         return sum(entry.local() is not None for entry in self._gathered.values())
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        entry = self._gathered_entry(tensor)
+        local = _local(tensor) if isinstance(tensor, DTensor) else None
+        entry = self._gathered_entry(local) if local is not None else None
         if entry is None:
             return self._outer[0](tensor) if self._outer else tensor
-        local = _local(tensor)
         return _Regather(entry.source, entry.placements, (local.size(), local.stride(), local.storage_offset()),
                          tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
 
-    def _gathered_entry(self, tensor: torch.Tensor) -> _Gathered | None:
-        """The record of the gathered parameter ``tensor`` is (a view of), if it is one."""
-        if not isinstance(tensor, DTensor):
-            return None
-        local = _local(tensor)
+    def _gathered_entry(self, local: torch.Tensor) -> _Gathered | None:
+        """The record of the gathered parameter whose local tensor ``local`` is (a view of), if any."""
         entry = self._gathered.get(_address(local))
         base = entry.local() if entry is not None else None
         return entry if base is not None and _address(base) == _address(local) else None
