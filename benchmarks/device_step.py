@@ -99,14 +99,17 @@ def bundle_for(preset: str, overrides: dict[str, Any], batch: int, seq: int, dev
 
 def plan_for(bundle: Any, cluster: str, dtype: str, name: str) -> autopar.Plan:
     """The plan rank 0 makes for ``cluster``, sent to every rank."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            box[0] = autopar.plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn,
-                                  {"dtype": dtype}, example_targets=bundle.example_targets, name=name).to_dict()
+    box: list[Any] = [planned(bundle, cluster, dtype, name).to_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return autopar.Plan.from_dict(box[0])
+
+
+def planned(bundle: Any, cluster: str, dtype: str, name: str) -> autopar.Plan:
+    """``autopar.plan`` of the bundle's step in ``dtype`` for ``cluster`` (its warnings left out of the table)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn, {"dtype": dtype},
+                            example_targets=bundle.example_targets, name=name)
 
 
 def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict[str, str], device: str,
@@ -205,11 +208,7 @@ def reprice(path: str) -> None:
         bundle = build_model(row["preset"], overrides=row["overrides"], global_batch=row["global_batch"],
                              seq=row["seq"], device="meta")
         for which, cluster in clusters.items():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                row["predicted"][which] = autopar.plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn,
-                                                       {"dtype": row["dtype"]}, example_targets=bundle.example_targets,
-                                                       name=row["model"]).predicted
+            row["predicted"][which] = planned(bundle, cluster, row["dtype"], row["model"]).predicted
     print_table(data["rows"])
 
 
