@@ -13,23 +13,25 @@ per op for that (the plan's optional ``ops[name]["collectives"]``); plans withou
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
 
-from .capture import CapturedGraph
+from .capture import CapturedGraph, view_root
 from .cost_models import GroupTopology, collective_time
 from .cost_models.symbolic import render_collective, tensor_bytes_text
 from .pricing import Collective, Pricer
-from .problem import Problem, partial_gradient_share, source_of
+from .problem import Problem, RootSharding, partial_gradient_share, source_of
 from .report import fmt_bytes, fmt_seconds
 from .strategies import Strategy, tensor_inputs
 
 TOP_K = 8
 
 
-def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str, top: int = TOP_K) -> list[dict]:
-    """Options of ``key`` with ``delta_s`` (step-time change if taken alone), best first."""
+def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str,
+                          root_terms: Sequence[RootSharding] = (), top: int = TOP_K) -> list[dict]:
+    """Options of ``key`` with ``delta_s`` (step-time change if taken alone), best first. ``problem`` is
+    settled at ``choice`` (``Problem.settled``); ``root_terms``: the problem's terms whose root is ``key``."""
     decision = problem.decisions[key]
     z_now = _exposed_sync(problem, choice)
     chosen = choice[key]
@@ -39,7 +41,8 @@ def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str,
         trial[key] = k
         delta = decision.count * (option.cost.exposed_s - decision.options[chosen].cost.exposed_s)
         delta += _edge_delta(problem, choice, trial, key)
-        delta += _sync_delta(problem, decision, chosen, k, z_now)
+        exposed, sync = _root_change(problem, root_terms, choice, trial)
+        delta += exposed + _sync_delta(problem, decision, chosen, k, z_now, sync)
         rows.append({
             "strategy": option.strategy.describe(),
             "chosen": k == chosen,
@@ -67,6 +70,20 @@ def _edge_price(problem: Problem, edge, choice: Mapping[str, int]) -> float:
     return edge.price[(p, q)].exposed_s
 
 
+def _root_change(problem: Problem, root_terms: Sequence[RootSharding], before: Mapping[str, int],
+                 after: Mapping[str, int]) -> tuple[float, float]:
+    """(critical-path seconds, gradient sync seconds) by which the ops whose gradient reduction depends
+    on a parameter's placement (``root_terms``, ``problem.RootSharding``) change when that placement
+    alone changes (the settled problem already prices the consumers' own alternatives)."""
+    exposed = sync = 0.0
+    for t in root_terms:
+        if t.holds(after) != t.holds(before):
+            weight = (1.0 if t.holds(after) else -1.0) * problem.decisions[t.consumer].count * t.share
+            exposed += weight * t.delta.exposed_s
+            sync += weight * t.delta.grad_sync_s
+    return exposed, sync
+
+
 def _exposed_sync(problem: Problem, choice: Mapping[str, int]) -> float:
     """sync - beta * backward over the solution (negative: gradient sync fully hidden)."""
     total = 0.0
@@ -76,19 +93,27 @@ def _exposed_sync(problem: Problem, choice: Mapping[str, int]) -> float:
     return total
 
 
-def _sync_delta(problem: Problem, decision, chosen: int, k: int, z_now: float) -> float:
+def _sync_delta(problem: Problem, decision, chosen: int, k: int, z_now: float, elsewhere: float = 0.0) -> float:
+    """Change in exposed gradient sync when ``decision`` takes option ``k`` (and the sync of other
+    decisions changes by ``elsewhere`` seconds)."""
     def term(i: int) -> float:
         c = decision.options[i].cost
         return decision.count * (c.grad_sync_s - problem.overlap_fraction * c.backward_compute_s)
 
-    return max(0.0, z_now + term(k) - term(chosen)) - max(0.0, z_now)
+    return max(0.0, z_now + term(k) - term(chosen) + elsewhere) - max(0.0, z_now)
 
 
 def explanations(problem: Problem, choice: Mapping[str, int], index: Mapping[str, str]) -> dict[str, Any]:
-    """The ``explanations`` section of a plan: alternatives per decision and a name -> decision index."""
+    """The ``explanations`` section of a plan: alternatives per decision and a name -> decision index
+    (``problem`` as solved, its ``root_terms`` not yet settled)."""
+    by_root: dict[str, list[RootSharding]] = {}
+    for t in problem.root_terms:
+        by_root.setdefault(t.root, []).append(t)
+    settled = problem.settled(choice)
     return {
-        "decisions": {key: {"nodes": d.nodes, "alternatives": decision_alternatives(problem, choice, key)}
-                      for key, d in problem.decisions.items() if len(d.options) > 1},
+        "decisions": {key: {"nodes": d.nodes,
+                            "alternatives": decision_alternatives(settled, choice, key, by_root.get(key, ()))}
+                      for key, d in settled.decisions.items() if len(d.options) > 1},
         "index": dict(index),
     }
 
@@ -139,6 +164,8 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
     kinds = captured.gradient_kinds()
     grad_kinds = [kinds[a.name] for a in args]
     partial = pricer.grad_partial_dims(node, strategy, grad_kinds)
+    roots = [strategy_of(view_root(a).name).outputs[0] if kind == "param" else None
+             for a, kind in zip(args, grad_kinds)]
     for arg, wanted, grad_partial in zip(args, strategy.inputs, partial):
         src, out = source_of(arg)
         have = strategy_of(src.name).outputs[out]
@@ -152,8 +179,9 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
                    f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}" + (" again in backward" if c.regather else ""))
             weight = kinds[src.name] == "param"  # a parameter or a view of one
             terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
-    for c in pricer.gradient_collectives(node, strategy, grad_kinds):
-        terms.append(_term(c, "partial gradient", args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
+    for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots):
+        why = "partial gradient" if c.grad_sync else "partial gradient, reduced by the gather's backward"
+        terms.append(_term(c, why, args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
     return terms
 
 

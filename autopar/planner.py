@@ -121,7 +121,8 @@ class Candidate:
     @property
     def compute_s(self) -> float:
         chosen = self.solution.choice
-        return sum(d.count * d.options[chosen[k]].cost.compute_s for k, d in self.problem.decisions.items())
+        problem = self.problem.settled(chosen)
+        return sum(d.count * d.options[chosen[k]].cost.compute_s for k, d in problem.decisions.items())
 
 
 def make_plan(
@@ -668,7 +669,8 @@ def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:
 def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
              results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
              constraints: Mapping[str, Any]) -> Plan:
-    mesh, problem, solution, staging = best.mesh, best.problem, best.solution, best.staging
+    mesh, solution, staging = best.mesh, best.solution, best.staging
+    problem = best.problem.settled(solution.choice)  # prices as the chosen parameter placements make them
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
     pricer = pricer_for(cluster, mesh, dtype, constraints)
@@ -690,13 +692,13 @@ def _to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: 
                 for name in captured.user_inputs},
         buffers={fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.buffers.items()},
         ops=_ops(captured, problem, solution, by_node, pricer),
-        predicted=_predicted(captured, cluster, best, chosen, pricer),
+        predicted=_predicted(captured, cluster, best, problem, chosen, pricer),
         solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
                 "gap": solution.gap, "wall_s": solution.wall_s, "search_wall_s": search_wall_s,
                 "variables": solution.variables, "constraints": solution.constraints,
                 "decisions": len(problem.decisions), "meshes_tried": len(results) + len(pruned),
                 "pruned_meshes": [m.describe() for m in pruned]},
-        explanations=explanations(problem, solution.choice, _explanation_index(captured, problem)),
+        explanations=explanations(best.problem, solution.choice, _explanation_index(captured, problem)),
         candidates=[{"mesh": {"shape": list(c.mesh.shape), "dim_names": list(c.mesh.names)},
                      "degrees": {"pp": c.mesh.stages, "dp": c.mesh.degree("dp"), "tp": c.mesh.degree("tp")},
                      "microbatches": c.problem.microbatches, "schedule": c.staging.schedule,
@@ -797,9 +799,9 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
             "dp_replicate": mesh.degree("dp_replicate"), **({"zero": zero} if zero else {})}
 
 
-def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, chosen: dict, pricer: Pricer
-               ) -> dict[str, Any]:
-    problem, mesh = best.problem, best.mesh
+def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, problem: Problem, chosen: dict,
+               pricer: Pricer) -> dict[str, Any]:
+    mesh = best.mesh
     compute = sync = hide = 0.0
     comm: dict[str, float] = {}
     memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}

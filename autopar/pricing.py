@@ -27,6 +27,11 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   (``passes/reshard.py``, FSDP's reshard-after-forward), so such an edge's forward collectives run
   again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
   re-gathers once, as part of its recompute).
+* a parameter sharded where it is stored and gathered to be read (FSDP) has its gradient reduced by
+  the gather's backward, on the critical path (a reduce_scatter onto the shard), not by the gradient
+  sync: ``Pricer.node`` prices the sync of an ungathered parameter and ``gathered_root_delta`` the
+  difference, which the solver adds when the op and the parameter's placement are chosen together
+  (``problem.RootSharding``, constraint (9));
 * an activation several ops read, left partial by each of them, is reduced once: autograd sums the
   partial gradients first and DTensor keeps the sum partial (q, k and v projections of one normed
   input run one all_reduce, not three). Each of the ``k`` edges pays ``1/k`` of the reduction
@@ -222,7 +227,10 @@ class Pricer:
     def _partial_gradients(
         self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], cost: Cost
     ) -> None:
-        for c in self.gradient_collectives(node, strategy, grad_kinds):
+        self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds), cost)
+
+    def _charge_gradient_collectives(self, collectives: Sequence["Collective"], cost: Cost) -> None:
+        for c in collectives:
             seconds = self.collective_seconds(c)
             if not c.grad_sync:
                 cost.add_comm(c.kind, seconds)
@@ -235,6 +243,30 @@ class Pricer:
                 cost.host_s += host
                 cost.compute_s += host
 
+    def gathered_root_delta(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], slot: int,
+                            root: Placements) -> Cost | None:
+        """What the parameter gradient of input ``slot`` costs beyond ``Pricer.node``'s price when the
+        parameter it reads (through views) is placed ``root`` and gathered on its way here; ``None``
+        when that changes nothing. ``Pricer.node`` prices the gradient sync of an ungathered parameter
+        (``gradient_collectives`` without roots): the solver adds this difference where the root's
+        placement decision and this option are both taken (``solver.py``, constraint (9))."""
+        roots = [None] * len(strategy.inputs)
+        roots[slot] = root
+        gathered = [c for c in self.gradient_collectives(node, strategy, grad_kinds, roots) if c.slot == slot]
+        synced = [c for c in self.gradient_collectives(node, strategy, grad_kinds) if c.slot == slot]
+        if gathered == synced:
+            return None
+        delta, undone = Cost(repeats_per_microbatch=True), Cost()
+        self._charge_gradient_collectives(gathered, delta)
+        self._charge_gradient_collectives(synced, undone)
+        delta.compute_s -= undone.compute_s
+        delta.host_s -= undone.host_s
+        delta.grad_sync_s -= undone.grad_sync_s
+        delta.grad_sync_per_microbatch_s -= undone.grad_sync_per_microbatch_s
+        for kind, seconds in undone.comm_s.items():
+            delta.comm_s[kind] = delta.comm_s.get(kind, 0.0) - seconds
+        return delta
+
     def collective_seconds(self, c: "Collective") -> float:
         """Seconds pricing charges for ``c``: a data-parallel gradient all_reduce is bucketed (its
         bandwidth term only); everything else pays the whole formula and, run by DTensor inside the
@@ -244,8 +276,8 @@ class Pricer:
             return bucketed_all_reduce_time(c.nbytes, group)
         return c.share * in_step_collective_time(c.kind, c.nbytes, group, self.cluster.device.redistribute_s)
 
-    def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
-                             ) -> list["Collective"]:
+    def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str],
+                             roots: Sequence[Placements | None] | None = None) -> list["Collective"]:
         """A parameter's gradient sync: a parameter read ``R`` on a dim where the op's output is not is
         used differently by each rank, so its gradient is a partial sum, reduced by the data-parallel
         gradient sync (activations' partial gradients are priced on their edges).
@@ -256,7 +288,14 @@ class Pricer:
         accumulate; ZeRO-1: once, after the last) and, after the optimizer updates the shards, the
         parameter is all-gathered: the same bytes as DDP's all_reduce (Rajbhandari et al., SC20, §7),
         per parameter rather than bucketed. (A parameter whose gradient is not partial on that dim
-        is still gathered at run time; pricing charges the gather with the reduce-scatter.)"""
+        is still gathered at run time; pricing charges the gather with the reduce-scatter.)
+
+        ``roots``, per tensor input: the placement of the parameter it reads (through views), where
+        known. A parameter gathered on its way here (sharded at its root on a dim this op reads it
+        ``R``: FSDP) has its gradient reduced by the backward of that redistribute, inside autograd
+        and on the critical path, on every dim the op leaves it partial: reduce-scattered onto the
+        shard where the root is sharded, all-reduced where it is replicated (DTensor's
+        ``Redistribute`` backward; HSDP's replica dim); nothing is left for the gradient sync."""
         out = strategy.outputs[0] if strategy.outputs else None
         if out is None or getattr(node.target, "is_view", False):
             return []
@@ -266,8 +305,13 @@ class Pricer:
                 continue  # an activation's partial gradient is priced on its edge (``edge_collectives``)
             val = arg.meta["val"]
             nbytes, zero_dims = self.local_bytes(val, placements), self._zero_dims(val, placements)
+            root = roots[slot] if roots else None
+            gathered = root is not None and gathers(root, placements)
             for dim in self._partial_dims(val, placements, out):
-                if dim in zero_dims:
+                if gathered:
+                    reduction = "reduce_scatter" if root[dim].startswith("S(") else "all_reduce"
+                    found.append(Collective(reduction, "backward", nbytes, dim, placements, slot=slot))
+                elif dim in zero_dims:
                     found += self._zero_sync(nbytes, dim, placements, slot)
                 else:
                     found.append(Collective("all_reduce", "backward", nbytes, dim, placements, grad_sync=True,
@@ -427,6 +471,12 @@ def in_step_collective_time(kind: str, nbytes: float, group, redistribute_s: flo
     collective that moves nothing (a group of one)."""
     seconds = collective_time(kind, nbytes, group)
     return seconds + redistribute_s if seconds > 0 else 0.0
+
+
+def gathers(root: Placements, placements: Placements) -> bool:
+    """Whether a tensor placed ``root`` is gathered on some mesh dim to be read at ``placements``
+    (sharded there, replicated here; a view may move the sharded tensor dim, not unshard it)."""
+    return any(r.startswith("S(") and p == "R" for r, p in zip(root, placements))
 
 
 def _unsharded_on(placements: Placements, dim: int) -> Placements:

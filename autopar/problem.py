@@ -11,15 +11,18 @@ and the solver picks how many of a device's layers run in each mode; ``Problem.w
 fixes those counts and gives back a plain problem whose prices mix the modes.
 
 Placeholders are decisions too: a parameter's options are its placements (``R``/``S(d)`` per mesh
-dim), a user input's options are those its role allows. ``getitem`` nodes are not decisions: they
+dim), a user input's options are those its role allows. How a parameter's gradient is reduced depends
+on two decisions at once, the op that reads it and the parameter's own placement (``RootSharding``):
+the problem lists those pairs for the solver (constraint (9)) and ``Problem.settled`` folds them into
+plain prices once a solution is known. ``getitem`` nodes are not decisions: they
 select one output of their producer, so edges leaving them start at the producer's output slot.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -80,6 +83,28 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class RootSharding:
+    """A price that holds when two decisions are taken together: option ``options`` of decision
+    ``consumer`` (which reads a parameter in input ``slot``, through views, and leaves its gradient
+    partial) and option ``root_option`` of the parameter's decision ``root`` (a placement the parameter
+    is gathered from on its way to the op). The gradient is then reduced by the gather's backward on
+    the critical path instead of by the gradient sync (``Pricer.gathered_root_delta``); ``delta`` is
+    the change to the consumer's price per occurrence, paid by ``share`` of the consumer's nodes (those
+    whose parameter is this root's)."""
+
+    consumer: str
+    options: frozenset[int]
+    slot: int
+    root: str
+    root_option: int
+    share: float
+    delta: Cost
+
+    def holds(self, choice: Mapping[str, int]) -> bool:
+        return choice[self.consumer] in self.options and choice[self.root] == self.root_option
+
+
+@dataclass(frozen=True)
 class LayerModes:
     """Activation checkpointing left to the solver: each of the ``layers`` repeated layers a device
     holds runs in one of ``modes`` (``plan.CHECKPOINTING``); the solver picks how many in each."""
@@ -98,6 +123,7 @@ class Problem:
     unsupported_ops: set[str] = field(default_factory=set)  # ops with no DTensor strategy (run replicated)
     microbatches: int = 1  # gradient accumulation steps the prices assume
     layer_modes: LayerModes | None = None  # per-layer checkpointing still to choose (solver.py (5)-(8))
+    root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
 
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches."""
@@ -107,7 +133,29 @@ class Problem:
         }
         edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count,
                       {pq: pricer.for_microbatches(c, m) for pq, c in e.price.items()}) for e in self.edges]
-        return replace(self, decisions=decisions, edges=edges, microbatches=m)
+        root_terms = [replace(t, delta=pricer.for_microbatches(t.delta, m)) for t in self.root_terms]
+        return replace(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms)
+
+    def settled(self, choice: Mapping[str, int]) -> "Problem":
+        """The problem with the parameter placements of ``choice`` taken as given: each ``RootSharding``
+        whose root option ``choice`` takes is folded into its consumer options' prices, and the
+        problem has no such terms left. Its prices for ``choice`` are the ILP's (``solver.evaluate``),
+        and an option of a consumer is priced as if taken with those placements (``autopar.explain``)."""
+        if not self.root_terms:
+            return self
+        extra: dict[tuple[str, int], list[Cost]] = defaultdict(list)
+        for t in self.root_terms:
+            if choice[t.root] == t.root_option:
+                for k in t.options:
+                    extra[t.consumer, k].append(scaled_cost(t.delta, t.share))
+        decisions = dict(self.decisions)
+        for key in {key for key, _ in extra}:
+            d = decisions[key]
+            options = [replace(o, cost=summed_cost([o.cost, *extra[key, k]]),
+                               by_mode={m: summed_cost([c, *extra[key, k]]) for m, c in o.by_mode.items()})
+                       if (key, k) in extra else o for k, o in enumerate(d.options)]
+            decisions[key] = replace(d, options=options)
+        return replace(self, decisions=decisions, root_terms=[])
 
     def with_layer_modes(self, counts: dict[str, int]) -> "Problem":
         """The plain problem once ``counts[mode]`` of a device's layers run in each mode: a layer op's
@@ -160,8 +208,17 @@ def _with_forward_again(cost: Cost, times: float) -> Cost:
     return out
 
 
+def summed_cost(costs: Sequence[Cost]) -> Cost:
+    """Field-by-field sum of ``costs`` (flags and the kernel from the first)."""
+    return _mixed_cost([(1.0, c) for c in costs])
+
+
+def scaled_cost(cost: Cost, factor: float) -> Cost:
+    return cost if factor == 1.0 else _mixed_cost([(factor, cost)])
+
+
 def _mixed_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
-    """``sum_i w_i c_i`` field by field (the weights sum to 1: flags and the kernel come from the first)."""
+    """``sum_i w_i c_i`` field by field (flags and the kernel come from the first)."""
     out = replace(weighted[0][1], comm_s={}, forward_comm_s={})
     for f in fields(Cost):
         first = getattr(weighted[0][1], f.name)
@@ -213,7 +270,7 @@ def build_problem(
     _charge_working_set(captured, decisions, pricer)
     edges = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
-                   set(finder.unsupported))
+                   set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer))
 
 
 def _is_decision(node: fx.Node) -> bool:
@@ -282,6 +339,42 @@ def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, s
     total += sum(pricer.local_bytes(a.meta["val"], p) for a, p in zip(ins, in_places)
                  if kinds[a.name] != "param")
     return total
+
+
+def _root_terms(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> list[RootSharding]:
+    """Every (consumer options, parameter placement) pair whose gradient reduction differs from the
+    price ``Pricer.node`` gave the consumer (``RootSharding``): per op reading a parameter, per input
+    slot, the options that read it the same way and leave the same dims partial, against each
+    placement of the parameter that gathers it."""
+    kinds = captured.gradient_kinds()
+    terms = []
+    for key, d in decisions.items():
+        first = captured.node(d.nodes[0]) if key != OUTPUT_KEY else None
+        if first is None or first.op != "call_function" or is_view(first):
+            continue
+        grad_kinds = [kinds[a.name] for a in tensor_inputs(first)]
+        for slot, kind in enumerate(grad_kinds):
+            if kind != "param":
+                continue
+            roots = Counter(captured.tie_keys[view_root(tensor_inputs(captured.node(n))[slot]).name] for n in d.nodes)
+            for root, readers in roots.items():
+                terms += _slot_terms(first, d, slot, grad_kinds, decisions[root], readers / len(d.nodes), pricer)
+    return terms
+
+
+def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[str], root: Decision,
+                share: float, pricer: Pricer) -> list[RootSharding]:
+    alike: dict[tuple, list[int]] = defaultdict(list)  # options that read the parameter the same way
+    for k, o in enumerate(consumer.options):
+        alike[o.strategy.inputs[slot], o.strategy.outputs[:1]].append(k)
+    terms = []
+    for ks in alike.values():
+        strategy = consumer.options[ks[0]].strategy
+        for j, r in enumerate(root.options):
+            delta = pricer.gathered_root_delta(node, strategy, grad_kinds, slot, r.strategy.outputs[0])
+            if delta is not None:
+                terms.append(RootSharding(consumer.key, frozenset(ks), slot, root.key, j, share, delta))
+    return terms
 
 
 def source_of(arg: fx.Node) -> tuple[fx.Node, int]:

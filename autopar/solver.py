@@ -22,6 +22,7 @@ Variables::
     w_dkm >= 0             = n_m x_dk: layers of option k in mode m      (add_mode_choice_variables)
     v_dkm >= 0             = a_m x_dk: option k's working set is held
     u_epqm >= 0            = n_m y_epq: layers whose edge p->q reruns    (add_recompute_edge_variables)
+    g_t in [0,1]           = X_t x_rj: a root-sharding term t holds      (add_root_sharding_variables)
 
 Constraints::
 
@@ -34,6 +35,8 @@ Constraints::
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
     (7) v_dkm <= x_dk;  sum_k v_dkm = a_m                       working set of a recomputing mode in use
     (8) u_epqm <= L y_epq;  sum_{pq in F_e} (u_epqm - L y_epq) >= n_m - L   forward collectives run again
+    (9) g_t <= X_t;  g_t <= x_rj;  g_t >= X_t + x_rj - 1         a parameter gathered for an op that leaves
+                                                                 its gradient partial
 
 In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
 (its price mixed over the layers' modes), memory (4) adds ``sum_dkm R_dkm v_dkm`` and the objective
@@ -42,6 +45,15 @@ In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_
 they make the products exact at integral ``x`` without big-M rows and keep the LP relaxation tight (a
 transportation polytope per decision). (8) is exact at integral ``y``: u is 0 off the chosen pair and,
 on a chosen pair of ``F_e``, at least ``n_m``; only ``F_e`` gets variables, which keeps the model small.
+
+(9) prices what two decisions decide together (``Problem.root_terms``): a term ``t`` holds when its
+consumer takes one of a set of options (``X_t = sum_{k in K_t} x_dk``: they read a parameter alike
+and leave its gradient partial) and the parameter's own decision ``r`` takes a placement ``j`` it is
+gathered from. The gradient is then reduced inside backward by the gather's dual (FSDP's
+reduce_scatter) instead of by the overlapped gradient sync the consumer's option assumed, so the
+term carries a price change ``D_t`` (critical-path seconds up, gradient sync and its host work down)
+that enters the objective, (3) and (4) as ``n_t D_t g_t``, like an option's price. The three rows are
+the product's linearization (McCormick), exact at integral ``x`` whichever sign ``D_t`` has.
 
 Objective (predicted step time)::
 
@@ -123,7 +135,7 @@ def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS",
     w, v = add_mode_choice_variables(solver, problem, x, n, a)
     y = add_edge_variables(solver, problem, x)
     u = add_recompute_edge_variables(solver, problem, y, n)
-    terms = priced_terms(problem, x, w)
+    terms = priced_terms(problem, x, w) + add_root_sharding_variables(solver, problem, x)
     z = add_overlap_constraint(solver, terms, problem.overlap_fraction)
     add_memory_constraint(solver, problem, terms, v)
     set_objective(solver, problem, terms, y, u, z)
@@ -256,6 +268,20 @@ def add_recompute_edge_variables(solver: pywraplp.Solver, problem: Problem, y: M
     return u
 
 
+def add_root_sharding_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> list:
+    """g_t and constraints (9); returns their priced terms (variable, price change, occurrences)."""
+    terms = []
+    for t in problem.root_terms:
+        g = solver.NumVar(0.0, 1.0, "")
+        consumer = [(x[t.consumer][k], -1.0) for k in t.options]
+        root = x[t.root][t.root_option]
+        _row(solver, -solver.infinity(), 0.0, [(g, 1.0), *consumer])
+        _row(solver, -solver.infinity(), 0.0, [(g, 1.0), (root, -1.0)])
+        _row(solver, -1.0, solver.infinity(), [(g, 1.0), *consumer, (root, -1.0)])
+        terms.append((g, t.delta, problem.decisions[t.consumer].count * t.share))
+    return terms
+
+
 def priced_terms(problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, int], dict]) -> list:
     """(variable, cost, occurrences) of every priced choice: ``x_dk`` with ``n_d``, or for an option
     priced per mode, ``w_dkm`` with ``n_d / L``."""
@@ -325,6 +351,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[s
     problem leaves them open), by the ILP's own formulas."""
     if problem.layer_modes is not None:
         problem = problem.with_layer_modes(dict(layer_modes or {}))
+    problem = problem.settled(choice)
     step = memory = 0.0
     for key, d in problem.decisions.items():
         c = d.options[choice[key]].cost
@@ -339,6 +366,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[s
 
 def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
     """``z`` of constraint (3) at an assignment: gradient sync left over after hiding behind backward."""
+    problem = problem.settled(choice)
     sync = hide = 0.0
     for key, d in problem.decisions.items():
         c = d.options[choice[key]].cost

@@ -7,8 +7,9 @@ One set of 4 gloo ranks plans a built-in model under each configuration, then co
 
 The forward is exact: every redistribute the plan inserts is the collective pricing charges. In
 backward, autograd runs DTensor's own strategies for the backward ops, which differ from what pricing
-assumes, so backward is checked exactly only for data parallelism (``BACKWARD_GAPS``: observed minus
-predicted, per kind); for the other configurations the test checks the kinds. The known mechanisms
+assumes, so backward is checked exactly for data parallelism (``BACKWARD_GAPS``: observed minus
+predicted, per kind), for FSDP and for tensor parallelism on GPT; for the other configurations the
+test checks the kinds. The known mechanisms
 (measured, and left to the cost model's next version):
 
 * lazy reduction: DTensor keeps a partial gradient partial through ops linear in it (view, add,
@@ -16,12 +17,12 @@ predicted, per kind); for the other configurations the test checks the kinds. Th
   however many readers leave it partial (q, k and v of one normed input: 1 all_reduce, checked exactly
   for GPT under TP), but the position embedding added to a batch-sharded activation costs a backward
   all_reduce where DTensor leaves the gradient partial into the parameter's bucket (DP).
-* gathered, then partial: an input all-gathered S -> R whose gradient comes back partial is
-  reduce-scattered to its shard by the redistribute's backward (P -> S). Pricing charges no backward
-  for the gather and an all_reduce (a bucketed grad-sync one for a parameter: FSDP) for the partial
-  gradient.
+* gathered, then partial, is exact: an input all-gathered S -> R whose gradient comes back partial is
+  reduce-scattered to its shard by the redistribute's backward (P -> S), and pricing charges that
+  reduce_scatter; for a parameter (FSDP) it replaces the gradient sync's all_reduce, whichever views
+  lie between the gather and the op (``problem.RootSharding``).
 * reshard after forward is exact: each parameter gathered for an op that saves it is gathered again
-  in backward (``passes/reshard.py``), and the plan prices each such gather (checked for FSDP).
+  in backward (``passes/reshard.py``), and the plan prices each such gather.
 * 2-D meshes: DTensor's layer-norm backward takes a (S(0), P) gradient as reduce_scatter + all_gather
   on tp (sharding tokens) where pricing charges one all_reduce, which leaves the norm weights'
   gradients partial on tp too: the gradient sync adds a (dp, tp) group, two more all_reduces.
@@ -110,12 +111,15 @@ def test_data_parallel_backward_runs_the_predicted_collectives(counted, index: i
 
 
 @pytest.mark.parametrize("index", [i for i, (_, c) in enumerate(CONFIGS) if c.get("fsdp") == 3])
-def test_fsdp_backward_gathers_again_exactly_the_parameters_the_plan_regathers(counted, index: int) -> None:
+def test_fsdp_backward_regathers_and_reduce_scatters_exactly_as_predicted(counted, index: int) -> None:
+    """Every parameter gathered for an op that saves it is gathered again in backward, and every
+    gathered parameter's gradient is reduce-scattered by the gather's backward, not all-reduced by the
+    gradient sync: the step's backward is what the plan predicts, kind by kind."""
     result = counted[0][index]
     backward = _minus(result["step"], result["forward"])
-    predicted = predicted_collectives(result["plan"], ["backward"])
-    assert predicted.get("all_gather", 0) > 0
-    assert backward.get("all_gather", 0) == predicted["all_gather"], (backward, predicted)
+    predicted = predicted_collectives(result["plan"], ["backward", "grad_sync"])
+    assert predicted.get("all_gather", 0) > 0 and predicted.get("reduce_scatter", 0) > 0
+    assert backward == predicted, (backward, predicted)
 
 
 def test_tensor_parallel_backward_reduces_each_partial_gradient_once_as_predicted(counted) -> None:

@@ -1,5 +1,6 @@
 """Reshard after forward (``passes/reshard.py``): FSDP's gathered parameters are not held for backward,
-they are gathered again there, and pricing charges exactly those gathers."""
+they are gathered again there, and pricing charges exactly those gathers and the reduce_scatters that
+bring the gathered parameters' gradients back to their shards."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def _fsdp_step(rank: int, world: int) -> dict:
     return {"held_after_forward": held_after_forward, "regathered": pm.program.last.regathered,
             "forward": forward.counts, "backward": backward.counts, "predicted_regathers": regathers,
             "predicted_forward": predicted_collectives(plan, ["forward"]),
+            "predicted_backward": predicted_collectives(plan, ["backward"]),
             "gathered_weights": sum(1 for pl in plan["placements"].values() if any(p.startswith("S(") for p in pl))}
 
 
@@ -58,3 +60,5 @@ def test_fsdp_holds_no_gathered_parameter_after_forward_and_gathers_what_the_pla
     assert result["held_after_forward"] == 0
     assert result["regathered"] == result["predicted_regathers"] > 0
     assert result["backward"].get("all_gather", 0) == result["predicted_regathers"]
+    assert result["backward"].get("reduce_scatter", 0) > 0
+    assert result["backward"] == result["predicted_backward"]

@@ -14,7 +14,7 @@ from torch import nn
 
 from autopar.errors import NoFeasiblePlanError
 from autopar.pricing import Cost
-from autopar.problem import Decision, Edge, LayerModes, Option, Problem
+from autopar.problem import Decision, Edge, LayerModes, Option, Problem, RootSharding
 from autopar.solver import brute_force, evaluate, least_memory, solve
 from autopar.strategies import Strategy
 
@@ -424,3 +424,76 @@ def test_settled_problem_prices_the_mix_by_hand():
     assert close(memory, 2 * 2 * GIB + 1 * GIB)
     with pytest.raises(ValueError, match="do not give the 2 layers"):
         p.with_layer_modes({"none": 1})
+
+
+# ---- (e) prices of two decisions together: constraint (9) -------------------------------------
+
+def _fsdp_or_ddp_problem(capacity_gib: float, beta: float = 0.0) -> Problem:
+    """A weight ``w`` (R: 4 GiB of state; S(0): 1 GiB) read ``R`` by op ``mm``, which leaves its gradient
+    partial. ``mm`` alone assumes the gradient sync: 1 ms, overlappable. With ``w`` sharded the edge
+    gathers it (0.4 ms) and the gather's backward reduce-scatters the gradient instead (0.5 ms on the
+    critical path, no gradient sync): the RootSharding term's price change."""
+    w = dec("w", [opt(R, mem=4 * GIB), opt(S0, mem=1 * GIB)])
+    mm = dec("mm", [opt(S0, [R], compute=2e-3, bwd=1e-3, sync=1e-3)])
+    price = {(R, (R, ())): Cost(), (S0, (R, ())): Cost(comm_s={"all_gather": 0.4e-3})}
+    term = RootSharding("mm", frozenset({0}), 0, "w", 1, 1.0, Cost(comm_s={"reduce_scatter": 0.5e-3}, grad_sync_s=-1e-3))
+    return Problem((4,), {"w": w, "mm": mm}, [Edge("w", 0, "mm", 0, 1, price)], capacity_gib * GIB, beta,
+                   root_terms=[term])
+
+
+@pytest.mark.parametrize("capacity_gib, beta, want_w, want_s", [
+    (10, 0.0, 1, 2.9e-3),  # no overlap: DDP costs 2 + 1 ms of sync, FSDP 2 + 0.4 + 0.5 ms
+    (10, 0.8, 0, 2.2e-3),  # DDP's sync hides behind 0.8 ms of backward: 2 + 0.2 ms; FSDP still 2.9 ms
+    (2, 0.8, 1, 2.9e-3),   # only FSDP fits
+])
+def test_a_gathered_parameter_trades_its_gradient_sync_for_a_reduce_scatter(capacity_gib, beta, want_w, want_s):
+    p = _fsdp_or_ddp_problem(capacity_gib, beta)
+    sol = solve(p)
+    assert sol.choice["w"] == want_w
+    assert close(sol.objective_s, want_s)
+    assert close(evaluate(p, sol.choice)[0], want_s)
+    assert close(evaluate(p, {"w": 1, "mm": 0})[0], 2.9e-3)  # FSDP: no sync left to expose
+    assert close(brute_force(p).step_s, want_s)
+
+
+def test_settled_problem_folds_the_terms_of_the_chosen_root_only():
+    p = _fsdp_or_ddp_problem(10)
+    ddp, fsdp = p.settled({"w": 0, "mm": 0}), p.settled({"w": 1, "mm": 0})
+    assert not ddp.root_terms and not fsdp.root_terms
+    assert ddp.decisions["mm"].options[0].cost.grad_sync_s == pytest.approx(1e-3)
+    mm = fsdp.decisions["mm"].options[0].cost
+    assert mm.grad_sync_s == pytest.approx(0.0) and mm.comm_s == {"reduce_scatter": pytest.approx(0.5e-3)}
+
+
+def _with_root_terms(p: Problem, seed: int) -> Problem:
+    """``p`` with random terms pairing a decision's options with another decision's option, prices of
+    either sign (as ``Pricer.gathered_root_delta`` gives: critical path up, gradient sync down)."""
+    rng = random.Random(1000 + seed)
+    keys = list(p.decisions)
+    terms = []
+    for _ in range(rng.randint(1, 4)):
+        consumer, root = rng.sample(keys, 2)
+        options = frozenset(rng.sample(range(len(p.decisions[consumer].options)), rng.randint(1, 2)))
+        delta = Cost(comm_s={"reduce_scatter": rng.uniform(0, 1e-3)}, grad_sync_s=-rng.uniform(0, 2e-3),
+                     compute_s=-rng.uniform(0, 0.2e-3))
+        terms.append(RootSharding(consumer, options, 0, root, rng.randrange(len(p.decisions[root].options)),
+                                  rng.choice([1.0, 0.5]), delta))
+    return dataclasses.replace(p, root_terms=terms)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:12])
+def test_random_problems_with_root_terms_match_brute_force(seed):
+    """Constraint (9) is exact: the ILP's optimum over problems with terms on pairs of decisions equals
+    enumeration, which prices each assignment by settling its terms (``Problem.settled``)."""
+    check_against_brute_force(_with_root_terms(random_problem(seed), seed))
+
+
+def test_random_root_terms_change_some_optima():
+    """The property test above is only as good as its terms: some must hold at the optimum and change it."""
+    changed = 0
+    for seed in SEEDS[:12]:
+        plain = random_problem(seed)
+        with_terms = _with_root_terms(plain, seed)
+        best = brute_force(with_terms)
+        changed += not close(best.step_s, brute_force(plain).step_s) and any(t.holds(best.choice) for t in with_terms.root_terms)
+    assert changed >= 3
