@@ -53,3 +53,32 @@ def test_explain_cli(plan: autopar.Plan, tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "autopar", "explain", str(path), "nope"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_an_alternative_placement_of_a_parameter_is_priced_with_its_readers_gradient_reduction() -> None:
+    """Each alternative's ``delta_s`` is exactly the step-time change of taking it alone, also for a
+    parameter whose placement changes how the op reading it reduces its gradient (``RootSharding``):
+    sharded, the gradient sync is replaced by the gather's reduce_scatter."""
+    from autopar.explain import explanations
+    from autopar.pricing import Cost
+    from autopar.problem import Decision, Edge, Option, Problem, RootSharding
+    from autopar.solver import evaluate
+    from autopar.strategies import Strategy
+
+    r, s0 = ("R",), ("S(0)",)
+    w = Decision("w", ["w"], [Option(Strategy((), (r,)), Cost(memory_bytes=4.0)),
+                              Option(Strategy((), (s0,)), Cost(memory_bytes=1.0))])
+    mm = Decision("mm", ["mm"], [Option(Strategy((r,), (s0,)), Cost(compute_s=2e-3, backward_compute_s=1e-3,
+                                                                       grad_sync_s=1e-3))])
+    edge = Edge("w", 0, "mm", 0, 1, {(r, (r, ())): Cost(), (s0, (r, ())): Cost(comm_s={"all_gather": 4e-4})})
+    term = RootSharding("mm", frozenset({0}), 0, "w", 1, 1.0,
+                        Cost(comm_s={"reduce_scatter": 5e-4}, grad_sync_s=-1e-3))
+    problem = Problem((4,), {"w": w, "mm": mm}, [edge], 1e30, 0.5, root_terms=[term])
+    for chosen in (0, 1):
+        choice = {"w": chosen, "mm": 0}
+        rows = explanations(problem, choice, {})["decisions"]["w"]["alternatives"]
+        other = next(row for row in rows if not row["chosen"])
+        change = evaluate(problem, {"w": 1 - chosen, "mm": 0})[0] - evaluate(problem, choice)[0]
+        assert other["delta_s"] == pytest.approx(change, abs=1e-15)
+    assert evaluate(problem, {"w": 1, "mm": 0})[0] == pytest.approx(2e-3 + 4e-4 + 5e-4)
+    assert evaluate(problem, {"w": 0, "mm": 0})[0] == pytest.approx(2e-3 + 1e-3 - 0.5 * 1e-3)

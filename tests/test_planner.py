@@ -12,6 +12,7 @@ from torch import nn
 import autopar
 from autopar import BadInputError, NoFeasiblePlanError
 from autopar.capture import capture
+from autopar.collectives import predicted_collectives
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
 from autopar.planner import make_plan
@@ -209,6 +210,24 @@ def test_fsdp3_shards_weight_matrices_on_dp(mlp8):
     assert plan.predicted["comm_s"]["all_gather"] > 0
 
 
+def test_fsdp_gradients_are_reduce_scattered_by_the_gathers_backward_not_synced(mlp8):
+    """A sharded weight's gradient is reduced by its gather's backward (a reduce_scatter on the
+    critical path, every microbatch), so the plan predicts no gradient sync for it; only parameters
+    left replicated (biases) may sync. The same weights replicated (DDP) sync instead."""
+    fsdp = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 3}).to_dict()
+    ddp = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 0}).to_dict()
+    terms = [t for op in fsdp["ops"].values() for t in op.get("collectives", [])]
+    weights = {k for k, pls in fsdp["placements"].items() if pls[0].startswith("S(")}
+    reduced = [t for t in terms if t["kind"] == "reduce_scatter" and t["phase"] == "backward"]
+    assert reduced and all(not t["grad_sync"] for t in reduced)
+    assert all("gather's backward" in t["why"] for t in reduced)
+    assert not any(t["grad_sync"] and t["tensor"] in weights for t in terms)
+    assert {t["tensor"] for t in terms if t["grad_sync"]} <= set(fsdp["placements"]) - weights
+    assert fsdp["predicted"]["comm_s"]["reduce_scatter"] > ddp["predicted"]["comm_s"]["reduce_scatter"]
+    assert fsdp["predicted"]["grad_sync_s"] < ddp["predicted"]["grad_sync_s"]
+    assert predicted_collectives(fsdp, ["backward"])["reduce_scatter"] == len(reduced)
+
+
 def test_fixed_microbatches(mlp8):
     plan = _plan(mlp8, "1x8xH100", {"dp": 4, "microbatches": 2})
     assert plan.pipeline["microbatches"] == 2
@@ -348,8 +367,6 @@ def test_tensor_parallel_gpt_reduces_the_attention_input_gradient_once_not_per_p
     """Megatron's TP layer runs one backward all_reduce before attention and one before the MLP: q, k
     and v read the same normed input, whose three partial gradients are summed, then reduced once
     (as DTensor runs it; tests/test_collective_parity.py counts it on gloo), plus one for the head."""
-    from autopar.collectives import predicted_collectives
-
     bundle = build_model("tiny-gpt", global_batch=8)
     plan = _plan(_capture(bundle), "1x4xcpu", {"tp": 4})
     qkv = [t for op in plan.ops.values() for t in op.get("collectives", [])
