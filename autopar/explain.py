@@ -17,13 +17,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
 
-from .capture import CapturedGraph, view_root
+from .capture import CapturedGraph
 from .cost_models import GroupTopology, collective_time
 from .cost_models.symbolic import render_collective, tensor_bytes_text
-from .pricing import Collective, Pricer
-from .problem import Problem, RootSharding, partial_gradient_share, source_of
+from .pricing import Collective, Pricer, gathers
+from .problem import (Problem, RootSharding, gradient_root, partial_gradient_share, read_through_views,
+                      source_of)
 from .report import fmt_bytes, fmt_seconds
-from .strategies import Strategy, tensor_inputs
+from .strategies import Placements, Strategy, tensor_inputs
 
 TOP_K = 8
 
@@ -163,9 +164,10 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
     args = tensor_inputs(node)
     kinds = captured.gradient_kinds()
     grad_kinds = [kinds[a.name] for a in args]
-    partial = pricer.grad_partial_dims(node, strategy, grad_kinds)
-    roots = [strategy_of(view_root(a).name).outputs[0] if kind == "param" else None
-             for a, kind in zip(args, grad_kinds)]
+    views = read_through_views(node, grad_kinds)
+    partial = pricer.grad_partial_dims(node, strategy, grad_kinds, views)
+    roots = [_root_placement(a, strategy_of) if kind == "param" or shared is not None else None
+             for a, kind, shared in zip(args, grad_kinds, views)]
     for arg, wanted, grad_partial in zip(args, strategy.inputs, partial):
         src, out = source_of(arg)
         have = strategy_of(src.name).outputs[out]
@@ -179,10 +181,16 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
                    f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}" + (" again in backward" if c.regather else ""))
             weight = kinds[src.name] == "param"  # a parameter or a view of one
             terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
-    for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots):
-        why = "partial gradient" if c.grad_sync else "partial gradient, reduced by the gather's backward"
+    for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
+        gathered = roots[c.slot] is not None and gathers(roots[c.slot], strategy.inputs[c.slot])
+        why = "partial gradient, reduced by the gather's backward" if gathered else "partial gradient"
         terms.append(_term(c, why, args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
     return terms
+
+
+def _root_placement(arg: fx.Node, strategy_of: Callable[[str], Strategy]) -> Placements | None:
+    producer, out = gradient_root(arg)
+    return strategy_of(producer.name).outputs[out]
 
 
 def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer: Pricer,

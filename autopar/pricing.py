@@ -171,10 +171,13 @@ class Pricer:
         return self.local_numel(val, placements) * self.element_bytes(val)
 
     # ---- nodes -------------------------------------------------------------------------------
-    def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], saved: Sequence[float]) -> Cost:
+    def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], saved: Sequence[float],
+             views: Sequence[float | None] = ()) -> Cost:
         """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``);
         ``saved``: per output, the share of its bytes autograd keeps for backward (``SavedTensors.of``),
-        which is the activation memory the op holds until its backward runs."""
+        which is the activation memory the op holds until its backward runs; ``views``: per tensor
+        input, for an activation read through a view, its share of the partial-gradient reduction
+        (``gradient_collectives``), else None."""
         cost = Cost()
         if getattr(node.target, "is_view", False):
             # a view moves no data and its memory is its base's, but the runtime dispatches it
@@ -191,7 +194,7 @@ class Pricer:
         cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs)
         cost.output_bytes = sum(nbytes for nbytes, _ in outputs)
         cost.batch_memory = True
-        self._partial_gradients(node, strategy, grad_kinds, cost)
+        self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds, views=views), cost)
         return cost
 
     def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:
@@ -224,11 +227,6 @@ class Pricer:
         )
         return ins + outs
 
-    def _partial_gradients(
-        self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], cost: Cost
-    ) -> None:
-        self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds), cost)
-
     def _charge_gradient_collectives(self, collectives: Sequence["Collective"], cost: Cost) -> None:
         for c in collectives:
             seconds = self.collective_seconds(c)
@@ -244,16 +242,17 @@ class Pricer:
                 cost.compute_s += host
 
     def gathered_root_delta(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], slot: int,
-                            root: Placements) -> Cost | None:
-        """What the parameter gradient of input ``slot`` costs beyond ``Pricer.node``'s price when the
-        parameter it reads (through views) is placed ``root`` and gathered on its way here; ``None``
-        when that changes nothing. ``Pricer.node`` prices the gradient sync of an ungathered parameter
-        (``gradient_collectives`` without roots): the solver adds this difference where the root's
-        placement decision and this option are both taken (``solver.py``, constraint (9))."""
+                            root: Placements, views: Sequence[float | None] = ()) -> Cost | None:
+        """What the gradient of input ``slot`` (a parameter, or an activation read through a view) costs
+        beyond ``Pricer.node``'s price when the value it reads through views is placed ``root`` and
+        gathered on its way here; ``None`` when that changes nothing. ``Pricer.node`` prices the
+        reduction of an ungathered value (``gradient_collectives`` without roots): the solver adds
+        this difference where the root's decision and this option are both taken (``solver.py``,
+        constraint (9))."""
         roots = [None] * len(strategy.inputs)
         roots[slot] = root
-        gathered = [c for c in self.gradient_collectives(node, strategy, grad_kinds, roots) if c.slot == slot]
-        synced = [c for c in self.gradient_collectives(node, strategy, grad_kinds) if c.slot == slot]
+        gathered = [c for c in self.gradient_collectives(node, strategy, grad_kinds, roots, views) if c.slot == slot]
+        synced = [c for c in self.gradient_collectives(node, strategy, grad_kinds, views=views) if c.slot == slot]
         if gathered == synced:
             return None
         delta, undone = Cost(repeats_per_microbatch=True), Cost()
@@ -277,10 +276,14 @@ class Pricer:
         return c.share * in_step_collective_time(c.kind, c.nbytes, group, self.cluster.device.redistribute_s)
 
     def gradient_collectives(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str],
-                             roots: Sequence[Placements | None] | None = None) -> list["Collective"]:
+                             roots: Sequence[Placements | None] | None = None,
+                             views: Sequence[float | None] = ()) -> list["Collective"]:
         """A parameter's gradient sync: a parameter read ``R`` on a dim where the op's output is not is
         used differently by each rank, so its gradient is a partial sum, reduced by the data-parallel
-        gradient sync (activations' partial gradients are priced on their edges).
+        gradient sync. An activation's partial gradient is priced on its edge, where the edge's
+        placements tell how it is reduced, except for an activation read through a view (``views``:
+        its share of the reduction, ``partial_reduction``): whether it was gathered on its way here
+        depends on the placement of the value the view is of, which ``roots`` gives when known.
 
         Under ZeRO-1/2 a parameter whose state is sharded on a data-parallel dim
         (``optimizer_shard_dim``) syncs as ``passes/zero.py`` runs it: its gradient is
@@ -301,12 +304,15 @@ class Pricer:
             return []
         found = []
         for slot, (arg, placements, kind) in enumerate(zip(tensor_inputs(node), strategy.inputs, grad_kinds)):
-            if kind != "param":
-                continue  # an activation's partial gradient is priced on its edge (``edge_collectives``)
             val = arg.meta["val"]
-            nbytes, zero_dims = self.local_bytes(val, placements), self._zero_dims(val, placements)
             root = roots[slot] if roots else None
             gathered = root is not None and gathers(root, placements)
+            if kind == "activation" and views and views[slot] is not None:
+                found += self.partial_reduction(val, placements, self._partial_dims(val, placements, out),
+                                                views[slot], root if gathered else None, slot)
+            if kind != "param":
+                continue  # any other activation's partial gradient is priced on its edge (``edge_collectives``)
+            nbytes, zero_dims = self.local_bytes(val, placements), self._zero_dims(val, placements)
             for dim in self._partial_dims(val, placements, out):
                 if gathered:
                     reduction = "reduce_scatter" if root[dim].startswith("S(") else "all_reduce"
@@ -318,16 +324,32 @@ class Pricer:
                                             slot=slot))
         return found
 
-    def grad_partial_dims(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]
-                          ) -> tuple[tuple[int, ...], ...]:
+    def grad_partial_dims(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str],
+                          views: Sequence[float | None] = ()) -> tuple[tuple[int, ...], ...]:
         """Per tensor input: the mesh dims on which ``strategy`` leaves that activation's gradient a
         partial sum (the input is ``R`` there and the output is not). Which collective reduces it
-        depends on how the input arrived (``edge_collectives``), so the ILP's edges carry it."""
+        depends on how the input arrived (``edge_collectives``), so the ILP's edges carry it; an
+        activation read through a view (``views``) is priced with the op (``gradient_collectives``)."""
         out = strategy.outputs[0] if strategy.outputs else None
         if out is None or getattr(node.target, "is_view", False):
             return tuple(() for _ in strategy.inputs)
-        return tuple(self._partial_dims(arg.meta["val"], placements, out) if kind == "activation" else ()
-                     for arg, placements, kind in zip(tensor_inputs(node), strategy.inputs, grad_kinds))
+        return tuple(self._partial_dims(arg.meta["val"], placements, out)
+                     if kind == "activation" and not (views and views[slot] is not None) else ()
+                     for slot, (arg, placements, kind) in enumerate(zip(tensor_inputs(node), strategy.inputs, grad_kinds)))
+
+    def partial_reduction(self, val: torch.Tensor, placements: Placements, dims: Sequence[int], share: float,
+                          redistributed_from: Placements | None, slot: int | None = None) -> list["Collective"]:
+        """How a gradient left partial on ``dims`` (at ``placements``) is reduced. Where the value was
+        redistributed on its way (``redistributed_from``: the placement it came from), the
+        redistribute's backward reduces it, on each dim: reduce-scattered onto the shard where it was
+        sharded, all-reduced elsewhere (DTensor's ``Redistribute`` backward), once per redistribute.
+        Otherwise the partial gradients of the value's readers are summed (autograd) and reduced once
+        with an all_reduce where an op needs them whole: each reader pays ``share`` of it."""
+        if redistributed_from is None:
+            return [Collective("all_reduce", "backward", self.local_bytes(val, placements), d, placements, slot=slot,
+                               share=share) for d in dims]
+        return [Collective("reduce_scatter" if redistributed_from[d].startswith("S(") else "all_reduce", "backward",
+                           self.local_bytes(val, placements), d, placements, slot=slot) for d in dims]
 
     def _partial_dims(self, val: torch.Tensor, placements: Placements, out: Placements) -> tuple[int, ...]:
         if not val.dtype.is_floating_point:
@@ -420,13 +442,12 @@ class Pricer:
         """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
         (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim).
 
-        On each dim of ``grad_partial`` the consumer leaves the gradient a partial sum. Arrived by an
-        all_gather (``S -> R``), it goes back as a reduce_scatter onto the shard (the gather's
-        backward, as DTensor runs it); otherwise it is all-reduced (Megatron's "f" on the critical
-        path). With ``regathered`` every forward collective is listed again, in backward (``regather``),
-        after the others."""
-        found = [Collective("reduce_scatter" if src[d].startswith("S(") else "all_reduce", "backward",
-                            self.local_bytes(val, dst), d, dst, share=partial_share) for d in grad_partial]
+        On each dim of ``grad_partial`` the consumer leaves the gradient a partial sum, reduced as
+        ``partial_reduction`` says: by this edge's redistribute when it has one (arrived by an
+        all_gather, ``S -> R``, it goes back as a reduce_scatter onto the shard), else all-reduced
+        once for all readers (Megatron's "f" on the critical path). With ``regathered`` every forward
+        collective is listed again, in backward (``regather``), after the others."""
+        found = self.partial_reduction(val, dst, grad_partial, partial_share, src if src != dst else None)
         for dim, group in enumerate(self.groups):
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:

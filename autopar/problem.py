@@ -85,12 +85,14 @@ class Edge:
 @dataclass(frozen=True)
 class RootSharding:
     """A price that holds when two decisions are taken together: option ``options`` of decision
-    ``consumer`` (which reads a parameter in input ``slot``, through views, and leaves its gradient
-    partial) and option ``root_option`` of the parameter's decision ``root`` (a placement the parameter
-    is gathered from on its way to the op). The gradient is then reduced by the gather's backward on
-    the critical path instead of by the gradient sync (``Pricer.gathered_root_delta``); ``delta`` is
-    the change to the consumer's price per occurrence, paid by ``share`` of the consumer's nodes (those
-    whose parameter is this root's)."""
+    ``consumer`` (which reads a parameter, or an activation through a view, in input ``slot`` and leaves
+    its gradient partial) and option ``root_option`` of decision ``root``, which makes the value the
+    input is a view of (the parameter itself): a placement it is gathered from on its way to the op.
+    The gradient is then reduced by the gather's backward on the critical path, instead of by the
+    gradient sync (a parameter: FSDP) or by one all_reduce shared by the value's readers (an
+    activation: sequence parallelism) (``Pricer.gathered_root_delta``); ``delta`` is the change to the
+    consumer's price per occurrence, paid by ``share`` of the consumer's nodes (those whose root is
+    this one)."""
 
     consumer: str
     options: frozenset[int]
@@ -299,8 +301,23 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     strategies = finder.for_node(node)
     allowed = [s for s in strategies if roles.allow(node, s)] or strategies
     saved = captured.saved_for_backward().of(node)
-    return [Option(s, pricer.node(node, s, grad_kinds, saved), pricer.grad_partial_dims(node, s, grad_kinds))
+    views = read_through_views(node, grad_kinds)
+    return [Option(s, pricer.node(node, s, grad_kinds, saved, views), pricer.grad_partial_dims(node, s, grad_kinds, views))
             for s in allowed]
+
+
+def read_through_views(node: fx.Node, grad_kinds: Sequence[str]) -> list[float | None]:
+    """Per tensor input of ``node``: for an activation read through a view, the share of its partial
+    gradient's reduction this op pays (``partial_gradient_share``; the op prices that reduction,
+    ``Pricer.gradient_collectives``), else None (priced on the input's edge)."""
+    return [partial_gradient_share(a) if kind == "activation" and is_view(a) else None
+            for a, kind in zip(tensor_inputs(node), grad_kinds)]
+
+
+def gradient_root(arg: fx.Node) -> tuple[fx.Node, int]:
+    """(producer, output index) of the value ``arg`` reads through views: whose placement says whether
+    ``arg`` was gathered on its way (``RootSharding``)."""
+    return source_of(view_root(arg))
 
 
 def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> None:
@@ -342,10 +359,10 @@ def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, s
 
 
 def _root_terms(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> list[RootSharding]:
-    """Every (consumer options, parameter placement) pair whose gradient reduction differs from the
-    price ``Pricer.node`` gave the consumer (``RootSharding``): per op reading a parameter, per input
-    slot, the options that read it the same way and leave the same dims partial, against each
-    placement of the parameter that gathers it."""
+    """Every (consumer options, root placement) pair whose gradient reduction differs from the price
+    ``Pricer.node`` gave the consumer (``RootSharding``): per op reading a parameter or an activation
+    through views, per such input slot, the options that read it the same way and leave the same dims
+    partial, against each placement of the value the input is a view of that gathers it."""
     kinds = captured.gradient_kinds()
     terms = []
     for key, d in decisions.items():
@@ -353,25 +370,33 @@ def _root_terms(captured: CapturedGraph, decisions: dict[str, Decision], pricer:
         if first is None or first.op != "call_function" or is_view(first):
             continue
         grad_kinds = [kinds[a.name] for a in tensor_inputs(first)]
+        views = read_through_views(first, grad_kinds)
         for slot, kind in enumerate(grad_kinds):
-            if kind != "param":
+            if kind != "param" and views[slot] is None:
                 continue
-            roots = Counter(captured.tie_keys[view_root(tensor_inputs(captured.node(n))[slot]).name] for n in d.nodes)
-            for root, readers in roots.items():
-                terms += _slot_terms(first, d, slot, grad_kinds, decisions[root], readers / len(d.nodes), pricer)
+            roots = Counter(_root_key(captured, tensor_inputs(captured.node(n))[slot]) for n in d.nodes)
+            for (root, out), readers in roots.items():
+                terms += _slot_terms(first, d, slot, grad_kinds, views, decisions[root], out,
+                                     readers / len(d.nodes), pricer)
     return terms
 
 
-def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[str], root: Decision,
-                share: float, pricer: Pricer) -> list[RootSharding]:
-    alike: dict[tuple, list[int]] = defaultdict(list)  # options that read the parameter the same way
+def _root_key(captured: CapturedGraph, arg: fx.Node) -> tuple[str, int]:
+    producer, out = gradient_root(arg)
+    return captured.tie_keys[producer.name], out
+
+
+def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[str], views: list[float | None],
+                root: Decision, out: int, share: float, pricer: Pricer) -> list[RootSharding]:
+    alike: dict[tuple, list[int]] = defaultdict(list)  # options that read the input the same way
     for k, o in enumerate(consumer.options):
         alike[o.strategy.inputs[slot], o.strategy.outputs[:1]].append(k)
     terms = []
     for ks in alike.values():
         strategy = consumer.options[ks[0]].strategy
         for j, r in enumerate(root.options):
-            delta = pricer.gathered_root_delta(node, strategy, grad_kinds, slot, r.strategy.outputs[0])
+            placed = r.strategy.outputs[out]
+            delta = None if placed is None else pricer.gathered_root_delta(node, strategy, grad_kinds, slot, placed, views)
             if delta is not None:
                 terms.append(RootSharding(consumer.key, frozenset(ks), slot, root.key, j, share, delta))
     return terms

@@ -8,8 +8,8 @@ One set of 4 gloo ranks plans a built-in model under each configuration, then co
 The forward is exact: every redistribute the plan inserts is the collective pricing charges. In
 backward, autograd runs DTensor's own strategies for the backward ops, which differ from what pricing
 assumes, so backward is checked exactly for data parallelism (``BACKWARD_GAPS``: observed minus
-predicted, per kind), for FSDP and for tensor parallelism on GPT; for the other configurations the
-test checks the kinds. The known mechanisms
+predicted, per kind), for FSDP and HSDP, and for tensor and sequence parallelism on GPT; for the
+other configurations the test checks the kinds. The known mechanisms
 (measured, and left to the cost model's next version):
 
 * lazy reduction: DTensor keeps a partial gradient partial through ops linear in it (view, add,
@@ -19,8 +19,9 @@ test checks the kinds. The known mechanisms
   all_reduce where DTensor leaves the gradient partial into the parameter's bucket (DP).
 * gathered, then partial, is exact: an input all-gathered S -> R whose gradient comes back partial is
   reduce-scattered to its shard by the redistribute's backward (P -> S), and pricing charges that
-  reduce_scatter; for a parameter (FSDP) it replaces the gradient sync's all_reduce, whichever views
-  lie between the gather and the op (``problem.RootSharding``).
+  reduce_scatter; for a parameter (FSDP) it replaces the gradient sync's all_reduce, for an activation
+  read through a view (sequence parallelism's q, k, v) the one all_reduce its readers would share,
+  whichever views lie between the gather and the op (``problem.RootSharding``).
 * reshard after forward is exact: each parameter gathered for an op that saves it is gathered again
   in backward (``passes/reshard.py``), and the plan prices each such gather.
 * 2-D meshes: DTensor's layer-norm backward takes a (S(0), P) gradient as reduce_scatter + all_gather
@@ -40,7 +41,8 @@ from autopar.launch import run_on_ranks
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]
 
 WORLD = 4
-CONFIGS = [("tiny-gpt", {"dp": 4}), ("tiny-gpt", {"tp": 4}), ("tiny-gpt", {"dp": 2, "tp": 2}),
+CONFIGS = [("tiny-gpt", {"dp": 4}), ("tiny-gpt", {"tp": 4}), ("tiny-gpt", {"tp": 4, "sp": 1}),
+           ("tiny-gpt", {"dp": 2, "tp": 2}),
            ("tiny-gpt", {"dp": 4, "fsdp": 3}), ("tiny-gpt", {"dp": 4, "fsdp": 3, "dp_shard": 2}),
            ("tiny-llama", {"dp": 4}), ("tiny-llama", {"tp": 4})]
 
@@ -138,3 +140,16 @@ def test_tensor_parallel_backward_reduces_each_partial_gradient_once_as_predicte
     backward = _minus(result["step"], result["forward"])
     predicted = predicted_collectives(result["plan"], ["backward", "grad_sync"])
     assert backward == predicted, (backward, predicted)
+
+
+def test_sequence_parallel_backward_reduce_scatters_each_gathered_input_as_predicted(counted) -> None:
+    """Under sequence parallelism q, k and v each gather the sequence-split normed input through their
+    own view, and each gather's backward reduce-scatters that reader's gradient (3 per attention, 1 per
+    MLP, 1 for the head), where tensor parallelism alone all-reduces the summed gradient once."""
+    index = CONFIGS.index(("tiny-gpt", {"tp": 4, "sp": 1}))
+    result = counted[0][index]
+    assert result["plan"]["degrees"]["sp"] == 4
+    backward = _minus(result["step"], result["forward"])
+    predicted = predicted_collectives(result["plan"], ["backward", "grad_sync"])
+    assert predicted.get("reduce_scatter", 0) > 0
+    assert backward == as_run_on_gloo(predicted), (backward, predicted)
