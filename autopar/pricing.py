@@ -255,7 +255,9 @@ class Pricer:
         synced = [c for c in self.gradient_collectives(node, strategy, grad_kinds, views=views) if c.slot == slot]
         if gathered == synced:
             return None
-        delta, undone = Cost(repeats_per_microbatch=True), Cost()
+        # a parameter's reduce_scatter runs in every microbatch's backward; an activation's collectives
+        # are priced on the whole batch already, like every other activation collective
+        delta, undone = Cost(repeats_per_microbatch=grad_kinds[slot] == "param"), Cost()
         self._charge_gradient_collectives(gathered, delta)
         self._charge_gradient_collectives(synced, undone)
         delta.compute_s -= undone.compute_s

@@ -84,10 +84,11 @@ class Edge:
 
 @dataclass(frozen=True)
 class RootSharding:
-    """A price that holds when two decisions are taken together: option ``options`` of decision
+    """A price that holds when two decisions are taken together: one of options ``options`` of decision
     ``consumer`` (which reads a parameter, or an activation through a view, in input ``slot`` and leaves
-    its gradient partial) and option ``root_option`` of decision ``root``, which makes the value the
-    input is a view of (the parameter itself): a placement it is gathered from on its way to the op.
+    its gradient partial) and one of options ``root_options`` of decision ``root``, which makes the
+    value the input is a view of (the parameter itself): placements it is gathered from on its way to
+    the op, all with the same price change.
     The gradient is then reduced by the gather's backward on the critical path, instead of by the
     gradient sync (a parameter: FSDP) or by one all_reduce shared by the value's readers (an
     activation: sequence parallelism) (``Pricer.gathered_root_delta``); ``delta`` is the change to the
@@ -98,12 +99,12 @@ class RootSharding:
     options: frozenset[int]
     slot: int
     root: str
-    root_option: int
+    root_options: frozenset[int]
     share: float
     delta: Cost
 
     def holds(self, choice: Mapping[str, int]) -> bool:
-        return choice[self.consumer] in self.options and choice[self.root] == self.root_option
+        return choice[self.consumer] in self.options and choice[self.root] in self.root_options
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class Problem:
             return self
         extra: dict[tuple[str, int], list[Cost]] = defaultdict(list)
         for t in self.root_terms:
-            if choice[t.root] == t.root_option:
+            if choice[t.root] in t.root_options:
                 for k in t.options:
                     extra[t.consumer, k].append(scaled_cost(t.delta, t.share))
         decisions = dict(self.decisions)
@@ -394,12 +395,20 @@ def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[s
     terms = []
     for ks in alike.values():
         strategy = consumer.options[ks[0]].strategy
+        same: dict[tuple, tuple[Cost, list[int]]] = {}  # root options with the same price change share a term
         for j, r in enumerate(root.options):
             placed = r.strategy.outputs[out]
             delta = None if placed is None else pricer.gathered_root_delta(node, strategy, grad_kinds, slot, placed, views)
             if delta is not None:
-                terms.append(RootSharding(consumer.key, frozenset(ks), slot, root.key, j, share, delta))
+                same.setdefault(_price_key(delta), (delta, []))[1].append(j)
+        terms += [RootSharding(consumer.key, frozenset(ks), slot, root.key, frozenset(js), share, delta)
+                  for delta, js in same.values()]
     return terms
+
+
+def _price_key(cost: Cost) -> tuple:
+    return (cost.compute_s, cost.host_s, cost.grad_sync_s, cost.grad_sync_per_microbatch_s,
+            tuple(sorted(cost.comm_s.items())), cost.repeats_per_microbatch)
 
 
 def source_of(arg: fx.Node) -> tuple[fx.Node, int]:

@@ -22,7 +22,7 @@ Variables::
     w_dkm >= 0             = n_m x_dk: layers of option k in mode m      (add_mode_choice_variables)
     v_dkm >= 0             = a_m x_dk: option k's working set is held
     u_epqm >= 0            = n_m y_epq: layers whose edge p->q reruns    (add_recompute_edge_variables)
-    g_t in [0,1]           = X_t x_rj: a root-sharding term t holds      (add_root_sharding_variables)
+    g_t in [0,1]           = X_t Y_t: a root-sharding term t holds       (add_root_sharding_variables)
 
 Constraints::
 
@@ -35,7 +35,7 @@ Constraints::
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
     (7) v_dkm <= x_dk;  sum_k v_dkm = a_m                       working set of a recomputing mode in use
     (8) u_epqm <= L y_epq;  sum_{pq in F_e} (u_epqm - L y_epq) >= n_m - L   forward collectives run again
-    (9) g_t <= X_t;  g_t <= x_rj;  g_t >= X_t + x_rj - 1         a parameter gathered for an op that leaves
+    (9) g_t <= X_t;  g_t <= Y_t;  g_t >= X_t + Y_t - 1           a parameter gathered for an op that leaves
                                                                  its gradient partial
 
 In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
@@ -47,13 +47,15 @@ transportation polytope per decision). (8) is exact at integral ``y``: u is 0 of
 on a chosen pair of ``F_e``, at least ``n_m``; only ``F_e`` gets variables, which keeps the model small.
 
 (9) prices what two decisions decide together (``Problem.root_terms``): a term ``t`` holds when its
-consumer takes one of a set of options (``X_t = sum_{k in K_t} x_dk``: they read a parameter alike
-and leave its gradient partial) and the parameter's own decision ``r`` takes a placement ``j`` it is
-gathered from. The gradient is then reduced inside backward by the gather's dual (FSDP's
-reduce_scatter) instead of by the overlapped gradient sync the consumer's option assumed, so the
-term carries a price change ``D_t`` (critical-path seconds up, gradient sync and its host work down)
-that enters the objective, (3) and (4) as ``n_t D_t g_t``, like an option's price. The three rows are
-the product's linearization (McCormick), exact at integral ``x`` whichever sign ``D_t`` has.
+consumer takes one of a set of options (``X_t = sum_{k in K_t} x_dk``: they read a parameter, or an
+activation through a view, alike and leave its gradient partial) and the decision ``r`` that makes
+the value read takes a placement it is gathered from, one of a set with the same price
+(``Y_t = sum_{j in J_t} x_rj``). The gradient is then reduced inside backward by the gather's dual
+(FSDP's, or sequence parallelism's, reduce_scatter) instead of by the overlapped gradient sync or the
+one all_reduce the consumer's option assumed, so the term carries a price change ``D_t`` (critical
+path up, gradient sync and its host work down) that enters the objective, (3) and (4) as
+``n_t D_t g_t``, like an option's price. The three rows are the product's linearization (McCormick),
+exact at integral ``x`` whichever sign ``D_t`` has.
 
 Objective (predicted step time)::
 
@@ -274,10 +276,10 @@ def add_root_sharding_variables(solver: pywraplp.Solver, problem: Problem, x: Ma
     for t in problem.root_terms:
         g = solver.NumVar(0.0, 1.0, "")
         consumer = [(x[t.consumer][k], -1.0) for k in t.options]
-        root = x[t.root][t.root_option]
+        root = [(x[t.root][j], -1.0) for j in t.root_options]
         _row(solver, -solver.infinity(), 0.0, [(g, 1.0), *consumer])
-        _row(solver, -solver.infinity(), 0.0, [(g, 1.0), (root, -1.0)])
-        _row(solver, -1.0, solver.infinity(), [(g, 1.0), *consumer, (root, -1.0)])
+        _row(solver, -solver.infinity(), 0.0, [(g, 1.0), *root])
+        _row(solver, -1.0, solver.infinity(), [(g, 1.0), *consumer, *root])
         terms.append((g, t.delta, problem.decisions[t.consumer].count * t.share))
     return terms
 

@@ -71,7 +71,7 @@ def test_an_alternative_placement_of_a_parameter_is_priced_with_its_readers_grad
     mm = Decision("mm", ["mm"], [Option(Strategy((r,), (s0,)), Cost(compute_s=2e-3, backward_compute_s=1e-3,
                                                                        grad_sync_s=1e-3))])
     edge = Edge("w", 0, "mm", 0, 1, {(r, (r, ())): Cost(), (s0, (r, ())): Cost(comm_s={"all_gather": 4e-4})})
-    term = RootSharding("mm", frozenset({0}), 0, "w", 1, 1.0,
+    term = RootSharding("mm", frozenset({0}), 0, "w", frozenset({1}), 1.0,
                         Cost(comm_s={"reduce_scatter": 5e-4}, grad_sync_s=-1e-3))
     problem = Problem((4,), {"w": w, "mm": mm}, [edge], 1e30, 0.5, root_terms=[term])
     for chosen in (0, 1):

@@ -436,7 +436,7 @@ def _fsdp_or_ddp_problem(capacity_gib: float, beta: float = 0.0) -> Problem:
     w = dec("w", [opt(R, mem=4 * GIB), opt(S0, mem=1 * GIB)])
     mm = dec("mm", [opt(S0, [R], compute=2e-3, bwd=1e-3, sync=1e-3)])
     price = {(R, (R, ())): Cost(), (S0, (R, ())): Cost(comm_s={"all_gather": 0.4e-3})}
-    term = RootSharding("mm", frozenset({0}), 0, "w", 1, 1.0, Cost(comm_s={"reduce_scatter": 0.5e-3}, grad_sync_s=-1e-3))
+    term = RootSharding("mm", frozenset({0}), 0, "w", frozenset({1}), 1.0, Cost(comm_s={"reduce_scatter": 0.5e-3}, grad_sync_s=-1e-3))
     return Problem((4,), {"w": w, "mm": mm}, [Edge("w", 0, "mm", 0, 1, price)], capacity_gib * GIB, beta,
                    root_terms=[term])
 
@@ -476,7 +476,7 @@ def _with_root_terms(p: Problem, seed: int) -> Problem:
         options = frozenset(rng.sample(range(len(p.decisions[consumer].options)), rng.randint(1, 2)))
         delta = Cost(comm_s={"reduce_scatter": rng.uniform(0, 1e-3)}, grad_sync_s=-rng.uniform(0, 2e-3),
                      compute_s=-rng.uniform(0, 0.2e-3))
-        terms.append(RootSharding(consumer, options, 0, root, rng.randrange(len(p.decisions[root].options)),
+        terms.append(RootSharding(consumer, options, 0, root, frozenset(rng.sample(range(len(p.decisions[root].options)), rng.randint(1, 2))),
                                   rng.choice([1.0, 0.5]), delta))
     return dataclasses.replace(p, root_terms=terms)
 
