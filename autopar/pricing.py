@@ -32,6 +32,10 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   sync: ``Pricer.node`` prices the sync of an ungathered parameter and ``gathered_root_delta`` the
   difference, which the solver adds when the op and the parameter's placement are chosen together
   (``problem.RootSharding``, constraint (9));
+* so is an activation read through a view and gathered on its way (sequence parallelism's
+  sequence-split norm output, read by q, k and v through their own views): each reader's gather
+  reduce-scatters that reader's gradient in its backward, instead of the one all_reduce the readers
+  of an ungathered value share (below);
 * an activation several ops read, left partial by each of them, is reduced once: autograd sums the
   partial gradients first and DTensor keeps the sum partial (q, k and v projections of one normed
   input run one all_reduce, not three). Each of the ``k`` edges pays ``1/k`` of the reduction
@@ -314,12 +318,13 @@ class Pricer:
                                                 views[slot], root if gathered else None, slot)
             if kind != "param":
                 continue  # any other activation's partial gradient is priced on its edge (``edge_collectives``)
+            partial = self._partial_dims(val, placements, out)
+            if gathered:
+                found += self.partial_reduction(val, placements, partial, 1.0, root, slot)
+                continue
             nbytes, zero_dims = self.local_bytes(val, placements), self._zero_dims(val, placements)
-            for dim in self._partial_dims(val, placements, out):
-                if gathered:
-                    reduction = "reduce_scatter" if root[dim].startswith("S(") else "all_reduce"
-                    found.append(Collective(reduction, "backward", nbytes, dim, placements, slot=slot))
-                elif dim in zero_dims:
+            for dim in partial:
+                if dim in zero_dims:
                     found += self._zero_sync(nbytes, dim, placements, slot)
                 else:
                     found.append(Collective("all_reduce", "backward", nbytes, dim, placements, grad_sync=True,
