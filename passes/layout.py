@@ -44,13 +44,6 @@ def wrap_with_layout(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence
                               shape=torch.Size(shape), stride=tuple(stride))
 
 
-def in_memory_order(x: DTensor, order: tuple[int, ...]) -> DTensor:
-    """``x`` rearranged to memory order ``order`` with DTensor ops (a permute, a copy, the inverse
-    permute), local and differentiable: a partial gradient comes back through them still partial,
-    for the op before to reduce as it would (``wrap_with_layout``'s ``from_local`` would all-reduce it)."""
-    return x.permute(order).contiguous().permute(_inverse(order))
-
-
 def _inverse(order: Sequence[int]) -> tuple[int, ...]:
     inv = [0] * len(order)
     for i, d in enumerate(order):
