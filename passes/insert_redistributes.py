@@ -18,10 +18,10 @@ from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.placement import placements_to_strs, strs_to_placements
+from autopar.placement import strs_to_placements
 from autopar.strategies import tensor_inputs
 
-from .layout import memory_order, wrap_with_layout
+from .layout import in_memory_order, memory_order
 
 
 def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
@@ -41,8 +41,9 @@ def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
     order = memory_order(x.to_local())
     if memory_order(moved.to_local()) == order:
         return moved
-    # collectives return contiguous shards: restore the layout the captured graph saw
-    return wrap_with_layout(moved.to_local(), x.device_mesh, placements_to_strs(moved.placements), order)
+    # collectives return contiguous shards: restore the layout the captured graph saw, keeping the
+    # redistribute's backward (a partial gradient reduce-scattered onto a shard) as DTensor runs it
+    return in_memory_order(moved, order)
 
 
 def as_replicated(x: Any, mesh: DeviceMesh) -> Any:

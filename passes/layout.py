@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.placement import strs_to_placements
+from autopar.placement import placements_to_strs, strs_to_placements
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -42,6 +42,24 @@ def wrap_with_layout(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence
         step *= shape[d]
     return DTensor.from_local(local, mesh, strs_to_placements(placements), run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
+
+
+def in_memory_order(x: DTensor, order: tuple[int, ...]) -> DTensor:
+    """``x`` with its local shard rearranged to memory order ``order`` (``wrap_with_layout``), and a
+    backward that hands the gradient back as it comes: ``DTensor.from_local`` alone would turn a
+    partial gradient into a replicated one (an all_reduce) before the op that made ``x`` (a gather,
+    whose own backward would reduce-scatter it onto the shard instead)."""
+    return _Relayout.apply(x, order)
+
+
+class _Relayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, order: tuple[int, ...]) -> DTensor:  # type: ignore[override]
+        return wrap_with_layout(x.to_local(), x.device_mesh, placements_to_strs(x.placements), order)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def _inverse(order: Sequence[int]) -> tuple[int, ...]:
