@@ -52,7 +52,7 @@ AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Sequence
 
 import torch
@@ -94,6 +94,22 @@ class Cost:
     @property
     def exposed_s(self) -> float:
         return self.compute_s + sum(self.comm_s.values())
+
+
+def weighted_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
+    """``sum_i w_i c_i`` field by field (flags and the kernel come from the first)."""
+    out = replace(weighted[0][1], comm_s={}, forward_comm_s={})
+    for f in fields(Cost):
+        first = getattr(weighted[0][1], f.name)
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            setattr(out, f.name, sum(w * getattr(c, f.name) for w, c in weighted))
+        elif isinstance(first, dict):
+            total: dict[str, float] = {}
+            for w, c in weighted:
+                for kind, seconds in getattr(c, f.name).items():
+                    total[kind] = total.get(kind, 0.0) + w * seconds
+            setattr(out, f.name, total)
+    return out
 
 
 class Pricer:
@@ -261,16 +277,10 @@ class Pricer:
             return None
         # a parameter's reduce_scatter runs in every microbatch's backward; an activation's collectives
         # are priced on the whole batch already, like every other activation collective
-        delta, undone = Cost(repeats_per_microbatch=grad_kinds[slot] == "param"), Cost()
-        self._charge_gradient_collectives(gathered, delta)
+        reduced, undone = Cost(repeats_per_microbatch=grad_kinds[slot] == "param"), Cost()
+        self._charge_gradient_collectives(gathered, reduced)
         self._charge_gradient_collectives(synced, undone)
-        delta.compute_s -= undone.compute_s
-        delta.host_s -= undone.host_s
-        delta.grad_sync_s -= undone.grad_sync_s
-        delta.grad_sync_per_microbatch_s -= undone.grad_sync_per_microbatch_s
-        for kind, seconds in undone.comm_s.items():
-            delta.comm_s[kind] = delta.comm_s.get(kind, 0.0) - seconds
-        return delta
+        return weighted_cost([(1.0, reduced), (-1.0, undone)])
 
     def collective_seconds(self, c: "Collective") -> float:
         """Seconds pricing charges for ``c``: a data-parallel gradient all_reduce is bucketed (its

@@ -14,22 +14,21 @@ Placeholders are decisions too: a parameter's options are its placements (``R``/
 dim), a user input's options are those its role allows. How a parameter's gradient (or that of an
 activation read through a view) is reduced depends on two decisions at once, the op that reads it and
 the placement of the value it reads (``RootSharding``): the problem lists those pairs for the solver
-(constraint (9)) and ``Problem.settled`` folds them into plain prices once a solution is known.
-``getitem`` nodes are not decisions: they
-select one output of their producer, so edges leaving them start at the producer's output slot.
+(constraint (9)) and ``Problem.settled`` folds them into plain prices once a solution is known. ``getitem`` nodes are not decisions: they select one output of
+their producer, so edges leaving them start at the producer's output slot.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import fx
 
 from .capture import CapturedGraph, is_view, through_views, view_root
-from .pricing import Cost, Pricer
+from .pricing import Cost, Pricer, weighted_cost
 from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, output_vals, tensor_inputs
 
 
@@ -186,7 +185,7 @@ class Problem:
 def _settled(option: Option, share: dict[str, float], count: float) -> Option:
     if not option.by_mode:
         return option
-    cost = _mixed_cost([(share[m], c) for m, c in option.by_mode.items() if share[m]])
+    cost = weighted_cost([(share[m], c) for m, c in option.by_mode.items() if share[m]])
     cost.memory_bytes += sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
     return replace(option, cost=cost, by_mode={}, recompute_bytes={})
 
@@ -214,27 +213,11 @@ def _with_forward_again(cost: Cost, times: float) -> Cost:
 
 def summed_cost(costs: Sequence[Cost]) -> Cost:
     """Field-by-field sum of ``costs`` (flags and the kernel from the first)."""
-    return _mixed_cost([(1.0, c) for c in costs])
+    return weighted_cost([(1.0, c) for c in costs])
 
 
 def scaled_cost(cost: Cost, factor: float) -> Cost:
-    return cost if factor == 1.0 else _mixed_cost([(factor, cost)])
-
-
-def _mixed_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
-    """``sum_i w_i c_i`` field by field (flags and the kernel come from the first)."""
-    out = replace(weighted[0][1], comm_s={}, forward_comm_s={})
-    for f in fields(Cost):
-        first = getattr(weighted[0][1], f.name)
-        if isinstance(first, (int, float)) and not isinstance(first, bool):
-            setattr(out, f.name, sum(w * getattr(c, f.name) for w, c in weighted))
-        elif isinstance(first, dict):
-            total: dict[str, float] = {}
-            for w, c in weighted:
-                for kind, seconds in getattr(c, f.name).items():
-                    total[kind] = total.get(kind, 0.0) + w * seconds
-            setattr(out, f.name, total)
-    return out
+    return cost if factor == 1.0 else weighted_cost([(factor, cost)])
 
 
 OUTPUT_KEY = "<loss>"
@@ -304,8 +287,8 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     allowed = [s for s in strategies if roles.allow(node, s)] or strategies
     saved = captured.saved_for_backward().of(node)
     views = read_through_views(node, grad_kinds)
-    return [Option(s, pricer.node(node, s, grad_kinds, saved, views), pricer.grad_partial_dims(node, s, grad_kinds, views))
-            for s in allowed]
+    return [Option(s, pricer.node(node, s, grad_kinds, saved, views),
+                   pricer.grad_partial_dims(node, s, grad_kinds, views)) for s in allowed]
 
 
 def read_through_views(node: fx.Node, grad_kinds: Sequence[str]) -> list[float | None]:
@@ -456,7 +439,6 @@ def partial_gradient_share(arg: fx.Node) -> float:
     readers = {n for user in view_root(arg).users for n in through_views(user)
                if n.op == "call_function" and not is_view(n)}
     return 1.0 / max(1, len(readers))
-
 
 
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,

@@ -35,8 +35,8 @@ Constraints::
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
     (7) v_dkm <= x_dk;  sum_k v_dkm = a_m                       working set of a recomputing mode in use
     (8) u_epqm <= L y_epq;  sum_{pq in F_e} (u_epqm - L y_epq) >= n_m - L   forward collectives run again
-    (9) g_t <= X_t;  g_t <= Y_t;  g_t >= X_t + Y_t - 1           a parameter gathered for an op that leaves
-                                                                 its gradient partial
+    (9) g_t <= X_t;  g_t <= Y_t;  g_t >= X_t + Y_t - 1           a value gathered for an op that leaves its
+                                                                 gradient partial
 
 In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
 (its price mixed over the layers' modes), memory (4) adds ``sum_dkm R_dkm v_dkm`` and the objective
