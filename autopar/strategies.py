@@ -12,7 +12,9 @@ such as the CUDA flash variant) get our own rule: the dims listed are independen
 split on any of them on all inputs at once and run on local shards. Any other op DTensor knows nothing
 about runs replicated, with one warning naming the op;
 strategies that shard a dimension unevenly are dropped (plans keep every shard the same size, so local
-shapes and collective volumes are exact); and ``_StridedShard`` placements are not offered.
+shapes and collective volumes are exact), and so are those that split or make partial a tensor over a
+mesh dim of one device (``fits_mesh``: pure relabelling, which the runtime pays for); and
+``_StridedShard`` placements are not offered.
 
 Placeholders get candidate placements by role: parameters and buffers any ``R``/``S(d)``, example inputs
 whatever the caller allows (the planner pins the batch dimension to the data-parallel mesh dim).
@@ -72,10 +74,24 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 def candidate_placements(
     val: torch.Tensor, mesh_shape: Sequence[int], *, partial: bool, shard: bool = True
 ) -> list[Placements]:
-    """Every even ``R``/``S(d)`` (and optionally ``P``) assignment of ``val`` over the mesh dims."""
+    """Every ``R``/``S(d)`` (and optionally ``P``) assignment of ``val`` that ``fits_mesh``."""
+    return [c for c in _assignments(val, len(mesh_shape), partial, shard) if fits_mesh(c, tuple(val.shape), mesh_shape)]
+
+
+def _assignments(val: torch.Tensor, mesh_ndim: int, partial: bool, shard: bool = True) -> list[Placements]:
+    """Every ``R``/``S(d)`` (and optionally ``P``) assignment of ``val`` over ``mesh_ndim`` dims of any size."""
     one = ["R"] + (["P"] if partial else []) + ([f"S({d})" for d in range(val.ndim)] if shard else [])
-    combos = itertools.product(one, repeat=len(mesh_shape))
-    return [c for c in combos if _divides_evenly(c, tuple(val.shape), mesh_shape)]
+    return list(itertools.product(one, repeat=mesh_ndim))
+
+
+def fits_mesh(placements: Placements, shape: tuple[int, ...], mesh_shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` can be placed so on a mesh of ``mesh_shape``: every shard the same
+    size, and whole (``R``) on a dim of one device. Split or partial over one device, it holds the whole
+    tensor all the same, and only the runtime notices: each change of such a label is a DTensor
+    redistribute that moves nothing yet costs the host its dispatch, forward and backward (on a
+    one-device mesh a plan otherwise relabels tensors about a hundred times a step)."""
+    whole_on_unit_dims = all(p == "R" for p, size in zip(placements, mesh_shape) if size == 1)
+    return whole_on_unit_dims and _divides_evenly(placements, shape, mesh_shape)
 
 
 def _divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: Sequence[int]) -> bool:
@@ -107,7 +123,7 @@ LOCAL_RULES: dict[Any, LocalRule] = {
 
 
 _RAW: dict[Any, tuple[list[Strategy], bool]] = {}
-"""(mesh ndim, op, argument shapes) -> (DTensor's strategies before the evenness filter, whether the op
+"""(mesh ndim, op, argument shapes) -> (DTensor's strategies before ``fits_mesh``, whether the op
 had none). DTensor's rules depend on the number of mesh dims, not their sizes, so every mesh shape of
 the search with the same ndim shares one enumeration (the expensive part of building a problem)."""
 
@@ -124,7 +140,6 @@ class StrategyFinder:
         self._free = [d for d in range(len(self.mesh_shape)) if d not in self.copies]
         self._ndim = len(self._free)  # mesh dims DTensor's rules enumerate
         self.mesh = planning_mesh(tuple(2 for _ in range(self._ndim)))  # sizes do not matter, see _RAW
-        self._any_size = tuple(1 for _ in range(self._ndim))  # candidates before the evenness filter
         self.unsupported: set[str] = set()
         self._cache: dict[Any, list[Strategy]] = {}
 
@@ -137,8 +152,8 @@ class StrategyFinder:
             raw, fallback = self._raw(node, inputs, key)
             if fallback:
                 self._warn_unsupported(node.target)
-            even = [st for st in raw if self._is_even(node, st)]
-            self._cache[key] = even or [_replicated(node, len(inputs), len(self.mesh_shape))]
+            fitting = [st for st in raw if self._fits(node, st)]
+            self._cache[key] = fitting or [_replicated(node, len(inputs), len(self.mesh_shape))]
         return self._cache[key]
 
     def _raw(self, node: fx.Node, inputs: list[fx.Node], key: Any) -> tuple[list[Strategy], bool]:
@@ -213,7 +228,7 @@ class StrategyFinder:
     def _call_per_first_input(self, node: fx.Node, prop: Any) -> Any:
         merged: list[OpSpec] = []
         first_val = tensor_inputs(node)[0].meta["val"]
-        for cand in candidate_placements(first_val, self._any_size, partial=True):
+        for cand in _assignments(first_val, self._ndim, partial=True):
             try:
                 result = self._call_strategy(node, prop, node.args, first=cand)
             except Exception:  # this candidate is invalid for the op: skip it
@@ -227,7 +242,7 @@ class StrategyFinder:
         if single:  # DTensor expands single-dim rules itself; one spec tells it plain Shard is in use
             pls = [tuple(["S(0)" if val.ndim else "R"] * self._ndim)]
         else:
-            pls = [only] if only is not None else candidate_placements(val, self._any_size, partial=True)
+            pls = [only] if only is not None else _assignments(val, self._ndim, partial=True)
         return OpStrategy([OpSpec(DTensorSpec(self.mesh, _to_dtensor(p), meta)) for p in pls])
 
     def _convert(self, node: fx.Node, op_strategy: Any) -> list[Strategy]:
@@ -241,11 +256,11 @@ class StrategyFinder:
                 out.setdefault(_partial_kind_blind(strategy), strategy)
         return list(out.values())
 
-    def _is_even(self, node: fx.Node, s: Strategy) -> bool:
+    def _fits(self, node: fx.Node, s: Strategy) -> bool:
         vals = [a.meta["val"] for a in tensor_inputs(node)] + output_vals(node)
         pls = list(s.inputs) + list(s.outputs)
         return all(
-            p is None or not isinstance(v, torch.Tensor) or _divides_evenly(p, tuple(v.shape), self.mesh_shape)
+            p is None or not isinstance(v, torch.Tensor) or fits_mesh(p, tuple(v.shape), self.mesh_shape)
             for v, p in zip(vals, pls)
         )
 

@@ -78,6 +78,13 @@ def test_checkpointing_wraps_each_layer_and_none_keeps_the_program(gpt: tuple[Ca
         assert {m.checkpointing for m in wrapped} == {mode}
 
 
+def test_a_one_device_plan_runs_without_redistributes(gpt: tuple[CapturedGraph, dict[str, Any]]) -> None:
+    """Every tensor is whole on one device (``strategies.fits_mesh``), so the program relabels none."""
+    pm, batch = _module(gpt, "none")
+    assert pm.redistributes == 0
+    assert torch.isfinite(pm.step(*batch))
+
+
 MIXED = {"blocks.1": "full"}  # a mixed plan: blocks.0 keeps its activations, blocks.1 recomputes
 
 

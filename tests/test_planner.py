@@ -322,6 +322,18 @@ def free_tiny_gpt(tiny_gpt_8):
     return _plan(tiny_gpt_8, "1x4xH100", name="tiny-gpt")
 
 
+@pytest.mark.parametrize("cluster, constraints", [("1x1xH100", {}), ("1x2xH100", {"pp": 2})])
+def test_a_mesh_of_one_device_places_every_tensor_whole(tiny_gpt_8, cluster, constraints):
+    """On one device (or a pipeline stage of one) a split or partial label would change nothing but
+    cost the runtime a DTensor redistribute at each relabelling: every placement is ``R``."""
+    plan = _plan(tiny_gpt_8, cluster, constraints, name="tiny-gpt")
+    assert plan.degrees["pp"] == constraints.get("pp", 1)
+    placements = [p for op in plan.ops.values() for p in (*op["inputs"], *op["outputs"]) if p is not None]
+    placements += [*plan.placements.values(), *(i["placements"] for i in plan.inputs.values())]
+    assert len(placements) > 100
+    assert {p for pls in placements for p in pls} == {"R"}
+
+
 @pytest.mark.parametrize("fixed", [{"dp": 4}, {"tp": 4}, {"dp": 2, "tp": 2}])
 def test_free_search_is_never_worse_than_fixed(tiny_gpt_8, free_tiny_gpt, fixed):
     pinned = _plan(tiny_gpt_8, "1x4xH100", fixed, name="tiny-gpt")
