@@ -159,7 +159,7 @@ def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps:
     peak = _peak_gb(device, baseline)
     updates = slowest_rank(timed(opt.step, sync, steps))
     return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": peak,
-            "update_s": updates, "update_median_s": statistics.median(updates)}
+            "update_s": updates, "update_median_s": statistics.median(updates), "redistributes": pm.redistributes}
 
 
 def _reset_peak(device: str) -> None:
@@ -249,7 +249,7 @@ def preset_cluster(device: str) -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'model':<16} {'params':>7} {'batch':>9} {'preset pred':>11} {'calib pred':>10} {'eager':>9} "
           f"{'autopar':>9} {'err/eager':>9} {'err/autopar':>11} {'mem pred':>8} {'mem eager':>9} "
-          f"{'mem autopar':>11}")
+          f"{'mem autopar':>11} {'redistributes':>13}")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<16} failed: {r['error']}")
@@ -262,7 +262,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['model']:<16} {r['params'] / 1e6:>6.0f}M {r['global_batch']:>3}x{r['seq']:<5} "
               f"{pred['step_time_s'] * 1e3:>8.1f} ms {step * 1e3:>7.1f} ms {eager * 1e3:>6.1f} ms "
               f"{run * 1e3:>6.1f} ms {(step - eager) / eager * 100:>+8.0f}% {(step - run) / run * 100:>+10.0f}% "
-              f"{_step_memory_gb(calib):>5.2f} GB {peak_text[0]:>9} {peak_text[1]:>11}")
+              f"{_step_memory_gb(calib):>5.2f} GB {peak_text[0]:>9} {peak_text[1]:>11} "
+              f"{r['autopar'].get('redistributes', '-'):>13}")
 
 
 def _step_memory_gb(predicted: dict[str, Any]) -> float:
