@@ -7,11 +7,18 @@ W fresh gloo ranks and each training step is timed (median and fastest step are 
 calibration keeps each op's fastest repeat, so the fastest step is the like-for-like figure on a
 shared, busy machine). ``pm.step`` (forward, loss, backward, gradient sync) is what
 ``predicted.step_time_s`` prices; the optimizer update (``opt.step``) is timed apart and compared with
-``predicted.optimizer_s``. Prints a table and writes
-``benchmarks/results/calibration.json`` (with each profile's fitted figures). Usage::
+``predicted.optimizer_s``.
 
-    python benchmarks/calibration.py                   # W = 2 and 4, full calibration
-    python benchmarks/calibration.py --worlds 2 --quick --steps 6 --out /tmp/calibration.json
+The development machine's virtual CPUs change speed by up to 2x for tens of seconds at a time (the
+same single-process timing, pinned to one vCPU, gave 4.6 and then 8.2 ms), so one calibration and the
+training that follows it can be taken at different speeds. ``--rounds R`` repeats the whole cycle
+(calibrate, plan, train) R times per world size and also reports the pooled error: the median of the
+R predictions against the median of the R measured medians. Prints a table per round and the pooled
+summary, and writes ``benchmarks/results/calibration.json`` (every round's rows, with each profile's
+fitted figures, and the summary). Usage::
+
+    python benchmarks/calibration.py                   # W = 1, 2 and 4, 3 rounds, full calibration
+    python benchmarks/calibration.py --worlds 2 --rounds 1 --quick --steps 6 --out /tmp/calibration.json
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ def timed_steps_rank(rank: int, world: int, plan_dict: dict, steps: int) -> dict
     return {"step_s": step_s[WARMUP_STEPS:], "update_s": update_s[WARMUP_STEPS:]}
 
 
-def measure_world(world: int, steps: int, quick: bool, directory: Path) -> dict[str, Any]:
+def measure_world(world: int, steps: int, quick: bool, directory: Path, round_index: int = 0) -> dict[str, Any]:
     load_before = os.getloadavg()
     profile, path = calibrate(world, quick, directory)
     calibrated, preset = plan_demo(path), plan_demo(f"1x{world}xcpu")
@@ -89,7 +96,7 @@ def measure_world(world: int, steps: int, quick: bool, directory: Path) -> dict[
     measured, fastest = statistics.median(step_s), min(step_s)
     predicted = calibrated.predicted["step_time_s"]
     return {
-        "world": world, "model": MODEL, "global_batch": GLOBAL_BATCH, "quick": quick,
+        "world": world, "round": round_index, "model": MODEL, "global_batch": GLOBAL_BATCH, "quick": quick,
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "mesh": dict(zip(calibrated.mesh["dim_names"], calibrated.mesh["shape"])),
         "predicted_step_s": predicted, "predicted_compute_s": calibrated.predicted["compute_s"],
@@ -123,17 +130,47 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{link['base_latency_s'] * 1e6:>6.0f} us {device.get('redistribute_s', 0.0) * 1e6:>5.0f} us")
 
 
+def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world size: the median prediction against the median of the rounds' measured medians, and
+    how many rounds alone were within 30% of their own measurement."""
+    out = []
+    for world in sorted({r["world"] for r in rows}):
+        mine = [r for r in rows if r["world"] == world]
+        predicted = statistics.median(r["predicted_step_s"] for r in mine)
+        measured = statistics.median(r["measured_step_s"] for r in mine)
+        out.append({"world": world, "rounds": len(mine), "predicted_step_s": predicted, "measured_step_s": measured,
+                    "error": (predicted - measured) / measured,
+                    "rounds_within_30_percent": sum(abs(r["error"]) <= 0.30 for r in mine)})
+    return out
+
+
+def print_pooled(summary: list[dict[str, Any]]) -> None:
+    print(f"{'W':>2}  {'rounds':>6} {'median pred':>11} {'median measured':>15} {'error':>7} {'rounds within 30%':>17}")
+    for s in summary:
+        print(f"{s['world']:>2}  {s['rounds']:>6} {s['predicted_step_s'] * 1e3:>8.1f} ms {s['measured_step_s'] * 1e3:>12.1f} ms "
+              f"{s['error'] * 100:>+6.0f}% {s['rounds_within_30_percent']:>11} of {s['rounds']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", default="2,4", help="comma-separated gloo world sizes (default 2,4)")
+    parser.add_argument("--worlds", default="1,2,4", help="comma-separated gloo world sizes (default 1,2,4)")
+    parser.add_argument("--rounds", type=int, default=3, help="calibrate-plan-train cycles per world (default 3)")
     parser.add_argument("--steps", type=int, default=12, help="timed training steps per world (default 12)")
     parser.add_argument("--quick", action="store_true", help="calibrate with `autopar calibrate --quick` sizes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibration.json"))
     args = parser.parse_args()
+    rows = []
     with tempfile.TemporaryDirectory() as directory:
-        rows = [measure_world(int(w), args.steps, args.quick, Path(directory)) for w in args.worlds.split(",")]
-    print_table(rows)
-    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+        for round_index in range(args.rounds):
+            found = [measure_world(int(w), args.steps, args.quick, Path(directory), round_index)
+                     for w in args.worlds.split(",")]
+            print(f"round {round_index + 1} of {args.rounds}")
+            print_table(found)
+            rows += found
+    summary = pooled(rows)
+    print("pooled over rounds")
+    print_pooled(summary)
+    Path(args.out).write_text(json.dumps({"rows": rows, "pooled": summary}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -393,13 +393,20 @@ def test_calibrate_on_one_rank_writes_a_profile_a_plan_accepts(tmp_path):
 @pytest.mark.heavy
 def test_calibration_benchmark_runs_and_writes_its_fields(tmp_path):
     out = tmp_path / "calibration.json"
-    run = run_python(str(REPO / "benchmarks" / "calibration.py"), "--worlds", "2", "--quick", "--steps", "2",
-                     "--out", str(out), cwd=tmp_path)
+    run = run_python(str(REPO / "benchmarks" / "calibration.py"), "--worlds", "2", "--rounds", "2", "--quick",
+                     "--steps", "2", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    (row,) = json.loads(out.read_text())
-    assert {"world", "predicted_step_s", "preset_predicted_step_s", "measured_step_s", "measured_update_s",
-            "error", "profile"} <= set(row)
-    assert row["world"] == 2 and row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+    data = json.loads(out.read_text())
+    first, second = data["rows"]
+    assert {"world", "round", "predicted_step_s", "preset_predicted_step_s", "measured_step_s", "measured_update_s",
+            "error", "profile"} <= set(first)
+    assert (first["round"], second["round"]) == (0, 1)
+    assert first["world"] == 2 and first["measured_step_s"] > 0 and first["predicted_step_s"] > 0
+    (pooled,) = data["pooled"]
+    predictions = sorted(r["predicted_step_s"] for r in data["rows"])
+    assert pooled["world"] == 2 and pooled["rounds"] == 2
+    assert pooled["predicted_step_s"] == pytest.approx(sum(predictions) / 2)  # the median of two
+    assert 0 <= pooled["rounds_within_30_percent"] <= 2
 
 
 @pytest.mark.slow
