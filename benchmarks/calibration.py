@@ -147,8 +147,9 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_pooled(summary: list[dict[str, Any]]) -> None:
     print(f"{'W':>2}  {'rounds':>6} {'median pred':>11} {'median measured':>15} {'error':>7} {'rounds within 30%':>17}")
     for s in summary:
-        print(f"{s['world']:>2}  {s['rounds']:>6} {s['predicted_step_s'] * 1e3:>8.1f} ms {s['measured_step_s'] * 1e3:>12.1f} ms "
-              f"{s['error'] * 100:>+6.0f}% {s['rounds_within_30_percent']:>11} of {s['rounds']}")
+        print(f"{s['world']:>2}  {s['rounds']:>6} {s['predicted_step_s'] * 1e3:>8.1f} ms "
+              f"{s['measured_step_s'] * 1e3:>12.1f} ms {s['error'] * 100:>+6.0f}% "
+              f"{s['rounds_within_30_percent']:>11} of {s['rounds']}")
 
 
 def main() -> None:
