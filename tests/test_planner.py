@@ -16,6 +16,7 @@ from autopar.collectives import predicted_collectives
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
 from autopar.planner import make_plan
+from autopar.strategies import candidate_placements, fits_mesh
 
 MATMULS = ("aten.mm.default", "aten.addmm.default")
 
@@ -320,6 +321,21 @@ def tiny_gpt_8():
 @pytest.fixture(scope="module")
 def free_tiny_gpt(tiny_gpt_8):
     return _plan(tiny_gpt_8, "1x4xH100", name="tiny-gpt")
+
+
+@pytest.mark.parametrize("placements, mesh, fits", [
+    (("R",), (1,), True), (("S(0)",), (1,), False), (("P",), (1,), False),
+    (("R", "S(0)"), (1, 4), True), (("S(0)", "R"), (1, 4), False),
+    (("S(0)",), (3,), False),  # 8 rows do not split evenly in 3
+    (("S(0)", "S(0)"), (2, 4), True), (("S(0)", "S(0)"), (4, 4), False),  # 16 pieces of 8 rows
+])
+def test_a_placement_fits_a_mesh_when_its_shards_are_even_and_one_device_dims_hold_it_whole(placements, mesh, fits):
+    assert fits_mesh(placements, (8, 6), mesh) is fits
+
+
+def test_candidates_over_a_dim_of_one_device_are_whole():
+    val = torch.empty(8, 6, device="meta")
+    assert candidate_placements(val, (1, 2), partial=True) == [("R", "R"), ("R", "P"), ("R", "S(0)"), ("R", "S(1)")]
 
 
 @pytest.mark.parametrize("cluster, constraints", [("1x1xH100", {}), ("1x2xH100", {"pp": 2})])
