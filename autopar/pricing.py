@@ -14,6 +14,10 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   computes everything on every rank. Backward costs twice the forward (two matmuls per matmul).
   A view launches no kernel but is dispatched like any op, so it costs the host's dispatch
   (``compute_time`` of no work: nothing on the presets, ``host_op_s`` on a calibrated CPU).
+* a parameter costs the host one dispatch per microbatch in backward: autograd accumulates its
+  gradient into ``.grad`` (``AccumulateGrad``; measured on tiny-gpt's step on one CPU rank: 24 us
+  each against a calibrated ``host_op_s`` of 25 us). The later microbatches' add moves 3x the
+  gradient's bytes, which is not priced (no dispatch floor of its own on the presets either).
 * an input that is ``R`` on a dim where the node's output is not ``R`` is used differently by each
   rank, so its gradient is a partial sum that must be all-reduced in backward. For a parameter this is
   the data-parallel gradient all_reduce (bucketed and overlapped with backward: reported apart as
@@ -85,6 +89,7 @@ class Cost:
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
     forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
     host_s: float = 0.0  # part of compute_s the host spends once per step outside kernels (gradient sync)
+    accumulate_s: float = 0.0  # host seconds spent again per further microbatch (a parameter's gradient accumulation)
 
     def add_comm(self, kind: str, seconds: float) -> None:
         """Add ``seconds`` of critical-path collective ``kind``."""
@@ -146,6 +151,7 @@ class Pricer:
             out.compute_s, last_backward = self._kernel_times(cost.kernel, m)
             out.compute_s += cost.host_s
             out.backward_compute_s = last_backward / m
+        out.compute_s += (m - 1) * cost.accumulate_s
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
         out.grad_sync_s = cost.grad_sync_s + (m - 1) * cost.grad_sync_per_microbatch_s
@@ -413,6 +419,11 @@ class Pricer:
         return seconds
 
     # ---- placeholders ------------------------------------------------------------------------
+    def gradient_accumulation(self) -> Cost:
+        """A parameter's gradient accumulation into ``.grad``: one host dispatch in backward, per microbatch."""
+        dispatch = compute_time(0.0, 0.0, self.cluster.device, self.dtype, "elementwise")
+        return Cost(compute_s=dispatch, backward_compute_s=dispatch, accumulate_s=dispatch)
+
     def parameter_memory(self, val: torch.Tensor, placements: Placements) -> dict[str, float]:
         """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state.
 

@@ -275,7 +275,9 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     if node.op == "placeholder":
         val = node.meta["val"]
         if node.name in captured.params:
-            return [Option(Strategy((), (p,)), Cost(memory_bytes=sum(pricer.parameter_memory(val, p).values())))
+            accumulation = pricer.gradient_accumulation()
+            return [Option(Strategy((), (p,)),
+                           replace(accumulation, memory_bytes=sum(pricer.parameter_memory(val, p).values())))
                     for p in roles.param(val)]
         if node.name in captured.user_inputs:
             return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))

@@ -43,11 +43,12 @@ How the numbers become profile fields (``build_profile``):
 * ``hbm_bw = rate / MEMORY_EFFICIENCY`` from ``seconds = a + bytes / rate`` over the adds, for
   the same reason (``compute.py`` runs bandwidth-bound kernels at ``MEMORY_EFFICIENCY * hbm_bw``).
 * ``kernel_launch_s``: the op floor.
-* ``host_op_s``: the block's forward+backward time, less (on CPU) its non-view ops' kernel floors
-  (3 each; on CUDA they overlap the host), divided by 3 dispatches per op it ran forward, views
-  included: the pricer charges every op of the graph, views included, one dispatch forward and two
-  backward (``autopar/pricing.py``, backward = 2x forward), and ``compute.dispatched_time`` adds it
-  to each op's kernel (CPU) or takes the longer of the two (CUDA).
+* ``host_op_s``: the block's forward+backward time, less (on CPU) its kernel floors (3 per non-view
+  op, 1 per gradient accumulation; on CUDA they overlap the host), divided by the dispatches the
+  pricer counts for it: 3 per op it ran forward, views included (one forward and two backward,
+  ``autopar/pricing.py``: backward = 2x forward), and 1 per leaf whose gradient autograd accumulates
+  (``Pricer.gradient_accumulation``). ``compute.dispatched_time`` adds it to each op's kernel (CPU)
+  or takes the longer of the two (CUDA).
 * ``host_update_op_s``: AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
   per weight), less the op floor on CPU: what ``compute.adamw_step_time`` charges per kernel
   besides bytes.
@@ -435,12 +436,14 @@ def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict
     update_s = _seconds_per_call(optimizer.step, sync, sizes, agree)
     update_ops = ADAMW_KERNELS_PER_TENSOR * len(weights)
     dispatched = counter.ops + counter.views
+    leaves = 1 + len(weights)  # x and the weights: autograd accumulates each one's gradient
     floor = 0.0 if cuda else kernel_launch_s  # on CUDA the kernels overlap the host's dispatch
     measured = {"dispatch_method": "a GPT-2 block (width 16) as DTensors on the world mesh, forward and backward, "
                                    "per op dispatched forward (views included)",
-                "priced_ops": counter.ops, "views": counter.views, "forward_s": forward_s / dispatched,
+                "priced_ops": counter.ops, "views": counter.views, "leaves": leaves,
+                "forward_s": forward_s / dispatched,
                 "forward_backward_s": forward_backward_s / dispatched,
-                "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, floor),
+                "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, leaves, floor),
                 "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
                 "update_s": update_s / update_ops,
                 "host_update_op_s": max(0.0, update_s / update_ops - floor)}
@@ -453,11 +456,13 @@ def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict
                              "seconds": max(0.0, redistribute_s)}}
 
 
-def host_dispatch_s(forward_backward_s: float, ops: int, views: int, kernel_launch_s: float) -> float:
-    """``host_op_s`` from a graph's forward+backward seconds and the non-view ops and views it dispatches
-    forward: its time less the ops' kernel floors, per dispatch as the pricer counts them (3 per op)."""
-    floors = PRICED_OPS_PER_FORWARD_OP * ops * kernel_launch_s
-    return max(0.0, forward_backward_s - floors) / ((ops + views) * PRICED_OPS_PER_FORWARD_OP)
+def host_dispatch_s(forward_backward_s: float, ops: int, views: int, leaves: int, kernel_launch_s: float) -> float:
+    """``host_op_s`` from a graph's forward+backward seconds, the non-view ops and views it dispatches
+    forward and the leaves whose gradients it accumulates (each an add, a kernel: the graph runs
+    again and again without clearing them): its time less the kernel floors, per dispatch as the
+    pricer counts them (3 per op, 1 per accumulation)."""
+    floors = (PRICED_OPS_PER_FORWARD_OP * ops + leaves) * kernel_launch_s
+    return max(0.0, forward_backward_s - floors) / ((ops + views) * PRICED_OPS_PER_FORWARD_OP + leaves)
 
 
 _BLOCK_WIDTH, _BLOCK_HEADS, _BLOCK_SEQ = 16, 2, 4

@@ -152,9 +152,9 @@ def test_profile_prices_a_large_matmul_at_the_measured_rate(profile_path):
 
 
 def test_host_dispatch_is_the_block_time_less_floors_per_priced_dispatch():
-    # 10 ops and 20 views forward: 90 priced dispatches; 30 kernel floors of 10 us = 0.3 ms
-    assert host_dispatch_s(9.3e-3, ops=10, views=20, kernel_launch_s=10e-6) == pytest.approx(100e-6)
-    assert host_dispatch_s(1e-4, ops=10, views=0, kernel_launch_s=10e-6) == 0.0  # floors exceed the time
+    # 10 ops and 20 views forward, 5 leaves: 90 + 5 priced dispatches; 30 + 5 kernel floors of 10 us
+    assert host_dispatch_s(9.85e-3, ops=10, views=20, leaves=5, kernel_launch_s=10e-6) == pytest.approx(100e-6)
+    assert host_dispatch_s(1e-4, ops=10, views=0, leaves=5, kernel_launch_s=10e-6) == 0.0  # floors exceed the time
 
 
 def test_redistribute_overhead_is_the_marginal_time_less_the_link_formula():

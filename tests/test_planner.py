@@ -4,6 +4,8 @@ large worlds, constraints and their errors, infeasible models, and the mesh sear
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -321,6 +323,23 @@ def tiny_gpt_8():
 @pytest.fixture(scope="module")
 def free_tiny_gpt(tiny_gpt_8):
     return _plan(tiny_gpt_8, "1x4xH100", name="tiny-gpt")
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_each_parameter_costs_one_host_dispatch_per_microbatch_to_accumulate_its_gradient(microbatches):
+    """With a host dispatch of h, every op costs 3h per microbatch (one forward, two backward) and each
+    of TwoLinear's 2 weights h more (autograd's accumulation into ``.grad``)."""
+    with torch.device("meta"):
+        model = TwoLinear(16, 32)
+    x, y = torch.randn(4, 16, device="meta"), torch.randn(4, 16, device="meta")
+    captured = capture(model, (x,), y, nn.functional.mse_loss)
+    ops = [n for n in captured.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    base = parse_cluster("1x1xcpu")
+    host = 1e-3
+    fast, slow = (make_plan(captured, replace(base, device=replace(base.device, host_op_s=h)),
+                            model_name="two-linear", constraints={"microbatches": microbatches}) for h in (0.0, host))
+    extra = slow.predicted["compute_s"] - fast.predicted["compute_s"]
+    assert extra == pytest.approx(microbatches * host * (3 * len(ops) + 2))
 
 
 @pytest.mark.parametrize("placements, mesh, fits", [
