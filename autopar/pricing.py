@@ -17,7 +17,7 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
 * a parameter costs the host one dispatch per microbatch in backward: autograd accumulates its
   gradient into ``.grad`` (``AccumulateGrad``; measured on tiny-gpt's step on one CPU rank: 24 us
   each against a calibrated ``host_op_s`` of 25 us). The later microbatches' add moves 3x the
-  gradient's bytes, which is not priced (no dispatch floor of its own on the presets either).
+  gradient's bytes, which is not priced; on the presets (``host_op_s`` 0) the term is zero.
 * an input that is ``R`` on a dim where the node's output is not ``R`` is used differently by each
   rank, so its gradient is a partial sum that must be all-reduced in backward. For a parameter this is
   the data-parallel gradient all_reduce (bucketed and overlapped with backward: reported apart as
@@ -89,7 +89,7 @@ class Cost:
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
     forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
     host_s: float = 0.0  # part of compute_s the host spends once per step outside kernels (gradient sync)
-    accumulate_s: float = 0.0  # host seconds spent again per further microbatch (a parameter's gradient accumulation)
+    accumulate_s: float = 0.0  # host seconds repeated by each further microbatch (gradient accumulation)
 
     def add_comm(self, kind: str, seconds: float) -> None:
         """Add ``seconds`` of critical-path collective ``kind``."""
