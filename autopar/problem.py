@@ -14,8 +14,9 @@ Placeholders are decisions too: a parameter's options are its placements (``R``/
 dim), a user input's options are those its role allows. How a parameter's gradient (or that of an
 activation read through a view) is reduced depends on two decisions at once, the op that reads it and
 the placement of the value it reads (``RootSharding``): the problem lists those pairs for the solver
-(constraint (9)) and ``Problem.settled`` folds them into plain prices once a solution is known. ``getitem`` nodes are not decisions: they select one output of
-their producer, so edges leaving them start at the producer's output slot.
+(constraint (9)) and ``Problem.settled`` folds them into plain prices once a solution is known.
+``getitem`` nodes are not decisions: they select one output of their producer, so edges leaving them
+start at the producer's output slot.
 """
 
 from __future__ import annotations
