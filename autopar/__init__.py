@@ -7,12 +7,12 @@ for the fastest plan that fits; ``autopar.autoparallelize`` runs a plan on the c
 without capturing again.
 """
 
-from .api import autoparallelize, compare, plan
-from .errors import AutoparError, BadInputError, NoFeasiblePlanError, PlanFormatError, UnsupportedModelError
-from .plan import Plan
-from .problem_file import SavedProblem, load_problem
-from .runtime import ParallelModule
-from .whatif import reprice
+from autopar import inspect as _inspect  # noqa: F401  (registers Plan.summary and Plan.explain)
+from autopar.api import autoparallelize, compare, plan, reprice
+from autopar.core.errors import AutoparError, BadInputError, NoFeasiblePlanError, PlanFormatError, UnsupportedModelError
+from autopar.core.plan import Plan
+from autopar.ir.problem_file import SavedProblem, load_problem
+from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = [
     "AutoparError", "BadInputError", "NoFeasiblePlanError", "ParallelModule", "Plan", "PlanFormatError",

@@ -15,16 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .capture import CapturedGraph, capture
-from .cost_models import Cluster, ClusterSpecError, parse_cluster
-from .errors import BadInputError, PlanFormatError
-from .plan import Plan
-from .planner import fingerprint, make_plan
-from .problem_file import SavedProblem, save_problem as write_problem_file
-from .pipeline_runtime import PipelineParallelModule
-from .cost_models.hardware import preset_for_cuda_name
-from .explain import model_dims
-from .runtime import ParallelModule, mesh_for_plan
+from autopar.ir.capture import CapturedGraph, capture
+from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
+from autopar.core.errors import BadInputError, PlanFormatError
+from autopar.core.plan import Plan
+from autopar.planning import whatif
+from autopar.planning.assemble import fingerprint, model_dims
+from autopar.planning.search import make_plan
+from autopar.ir.problem_file import SavedProblem, save_problem as write_problem_file
+from autopar.runtime.pipeline import PipelineParallelModule
+from autopar.cost_models.hardware import preset_for_cuda_name
+from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
 
 
 def plan(
@@ -108,9 +109,15 @@ def autoparallelize(
 
 def compare(*plans: Plan) -> str:
     """Side-by-side table of plans: degrees, placements that differ, cost terms and their deltas."""
-    from .report import compare_plans
+    from autopar.inspect.show import compare_plans
 
     return compare_plans(list(plans))
+
+
+def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, cluster: str | Cluster) -> Plan:
+    """``plan``'s strategies, unchanged, priced on ``cluster`` (same number of devices): what-if
+    without re-capturing (``problem`` from ``autopar.load_problem``)."""
+    return whatif.reprice(plan, problem, resolve_cluster(cluster))
 
 
 def resolve_cluster(cluster: str | Cluster | None) -> Cluster:

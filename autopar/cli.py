@@ -1,4 +1,4 @@
-"""The ``autopar`` command line (design.md §3): plan, reprice, show, compare, demo.
+"""The ``autopar`` command line (docs/architecture.md "Command line"): plan, reprice, show, compare, demo.
 
 Exit codes: 0 success; 2 bad input (one line on stderr saying what and where); 3 no plan fits (with the
 reason). With ``--json`` the plan JSON is the only thing on stdout.
@@ -12,11 +12,11 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import AutoparError, BadInputError
+from autopar.core.errors import AutoparError, BadInputError
 
 if TYPE_CHECKING:
-    from .models import ModelBundle
-    from .problem_file import SavedProblem
+    from autopar.models import ModelBundle
+    from autopar.ir.problem_file import SavedProblem
 
 EXIT_BAD_INPUT = 2
 DEFAULT_GLOBAL_BATCH = 8
@@ -120,7 +120,7 @@ def parse_pairs(text: str | None, what: str) -> dict[str, Any]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .api import plan, resolve_cluster
+    from autopar.api import plan, resolve_cluster
 
     cluster = resolve_cluster(args.cluster)  # validate before the (slow) capture
     constraints = parse_pairs(args.fix, "--fix")
@@ -140,7 +140,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _model_bundle(args: argparse.Namespace) -> ModelBundle:
-    from .models import build_model, parse_overrides
+    from autopar.models import build_model, parse_overrides
 
     if args.model is None:
         raise BadInputError("give a MODEL to plan (or --problem FILE saved with --save-problem)")
@@ -153,7 +153,7 @@ def _model_bundle(args: argparse.Namespace) -> ModelBundle:
 
 def _saved_problem(args: argparse.Namespace) -> SavedProblem:
     """The problem of ``--problem``, refusing what would change its graph (that needs a new capture)."""
-    from .problem_file import load_problem
+    from autopar.ir.problem_file import load_problem
 
     if args.model is not None:
         raise BadInputError(f"give MODEL or --problem, not both: {args.problem} already holds a captured model")
@@ -166,11 +166,11 @@ def _saved_problem(args: argparse.Namespace) -> SavedProblem:
 
 
 def _cmd_reprice(args: argparse.Namespace) -> int:
-    from .api import compare, resolve_cluster
-    from .plan import Plan
-    from .problem_file import load_problem
-    from .report import fmt_bytes
-    from .whatif import reprice
+    from autopar.api import compare, resolve_cluster
+    from autopar.core.plan import Plan
+    from autopar.ir.problem_file import load_problem
+    from autopar.inspect.show import fmt_bytes
+    from autopar.api import reprice
 
     old = Plan.load(args.plan)
     cluster = resolve_cluster(args.cluster)
@@ -191,15 +191,15 @@ def _cmd_reprice(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from .plan import Plan
+    from autopar.core.plan import Plan
 
     print(Plan.load(args.plan).summary())
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .api import compare
-    from .plan import Plan
+    from autopar.api import compare
+    from autopar.core.plan import Plan
 
     if len(args.plans) < 2:
         raise BadInputError("compare needs at least two plan files")
@@ -208,7 +208,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .plan import Plan
+    from autopar.core.plan import Plan
 
     plan = Plan.load(args.plan)
     try:
@@ -221,9 +221,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .plan import Plan
-    from .report_html import render_report
-    from .trace import simulated_trace
+    from autopar.core.plan import Plan
+    from autopar.inspect.report_html import render_report
+    from autopar.inspect.trace import simulated_trace
 
     plan = Plan.load(args.plan)
     Path(args.output).write_text(render_report(plan))
@@ -236,8 +236,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .export import export_plan
-    from .plan import Plan
+    from autopar.inspect.export import export_plan
+    from autopar.core.plan import Plan
 
     source, notes = export_plan(Plan.load(args.plan))
     Path(args.output).write_text(source)
@@ -248,7 +248,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from autopar.demo import run_demo
 
     print(run_demo(world=args.world, steps=args.steps))
     return 0
@@ -257,9 +257,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import os
 
-    from .cost_models.calibrate import (build_profile, measure_in_job, measure_spawned_rank, profile_source,
+    from autopar.cost_models.calibrate import (build_profile, measure_in_job, measure_spawned_rank, profile_source,
                                         profile_summary, write_profile)
-    from .launch import run_on_ranks
+    from autopar.testing.launch import run_on_ranks
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.ranks is not None and (args.ranks < 1 or under_torchrun):

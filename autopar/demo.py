@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from .api import plan
-from .models import build_model
-from .parity import max_param_diff, train_parallel, train_single
+from autopar.api import plan
+from autopar.models import build_model
+from autopar.testing.parity import max_param_diff, train_parallel, train_single
 
 MODEL = "tiny-gpt"
 GLOBAL_BATCH = 8

@@ -35,9 +35,9 @@ from typing import Any
 
 from autopar.api import plan
 from autopar.cost_models.calibrate import build_profile, measure_spawned_rank, profile_source, write_profile
-from autopar.launch import run_on_ranks
+from autopar.testing.launch import run_on_ranks
 from autopar.models import build_model
-from autopar.parity import batches, build, make_optimizer
+from autopar.testing.parity import batches, build, make_optimizer
 
 MODEL = "tiny-gpt"
 GLOBAL_BATCH = 8

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost_models.calibrate import build_profile, measure_in_job, profile_source, write_profile
-from autopar.launch import free_port
+from autopar.testing.launch import free_port
 from autopar.models import build_model
 
 #: name, preset, config overrides, global batch, sequence length. Widths double from row to row, so

@@ -17,9 +17,9 @@ import warnings
 from pathlib import Path
 
 from autopar.api import resolve_cluster
-from autopar.capture import capture
+from autopar.ir.capture import capture
 from autopar.models import build_model
-from autopar.planner import make_plan
+from autopar.planning.search import make_plan
 
 FULL = [
     ("llama3-8b", "2x8xH100", 64, 4096),

@@ -1,4 +1,4 @@
-"""Solve time against model depth and world size (design.md §8).
+"""Solve time against model depth and world size (docs/architecture.md "Benchmarks").
 
 Plans GPT models of Megatron-LM's shape (``gpt-megatron`` with ``layers``, ``hidden``, ``heads`` set)
 offline, on meta tensors, without processes:
@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from autopar import planner, problem
-from autopar.capture import CapturedGraph, capture
+from autopar.planning import problem, search as planner
+from autopar.ir.capture import CapturedGraph, capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.plan import Plan
+from autopar.core.plan import Plan
 
 WIDTH = {"hidden": 2048, "heads": 16}  # 1.3B parameters at 24 layers (GPT-3 XL's width)
 SEQ = 2048
@@ -48,7 +48,7 @@ WORLDS = ("8x8xH100", "32x8xH100", "128x8xH100", "512x8xH100")
 QUICK_DEPTHS, QUICK_WORLDS = (8, 24), ("8x8xH100", "128x8xH100")
 
 PHASES = {  # phase name: (owner of the function, attribute); each is timed inclusive of what it calls
-    "build_s": (planner, "_problem_for"),
+    "build_s": (planner, "problem_for"),
     "reprice_s": (problem.Problem, "with_microbatches"),
     "stage_s": (planner, "stage_problem"),
     "ilp_s": (planner, "solve"),

@@ -1,4 +1,4 @@
-"""Cluster topology: the ``NxGxTYPE`` spec (design.md §4) and where a mesh dimension's ranks live.
+"""Cluster topology: the ``NxGxTYPE`` spec (docs/architecture.md "Cluster spec") and where a mesh dimension's ranks live.
 
 This module is for parsing a cluster spec (string or JSON/YAML file) into a validated ``Cluster``
 and for answering, per device-mesh dimension, "how many of this group's ranks share a node, and

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import build_model, parse_overrides
-from autopar.parity import batches
+from autopar.testing.parity import batches
 
 
 def main() -> None:

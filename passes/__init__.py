@@ -1,4 +1,4 @@
-"""Rewrite passes: from a Plan, the per-rank program (design.md §1).
+"""Rewrite passes: from a Plan, the per-rank program (docs/architecture.md "Layers").
 
 One pass per file, each named for what it does; ``build_program`` applies them in order:
 

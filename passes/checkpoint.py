@@ -45,8 +45,8 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
-from autopar.plan import CHECKPOINTING
-from autopar.stages import kept_under_selective, layer_of
+from autopar.core.plan import CHECKPOINTING
+from autopar.ir.layers import kept_under_selective, layer_of
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep linear-layer and fused-attention outputs, recompute everything else."""

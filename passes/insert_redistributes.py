@@ -18,8 +18,8 @@ from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.placement import strs_to_placements
-from autopar.strategies import tensor_inputs
+from autopar.core.placement import strs_to_placements
+from autopar.ir.layers import tensor_inputs
 
 from .layout import in_memory_order, memory_order
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.placement import placements_to_strs, strs_to_placements
+from autopar.core.placement import placements_to_strs, strs_to_placements
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:

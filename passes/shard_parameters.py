@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.placement import strs_to_placements
+from autopar.core.placement import strs_to_placements
 
 
 def shard_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[str]) -> DTensor:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autopar.placement import optimizer_shard_dim, placements_to_strs
+from autopar.core.placement import optimizer_shard_dim, placements_to_strs
 
 DATA_PARALLEL_DIM = "dp"
 """The mesh dim ZeRO shards over (plans with ZeRO-1/2 have no HSDP replica dim)."""

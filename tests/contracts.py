@@ -1,4 +1,4 @@
-"""The plan-JSON contract of design.md §5, stated once for the tests that check it."""
+"""The plan-JSON contract of docs/architecture.md "Plan JSON", stated once for the tests that check it."""
 
 PLAN_KEYS = {"schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements", "ops",
              "predicted", "solver"}

@@ -17,7 +17,7 @@ import torch
 
 from autopar.api import resolve_cluster
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.core.plan import Plan
 from autopar.cost_models import (ClusterSpecError, DeviceSpec, GroupTopology, adamw_step_time, collective_time,
                                  compute_time, dispatched_time, get_device, parse_cluster)
 from autopar.cost_models.calibrate import (CollectiveSample, LinkFit, build_profile, fit_link, fit_rate,
@@ -211,7 +211,7 @@ def test_a_single_rank_profile_keeps_the_presets_links_and_charges_no_redistribu
 def test_each_critical_path_collective_pays_the_redistribute_overhead_and_gradient_sync_does_not():
     from dataclasses import replace
 
-    from autopar.pricing import Collective, Pricer
+    from autopar.planning.pricing import Collective, Pricer
 
     base = resolve_cluster("1x2xcpu")
     plain, slow = (Pricer(replace(base, device=cpu_device(redistribute_s=r)), (2,), "fp32") for r in (0.0, 1e-3))
@@ -230,7 +230,7 @@ def test_each_critical_path_collective_pays_the_redistribute_overhead_and_gradie
 def test_a_plan_priced_with_a_profile_charges_its_redistributes(profile_path, tmp_path, capsys):
     """tiny-gpt on 2 ranks priced with a profile whose redistributes cost 2 ms: each critical-path
     collective of the plan is the link's formula plus 2 ms, and the step's communication is their sum."""
-    from autopar.pricing import Pricer
+    from autopar.planning.pricing import Pricer
 
     data = json.loads(profile_path.read_text())
     data["device"]["redistribute_s"] = 2e-3
@@ -275,10 +275,10 @@ def test_gradient_sync_host_work_is_charged_per_reduced_gradient():
     gradient the bucketed sync reduces pays GRADIENT_SYNC_HOST_OPS more per gradient, once per step."""
     from dataclasses import replace
 
-    from autopar.capture import capture
+    from autopar.ir.capture import capture
     from autopar.cost_models import GRADIENT_SYNC_HOST_OPS
     from autopar.models import build_model
-    from autopar.planner import make_plan
+    from autopar.planning.search import make_plan
 
     b = build_model("mlp", global_batch=8)
     captured = capture(b.model, b.example_inputs, b.example_targets, b.loss_fn)

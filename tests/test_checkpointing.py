@@ -7,7 +7,7 @@ field changes what is recomputed in backward, never the numbers.
 * a mixed plan (each layer its own mode) wraps only its recomputed layers, with the same numbers;
 * gloo at world 4 (2x2 dp x tp, and dp=4): 3 AdamW steps of tiny-gpt and tiny-llama under full,
   selective and mixed (the planner's per-layer choice under a memory limit) checkpointing match
-  single-process training within design.md §7's tolerances. Each test is one spawn of two runs;
+  single-process training within docs/architecture.md "Correctness"'s tolerances. Each test is one spawn of two runs;
   2x2 is the mesh with collectives inside the recomputed layers.
 """
 
@@ -24,12 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.api import resolve_cluster
-from autopar.capture import CapturedGraph, capture
+from autopar.ir.capture import CapturedGraph, capture
 from autopar.models import ModelBundle, build_model
-from autopar.parity import batches, max_param_diff, train_parallel_many, train_single
+from autopar.testing.parity import batches, max_param_diff, train_parallel_many, train_single
 from autopar.passes.checkpoint import CheckpointedLayer, program_layers
-from autopar.planner import make_plan
-from autopar.runtime import ParallelModule, mesh_for_plan
+from autopar.planning.search import make_plan
+from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
 
 STEPS = 3
 BATCH = 8

@@ -1,4 +1,4 @@
-"""The ``autopar`` command line as a user runs it: subprocesses, stdout/stderr and exit codes (design.md §3)."""
+"""The ``autopar`` command line as a user runs it: subprocesses, stdout/stderr and exit codes (docs/architecture.md "Command line")."""
 
 from __future__ import annotations
 

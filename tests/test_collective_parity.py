@@ -1,4 +1,4 @@
-"""Collective parity on gloo (design.md §7): the collectives a step runs are the ones the plan predicts.
+"""Collective parity on gloo (docs/architecture.md "Correctness"): the collectives a step runs are the ones the plan predicts.
 
 One set of 4 gloo ranks plans a built-in model under each configuration, then counts with
 ``autopar.collectives.CollectiveCounter`` the collectives of a forward pass and of a whole
@@ -35,8 +35,8 @@ from typing import Any, Mapping
 
 import pytest
 
-from autopar.collectives import KINDS, CollectiveCounter, predicted_collectives
-from autopar.launch import run_on_ranks
+from autopar.inspect.collectives import KINDS, CollectiveCounter, predicted_collectives
+from autopar.testing.launch import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]
 
@@ -68,7 +68,7 @@ def _counted_step(rank: int, world: int, name: str, constraints: dict) -> dict[s
     """Plan (rank 0, for this world) and run one step; the forward's and the step's collectives."""
     import autopar
     from autopar.models import build_model
-    from autopar.parity import batches
+    from autopar.testing.parity import batches
 
     bundle = build_model(name, global_batch=8, device="cpu")
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,

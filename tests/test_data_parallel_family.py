@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from autopar import BadInputError
-from autopar.capture import capture
+from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.planner import make_plan
+from autopar.planning.search import make_plan
 
 CLUSTER = "4x8xH100"
 

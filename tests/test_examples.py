@@ -1,4 +1,4 @@
-"""examples/train.py under torchrun on 2 gloo ranks trains like one process (design.md §7)."""
+"""examples/train.py under torchrun on 2 gloo ranks trains like one process (docs/architecture.md "Correctness")."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from autopar.launch import free_port
-from autopar.parity import LR, train_single
+from autopar.testing.launch import free_port
+from autopar.testing.parity import LR, train_single
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"

@@ -20,10 +20,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import this module's rank function
 
 import autopar  # noqa: E402
-from autopar.export import export_plan  # noqa: E402
-from autopar.launch import run_on_ranks  # noqa: E402
+from autopar.inspect.export import export_plan  # noqa: E402
+from autopar.testing.launch import run_on_ranks  # noqa: E402
 from autopar.models import build_model  # noqa: E402
-from autopar.parity import LR, batches, train_parallel_many, train_single  # noqa: E402
+from autopar.testing.parity import LR, batches, train_parallel_many, train_single  # noqa: E402
 
 STEPS = 3
 BATCH = 8

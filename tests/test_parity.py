@@ -1,4 +1,4 @@
-"""Numerical parity on gloo (design.md §7): k steps under a plan == single-process training.
+"""Numerical parity on gloo (docs/architecture.md "Correctness"): k steps under a plan == single-process training.
 
 Each test spawns W gloo ranks once and trains several configurations in that one process group: the
 solver's own plan for the world, a plan forced to data parallelism, one forced to tensor parallelism,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.parity import max_param_diff, train_parallel_many, train_single
+from autopar.testing.parity import max_param_diff, train_parallel_many, train_single
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

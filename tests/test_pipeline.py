@@ -9,12 +9,12 @@ import pytest
 
 import autopar
 from autopar import BadInputError
-from autopar.capture import capture
+from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.planner import make_plan
-from autopar.stages import Staging
-from autopar.whatif import reprice
+from autopar.planning.search import make_plan
+from autopar.planning.stages import Staging
+from autopar.api import reprice
 
 CLUSTER = "4x8xA100-80GB"
 

@@ -3,7 +3,7 @@
 * the split, with no processes: the stage programs of a captured step, chained on one process, give
   the whole program's loss (two stages, and four chunks with an embedding-only first chunk and an
   empty trailing one);
-* numerical parity on gloo (design.md §7): 3 AdamW steps under pp=2 plans (1F1B, GPipe with full
+* numerical parity on gloo (docs/architecture.md "Correctness"): 3 AdamW steps under pp=2 plans (1F1B, GPipe with full
   checkpointing, interleaved 1F1B, tiny-llama on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4) against
   single-process training of the same seed and batches: per-step loss within rtol 1e-4 on every rank,
   gathered final parameters (all stages) within atol 1e-5.
@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import fx
 
-from autopar.capture import CapturedGraph, capture
-from autopar.errors import BadInputError
-from autopar.parity import build, max_param_diff, train_parallel_many, train_single
-from autopar.pipeline_runtime import StageProgram, split_program
-from autopar.runtime import copy_graph
+from autopar.ir.capture import CapturedGraph, capture
+from autopar.core.errors import BadInputError
+from autopar.testing.parity import build, max_param_diff, train_parallel_many, train_single
+from autopar.runtime.pipeline import StageProgram, split_program
+from autopar.runtime.parallel_module import copy_graph
 
 STEPS = 3
 BATCH = 8

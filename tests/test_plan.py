@@ -1,4 +1,4 @@
-"""The Plan contract (design.md §5): JSON keys, round trips, malformed files, summary, placement strings.
+"""The Plan contract (docs/architecture.md "Plan JSON"): JSON keys, round trips, malformed files, summary, placement strings.
 One real plan (tiny-gpt on 1x4xcpu) is made once for the module; no processes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar import Plan, PlanFormatError
 from autopar.models import build_model
-from autopar.placement import (
+from autopar.core.placement import (
     is_partial,
     is_sharded,
     placement_to_str,
@@ -22,7 +22,7 @@ from autopar.placement import (
     str_to_placement,
     strs_to_placements,
 )
-from autopar.plan import SCHEMA
+from autopar.core.plan import SCHEMA
 
 PLACEMENT = re.compile(r"^(R|S\(\d+\)|P(\(\w+\))?)$")
 from contracts import MEMORY_KEYS as MEMORY_KINDS, SECTION_KEYS
@@ -88,7 +88,7 @@ def test_unknown_extra_keys_are_tolerated(plan_dict, tmp_path):
     assert Plan.load(_write(tmp_path, plan_dict)).degrees == plan_dict["degrees"]
 
 
-# ---- keys and values of design.md §5 --------------------------------------------------------------
+# ---- keys and values of docs/architecture.md "Plan JSON" ----------------------------------------------
 
 def test_json_has_the_keys_of_the_design(plan_dict):
     assert TOP_KEYS <= set(plan_dict)
@@ -244,7 +244,7 @@ def test_mixed_checkpointing_names_each_layer_mode(plan_dict, tmp_path):
 
 @pytest.mark.parametrize("key", ["inputs", "buffers", "recomputed_layers"])
 def test_sections_beyond_the_design_minimum_are_optional(plan_dict, tmp_path, key):
-    """design.md §5 lists the minimum keys; a plan without autopar's extra sections still loads."""
+    """docs/architecture.md "Plan JSON" lists the minimum keys; a plan without autopar's extra sections still loads."""
     del plan_dict[key]
     loaded = Plan.load(_write(tmp_path, plan_dict, f"no-{key}.json"))
     assert getattr(loaded, key) == {}
@@ -266,7 +266,7 @@ def test_bad_placement_string_is_a_format_error(plan_dict, tmp_path):
 # ---- summary --------------------------------------------------------------------------------------
 
 def test_summary_shows_mesh_degrees_time_and_collapsed_layers(plan):
-    from autopar.report import fmt_seconds
+    from autopar.inspect.show import fmt_seconds
 
     text = plan.summary()
     assert str(plan) == text

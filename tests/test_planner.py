@@ -13,12 +13,12 @@ from torch import nn
 
 import autopar
 from autopar import BadInputError, NoFeasiblePlanError
-from autopar.capture import capture
-from autopar.collectives import predicted_collectives
+from autopar.ir.capture import capture
+from autopar.inspect.collectives import predicted_collectives
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.planner import make_plan
-from autopar.strategies import candidate_placements, fits_mesh
+from autopar.planning.search import make_plan
+from autopar.planning.strategies import candidate_placements, fits_mesh
 
 MATMULS = ("aten.mm.default", "aten.addmm.default")
 

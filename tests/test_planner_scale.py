@@ -22,11 +22,11 @@ import pytest
 pytestmark = pytest.mark.heavy
 
 from autopar import NoFeasiblePlanError
-from autopar.capture import CapturedGraph, capture
+from autopar.ir.capture import CapturedGraph, capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.plan import Plan
-from autopar.planner import make_plan
+from autopar.core.plan import Plan
+from autopar.planning.search import make_plan
 
 REL_TOL = 1e-6  # the ILP solves to a relative gap of 1e-6
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar import trace as trace_mod
+from autopar.inspect import trace as trace_mod
 from autopar.models import build_model
-from autopar.report import collapsed_placements
-from autopar.report_html import collapse_layers, mesh_links, render_report, top_modules
-from autopar.trace import TRACKS, simulated_trace
+from autopar.inspect.show import collapsed_placements
+from autopar.inspect.report_html import collapse_layers, mesh_links, render_report, top_modules
+from autopar.inspect.trace import TRACKS, simulated_trace
 
 SECTIONS = ("Mesh and hardware", "Per-layer placements", "Memory per device", "Step time breakdown",
             "Top 15 modules by predicted time", "Pipeline schedule", "Mesh candidates")

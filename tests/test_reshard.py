@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from autopar.cost_models import parse_cluster
-from autopar.launch import run_on_ranks
-from autopar.pricing import Pricer
+from autopar.testing.launch import run_on_ranks
+from autopar.planning.pricing import Pricer
 
 
 def test_a_regathered_parameter_edge_runs_its_gather_again_in_backward_and_not_again_under_recompute():
@@ -27,9 +27,9 @@ def _fsdp_step(rank: int, world: int) -> dict:
     import gc
 
     import autopar
-    from autopar.collectives import CollectiveCounter, predicted_collectives
+    from autopar.inspect.collectives import CollectiveCounter, predicted_collectives
     from autopar.models import build_model
-    from autopar.parity import batches
+    from autopar.testing.parity import batches
 
     bundle = build_model("tiny-gpt", overrides={"layers": 4}, global_batch=8, device="cpu")
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,

@@ -22,11 +22,11 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import autopar
-from autopar.capture import CapturedGraph, capture
+from autopar.ir.capture import CapturedGraph, capture
 from autopar.models import build_model
-from autopar.saved_tensors import SavedTensors
-from autopar.stages import layer_of
-from autopar.strategies import output_vals, tensor_inputs
+from autopar.ir.saved_tensors import SavedTensors
+from autopar.ir.layers import layer_of
+from autopar.ir.layers import output_vals, tensor_inputs
 
 
 def _capture(model: nn.Module, inputs, targets=None, loss_fn=None) -> CapturedGraph:

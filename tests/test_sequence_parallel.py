@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar import BadInputError
-from autopar.capture import capture
+from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.parity import max_param_diff, train_parallel_many, train_single
-from autopar.planner import make_plan, validate_constraints
-from autopar.problem import source_of
-from autopar.sequence_parallel import norm_sites, sequence_region
+from autopar.testing.parity import max_param_diff, train_parallel_many, train_single
+from autopar.planning.search import make_plan, validate_constraints
+from autopar.planning.problem import source_of
+from autopar.planning.sequence_parallel import norm_sites, sequence_region
 
 MODELS = ("tiny-gpt", "tiny-llama")
 STEPS = 3
@@ -253,8 +253,8 @@ def test_tp_sp_forward_runs_exactly_the_predicted_collectives() -> None:
     ``test_collective_parity``, "gathered, then partial")."""
     from test_collective_parity import as_run_on_gloo
 
-    from autopar.collectives import predicted_collectives
-    from autopar.launch import run_on_ranks
+    from autopar.inspect.collectives import predicted_collectives
+    from autopar.testing.launch import run_on_ranks
 
     for result in run_on_ranks(_counted_sp_steps, 2)[0]:
         assert result["forward"] == as_run_on_gloo(predicted_collectives(result["plan"], ["forward"]))

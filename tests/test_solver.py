@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.errors import NoFeasiblePlanError
-from autopar.pricing import Cost
-from autopar.problem import Decision, Edge, LayerModes, Option, Problem, RootSharding
-from autopar.solver import brute_force, evaluate, least_memory, solve
-from autopar.strategies import Strategy
+from autopar.core.errors import NoFeasiblePlanError
+from autopar.planning.pricing import Cost
+from autopar.planning.problem import Decision, Edge, LayerModes, Option, Problem, RootSharding
+from autopar.planning.solver import brute_force, evaluate, least_memory, solve
+from autopar.planning.strategies import Strategy
 
 GIB = 2.0**30
 R, S0, S1, P = ("R",), ("S(0)",), ("S(1)",), ("P",)
@@ -265,11 +265,11 @@ class _TiedStack(nn.Module):
 
 
 def _real_problem(dim: int, batch: int):
-    from autopar.capture import capture
+    from autopar.ir.capture import capture
     from autopar.cost_models import parse_cluster, usable_bytes
-    from autopar.pricing import Pricer
-    from autopar.problem import Roles, build_problem, placeholder_candidates
-    from autopar.strategies import StrategyFinder
+    from autopar.planning.pricing import Pricer
+    from autopar.planning.problem import Roles, build_problem, placeholder_candidates
+    from autopar.planning.strategies import StrategyFinder
 
     with torch.device("meta"):
         model = _TiedStack(dim)

@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from autopar.capture import capture
+from autopar.ir.capture import capture
 from autopar.cost_models import COLLECTIVES, GroupTopology, collective_time, parse_cluster
 from autopar.cost_models.pipeline import microbatches_in_flight, pipeline_bubble_fraction
 from autopar.cost_models.symbolic import (
@@ -42,11 +42,12 @@ from autopar.cost_models.symbolic import (
     time_arguments,
     v,
 )
-from autopar.explain import collective_terms, model_dims
+from autopar.planning.assemble import model_dims
+from autopar.planning.explanations import collective_terms
 from autopar.models import build_model
-from autopar.planner import make_plan
-from autopar.pricing import Pricer
-from autopar.strategies import Strategy
+from autopar.planning.search import make_plan
+from autopar.planning.pricing import Pricer
+from autopar.planning.strategies import Strategy
 
 INTRA_BW, INTER_BW = 100e9, 10e9
 INTRA_LAT, INTER_LAT, BASE = 1e-6, 5e-6, 10e-6
@@ -250,7 +251,7 @@ def test_explain_cli_shows_the_tp_all_reduce_formula(tp_plan) -> None:
 
 
 def test_explain_a_parameter_shows_its_collectives(tp_plan) -> None:
-    from autopar.explain import render
+    from autopar.inspect.explain import render
 
     data, _ = tp_plan
     text = render(data, "lm_head.weight")
@@ -258,7 +259,7 @@ def test_explain_a_parameter_shows_its_collectives(tp_plan) -> None:
 
 
 def test_plans_without_recorded_collectives_show_no_formulas(tp_plan) -> None:
-    from autopar.explain import render
+    from autopar.inspect.explain import render
 
     data, _ = tp_plan
     old = {**data, "ops": {k: {f: x for f, x in op.items() if f != "collectives"} for k, op in data["ops"].items()}}

@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.models import build_model
-from autopar.parity import max_param_diff, train_parallel, train_single
+from autopar.testing.parity import max_param_diff, train_parallel, train_single
 
 sys.path.insert(0, str(Path(__file__).parent))
 SPEC = "custom_op_model:make"

@@ -12,12 +12,12 @@ import torch
 
 import autopar
 from autopar import BadInputError
-from autopar.capture import CapturedGraph, capture, module_path
+from autopar.ir.capture import CapturedGraph, capture, module_path
 from autopar.cli import main
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
-from autopar.planner import make_plan
-from autopar.problem_file import load_problem, save_problem
+from autopar.planning.search import make_plan
+from autopar.ir.problem_file import load_problem, save_problem
 
 BATCH = 16  # splits over 4 cpu ranks and 16 H100s
 

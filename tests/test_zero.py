@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from autopar.capture import capture
-from autopar.collectives import CollectiveCounter, predicted_collectives
+from autopar.ir.capture import capture
+from autopar.inspect.collectives import CollectiveCounter, predicted_collectives
 from autopar.cost_models import parse_cluster
-from autopar.launch import run_on_ranks
+from autopar.testing.launch import run_on_ranks
 from autopar.models import build_model
-from autopar.parity import batches, build, make_optimizer, max_param_diff, train_single
-from autopar.planner import make_plan
+from autopar.testing.parity import batches, build, make_optimizer, max_param_diff, train_single
+from autopar.planning.search import make_plan
 
 STEPS = 3
 BATCH = 8

@@ -35,9 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.utils._pytree import tree_leaves
 
-from .placement import placement_to_str
+from autopar.core.placement import placement_to_str
+from autopar.ir.capture import FUSED_ATTENTION
+from autopar.ir.layers import output_vals, tensor_inputs
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,6 @@ def planning_mesh(shape: Sequence[int]) -> DeviceMesh:
     for s in shape:
         world *= s
     return DeviceMesh("cpu", torch.arange(world).view(*shape), _init_backend=False, _rank=0)
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor-valued arguments in the order DTensor flattens them (args, then kwargs)."""
-    leaves = tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def candidate_placements(
@@ -118,7 +113,7 @@ class LocalRule:
 
 LOCAL_RULES: dict[Any, LocalRule] = {
     # q, k, v: [batch, heads, seq, head_dim]; attention mixes seq and head_dim, never batch or heads.
-    torch.ops.aten.scaled_dot_product_attention.default: LocalRule(independent_dims=(0, 1), tensor_inputs=3),
+    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=3),
 }
 
 
@@ -303,7 +298,7 @@ def _from_dtensor(placements: Iterable[Any]) -> Placements:
 
 @lru_cache(maxsize=None)
 def _to_dtensor(placements: Placements) -> tuple[Any, ...]:
-    from .placement import strs_to_placements
+    from autopar.core.placement import strs_to_placements
 
     return strs_to_placements(placements)
 
@@ -312,12 +307,6 @@ def _replicated(node: fx.Node, n_inputs: int, mesh_ndim: int) -> Strategy:
     r = tuple(["R"] * mesh_ndim)
     outs = output_vals(node)
     return Strategy(tuple([r] * n_inputs), tuple(r if isinstance(v, torch.Tensor) else None for v in outs))
-
-
-def output_vals(node: fx.Node) -> list[Any]:
-    """The node's output values (one per output; multi-output ops give several)."""
-    val = node.meta.get("val")
-    return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
 def _tensor_meta(val: Any) -> Any:

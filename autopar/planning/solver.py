@@ -80,8 +80,8 @@ from typing import Iterator, Mapping, NamedTuple
 
 from ortools.linear_solver import pywraplp
 
-from .errors import NoFeasiblePlanError
-from .problem import Problem
+from autopar.core.errors import NoFeasiblePlanError
+from autopar.planning.problem import Problem
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30

@@ -47,21 +47,17 @@ most recomputation.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import torch
 from torch import fx
 
-from .capture import CapturedGraph, module_path
-from .plan import MIXED
-from .cost_models.pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
-from .pricing import Cost
-from .problem import LayerModes, Option, Problem
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "layers.3.attn.q" -> "layers.3"
-
+from autopar.ir.capture import CapturedGraph
+from autopar.ir.layers import kept_under_selective, layer_names, layer_of
+from autopar.core.plan import MIXED
+from autopar.cost_models.pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
+from autopar.planning.pricing import Cost
+from autopar.planning.problem import LayerModes, Option, Problem
 
 @dataclass(frozen=True)
 class Staging:
@@ -95,20 +91,6 @@ class Staging:
         if self.stages == 1:
             return 0.0
         return pipeline_bubble_fraction(self.schedule, self.stages, microbatches, self.chunks)
-
-
-_aten = torch.ops.aten
-KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
-    "mm", "addmm", "convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
-"""Op packets whose outputs selective checkpointing keeps: the pricer's and the runtime's one list
-(``passes/checkpoint.py``'s policy sees the ops as dispatched, the pricer as captured; both are aten)."""
-
-
-def layer_names(captured: CapturedGraph) -> list[str]:
-    """The repeated-layer instances of the graph, in graph order (``blocks.0``, ``blocks.1``, ...)."""
-    return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
 
 
 def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int) -> list[list[str]]:
@@ -146,11 +128,6 @@ def count_layer_modes(device_layers: list[str], mode_of: Callable[[str], str], l
     return {**counts, "none": layers - recomputed} if layers > recomputed else counts
 
 
-def kept_under_selective(target: object) -> bool:
-    """Whether selective checkpointing keeps the output of an op with this aten ``target``."""
-    return getattr(target, "overloadpacket", target) in KEPT_UNDER_SELECTIVE
-
-
 @dataclass(frozen=True)
 class LayerRoles:
     """Per decision key, what the layer structure says about it (from the captured graph)."""
@@ -175,14 +152,6 @@ def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
             if kept_under_selective(node.target):
                 expensive.add(key)
     return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive))
-
-
-def layer_of(node: fx.Node) -> str | None:
-    """The repeated-layer instance a node belongs to (``layers.3``), or None outside layers."""
-    if node.op == "placeholder":
-        return None
-    match = _LAYER.match(module_path(node))
-    return match.group(1) if match else None
 
 
 def _users_through_getitem(node: fx.Node) -> list[fx.Node]:

@@ -1,4 +1,4 @@
-"""Why a plan chose what it chose: the alternatives of each decision, priced against the solution.
+"""The ``explanations`` and ``ops[name]["collectives"]`` sections of a plan: why it chose what it chose.
 
 For one decision (an op, or a parameter's placement, shared by every repeated layer), each option it
 could have taken is priced with everything else held at the solution: its own compute, communication
@@ -6,9 +6,9 @@ and memory, the resharding on every edge that touches it, and the change in expo
 The difference to the chosen option is what switching would cost, which is the reason it lost.
 This is exact for a change of one decision; the solver weighed all of them at once.
 
-It also shows the collectives the chosen strategy implies in closed form (``cost_models/symbolic.py``),
-with the tensor's size written in the model's dims: ``collective_terms`` is what the planner records
-per op for that (the plan's optional ``ops[name]["collectives"]``); plans without it show no formulas.
+``collective_terms`` records the collectives the chosen strategy of an op implies, with what their
+closed forms need (``cost_models/symbolic.py``). Plan assembly (``planning/assemble.py``) writes
+both sections; ``autopar.inspect.explain`` renders them.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
 
-from .capture import CapturedGraph
-from .cost_models import GroupTopology, collective_time
-from .cost_models.symbolic import render_collective, tensor_bytes_text
-from .pricing import Collective, Pricer, gathers
-from .problem import (Problem, RootSharding, gradient_root, partial_gradient_share, read_through_views,
-                      source_of)
-from .report import fmt_bytes, fmt_seconds
-from .strategies import Placements, Strategy, tensor_inputs
+from autopar.ir.capture import CapturedGraph
+from autopar.ir.layers import tensor_inputs
+from autopar.planning.pricing import Collective, Pricer, gathers
+from autopar.planning.problem import (Problem, RootSharding, gradient_root, partial_gradient_share,
+                                      read_through_views, source_of)
+from autopar.planning.strategies import Placements, Strategy
 
 TOP_K = 8
 
@@ -119,37 +117,6 @@ def explanations(problem: Problem, choice: Mapping[str, int], index: Mapping[str
     }
 
 
-def render(plan_data: Mapping[str, Any], name: str) -> str:
-    """Text for ``autopar explain``: the alternatives of the decision behind ``name``."""
-    section = plan_data.get("explanations") or {}
-    key = section.get("index", {}).get(name)
-    if key is None:
-        close = sorted(k for k in section.get("index", {}) if name in k)[:8]
-        hint = f"; names containing it: {', '.join(close)}" if close else ""
-        raise KeyError(f"{name!r} is not an op or parameter of this plan{hint}")
-    entry = section["decisions"].get(key)
-    if entry is None:
-        return "\n".join([f"{name}: decision {key!r} had a single option (nothing to choose)",
-                          *collective_lines(plan_data, name)])
-    lines = [f"{name}  (decision {key}, shared by {len(entry['nodes'])} node(s))",
-             f"  {'strategy':<48} {'step change':>12} {'memory change':>14}  {'own compute':>11}  own comm"]
-    for row in entry["alternatives"]:
-        mark = "*" if row["chosen"] else " "
-        delta = "chosen" if row["chosen"] else ("+" if row["delta_s"] >= 0 else "-") + fmt_seconds(abs(row["delta_s"]))
-        mem = ("+" if row["delta_memory_bytes"] >= 0 else "-") + fmt_bytes(abs(row["delta_memory_bytes"]))
-        comm = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in row["comm_s"].items()) or "-"
-        lines.append(f"{mark} {row['strategy']:<48} {delta:>12} {mem:>14}  {fmt_seconds(row['compute_s']):>11}  {comm}")
-    others = [r for r in entry["alternatives"] if not r["chosen"]]
-    if others:
-        best = min(others, key=lambda r: r["delta_s"])
-        lines.append(f"  next best costs {fmt_seconds(best['delta_s'])} more per step" if best["delta_s"] >= 0 else
-                     f"  an alternative is {fmt_seconds(-best['delta_s'])} faster alone but breaks memory or a "
-                     "constraint elsewhere")
-    return "\n".join(lines + collective_lines(plan_data, name))
-
-
-# ---- collectives in closed form ------------------------------------------------------------------
-
 def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callable[[str], Strategy],
                      pricer: Pricer) -> list[dict[str, Any]]:
     """The collectives ``node``'s chosen strategy implies, one JSON-able entry each, with what the
@@ -203,86 +170,3 @@ def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer
             "sharded_on": [d for d, p in enumerate(c.placements) if p.startswith("S(")],
             "group": [group.size, group.per_node, group.nodes], "nbytes": c.nbytes, "seconds": seconds,
             "grad_sync": c.grad_sync, "per_microbatch": per_microbatch, "share": c.share}
-
-
-def collective_lines(plan_data: Mapping[str, Any], name: str) -> list[str]:
-    """Lines showing each collective of op or parameter ``name`` in closed form with its numbers;
-    none for plans that did not record collectives."""
-    ops = plan_data.get("ops", {})
-    if not any("collectives" in op for op in ops.values()):
-        return []
-    terms = ops[name].get("collectives", []) if name in ops else \
-        [t for op in ops.values() for t in op.get("collectives", []) if t["tensor"] == name]
-    if not terms:
-        return ["", "collectives: none"]
-    lines = ["", "collectives, in closed form (p ranks in the group, q of them per node, N nodes; "
-                 "cost_models/symbolic.py)"]
-    for term in terms:
-        lines += _collective_text(plan_data, term)
-    return lines
-
-
-def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> list[str]:
-    dim_names = plan_data["mesh"]["dim_names"]
-    group = _group(plan_data["cluster"], term["group"])
-    text, values = tensor_bytes_text(term["shape"], term["element_bytes"], named_dims(plan_data),
-                                     {dim_names[d]: plan_data["mesh"]["shape"][d] for d in term["sharded_on"]})
-    shown = render_collective(term["kind"], group, text, term["nbytes"])
-    seconds = collective_time(term["kind"], term["nbytes"], group)
-    given = ", ".join(f"{k}={v}" for k, v in {**values, **shown.topology}.items())
-    lines = [f"  {term['phase']} {term['kind']} over {dim_names[term['mesh_dim']]} ({term['why']} of "
-             f"{term['tensor']}): {shown.algorithm}, {shown.layout}",
-             f"      {shown.formula}" + (f"  with {given}" if given else "") + f" -> {fmt_seconds(seconds)}"]
-    if term["grad_sync"] and term["kind"] == "all_reduce":
-        lines.append(f"      bucketed with other gradients: charged its bandwidth term, {fmt_seconds(term['seconds'])}, "
-                     "overlapped with backward")
-    elif term["grad_sync"]:
-        lines.append("      ZeRO gradient sync (passes/zero.py), overlapped with backward")
-    elif term.get("share", 1.0) < 1:  # pricing: one reduction for all the readers that leave it partial
-        readers = round(1 / term["share"])
-        lines.append(f"      one reduction for the {readers} ops that leave this gradient partial (summed first): "
-                     f"1/{readers} of {fmt_seconds(term['seconds'] / term['share'])} charged here, "
-                     f"{fmt_seconds(term['seconds'])}")
-    elif term["seconds"] > seconds:  # pricing.in_step_collective_time: the device's redistribute_s
-        lines.append(f"      + {fmt_seconds(term['seconds'] - seconds)} per collective DTensor runs inside a step "
-                     f"(the device's calibrated redistribute_s) = {fmt_seconds(term['seconds'])}")
-    microbatches = plan_data.get("pipeline", {}).get("microbatches", 1)
-    if term["per_microbatch"] and microbatches > 1:
-        lines.append(f"      once per microbatch: x{microbatches} = {fmt_seconds(microbatches * term['seconds'])}")
-    return lines
-
-
-def _group(cluster: Mapping[str, Any], layout: list[int]) -> GroupTopology:
-    size, per_node, nodes = layout
-    device = cluster["device_spec"]
-    return GroupTopology(size=size, per_node=per_node, nodes=nodes, intra_bw=cluster["intra_bw"],
-                         inter_bw=cluster["inter_bw"], intra_latency_s=device["intra_latency_s"],
-                         inter_latency_s=device["inter_latency_s"], base_latency_s=device["base_latency_s"])
-
-
-def named_dims(plan_data: Mapping[str, Any]) -> dict[str, int]:
-    """Names for tensor dims, by priority: ``b`` (and ``s`` and the flattened ``b·s`` for token ids)
-    from the first example input's shape, then the model's dims when the plan records them
-    (``model["dims"]``). Where sizes coincide the first name wins."""
-    dims: dict[str, int] = {}
-    first = next(iter(plan_data.get("inputs", {}).values()), None)
-    if first and first.get("shape"):
-        dims["b"] = first["shape"][0]
-        if len(first["shape"]) >= 2 and str(first.get("dtype", "")).startswith("int"):
-            dims["s"] = first["shape"][1]
-            dims["b·s"] = dims["b"] * dims["s"]
-    for key, size in plan_data.get("model", {}).get("dims", {}).items():
-        dims.setdefault(key, size)
-    return dims
-
-
-def model_dims(config: Any) -> dict[str, int]:
-    """Named sizes of a model config (``h``, ``heads``, ``head_dim``, ``kv_heads``, ``ffn``, ``vocab``)
-    for ``Plan.model["dims"]``; attributes a config lacks are left out."""
-    hidden, heads = getattr(config, "hidden", None), getattr(config, "heads", None)
-    ffn = getattr(config, "ffn_hidden", None) or (
-        hidden * config.mlp_ratio if hidden and getattr(config, "mlp_ratio", None) else None)
-    dims = {"h": hidden, "ffn": ffn, "vocab": getattr(config, "vocab", None), "heads": heads,
-            "kv_heads": getattr(config, "kv_heads", None),
-            "head_dim": hidden // heads if hidden and heads else None}
-    return {k: int(v) for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}

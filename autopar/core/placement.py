@@ -12,7 +12,7 @@ from typing import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from .errors import PlanFormatError
+from autopar.core.errors import PlanFormatError
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 _PARTIAL = re.compile(r"^P(?:\((\w+)\))?$")

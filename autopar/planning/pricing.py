@@ -9,7 +9,7 @@ optimizer memory) into the numbers the solver needs for a captured graph on a me
 * ``Pricer.edge``: the collectives that move a tensor from its producer's placement to the one its
   consumer needs, in forward and (as the dual collective) in backward.
 
-Rules, per mesh dimension (we price the forward graph and derive its backward, design.md §9):
+Rules, per mesh dimension (we price the forward graph and derive its backward, docs/architecture.md "Execution"):
 * a node whose strategy shards anything on a mesh dim splits its work over that dim; an all-``R`` node
   computes everything on every rank. Backward costs twice the forward (two matmuls per matmul).
   A view launches no kernel but is dispatched like any op, so it costs the host's dispatch
@@ -63,10 +63,11 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from .cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
+from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
-from .placement import optimizer_shard_dim
-from .strategies import Placements, Strategy, output_vals, tensor_inputs
+from autopar.core.placement import optimizer_shard_dim
+from autopar.planning.strategies import Placements, Strategy
+from autopar.ir.layers import output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
 _MATMUL_PACKETS = set(flop_registry) | {_SDPA}

@@ -3,7 +3,7 @@
 A plan says, for one model on one cluster, the device mesh, the parallel degrees, where every parameter
 and input lives (``S(d)``/``R`` per mesh dim), which strategy every graph node runs, and what the cost
 model predicts. It is data only: ``passes`` read it to build the per-rank program, ``show``/``compare``
-read it to explain it, and nothing in it needs torch to load. Schema ``autopar.plan/1`` (design.md §5).
+read it to explain it, and nothing in it needs torch to load. Schema ``autopar.plan/1`` (docs/architecture.md "Plan JSON").
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from .errors import PlanFormatError
-from .placement import str_to_placement
+from autopar.core.errors import PlanFormatError
+from autopar.core.placement import str_to_placement
 
 SCHEMA = "autopar.plan/1"
 CHECKPOINTING = ("none", "selective", "full")
 """Activation checkpointing modes of a repeated layer (priced in ``stages.py``, run by ``passes/checkpoint.py``)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+"""Pipeline schedules a plan may name (priced in ``cost_models/pipeline.py``, run by ``runtime/pipeline.py``)."""
 MIXED = "mixed"
 """``checkpointing`` of a plan whose layers run in different modes, listed in ``recomputed_layers``."""
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
@@ -128,20 +130,26 @@ class Plan:
             raise PlanFormatError(f"{source}: mesh {shape} x pp={pp} does not cover {self.cluster.get('devices')} devices")
         return shape
 
-    # ---- views --------------------------------------------------------------------------------
+    # ---- views (rendered by autopar.inspect, which registers them: core imports no layer above it) ----
     def summary(self) -> str:
-        from .report import summarize
-
-        return summarize(self)
+        """The plan as a table (``autopar show``)."""
+        return _VIEWS["summary"](self)
 
     def explain(self, name: str) -> str:
         """Why the op or parameter ``name`` got its strategy: its alternatives and what each would cost."""
-        from .explain import render
-
-        return render(self.to_dict(), name)
+        return _VIEWS["explain"](self, name)
 
     def __str__(self) -> str:  # printing a plan shows the table, not a wall of dicts
         return self.summary()
+
+
+_VIEWS: dict[str, Callable[..., str]] = {}
+
+
+def register_view(name: str, view: Callable[..., str]) -> None:
+    """Install the renderer behind ``Plan.<name>()`` (``summary``, ``explain``). ``autopar.inspect``
+    registers them when it is imported, which ``import autopar`` does."""
+    _VIEWS[name] = view
 
 
 _SECTION_TYPES: dict[str, type] = {

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .capture import CapturedGraph
-from .errors import BadInputError
+from autopar.ir.capture import CapturedGraph
+from autopar.core.errors import BadInputError
 
 SCHEMA = "autopar.problem/1"
 _PYTHON_TARGETS = {"operator": operator, "math": math}  # the only non-aten callables a target may name

@@ -5,7 +5,7 @@ A plan with ``degrees["pp"] = p`` runs on ``p x (stage mesh)`` ranks, the stage 
 (global rank = stage * stage_mesh_size + rank_in_stage); ``plan.mesh`` is one stage's submesh and
 ``plan.pipeline["stages"]`` lists ``p v`` layer ranges (chunk ``i`` on stage ``i mod p``).
 
-Design (design.md §9, "pipeline stages are slices of that graph"):
+Design (docs/architecture.md "Execution", "pipeline stages are slices of that graph"):
 
 1. **The program.** The captured forward+loss graph, at the microbatch shape, rewritten by the same
    passes ``ParallelModule`` applies (``insert_redistributes``, ``run_locally``): every value is a
@@ -54,13 +54,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from autopar.passes import (GradientSync, ResavedParameters, checkpoint_layers, insert_redistributes,
                             reshard_after_forward, run_locally, shard_parameters, shard_tensor)
 from autopar.passes.insert_redistributes import as_replicated, redistribute
-from autopar.placement import strs_to_placements
+from autopar.core.placement import strs_to_placements
 
-from .capture import CapturedGraph
-from .errors import BadInputError
-from .plan import Plan
-from .runtime import copy_graph, microbatch_shape, parameter_values, produced_placements  # shared with ParallelModule
-from .stages import layer_of
+from autopar.ir.capture import CapturedGraph
+from autopar.core.errors import BadInputError
+from autopar.core.plan import Plan
+from autopar.runtime.parallel_module import copy_graph, microbatch_shape, parameter_values, produced_placements  # shared with ParallelModule
+from autopar.ir.layers import layer_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 

@@ -3,7 +3,7 @@
 We reuse ``torch.export`` (non-strict, so ordinary Python models trace) on a wrapper module that runs
 forward and loss, then decompose to core aten ops, the level at which DTensor registers its sharding
 strategies. Backward is not captured: autopar takes the "forward graph + differentiable collectives"
-design (design.md §9), so the cost model prices each forward op together with its backward, and at run
+design (docs/architecture.md "Execution"), so the cost model prices each forward op together with its backward, and at run
 time autograd derives the backward of the sharded program.
 
 Export runs on fake tensors, so a model built on the meta device (hundreds of billions of parameters) is
@@ -23,8 +23,8 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
-from .errors import UnsupportedModelError
-from .saved_tensors import SavedTensors, find_saved_tensors
+from autopar.core.errors import UnsupportedModelError
+from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -157,13 +157,17 @@ def capture(
     return _describe(exported)
 
 
-def _decompositions() -> dict:
-    """Core aten decompositions, except ops we plan whole (fused attention: its math decomposition
-    would materialize the s x s score matrix that the fused kernel never stores)."""
-    from .strategies import LOCAL_RULES
+FUSED_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+KEPT_WHOLE = (FUSED_ATTENTION,)
+"""Ops captured whole rather than decomposed (fused attention: its math decomposition would
+materialize the s x s score matrix that the fused kernel never stores). Planning gives each a local
+sharding rule (``planning/strategies.py``, ``LOCAL_RULES``)."""
 
+
+def _decompositions() -> dict:
+    """Core aten decompositions, except the ops of ``KEPT_WHOLE``."""
     table = torch.export.default_decompositions()
-    for op in LOCAL_RULES:
+    for op in KEPT_WHOLE:
         table.pop(op, None)
     return table
 

@@ -28,9 +28,10 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import fx
 
-from .capture import CapturedGraph, is_view, through_views, view_root
-from .pricing import Cost, Pricer, weighted_cost
-from .strategies import Placements, Strategy, StrategyFinder, candidate_placements, output_vals, tensor_inputs
+from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
+from autopar.planning.pricing import Cost, Pricer, weighted_cost
+from autopar.planning.strategies import Placements, Strategy, StrategyFinder, candidate_placements
+from autopar.ir.layers import output_vals, tensor_inputs
 
 
 @dataclass

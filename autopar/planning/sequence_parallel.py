@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import fx
 
-from .capture import CapturedGraph
-from .strategies import Strategy
+from autopar.ir.capture import CapturedGraph
+from autopar.planning.strategies import Strategy
 
 _NORM_MODULE = re.compile(r"(layernorm|rmsnorm)$", re.IGNORECASE)
 _NORM_OPS = {getattr(torch.ops.aten, name).default

@@ -16,7 +16,7 @@ Derived from the collectives the planner records per op (``plan.ops[name]["colle
   of its updated value per step, per data-parallel dim, whatever number of ops read it.
 
 This is the plan's prediction; ``tests/test_collective_parity.py`` holds it against what a step on
-gloo ranks actually issues (design.md §7, collective parity), including where DTensor's backward
+gloo ranks actually issues (docs/architecture.md "Correctness", collective parity), including where DTensor's backward
 differs from pricing. Plans that did not record collectives predict none. Not for timing: the
 seconds are in ``plan.predicted``.
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .plan import Plan
+from autopar.core.plan import Plan
 
 MAX_EVENTS = 20_000
 TRACKS = {"compute": 0, "communication": 1, "gradient sync": 2, "microbatches": 3}

@@ -33,11 +33,11 @@ from torch.distributed.tensor import DTensor
 
 from autopar.passes import (GradientSync, ResavedParameters, ShardedOptimizerState, checkpoint_layers,
                             insert_redistributes, reshard_after_forward, run_locally, shard_parameters, shard_tensor)
-from autopar.placement import strs_to_placements
+from autopar.core.placement import strs_to_placements
 
-from .capture import CapturedGraph
-from .errors import BadInputError
-from .plan import Plan
+from autopar.ir.capture import CapturedGraph
+from autopar.core.errors import BadInputError
+from autopar.core.plan import Plan
 
 
 def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:

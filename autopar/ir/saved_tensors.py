@@ -38,7 +38,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
-    from .capture import CapturedGraph
+    from autopar.ir.capture import CapturedGraph
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

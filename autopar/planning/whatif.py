@@ -17,25 +17,24 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from .capture import CapturedGraph
-from .cost_models import Cluster, usable_bytes
-from .errors import BadInputError
-from .plan import Plan
-from .planner import MeshChoice, _problem_for, _to_plan, _with_pipeline_time, fingerprint, pricer_for
-from .problem import OUTPUT_KEY, Decision, Problem
-from .problem_file import SavedProblem
-from .solver import Solution, evaluate
-from .stages import Staging, count_layer_modes, device_layers, stage_problem
-from .strategies import Strategy
+from autopar.ir.capture import CapturedGraph
+from autopar.cost_models import Cluster, usable_bytes
+from autopar.core.errors import BadInputError
+from autopar.core.plan import Plan
+from autopar.planning.assemble import fingerprint, to_plan, with_pipeline_time
+from autopar.planning.meshes import MeshChoice
+from autopar.planning.roles import pricer_for, problem_for
+from autopar.planning.problem import OUTPUT_KEY, Decision, Problem
+from autopar.ir.problem_file import SavedProblem
+from autopar.planning.solver import Solution, evaluate
+from autopar.planning.stages import Staging, count_layer_modes, device_layers, stage_problem
+from autopar.planning.strategies import Strategy
 
 
-def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, cluster: str | Cluster) -> Plan:
-    """``plan``'s strategies, unchanged, priced on ``cluster`` (same number of devices)."""
-    from .api import resolve_cluster
-
+def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) -> Plan:
+    """``plan``'s strategies, unchanged, priced on ``target`` (same number of devices)."""
     start = time.perf_counter()
     captured = problem.captured if isinstance(problem, SavedProblem) else problem
-    target = resolve_cluster(cluster)
     check_same_model(plan, captured)
     check_same_world(plan, target)
     mesh = _plan_mesh(plan)
@@ -139,7 +138,7 @@ def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice
                      microbatches: int, constraints: dict[str, int]) -> Problem:
     """The problem the planner solves for ``mesh`` and ``staging`` on ``cluster``, priced for ``microbatches``."""
     pricer = pricer_for(cluster, mesh, dtype, constraints)
-    whole = _problem_for(captured, mesh, pricer, usable_bytes(cluster.device), constraints)
+    whole = problem_for(captured, mesh, pricer, usable_bytes(cluster.device), constraints)
     return stage_problem(whole.with_microbatches(microbatches, pricer), captured, staging)
 
 
@@ -148,5 +147,5 @@ def _planner_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dt
                   constraints: dict[str, int]) -> Plan:
     """The planner's Plan of this one priced candidate (with its pipeline bubble and transfers)."""
     pricer = pricer_for(cluster, mesh, dtype, constraints)
-    best = _with_pipeline_time(captured, mesh, staging, problem, solution, pricer)
-    return _to_plan(captured, cluster, model_name, dtype, best, [best], [], wall_s, constraints)
+    best = with_pipeline_time(captured, mesh, staging, problem, solution, pricer)
+    return to_plan(captured, cluster, model_name, dtype, best, [best], [], wall_s, constraints)

@@ -11,8 +11,8 @@ import re
 from collections import Counter
 from typing import Any, Sequence
 
-from .collectives import KINDS, predicted_collectives
-from .plan import CHECKPOINTING, MIXED, Plan
+from autopar.inspect.collectives import KINDS, predicted_collectives
+from autopar.core.plan import CHECKPOINTING, MIXED, Plan
 
 _LAYER = re.compile(r"\.\d+\.")
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")

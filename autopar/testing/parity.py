@@ -1,6 +1,6 @@
 """Train a built-in model k steps under a plan on gloo ranks and, beside it, in one process.
 
-This is how autopar proves a plan is numerically faithful (design.md §7): same seed, same global
+This is how autopar proves a plan is numerically faithful (docs/architecture.md "Correctness"): same seed, same global
 batches, AdamW, per-step losses and gathered final parameters compared. ``autopar demo`` and the
 multi-process tests use it.
 """
@@ -12,13 +12,15 @@ from typing import Any, Mapping
 
 import torch
 
-from .launch import run_on_ranks
-from .models import ModelBundle, build_model
+from autopar.api import autoparallelize
+from autopar.core.plan import Plan
+from autopar.testing.launch import run_on_ranks
+from autopar.models import ModelBundle, build_model
 
 LR = 1e-4
 """AdamW learning rate of parity runs. Adam normalizes each element's update, so rounding differences
 in near-zero gradients (the reduction order changes with the batch split) can move an element by a
-fraction of ``lr`` per step; at 1e-4 three steps stay inside design.md's atol of 1e-5. Gradients
+fraction of ``lr`` per step; at 1e-4 three steps stay inside docs/architecture.md's atol of 1e-5. Gradients
 themselves are compared separately (``grads=True``)."""
 
 
@@ -78,12 +80,10 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
                         constraints: Mapping[str, Any] | None, seed: int = 0,
                         optimizer: str = "adamw") -> dict[str, Any]:
     """One rank's training under ``plan`` (or a plan made here for this world); rank 0 returns results."""
-    import autopar
-
     bundle = build(name, overrides, global_batch, seq, seed)
-    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+    pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, constraints=constraints,
-                                 plan=autopar.Plan.from_dict(plan) if plan else None)
+                                 plan=Plan.from_dict(plan) if plan else None)
     opt = make_optimizer(optimizer, pm.parameters())
     losses = []
     for batch in batches(bundle, steps, seed):

@@ -1,6 +1,6 @@
 """Errors a user can hit, each with a message that says what went wrong and where.
 
-The CLI maps ``AutoparError`` subclasses to exit codes (design.md §3): bad input is 2, a model that fits
+The CLI maps ``AutoparError`` subclasses to exit codes (docs/architecture.md "Command line"): bad input is 2, a model that fits
 no plan is 3. Everything else is a bug and keeps its traceback.
 """
 

@@ -32,8 +32,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import BadInputError
-from .plan import Plan
+from autopar.core.errors import BadInputError
+from autopar.core.plan import Plan
 
 __all__ = ["export_plan"]
 

@@ -1,0 +1,57 @@
+"""Facts of the captured graph that planning and running share: which repeated layer a node belongs
+to, which ops selective checkpointing keeps, and a node's tensor inputs and output values.
+
+One place for each: ``planning/stages.py`` prices by these rules and ``passes/checkpoint.py`` and
+``runtime/pipeline.py`` run by them, so what is priced is what runs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from autopar.ir.capture import CapturedGraph, module_path
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "layers.3.attn.q" -> "layers.3"
+
+_aten = torch.ops.aten
+KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
+    "mm", "addmm", "convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
+"""Op packets whose outputs selective checkpointing keeps: the pricer's and the runtime's one list
+(``passes/checkpoint.py``'s policy sees the ops as dispatched, the pricer as captured; both are aten)."""
+
+
+def kept_under_selective(target: object) -> bool:
+    """Whether selective checkpointing keeps the output of an op with this aten ``target``."""
+    return getattr(target, "overloadpacket", target) in KEPT_UNDER_SELECTIVE
+
+
+def layer_of(node: fx.Node) -> str | None:
+    """The repeated-layer instance a node belongs to (``layers.3``), or None outside layers."""
+    if node.op == "placeholder":
+        return None
+    match = _LAYER.match(module_path(node))
+    return match.group(1) if match else None
+
+
+def layer_names(captured: CapturedGraph) -> list[str]:
+    """The repeated-layer instances of the graph, in graph order (``blocks.0``, ``blocks.1``, ...)."""
+    return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued arguments in the order DTensor flattens them (args, then kwargs)."""
+    leaves = tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def output_vals(node: fx.Node) -> list[Any]:
+    """The node's output values (one per output; multi-output ops give several)."""
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]

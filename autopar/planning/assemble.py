@@ -1,0 +1,333 @@
+"""Plan assembly: from the winning candidate (mesh, staging, solved problem) to a ``Plan``.
+
+``Candidate`` is one solved (mesh, staging, microbatch count) with its pipelined step time
+(``with_pipeline_time``: bubble and stage-to-stage transfers); ``to_plan`` writes every section of
+``autopar.plan/1``: mesh, degrees, pipeline, placements, per-op strategies with their collectives,
+predictions, the solver's figures and the explanations.
+"""
+
+from __future__ import annotations
+from autopar.core.placement import is_sharded
+from autopar.core.plan import MIXED, Plan
+from autopar.cost_models import Cluster, adamw_step_time
+from autopar.ir.capture import CapturedGraph, module_path
+from autopar.planning.explanations import collective_terms, explanations
+from autopar.planning.meshes import MeshChoice, global_batch
+from autopar.planning.pricing import Pricer, global_flops, is_matmul
+from autopar.planning.problem import Problem
+from autopar.planning.roles import pricer_for
+from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
+from autopar.planning.solver import Solution, exposed_grad_sync
+from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
+from autopar.planning.strategies import LOCAL_RULES
+from dataclasses import dataclass
+from typing import Any, Mapping
+import hashlib
+import math
+import torch
+
+
+
+@dataclass
+class Candidate:
+    """One solved (mesh, staging, microbatch count) and its pipelined step time."""
+
+    mesh: MeshChoice
+    staging: Staging
+    problem: Problem
+    solution: Solution
+    step_s: float  # solution.objective_s plus pipeline bubble and stage-to-stage transfers
+    bubble_s: float = 0.0
+    p2p_s: float = 0.0
+
+    @property
+    def layer_modes(self) -> dict[str, int]:
+        """How many of a device's layers run in each checkpointing mode."""
+        if self.solution.layer_modes:
+            return self.solution.layer_modes
+        layers = self.staging.layers_per_stage
+        return {self.staging.checkpointing[0]: layers} if layers else {}
+
+    @property
+    def checkpointing(self) -> str:
+        return checkpointing_summary(self.layer_modes)
+
+    @property
+    def compute_s(self) -> float:
+        chosen = self.solution.choice
+        problem = self.problem.settled(chosen)
+        return sum(d.count * d.options[chosen[k]].cost.compute_s for k, d in problem.decisions.items())
+
+
+def with_pipeline_time(captured: CapturedGraph, mesh: MeshChoice, staging: Staging, problem: Problem,
+                        solution: Solution, pricer: Pricer) -> Candidate:
+    """Step time of a pipeline: each microbatch's work (the ILP's objective less the gradient sync
+    exposed after the last microbatch, plus its transfers between stages) runs ``m + (p - 1) / v``
+    times on the critical path (the bubble is ``(p - 1) / (v m)`` of the ideal time)."""
+    if staging.stages == 1:
+        return Candidate(mesh, staging, problem, solution, solution.objective_s)
+    m = problem.microbatches
+    transfer = sum(pricer.stage_transfer(nbytes / m, copies_dim)
+                   for nbytes, copies_dim in _boundary_tensors(captured, problem, solution, pricer, mesh))
+    p2p = 2 * staging.chunks * m * transfer  # activations forward, their gradients backward
+    per_microbatch = (solution.objective_s - exposed_grad_sync(problem, solution.choice) + p2p) / m
+    bubble = per_microbatch * m * staging.bubble_fraction(m)
+    return Candidate(mesh, staging, problem, solution, solution.objective_s + p2p + bubble, bubble, p2p)
+
+
+def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer,
+                      mesh: MeshChoice) -> list[tuple[float, int | None]]:
+    """Per tensor one layer hands the next: (bytes per device for the whole batch, the tp mesh dim if
+    every rank of it holds the same copy, else None), as the solution places it."""
+    roles = layer_roles(captured, problem)
+    tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
+    layers = max(1, captured.layer_count())
+    out = []
+    for key in sorted(roles.boundary):
+        d = problem.decisions[key]
+        placements = d.options[solution.choice[key]].strategy.outputs[0]
+        val = captured.node(d.nodes[0]).meta["val"]
+        if placements is None or not isinstance(val, torch.Tensor):
+            continue
+        per_layer = len(d.nodes) / layers
+        copies = next((i for i in tp_dims if placements[i] == "R" and mesh.shape[i] > 1), None)
+        out.append((pricer.local_bytes(val, placements) * per_layer, copies))
+    return out
+
+
+def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
+             results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
+             constraints: Mapping[str, Any]) -> Plan:
+    mesh, solution, staging = best.mesh, best.solution, best.staging
+    problem = best.problem.settled(solution.choice)  # prices as the chosen parameter placements make them
+    chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
+    by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
+    pricer = pricer_for(cluster, mesh, dtype, constraints)
+    placements = {fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.params.items()}
+    return Plan(
+        model={"name": model_name, "params": captured.num_params(), "layers": captured.layer_count(),
+               "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
+               "dtype": dtype},
+        cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
+        mesh={"shape": list(mesh.shape), "dim_names": list(mesh.names)},
+        degrees=_degrees(mesh, captured, by_node, pricer.zero_stage),
+        pipeline=_pipeline_section(captured, best),
+        checkpointing=best.checkpointing,
+        recomputed_layers=_recomputed_layers(captured, best),
+        placements=placements,
+        inputs={name: {"placements": list(by_node[name][1].strategy.outputs[0]),
+                       "shape": list(captured.node(name).meta["val"].shape),
+                       "dtype": str(captured.node(name).meta["val"].dtype).replace("torch.", "")}
+                for name in captured.user_inputs},
+        buffers={fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.buffers.items()},
+        ops=_ops(captured, problem, solution, by_node, pricer),
+        predicted=_predicted(captured, cluster, best, problem, chosen, pricer),
+        solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
+                "gap": solution.gap, "wall_s": solution.wall_s, "search_wall_s": search_wall_s,
+                "variables": solution.variables, "constraints": solution.constraints,
+                "decisions": len(problem.decisions), "meshes_tried": len(results) + len(pruned),
+                "pruned_meshes": [m.describe() for m in pruned]},
+        explanations=explanations(best.problem, solution.choice, _explanation_index(captured, problem)),
+        candidates=[{"mesh": {"shape": list(c.mesh.shape), "dim_names": list(c.mesh.names)},
+                     "degrees": {"pp": c.mesh.stages, "dp": c.mesh.degree("dp"), "tp": c.mesh.degree("tp")},
+                     "microbatches": c.problem.microbatches, "schedule": c.staging.schedule,
+                     "checkpointing": c.checkpointing, "layer_modes": c.layer_modes,
+                     "step_time_s": c.step_s, "status": c.solution.status} for c in results],
+    )
+
+
+def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any]:
+    """Stages as layer ranges ``[first, last + 1)``: ``p`` of them, or ``p v`` model chunks (chunk
+    ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range."""
+    staging, m = best.staging, best.problem.microbatches
+    layers = captured.layer_count()
+    chunks = staging.stages * staging.chunks
+    per_chunk = math.ceil(layers / chunks) if layers else 0
+    ranges = [[min(i * per_chunk, layers), min((i + 1) * per_chunk, layers)] for i in range(chunks)]
+    return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
+            "microbatches": m,
+            "microbatch_size": (global_batch(captured) or 1) // (m * best.mesh.degree("dp"))}
+
+
+def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, str]:
+    """Under mixed checkpointing, each recomputed layer's mode: on every device (stage), its first
+    layers get the most recomputation (``stages.assign_layer_modes``)."""
+    if best.checkpointing != MIXED:
+        return {}
+    layers = device_layers(captured, _pipeline_section(captured, best)["stages"], best.staging.stages)
+    modes = assign_layer_modes(layers, best.layer_modes)
+    return {layer: mode for layer, mode in modes.items() if mode != "none"}
+
+
+def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node: dict, pricer: Pricer
+         ) -> dict[str, dict[str, Any]]:
+    """Each op's strategy and, per occurrence, its predicted cost (own + resharding of its inputs) and
+    the collectives behind that cost (shown in closed form by ``autopar explain``)."""
+    reshard = _incoming_reshard(problem, solution)
+    strategy_of = lambda name: by_node[name][1].strategy  # noqa: E731
+    ops = {}
+    for node in captured.graph.nodes:
+        if node.op == "call_function" and node.name in by_node:
+            key, option = by_node[node.name]
+            s, c = option.strategy, option.cost
+            comm = dict(c.comm_s)
+            for kind, sec in reshard.get(key, {}).items():
+                comm[kind] = comm.get(kind, 0.0) + sec
+            ops[node.name] = {"op": str(node.target), "module": module_path(node), "decision": key,
+                              "inputs": [list(p) for p in s.inputs],
+                              "outputs": [list(p) if p is not None else None for p in s.outputs],
+                              "cost": {"compute_s": c.compute_s, "comm_s": comm, "grad_sync_s": c.grad_sync_s,
+                                       "memory_bytes": int(c.memory_bytes)}}
+            if str(node.target) in problem.unsupported_ops or node.target in LOCAL_RULES:
+                ops[node.name]["local"] = True
+            collectives = collective_terms(node, captured, strategy_of, pricer)
+            if collectives:
+                ops[node.name]["collectives"] = collectives
+    return ops
+
+
+def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, dict[str, float]]:
+    """Per consumer decision, the resharding seconds of its inputs, per occurrence of the decision."""
+    out: dict[str, dict[str, float]] = {}
+    for edge in problem.edges:
+        p = problem.decisions[edge.src].options[solution.choice[edge.src]].strategy.outputs[edge.src_out]
+        q = problem.decisions[edge.dst].options[solution.choice[edge.dst]].edge_key(edge.slot)
+        share = edge.count / problem.decisions[edge.dst].count
+        for kind, sec in edge.price[(p, q)].comm_s.items():
+            out.setdefault(edge.dst, {})[kind] = out.setdefault(edge.dst, {}).get(kind, 0.0) + share * sec
+    return out
+
+
+def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, str]:
+    index = {}
+    for key, d in problem.decisions.items():
+        for name in d.nodes:
+            index[name] = key
+            if name in captured.params:
+                index[captured.params[name]] = key
+    return index
+
+
+def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stage: int) -> dict[str, int]:
+    """Degrees of docs/architecture.md "Plan JSON" (``sp`` is the tp degree when a norm's result is split on its sequence
+    dim over tp: ``sequence_parallel.norm_sites``), plus ``dp_replicate`` (HSDP's replica groups, 1
+    without HSDP) and, when anything is sharded over data parallelism, ``zero``: the ZeRO stage (1-2 optimizer state and
+    gradients sharded, 3 parameters too); absent for DDP."""
+    tp, dp = mesh.degree("tp"), mesh.degree("dp")
+    fsdp = 1
+    if mesh.dims_named("dp"):  # fsdp = the shard group when most parameter bytes are sharded on it
+        dp_dim = mesh.names.index("dp")
+        numel = {n: captured.node(n).meta["val"].numel() for n in captured.params}
+        sharded = sum(numel[n] for n in captured.params if is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]))
+        if sharded * 2 > sum(numel.values()):
+            fsdp = mesh.degree("dp") // mesh.degree("dp_replicate")
+    outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
+    sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index("tp")) else 1
+    zero = 3 if fsdp > 1 else zero_stage
+    return {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
+            "dp_replicate": mesh.degree("dp_replicate"), **({"zero": zero} if zero else {})}
+
+
+def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, problem: Problem, chosen: dict,
+               pricer: Pricer) -> dict[str, Any]:
+    mesh = best.mesh
+    compute = sync = hide = 0.0
+    comm: dict[str, float] = {}
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    for key, opt in chosen.items():
+        d = problem.decisions[key]
+        compute += d.count * opt.cost.compute_s
+        sync += d.count * opt.cost.grad_sync_s
+        hide += d.count * problem.overlap_fraction * opt.cost.backward_compute_s
+        for kind, s in opt.cost.comm_s.items():
+            comm[kind] = comm.get(kind, 0.0) + d.count * s
+        _add_memory(memory, captured, d, opt, pricer)
+    for edge in problem.edges:
+        p = chosen[edge.src].strategy.outputs[edge.src_out]
+        q = chosen[edge.dst].edge_key(edge.slot)
+        for kind, s in edge.price[(p, q)].comm_s.items():
+            comm[kind] = comm.get(kind, 0.0) + edge.count * s
+    comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s
+    exposed = sum(comm.values()) + max(0.0, sync - hide)
+    comm["all_reduce"] = comm.get("all_reduce", 0.0) + sync
+    step = best.step_s
+    flops = model_flops(captured)
+    peak = cluster.device.peak(pricer.dtype)
+    tokens = _tokens_per_step(captured)
+    return {
+        "step_time_s": step,
+        "tokens_per_s": tokens / step if step > 0 else 0.0,
+        "mfu": flops / (step * cluster.world_size * peak) if step > 0 else 0.0,
+        "compute_s": compute,
+        "comm_s": {k: comm.get(k, 0.0) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")},
+        "grad_sync_s": sync,
+        "exposed_comm_s": exposed,
+        "bubble_s": best.bubble_s,
+        "peak_memory_bytes": int(sum(memory.values())),
+        "memory_bytes": {k: int(v) for k, v in memory.items()},
+        "memory_capacity_bytes": problem.memory_capacity_bytes,
+        "optimizer_s": _optimizer_s(captured, problem, chosen, pricer),
+    }
+
+
+def _optimizer_s(captured: CapturedGraph, problem: Problem, chosen: dict, pricer: Pricer) -> float:
+    """Seconds of the AdamW update after a step, on one device: every parameter tensor it holds, over the
+    elements whose optimizer state it keeps (its shard; under ZeRO-1/2 the share of that). Apart from
+    ``step_time_s``, which prices ``pm.step`` (docs/architecture.md "Public API": the optimizer is the caller's)."""
+    seconds = 0.0
+    for key, opt in chosen.items():
+        d = problem.decisions[key]
+        name = d.nodes[0]
+        if name not in captured.params or not captured.has_node(name):
+            continue
+        val, placements = captured.node(name).meta["val"], opt.strategy.outputs[0]
+        updated = pricer.local_numel(val, placements) / pricer.optimizer_shards(val, placements)
+        seconds += d.count * adamw_step_time([updated], pricer.cluster.device, pricer.dtype)
+    return seconds
+
+
+def _add_memory(memory: dict, captured: CapturedGraph, d, opt, pricer: Pricer) -> None:
+    first = captured.node(d.nodes[0]) if captured.has_node(d.nodes[0]) else None
+    if first is not None and first.op == "placeholder" and first.name in captured.params:
+        for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0]).items():
+            memory[part] += d.count * b
+    else:
+        memory["activations"] += d.count * opt.cost.memory_bytes
+
+
+def _tokens_per_step(captured: CapturedGraph) -> float:
+    if not captured.user_inputs:
+        return 0.0
+    val = captured.node(captured.user_inputs[0]).meta["val"]
+    if val.dtype in (torch.int64, torch.int32) and val.ndim >= 2:
+        return float(val.shape[0] * val.shape[1])
+    return float(val.shape[0]) if val.ndim else 1.0
+
+
+def model_flops(captured: CapturedGraph) -> float:
+    """Matmul FLOPs of forward + backward (3x forward), the convention of MFU (PaLM, Megatron-LM)."""
+    return 3.0 * sum(global_flops(n) for n in captured.graph.nodes if n.op == "call_function" and is_matmul(n))
+
+
+def fingerprint(captured: CapturedGraph) -> str:
+    """Identity of what a plan applies to: parameter names and shapes, input shapes and dtypes.
+
+    Not the node list: captures on different devices differ in layout ops (a ``clone`` the meta kernels
+    need and the CPU kernels do not), and the runtime follows its own graph, taking each op's placements
+    from the plan by node name and letting ops the plan does not name follow their inputs.
+    """
+    parts = [f"{fqn}:{tuple(shape)}" for fqn, shape in sorted(captured.param_shapes().items())]
+    for name in captured.user_inputs:
+        val = captured.node(name).meta["val"]
+        parts.append(f"{name}:{tuple(val.shape)}:{val.dtype}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+def model_dims(config: Any) -> dict[str, int]:
+    """Named sizes of a model config (``h``, ``heads``, ``head_dim``, ``kv_heads``, ``ffn``, ``vocab``)
+    for ``Plan.model["dims"]``; attributes a config lacks are left out."""
+    hidden, heads = getattr(config, "hidden", None), getattr(config, "heads", None)
+    ffn = getattr(config, "ffn_hidden", None) or (
+        hidden * config.mlp_ratio if hidden and getattr(config, "mlp_ratio", None) else None)
+    dims = {"h": hidden, "ffn": ffn, "vocab": getattr(config, "vocab", None), "heads": heads,
+            "kv_heads": getattr(config, "kv_heads", None),
+            "head_dim": hidden // heads if hidden and heads else None}
+    return {k: int(v) for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}

@@ -1,0 +1,158 @@
+"""Mesh candidates: every factorization of the world into pipeline stages and, per stage, data- and
+tensor-parallel mesh dims (HSDP's ``dp_replicate`` beside ``dp`` when the data-parallel group leaves
+a node), filtered by the constraints and the topology, and the microbatch counts each allows.
+
+Unless pinned, ``tp`` stays inside a node (tensor parallelism all-reduces on the critical path, so it
+belongs on NVLink) and ``pp`` divides the node count (stages span whole nodes; Narayanan et al.,
+SC21). A size-1 dimension is dropped. ``MeshChoice`` is one candidate: a stage's submesh and the
+number of stages.
+"""
+
+from __future__ import annotations
+from autopar.core.errors import BadInputError
+from autopar.cost_models import Cluster
+from autopar.ir.capture import CapturedGraph
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """A stage submesh (``dims``: name and size per dim) and how many pipeline stages share the world."""
+
+    dims: tuple[tuple[str, int], ...]  # (name, size) per mesh dim of one stage
+    stages: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s for _, s in self.dims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.dims)
+
+    def degree(self, name: str) -> int:
+        """Parallel degree of ``name``; ``dp`` counts every data-parallel rank (HSDP: replicas x shards)."""
+        if name == "pp":
+            return self.stages
+        sizes = dict(self.dims)
+        if name == "dp":
+            return sizes.get("dp", 1) * sizes.get("dp_replicate", 1)
+        return sizes.get(name, 1)
+
+    def dims_named(self, *names: str) -> list[int]:
+        return [i for i, (n, s) in enumerate(self.dims) if n in names and s > 1]
+
+    def describe(self) -> dict[str, int]:
+        return {**({"pp": self.stages} if self.stages > 1 else {}), **dict(self.dims)}
+
+
+def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int | None,
+                    layers: int = 0) -> list[MeshChoice]:
+    """Every ``pp x dp x tp`` factorization of the world the constraints and topology allow, pipeline
+    degree first (1 first), then tensor-parallel degree. Unless pinned, ``tp`` stays inside a node
+    (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
+    nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21)."""
+    world = cluster.world_size
+    fixed = {k: constraints.get(k) for k in ("pp", "dp", "tp")}
+    if fixed["dp"] and fixed["tp"] and not fixed["pp"] and world % (fixed["dp"] * fixed["tp"]) == 0:
+        fixed["pp"] = world // (fixed["dp"] * fixed["tp"])  # dp and tp pinned: the rest are stages
+    _check_fixed_degrees(cluster, fixed, layers, constraints)
+    out = []
+    for pp in _divisors(world):
+        if fixed["pp"] and pp != fixed["pp"] or not fixed["pp"] and not _free_stages_ok(pp, cluster, layers):
+            continue
+        for tp in _divisors(world // pp):
+            dp = world // (pp * tp)
+            if (fixed["tp"] and tp != fixed["tp"]) or (fixed["dp"] and dp != fixed["dp"]):
+                continue
+            if not fixed["tp"] and tp > cluster.devices_per_node:
+                continue  # keep tensor parallelism on NVLink unless asked otherwise
+            if tp == 1 and constraints.get("sp") == 1:
+                continue  # sequence parallelism splits over the tp dim
+            if batch is not None and batch % dp:
+                if fixed["dp"]:
+                    raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
+                continue
+            for replicas in _replica_counts(cluster, constraints, dp, tp):
+                named = (("dp_replicate", replicas), ("dp", dp // replicas), ("tp", tp))
+                dims = tuple((n, s) for n, s in named if s > 1) or (("dp", 1),)
+                out.append(MeshChoice(dims, pp))
+    if not out and constraints.get("sp") == 1:
+        raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
+                            f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"
+                            + (f", global batch {batch}" if batch is not None else "") + ")")
+    if not out:
+        raise BadInputError(f"global batch {batch} cannot be split over any data-parallel degree of "
+                            f"{world} devices with tp <= {cluster.devices_per_node}: use a batch divisible "
+                            f"by {world // min(world, cluster.devices_per_node)}")
+    return out
+
+
+def _replica_counts(cluster: Cluster, constraints: Mapping[str, Any], dp: int, tp: int) -> list[int]:
+    """HSDP replica groups to try for a data-parallel degree: 1 (plain DDP/FSDP), and, when the dp
+    group leaves the node and parameters may be sharded, shard groups that fill a node's devices
+    (parameter gathers on NVLink, only the gradient all_reduce across nodes; Zhao et al., VLDB 2023).
+    ``dp_shard`` pins the shard group."""
+    if "dp_shard" in constraints:
+        shard = constraints["dp_shard"]
+        if dp % shard:
+            return []
+        return [dp // shard]
+    shard = cluster.devices_per_node // tp
+    if constraints.get("fsdp", 3) != 3 or shard <= 1 or dp % shard or dp <= shard:
+        return [1]
+    return [1, dp // shard]
+
+
+def _free_stages_ok(pp: int, cluster: Cluster, layers: int) -> bool:
+    return pp == 1 or (cluster.nodes % pp == 0 and pp <= layers)
+
+
+def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers: int,
+                         constraints: Mapping[str, Any]) -> None:
+    world = cluster.world_size
+    for key, value in fixed.items():
+        if value and world % value:
+            raise BadInputError(f"{key}={value} does not divide the {world} devices of {cluster.spec}")
+    pinned = [v for v in fixed.values() if v]
+    product = 1
+    for v in pinned:
+        product *= v
+    if world % product or (len(pinned) == 3 and product != world):
+        raise BadInputError(" x ".join(f"{k}={v}" for k, v in fixed.items() if v)
+                            + f" = {product} does not fit the {world} devices of {cluster.spec}")
+    pp = fixed["pp"] or 1
+    chunks = constraints.get("virtual_stages", 2 if constraints.get("schedule") == "interleaved" else 1)
+    if pp > 1 and chunks > 1 and pp * chunks > layers:
+        raise BadInputError(f"pp={pp} with {chunks} virtual stages needs {pp * chunks} layers; the model has {layers}")
+    if pp > 1 and layers == 0:
+        raise BadInputError(f"pp={pp}: the model has no repeated layers to split into pipeline stages")
+    if pp > layers > 0:
+        raise BadInputError(f"pp={pp}: the model has only {layers} repeated layers to split into stages")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_counts(batch: int | None, dp: int, constraints: Mapping[str, Any]) -> list[int]:
+    """Microbatch counts m with every microbatch still split evenly over dp (batch % (m * dp) == 0),
+    ascending; one count when ``microbatches`` or ``microbatch_size`` (per dp rank) is pinned."""
+    if batch is None:
+        return [1]
+    if "microbatch_size" in constraints:
+        size = constraints["microbatch_size"] * dp
+        return [batch // size] if batch % size == 0 else []
+    fixed = constraints.get("microbatches")
+    if fixed is not None:
+        return [] if batch % (fixed * dp) else [fixed]
+    return [m for m in _divisors(batch // dp) if (batch // m) % dp == 0]
+
+
+def global_batch(captured: CapturedGraph) -> int | None:
+    if not captured.user_inputs:
+        return None
+    val = captured.node(captured.user_inputs[0]).meta["val"]
+    return int(val.shape[0]) if val.ndim else None

@@ -1,0 +1,268 @@
+"""The planner: capture once, then for every candidate mesh build the ILP, solve it, keep the best.
+
+The mesh search enumerates factorizations of the world into pipeline stages and, per stage, a
+data-parallel and a tensor-parallel dimension (``pp x dp x tp``; ``mesh_candidates``). Unless pinned,
+``tp`` stays inside a node (tensor parallelism all-reduces on the critical path, so it belongs on
+NVLink) and ``pp`` divides the node count (stages span whole nodes; Narayanan et al., SC21). The plan's
+``mesh`` is one stage's submesh. Each mesh dimension has a role that the placeholders' candidate
+placements and the ``allow`` rules encode:
+
+* ``dp``: example inputs are split on their batch dimension (``S(0)``), buffers are replicated, and
+  every op downstream of the inputs keeps its output split (or partial) on this dim: each rank works
+  on its own share of the batch, never on a gathered copy. Parameters are replicated (DDP; ZeRO-1/2
+  with ``fsdp`` 1/2, which shard the optimizer state and gradients in ``pricing.py``), sharded
+  (``fsdp=3``, FSDP) or left to the solver. The gradient all_reduce follows from the strategies.
+* ``dp_replicate`` (HSDP): a second data-parallel dim across nodes over which parameters stay
+  replicated while ``dp`` shards them inside a node; ops place tensors alike on both dims.
+* ``tp``: example inputs are replicated and every weight matrix (parameter of 2+ dims) is split on
+  this dim; the ILP picks which dim (column/row, heads, vocabulary) and how activations flow
+  between them (sharded, partial, or split on the sequence) from DTensor's strategies. Constraint
+  ``sp`` pins sequence parallelism: 1 keeps the norms and the residual stream split on the sequence
+  over tp, 0 keeps the norms off it (``sequence_parallel.py``).
+
+A size-1 dimension is dropped. Per mesh, ``_MeshSearch`` tries activation checkpointing modes for the
+whole model (none, selective, full: more recomputation only when it lets fewer microbatches fit) and
+microbatch counts (without a pipeline the fewest that fit; with one, larger counts while the bubble
+shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
+the pipeline. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
+a decision of the ILP: recomputing some layers, not all, often fits at less cost.
+Constraints (``{"dp": 2, "tp": 2}``) pin degrees and options; the rest is searched. Meshes are solved
+in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
+soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Mapping
+
+
+from autopar.ir.capture import CapturedGraph
+from autopar.cost_models import Cluster, usable_bytes
+from autopar.core.errors import BadInputError, NoFeasiblePlanError
+from autopar.planning.pricing import Pricer
+from autopar.planning.problem import Problem
+from autopar.planning.sequence_parallel import norm_sites
+from autopar.planning.solver import Pruned, infeasible_reason, least_memory, solve
+from autopar.core.plan import CHECKPOINTING, Plan
+from autopar.planning.stages import Staging, stage_problem
+from autopar.core.constraints import validate_constraints
+from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
+from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
+from autopar.planning.roles import pricer_for, problem_for
+
+
+def make_plan(
+    captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Mapping[str, Any] | None = None,
+    model_dims: Mapping[str, int] | None = None,
+) -> Plan:
+    """The best plan of ``captured`` on ``cluster``. ``model_dims`` (named sizes such as ``h``, ``vocab``)
+    are recorded in ``plan.model["dims"]`` so that ``explain`` can write tensor sizes as formulas."""
+    constraints = validate_constraints(constraints or {})
+    dtype = constraints.get("dtype") or ("fp32" if cluster.device.name == "cpu" else "bf16")
+    capacity = constraints["memory_gb"] * 1e9 if "memory_gb" in constraints else usable_bytes(cluster.device)
+    batch = global_batch(captured)
+    results: list[Candidate] = []
+    failures: list[str] = []
+    pruned: list[MeshChoice] = []
+    start = time.perf_counter()
+    search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints)
+    for mesh in _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch,
+                                                                       captured.layer_count())):
+        best = min(results, key=lambda c: c.step_s, default=None)
+        if "pp" not in constraints and _pipeline_cannot_win(mesh, best, batch):
+            pruned.append(mesh)
+            continue
+        found = search.run(mesh, best.step_s if best else None)
+        if isinstance(found, MeshChoice):
+            pruned.append(found)
+        elif isinstance(found, str):
+            failures.append(found)
+        else:
+            results.append(found)
+    if not results:
+        raise NoFeasiblePlanError(_shortfall(failures))
+    results.sort(key=lambda c: c.step_s)
+    refined = search.refine_layer_modes(results[0])
+    if refined is not results[0]:
+        results.insert(0, refined)
+    plan = to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
+                    time.perf_counter() - start, constraints)
+    return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
+
+
+def _sequence_splits(captured: CapturedGraph, constraints: Mapping[str, Any], meshes: list[MeshChoice]
+                     ) -> list[MeshChoice]:
+    """The meshes constraint ``sp=1`` can run on: those whose tp degree splits every norm's sequence dim
+    evenly (plans keep shards equal; ``mesh_candidates`` already left out meshes without tp)."""
+    if constraints.get("sp") != 1:
+        return meshes
+    sites = norm_sites(captured)
+    if not sites:
+        raise BadInputError("constraint sp=1: the model has no LayerNorm or RMSNorm over [batch, seq, hidden] "
+                            "activations to split on the sequence")
+    lengths = sorted({site.seq_len for site in sites})
+    kept = [m for m in meshes if all(n % m.degree("tp") == 0 for n in lengths)]
+    if not kept:
+        degrees = sorted({m.degree("tp") for m in meshes})
+        raise BadInputError(f"constraint sp=1: sequence length {', '.join(map(str, lengths))} cannot be split "
+                            f"evenly over tp={' or '.join(map(str, degrees))}")
+    return kept
+
+
+def _pipeline_cannot_win(mesh: MeshChoice, best: Candidate | None, batch: int | None) -> bool:
+    """Whether a free pipeline mesh is skipped unsolved (a pinned ``pp`` is always solved).
+
+    A pipeline pays a bubble of at least ``(p - 1) / m_max`` of its compute and wins only by removing
+    communication (data-parallel gathers and syncs across nodes, tensor parallelism wider than a
+    node): when the best plan so far exposes less communication than that bubble, the mesh is
+    skipped. (Skipping pipelines wherever a single-stage plan fits is unsound: a 162B GPT on 64 A100s
+    fits as FSDP x TP, yet pp=8 x tp=8 is 11% faster; ``benchmarks/cost_model_validation.py``.)"""
+    if mesh.stages == 1 or best is None:
+        return False
+    most_microbatches = (batch or 1) // mesh.degree("dp")
+    compute = best.compute_s
+    return compute * (mesh.stages - 1) / max(1, most_microbatches) >= best.step_s - compute
+
+
+class _MeshSearch:
+    """Everything one mesh's search needs: per mesh, the schedules, checkpointing modes and
+    microbatch counts worth solving, each priced with its pipeline bubble."""
+
+    def __init__(self, captured: CapturedGraph, cluster: Cluster, dtype: str, capacity: float,
+                 batch: int | None, constraints: Mapping[str, Any]):
+        self.captured, self.cluster, self.dtype = captured, cluster, dtype
+        self.capacity, self.batch, self.constraints = capacity, batch, constraints
+        self.time_limit_s = constraints.get("time_limit_s", 30.0)
+
+    def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
+        """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
+        shows it cannot beat ``cutoff_s`` (the best step time of the meshes solved before it)."""
+        counts = microbatch_counts(self.batch, mesh.degree("dp"), self.constraints)
+        if not counts:
+            pinned = ", ".join(f"{k}={self.constraints[k]}" for k in ("microbatches", "microbatch_size")
+                               if k in self.constraints)
+            return f"global batch {self.batch} cannot be cut into {pinned} x dp={mesh.degree('dp')}"
+        pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
+        per_m = _MicrobatchProblems(problem_for(self.captured, mesh, pricer, self.capacity, self.constraints), pricer)
+        best: Candidate | None = None
+        reason, was_pruned = "", False
+        fewest_fitting: int | None = None
+        for staging in self._stagings(mesh):
+            # more recomputation only pays when it lets fewer microbatches fit than less did
+            tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
+            first = next((i for i, m in enumerate(tried)
+                          if least_memory(self._staged(per_m[m], staging)) <= self.capacity), None)
+            if first is None:
+                if tried and not reason:
+                    reason = infeasible_reason(self._staged(per_m[tried[-1]], staging))
+                continue
+            fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
+            fewest_fitting = fitting[0]
+            found = self._best_microbatching(mesh, staging, per_m, fitting, pricer,
+                                             min(cutoff_s or float("inf"), best.step_s if best else float("inf")))
+            if isinstance(found, Candidate):
+                best = found
+            elif isinstance(found, str):
+                reason = found
+            else:
+                was_pruned = True
+        if best is not None:
+            return best
+        return mesh if was_pruned or not reason else reason
+
+    def refine_layer_modes(self, best: Candidate) -> Candidate:
+        """``best`` (one checkpointing mode for every layer) re-solved with each layer's mode left to the
+        ILP (``solver.py`` (5)-(8)), on its mesh and microbatch count; the better of the two.
+
+        The mesh search prices whole-model modes, which keeps each of its ILPs small and fast; the
+        per-layer ILP is larger and its memory row makes it a hard knapsack (HiGHS did not prove an
+        8-layer GPT's optimum in 120 s, where a uniform mode takes 1-2 s), so it runs once, on the
+        winner, under the search's time limit, with SCIP, which returns its best plan when the limit
+        stops it (OR-Tools' HiGHS interface returns none)."""
+        if "checkpointing" in self.constraints or best.checkpointing == "none" or best.staging.layers_per_stage < 2:
+            return best
+        staging = replace(best.staging, checkpointing=CHECKPOINTING)
+        pricer = pricer_for(self.cluster, best.mesh, self.dtype, self.constraints)
+        whole = problem_for(self.captured, best.mesh, pricer, self.capacity, self.constraints)
+        problem = self._staged(whole.with_microbatches(best.problem.microbatches, pricer), staging)
+        try:
+            solution = solve(problem, self.time_limit_s, backend="SCIP")
+        except NoFeasiblePlanError:
+            return best  # the limit stopped the solver before it found a plan
+        found = with_pipeline_time(self.captured, best.mesh, staging, problem.with_layer_modes(solution.layer_modes),
+                                    solution, pricer)
+        return found if found.step_s < best.step_s else best
+
+    def _stagings(self, mesh: MeshChoice) -> list[Staging]:
+        layers = self.captured.layer_count()
+        schedule, chunks = "none", 1
+        if mesh.stages > 1:
+            schedule = self.constraints.get("schedule", "1f1b")
+            chunks = self.constraints.get("virtual_stages", 2 if schedule == "interleaved" else 1)
+        modes = [self.constraints["checkpointing"]] if "checkpointing" in self.constraints else list(CHECKPOINTING)
+        return [Staging(mesh.stages, layers, schedule, chunks, (mode,)) for mode in modes]
+
+    def _staged(self, problem: Problem, staging: Staging) -> Problem:
+        return stage_problem(problem, self.captured, staging)
+
+    def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s) -> Candidate | MeshChoice | str:
+        """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
+        more microbatches shrink the bubble: larger counts are tried while the step time improves."""
+        best: Candidate | None = None
+        reason = ""
+        for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
+            problem = self._staged(per_m[m], staging)
+            try:
+                solution = solve(problem, self.time_limit_s, cutoff_s=cutoff_s)
+            except Pruned:
+                break  # no count can beat the cutoff once the fewest that fit cannot
+            except NoFeasiblePlanError as exc:
+                reason = str(exc)
+                continue
+            found = with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer)
+            if best is not None and found.step_s >= best.step_s:
+                break
+            best = found
+            cutoff_s = min(cutoff_s, found.step_s)
+        return best if best is not None else (reason or mesh)  # mesh: pruned
+
+
+MAX_PIPELINE_MICROBATCH_TRIES = 6
+
+
+class _MicrobatchProblems(dict):
+    """``problem.with_microbatches(m)`` per microbatch count, priced on first use (re-pricing every
+    option of a large model is the costly part of trying a count)."""
+
+    def __init__(self, whole: Problem, pricer: Pricer):
+        super().__init__()
+        self.whole, self.pricer = whole, pricer
+
+    def __missing__(self, m: int) -> Problem:
+        self[m] = self.whole.with_microbatches(m, self.pricer)
+        return self[m]
+
+
+def _pipeline_microbatch_counts(fitting: list[int], stages: int) -> list[int]:
+    """Counts worth solving under a pipeline, ascending: at least ``stages`` when any fit (fewer leave
+    stages idle for most of the step), each at least twice the previous, at most a handful."""
+    counts = [m for m in fitting if m >= stages] or fitting[-1:]
+    picked: list[int] = []
+    for m in counts:
+        if not picked or m >= 2 * picked[-1]:
+            picked.append(m)
+    return picked[:MAX_PIPELINE_MICROBATCH_TRIES]
+
+
+def _shortfall(failures: list[str]) -> str:
+    if not failures:
+        return "no mesh shape satisfies the constraints"
+    if all("cannot be cut into" in f for f in failures):
+        raise BadInputError(failures[0])
+    return "no plan fits any mesh; closest: " + min((f for f in failures if "cannot be cut" not in f), key=len)
+
+
+# ---- assembling the Plan ------------------------------------------------------------------------
+
