@@ -17,6 +17,7 @@ from torch import nn
 
 from autopar.ir.capture import CapturedGraph, capture
 from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
+from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import Plan
 from autopar.planning import whatif
@@ -33,7 +34,7 @@ def plan(
     example_inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
     cluster: str | Cluster = "1x8xH100",
     loss_fn: Callable[..., torch.Tensor] | None = None,
-    constraints: Mapping[str, Any] | None = None,
+    constraints: Constraints | Mapping[str, Any] | None = None,
     *,
     example_targets: torch.Tensor | None = None,
     name: str | None = None,
@@ -45,14 +46,17 @@ def plan(
     the model itself must return the scalar loss. ``model`` may instead be a saved planning problem
     (``autopar.load_problem(path)``): planning then skips the capture, and the problem already fixes
     inputs, targets and loss. ``save_problem`` writes the captured problem to that file (before
-    solving) for re-solving and re-pricing later (``autopar.reprice``).
+    solving) for re-solving and re-pricing later (``autopar.reprice``). ``constraints`` pin degrees and
+    options (``{"dp": 2, "fsdp": 0}``; keys and values: ``autopar.core.constraints.Constraints``); they
+    and the cluster are checked before the capture.
     """
+    pinned, target = as_constraints(constraints), resolve_cluster(cluster)
     captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
     model_name = name or default_name
     if save_problem is not None:
         write_problem_file(captured, save_problem, model_name=model_name)
     config = getattr(model, "config", None)
-    return make_plan(captured, resolve_cluster(cluster), model_name=model_name, constraints=constraints,
+    return make_plan(captured, target, model_name=model_name, constraints=pinned,
                      model_dims=model_dims(config) if config is not None else None)
 
 
@@ -76,21 +80,22 @@ def autoparallelize(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     plan: Plan | str | None = None,
     cluster: str | Cluster | None = None,
-    constraints: Mapping[str, Any] | None = None,
+    constraints: Constraints | Mapping[str, Any] | None = None,
     *,
     example_targets: torch.Tensor | None = None,
 ) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
 
     ``plan`` may be a Plan or a plan file; without one, rank 0 plans for ``cluster`` (default: the
-    world this job runs in) and every rank receives the same plan.
+    world this job runs in) under ``constraints`` and every rank receives the same plan.
     """
+    pinned = as_constraints(constraints)
     if not dist.is_initialized():
         raise BadInputError("autoparallelize needs an initialized process group: launch with torchrun "
                             "(or call torch.distributed.init_process_group) first")
     inputs = _as_tuple(example_inputs)
     captured = capture(model, inputs, example_targets, loss_fn)
-    the_plan = _plan_for_job(captured, plan, cluster, constraints, type(model).__name__)
+    the_plan = _plan_for_job(captured, plan, cluster, pinned, type(model).__name__)
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
@@ -120,6 +125,13 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, cluster: str | Cl
     return whatif.reprice(plan, problem, resolve_cluster(cluster))
 
 
+def as_constraints(constraints: Constraints | Mapping[str, Any] | None) -> Constraints:
+    """The API's ``constraints=``, checked: a ``Constraints`` as it is, a mapping (or None) converted."""
+    if isinstance(constraints, Constraints):
+        return constraints
+    return Constraints.from_mapping(constraints or {})
+
+
 def resolve_cluster(cluster: str | Cluster | None) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
@@ -143,7 +155,7 @@ def local_cluster_spec() -> str:
 
 
 def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: Any,
-                  constraints: Mapping[str, Any] | None, name: str) -> Plan:
+                  constraints: Constraints, name: str) -> Plan:
     if isinstance(plan_, Plan):
         return plan_
     if isinstance(plan_, str):

@@ -10,8 +10,9 @@ import argparse
 import json
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from autopar.core.constraints import KEYS as CONSTRAINT_KEYS, Constraints
 from autopar.core.errors import AutoparError, BadInputError
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--set", dest="overrides", default=None, help="model dims, e.g. layers=2,hidden=64")
-    p.add_argument("--fix", default=None, help="pin degrees/options, e.g. dp=8,tp=8,fsdp=0,microbatches=4")
+    p.add_argument("--fix", default=None, help="pin degrees/options, e.g. dp=8,tp=8,fsdp=0,microbatches=4 "
+                   f"(keys: {', '.join(CONSTRAINT_KEYS)}; meanings: autopar.core.constraints.Constraints)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout (and nothing else)")
     p.add_argument("--save-problem", default=None, help="also write the captured planning problem here (for "
@@ -105,25 +107,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_pairs(text: str | None, what: str) -> dict[str, Any]:
-    """``"dp=2,tp=4,schedule=1F1B"`` -> ``{"dp": 2, "tp": 4, "schedule": "1F1B"}``."""
-    out: dict[str, Any] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise BadInputError(f"bad {what} item {item!r}: expected key=value")
-        value = value.strip()
-        out[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
-    return out
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.api import plan, resolve_cluster
 
-    cluster = resolve_cluster(args.cluster)  # validate before the (slow) capture
-    constraints = parse_pairs(args.fix, "--fix")
+    constraints = Constraints.parse(args.fix)  # checked, like the cluster, before the model is built and captured
+    cluster = resolve_cluster(args.cluster)
     with warnings.catch_warnings():
         warnings.simplefilter("default" if not args.json else "ignore")
         if args.problem:

@@ -46,7 +46,7 @@ How the numbers become profile fields (``build_profile``):
 * ``host_op_s``: the block's forward+backward time, less (on CPU) its kernel floors (3 per non-view
   op, 1 per gradient accumulation; on CUDA they overlap the host), divided by the dispatches the
   pricer counts for it: 3 per op it ran forward, views included (one forward and two backward,
-  ``autopar/pricing.py``: backward = 2x forward), and 1 per leaf whose gradient autograd accumulates
+  ``autopar/planning/pricing.py``: backward = 2x forward), and 1 per leaf whose gradient autograd accumulates
   (``Pricer.gradient_accumulation``). ``compute.dispatched_time`` adds it to each op's kernel (CPU)
   or takes the longer of the two (CUDA).
 * ``host_update_op_s``: AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
@@ -59,7 +59,7 @@ How the numbers become profile fields (``build_profile``):
   run could not measure (the network on one node) keep the base preset's values.
 * ``redistribute_s`` (CPU): the redistribute's marginal time less what that formula gives its
   all_gather on the fitted link (the intra-node one, or across nodes when there is one rank per
-  node); ``autopar/pricing.py`` adds it to every collective on a step's critical path.
+  node); ``autopar/planning/pricing.py`` adds it to every collective on a step's critical path.
 * ``hbm_bytes``: the device's memory (on CPU, the host's RAM divided among the node's ranks).
 
 The profile is a cluster file (``cluster.py``): ``nodes``, ``devices_per_node``, a ``device`` with
@@ -93,7 +93,7 @@ from .hardware import DTYPE_BYTES, get_device, preset_for_cuda_name
 
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 PRICED_OPS_PER_FORWARD_OP = 3
-"""Forward + backward priced as 3 forwards, views included (autopar/pricing.py: backward = 2x forward)."""
+"""Forward + backward priced as 3 forwards, views included (autopar/planning/pricing.py: backward = 2x forward)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -559,7 +559,7 @@ def measure_rank(quick: bool = False, ranks_per_node: int | None = None) -> dict
 
 
 def measure_spawned_rank(rank: int, world: int, quick: bool) -> dict[str, Any] | None:
-    """``measure_rank`` for ranks spawned on one host (``autopar.launch.run_on_ranks(fn, world, quick)``)."""
+    """``measure_rank`` for ranks spawned on one host (``autopar.testing.launch.run_on_ranks(fn, world, quick)``)."""
     return measure_rank(quick, ranks_per_node=world)
 
 

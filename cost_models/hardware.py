@@ -140,7 +140,7 @@ class DeviceSpec:
     redistribute_s: float = 0.0
     """Seconds a collective run inside a training step (a DTensor redistribute) costs beyond the
     link's formula: DTensor's and autograd's wrapping of it and, where ranks share cores, the wait
-    for the last rank to reach it. Charged once per critical-path collective (``autopar/pricing.py``);
+    for the last rank to reach it. Charged once per critical-path collective (``autopar/planning/pricing.py``);
     measured by ``autopar calibrate`` on CPU, 0 on the presets (a GPU host enqueues it ahead)."""
     gemm_alignment_bytes: int = 0
     """A GEMM runs at full tensor-core speed only when each of its matrix dimensions spans a multiple

@@ -3,7 +3,7 @@
 This module is for *stating* formulas: ``comm.py`` evaluates the collective ones (compiled once
 with ``lambdify``), ``pipeline.py`` the pipeline ones, and ``render_collective`` prints them for
 users with a tensor's size substituted (``autopar explain``). It is not for deciding which
-collectives a plan needs (``autopar.pricing``) nor for checking inputs (``comm.py`` does).
+collectives a plan needs (``autopar.planning.pricing``) nor for checking inputs (``comm.py`` does).
 
 Symbols
 -------

@@ -1,31 +1,42 @@
 """Rewrite passes: from a Plan, the per-rank program (docs/architecture.md "Layers").
 
-One pass per file, each named for what it does; ``build_program`` applies them in order:
+One pass per file, each named for what it does. ``build_program`` (``program.py``) is the one ordered
+list of graph passes; every runtime runs the stage programs it returns:
 
-1. ``shard_parameters``: every parameter and buffer becomes a DTensor with the plan's placements;
-2. ``insert_redistributes``: before each op, inputs are moved to the placements the plan chose for
+1. ``insert_redistributes``: before each op, inputs are moved to the placements the plan chose for
    that op (DTensor ``redistribute``, whose collectives are differentiable, so backward communication
    falls out of autograd);
+2. ``reshard``: parameters gathered for an op are gathered again in backward instead of held from
+   forward to backward (FSDP's reshard after forward);
 3. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
    local rules such as fused attention split on heads) run on local shards;
-4. ``reshard``: parameters gathered for an op are gathered again in backward instead of held from
-   forward to backward (FSDP's reshard after forward); the program runs under its saved-tensor hooks;
-5. ``checkpoint``: each repeated layer the plan recomputes becomes a submodule run under
-   ``torch.utils.checkpoint`` (full or selective recomputation, per layer);
-6. ``gradient_sync`` (after backward): partial gradients are all-reduced in buckets;
-7. ``zero`` (ZeRO-1/2 plans): the optimizer gets dp-sharded copies of the parameters, gradients are
-   reduce-scattered onto them and parameters all-gathered from them before each step.
+4. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
+   plan's is one stage program, the whole program;
+5. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule
+   run under ``torch.utils.checkpoint`` (full or selective recomputation, per layer); when step 2
+   rewrote a gather, the stage program runs under ``reshard.ResavedParameters``' saved-tensor hooks.
+
+Three passes act outside the graph, on the runtime's parameters and gradients; a runtime applies them
+in this order:
+
+a. ``shard_parameters`` (building): every parameter and buffer becomes a DTensor with the plan's
+   placements (the pipeline runtime shards only its own stages');
+b. ``zero`` (ZeRO-1/2 plans, ``ParallelModule``; building): ``ShardedOptimizerState`` gives the
+   optimizer dp-sharded copies of the parameters, and before a step's first forward gathers the
+   program's parameters from them;
+c. ``gradient_sync`` (after backward): partial gradients of the parameters ZeRO leaves whole are
+   all-reduced in buckets (``ParallelModule`` arms it before the last microbatch's backward, to
+   overlap; the pipeline runtime runs it after the schedule);
+d. ``zero`` again (after backward): gradients are reduce-scattered onto the optimizer's shards (ZeRO-2
+   during backward already, ZeRO-1 here).
 
 Passes read a Plan, never the solver.
 """
 
-from .checkpoint import checkpoint_layers
 from .gradient_sync import GradientSync
-from .insert_redistributes import insert_redistributes
-from .reshard import ResavedParameters, reshard_after_forward
-from .run_locally import run_locally
+from .program import Program, Stage, build_program
 from .shard_parameters import shard_parameters, shard_tensor
 from .zero import ShardedOptimizerState
 
-__all__ = ["GradientSync", "ResavedParameters", "ShardedOptimizerState", "checkpoint_layers", "insert_redistributes",
-           "reshard_after_forward", "run_locally", "shard_parameters", "shard_tensor"]
+__all__ = ["GradientSync", "Program", "ShardedOptimizerState", "Stage", "build_program", "shard_parameters",
+           "shard_tensor"]

@@ -2,7 +2,7 @@
 
 The plan says, per repeated layer, which activations it keeps for backward (``Plan.checkpointing_of``:
 one mode for every layer, or each layer's own under ``mixed`` checkpointing, as the solver chose and
-``autopar.stages`` priced it); this pass makes the runtime keep exactly those:
+``autopar.planning.stages`` priced it); this pass makes the runtime keep exactly those:
 
 * ``none``: the layer runs as captured (a program with no recomputed layer is returned unchanged);
 * ``full``: each layer runs inside ``checkpoint(..., use_reentrant=False)``, so only its inputs are
@@ -14,7 +14,7 @@ one mode for every layer, or each layer's own under ``mixed`` checkpointing, as 
   ``PREFER_RECOMPUTE`` (Korthikanti et al. 2022).
 
 How: ``torch.fx.passes.split_module`` cuts the program into submodules, one per contiguous run of
-nodes of the same layer (``autopar.stages.layer_of``) or of nodes outside any layer; every layer
+nodes of the same layer (``autopar.ir.layers.layer_of``) or of nodes outside any layer; every layer
 submodule is then replaced by a ``CheckpointedLayer`` wrapping it. Values in the program are
 DTensors and the redistributes the earlier passes inserted are ordinary nodes, so a recomputed
 layer re-runs its forward collectives in backward: on every rank, in the same order, which is what
@@ -29,7 +29,7 @@ input. Partitions are numbered by contiguous runs rather than by layer name so t
 the first layer and after the last (embedding, head, loss) are separate partitions, which keeps the
 partition graph acyclic even where layer membership is not contiguous.
 
-The kept op set is ``autopar.stages.KEPT_UNDER_SELECTIVE``, the list pricing uses. The policy sees
+The kept op set is ``autopar.ir.layers.KEPT_UNDER_SELECTIVE``, the list pricing uses. The policy sees
 the op as dispatched at run time (after composite ops are decomposed), not the captured node, which is
 why the list names the fused attention kernels as well as the composite.
 """
@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,

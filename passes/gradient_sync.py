@@ -31,7 +31,7 @@ def closes_bucket(bucket_size: float, nbytes: float, bucket_bytes: float = BUCKE
 
 def buckets(sizes: Sequence[float], bucket_bytes: float = BUCKET_BYTES) -> list[list[int]]:
     """Indices of ``sizes`` (gradient bytes, in the order they are filed) grouped into buckets by
-    ``closes_bucket``, the rule ``GradientSync`` applies as gradients arrive; ``autopar.collectives``
+    ``closes_bucket``, the rule ``GradientSync`` applies as gradients arrive; ``autopar.inspect.collectives``
     counts a plan's gradient all_reduces with it."""
     found: list[list[int]] = []
     bucket: list[int] = []

@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.core.placement import strs_to_placements
+from autopar.core.plan import Plan
+from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import tensor_inputs
 
 from .layout import in_memory_order, memory_order
@@ -83,6 +85,26 @@ def insert_redistributes(
     return inserted
 
 
+def produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:
+    """Placement of every value as the plan produces it (parameters, buffers, inputs, op outputs; an
+    output of a multi-output op as ``name.i``): what ``insert_redistributes`` reshards from."""
+    produced: dict[str, list[str]] = {}
+    for name, fqn in captured.params.items():
+        produced[name] = plan.placements[fqn]
+    for name, fqn in captured.buffers.items():
+        produced[name] = plan.buffers[fqn]
+    for name, spec in plan.inputs.items():
+        produced[name] = spec["placements"]
+    for name, op in plan.ops.items():
+        outs = op["outputs"]
+        if len(outs) == 1:
+            produced[name] = outs[0]
+        for i, out in enumerate(outs):
+            if out is not None:
+                produced[f"{name}.{i}"] = out
+    return produced
+
+
 MESH_ATTR = "autopar_mesh"
 
 
@@ -101,10 +123,15 @@ def mesh_attr(gm: fx.GraphModule, mesh: DeviceMesh) -> fx.Node:
 def _wrap_factory(graph: fx.Graph, node: fx.Node, mesh: fx.Node) -> None:
     with graph.inserting_after(node):
         wrapped = graph.call_function(as_replicated, (node, mesh))
+    wrapped.meta["val"] = node.meta.get("val")  # still the factory's value: readers match inputs by tensor_inputs
     node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
 
 
 def _value_name(arg: fx.Node) -> str:
+    """The plan's name of the value ``arg`` carries: ``node.i`` for an output of a multi-output op, the
+    factory op's own name through its ``as_replicated`` wrapper."""
     if arg.op == "call_function" and getattr(arg.target, "__name__", "") == "getitem":
         return f"{arg.args[0].name}.{arg.args[1]}"
+    if arg.op == "call_function" and arg.target is as_replicated:
+        return arg.args[0].name
     return arg.name

@@ -27,7 +27,7 @@ parameter to them. Torch has no public way to read the enclosing hooks: we read 
 
 Inside a layer that activation checkpointing recomputes, ``torch.utils.checkpoint``'s own hooks take
 precedence and its recompute gathers again, so a parameter is gathered once more in backward in every
-mode, which is what ``autopar.pricing`` charges (``regathered`` edges). Where we diverge from FSDP2
+mode, which is what ``autopar.planning.pricing`` charges (``regathered`` edges). Where we diverge from FSDP2
 (``fully_shard``): it gathers a module's parameters in hooks around the module; autopar's program is an
 aten graph whose unit is the op and the saved tensor, so the saved tensor is what is made lazily.
 """
@@ -44,6 +44,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
+
+from autopar.ir.capture import CapturedGraph
 
 from .insert_redistributes import redistribute
 
@@ -155,6 +157,12 @@ def reshard_after_forward(gm: fx.GraphModule, parameter_values: set[str]) -> int
     if changed:
         gm.recompile()
     return changed
+
+
+def parameter_values(captured: CapturedGraph) -> set[str]:
+    """Names of the values that are parameters or views of one (the same every microbatch): the
+    redistributes ``reshard_after_forward`` turns into gathers."""
+    return {name for name, kind in captured.gradient_kinds().items() if kind == "param"}
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Two kinds of nodes get this treatment, both marked ``"local": true`` in the plan's ops:
 
 * ops with no DTensor strategy, planned all-``R`` (the planner warned): every rank runs the whole op;
-* ops planned with one of autopar's own *local rules* (``autopar.strategies.LOCAL_RULES``), e.g.
+* ops planned with one of autopar's own *local rules* (``autopar.planning.strategies.LOCAL_RULES``), e.g.
   fused attention split on batch or heads: each rank runs the op on its shards, which is exact
   because the split dims are independent.
 

@@ -5,7 +5,7 @@ but prices each rank with only its share of the optimizer state, and under ZeRO-
 (Rajbhandari et al., "ZeRO", SC20). This pass makes that true at run time:
 
 * **shards** (``ShardedOptimizerState.shards``): for every parameter that
-  ``autopar.placement.optimizer_shard_dim`` can split, a second ``nn.Parameter`` holding this rank's
+  ``autopar.core.placement.optimizer_shard_dim`` can split, a second ``nn.Parameter`` holding this rank's
   slice of it on the ``dp`` dim (``Shard(d)`` where the plan says ``R``); ``ParallelModule.parameters()``
   hands these to the user's optimizer, so its state (AdamW's moments) is sharded with no change to the
   optimizer;
@@ -20,7 +20,7 @@ Parameters it cannot split keep the plan's placement and are synchronized like D
 (``passes/gradient_sync.py``). Where we diverge from ``torch.distributed.optim.ZeroRedundancyOptimizer``
 (which gives each rank whole parameters and broadcasts them after the step): that class owns the
 optimizer and supports only ZeRO-1, while here the user's optimizer, whatever it is, sees DTensor
-shards and the collectives are the reduce_scatter/all_gather pair that ``autopar.pricing`` prices.
+shards and the collectives are the reduce_scatter/all_gather pair that ``autopar.planning.pricing`` prices.
 Where we diverge from DeepSpeed: collectives are per parameter, not over flat buckets (as FSDP2 shards
 each parameter on its own).
 """
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autopar.core.placement import optimizer_shard_dim, placements_to_strs
+from autopar.core.placement import optimizer_shard_dim
 
 DATA_PARALLEL_DIM = "dp"
 """The mesh dim ZeRO shards over (plans with ZeRO-1/2 have no HSDP replica dim)."""
@@ -89,7 +89,7 @@ def _shard_dim(param: nn.Parameter, mesh: DeviceMesh) -> int | None:
     dp = names.index(DATA_PARALLEL_DIM)
     if not isinstance(param, DTensor) or param.placements[dp] != Replicate() or mesh.size(dp) == 1:
         return None
-    return optimizer_shard_dim(tuple(param.shape), placements_to_strs(param.placements), mesh.size(dp))
+    return optimizer_shard_dim(tuple(param.shape), param.placements, mesh.size(dp))
 
 
 def _shard_of(param: DTensor, dim: int, mesh: DeviceMesh) -> DTensor:

@@ -211,19 +211,21 @@ def test_a_single_rank_profile_keeps_the_presets_links_and_charges_no_redistribu
 def test_each_critical_path_collective_pays_the_redistribute_overhead_and_gradient_sync_does_not():
     from dataclasses import replace
 
+    from torch.distributed.tensor import Replicate, Shard
+
     from autopar.planning.pricing import Collective, Pricer
 
     base = resolve_cluster("1x2xcpu")
     plain, slow = (Pricer(replace(base, device=cpu_device(redistribute_s=r)), (2,), "fp32") for r in (0.0, 1e-3))
     val = torch.empty(8, 16)
+    sharded, whole = (Shard(0),), (Replicate(),)
     # S(0) -> R: an all_gather forward, nothing backward; with a partial gradient, a reduce_scatter too
-    assert slow.edge(val, ("S(0)",), ("R",)).exposed_s == pytest.approx(plain.edge(val, ("S(0)",), ("R",)).exposed_s
-                                                                        + 1e-3)
-    gathered = (slow.edge(val, ("S(0)",), ("R",), grad_partial=(0,)).exposed_s
-                - plain.edge(val, ("S(0)",), ("R",), grad_partial=(0,)).exposed_s)
+    assert slow.edge(val, sharded, whole).exposed_s == pytest.approx(plain.edge(val, sharded, whole).exposed_s + 1e-3)
+    gathered = (slow.edge(val, sharded, whole, grad_partial=(0,)).exposed_s
+                - plain.edge(val, sharded, whole, grad_partial=(0,)).exposed_s)
     assert gathered == pytest.approx(2e-3)
-    assert slow.edge(val, ("R",), ("R",)).exposed_s == 0.0
-    sync = Collective("all_reduce", "backward", 4096, 0, ("R",), grad_sync=True)
+    assert slow.edge(val, whole, whole).exposed_s == 0.0
+    sync = Collective("all_reduce", "backward", 4096, 0, whole, grad_sync=True)
     assert slow.collective_seconds(sync) == plain.collective_seconds(sync)  # bucketed, raw c10d: no DTensor
 
 
@@ -278,6 +280,7 @@ def test_gradient_sync_host_work_is_charged_per_reduced_gradient():
     from autopar.ir.capture import capture
     from autopar.cost_models import GRADIENT_SYNC_HOST_OPS
     from autopar.models import build_model
+    from autopar.core.constraints import Constraints
     from autopar.planning.search import make_plan
 
     b = build_model("mlp", global_batch=8)
@@ -285,7 +288,7 @@ def test_gradient_sync_host_work_is_charged_per_reduced_gradient():
     base = resolve_cluster("1x2xcpu")
     host = 50e-6
     plans = [make_plan(captured, replace(base, device=cpu_device(host_op_s=h)), model_name="mlp",
-                       constraints={"dp": 2, "microbatches": m})
+                       constraints=Constraints(dp=2, microbatches=m))
              for h, m in ((0.0, 1), (host, 1), (0.0, 2), (host, 2))]
     synced = 0
     for name, op in plans[1].ops.items():

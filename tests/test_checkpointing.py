@@ -5,9 +5,10 @@ field changes what is recomputed in backward, never the numbers.
   same loss and gradients; full recomputes every op of a layer in backward (matmuls and attention
   included), selective only the cheap ones; checkpointing keeps fewer tensors for backward;
 * a mixed plan (each layer its own mode) wraps only its recomputed layers, with the same numbers;
-* gloo at world 4 (2x2 dp x tp, and dp=4): 3 AdamW steps of tiny-gpt and tiny-llama under full,
+* gloo at world 4 (2x2 dp x tp, and dp=4): 3 SGD steps of tiny-gpt and tiny-llama under full,
   selective and mixed (the planner's per-layer choice under a memory limit) checkpointing match
-  single-process training within docs/architecture.md "Correctness"'s tolerances. Each test is one spawn of two runs;
+  single-process training within docs/architecture.md "Correctness"'s tolerances (gradients after
+  the first backward, per-step losses, final parameters). Each test is one spawn of two runs;
   2x2 is the mesh with collectives inside the recomputed layers.
 """
 
@@ -26,7 +27,7 @@ import autopar
 from autopar.api import resolve_cluster
 from autopar.ir.capture import CapturedGraph, capture
 from autopar.models import ModelBundle, build_model
-from autopar.testing.parity import batches, max_param_diff, train_parallel_many, train_single
+from autopar.testing.parity import batches, train_parallel_many, train_single
 from autopar.passes.checkpoint import CheckpointedLayer, program_layers
 from autopar.planning.search import make_plan
 from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
@@ -184,7 +185,5 @@ def test_checkpointed_training_matches_single_process(name: str) -> None:
     results = train_parallel_many(4, runs)
     for (constraints, overrides), result in zip(COVERAGE[name], results):
         reference = train_single(name, overrides, BATCH, None, STEPS)
-        assert result["plan"]["checkpointing"] == constraints.get("checkpointing", "mixed")
-        for rank_losses in result["losses"]:
-            torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(reference.losses), rtol=1e-4, atol=0)
-        assert max_param_diff(reference.params, result["params"]) < 1e-5, constraints
+        assert result.plan["checkpointing"] == constraints.get("checkpointing", "mixed")
+        result.assert_matches(reference)

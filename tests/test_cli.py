@@ -126,6 +126,9 @@ def assert_one_line_error(run: subprocess.CompletedProcess, *mentions: str) -> N
     (["plan", "tiny-gpt", "--cluster", "1x4xcpu", "--global-batch", "6", "--fix", "dp=4"], ["6", "dp"]),
     (["plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "bogus=3"], ["bogus"]),
     (["plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp"], ["tp"]),
+    (["plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "dp=2,dp=4"], ["'dp' given twice"]),
+    (["plan", "llama3-70b", "--cluster", "16x8xH100", "--fix", "cp=abc"], ["cp must be a positive integer, got 'abc'"]),
+    (["plan", "llama3-70b", "--cluster", "16x8xH100", "--fix", "cp=2"], ["cp=2", "not implemented yet"]),
     (["plan", "tiny-gpt", "--cluster", "1x4xcpu", "--global-batch", "0"], ["global-batch"]),
     (["show", "no-such-plan.json"], ["no-such-plan.json"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("plan", "show") else None)
@@ -133,6 +136,16 @@ def test_bad_input_exits_2_with_one_line(args, mentions, tmp_path):
     run = autopar(*args, cwd=tmp_path)
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
     assert_one_line_error(run, *mentions)
+
+
+@pytest.mark.parametrize("model_args", [["llama3-70b", "--set", "layers=two"], ["no-such-model"]])
+def test_fix_is_checked_before_the_model_is_built(model_args, tmp_path):
+    """A bad --fix is the error reported even where building the model would fail: it was checked first
+    (so it answers before any capture, however slow)."""
+    run = autopar("plan", *model_args, "--cluster", "16x8xH100", "--fix", "fsdp=5", cwd=tmp_path)
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert_one_line_error(run, "constraint fsdp must be a ZeRO stage", "got '5'")
+    assert "layers" not in run.stderr and "no-such-model" not in run.stderr
 
 
 def _valid_plan(plans) -> dict:

@@ -1,9 +1,9 @@
 """Collective parity on gloo (docs/architecture.md "Correctness"): the collectives a step runs are the ones the plan predicts.
 
 One set of 4 gloo ranks plans a built-in model under each configuration, then counts with
-``autopar.collectives.CollectiveCounter`` the collectives of a forward pass and of a whole
+``autopar.testing.counters.CollectiveCounter`` the collectives of a forward pass and of a whole
 ``ParallelModule.step`` (forward, backward, gradient sync), per kind, against
-``autopar.collectives.predicted_collectives``.
+``autopar.inspect.collectives.predicted_collectives``.
 
 The forward is exact: every redistribute the plan inserts is the collective pricing charges. In
 backward, autograd runs DTensor's own strategies for the backward ops, which differ from what pricing
@@ -35,7 +35,8 @@ from typing import Any, Mapping
 
 import pytest
 
-from autopar.inspect.collectives import KINDS, CollectiveCounter, predicted_collectives
+from autopar.inspect.collectives import KINDS, predicted_collectives
+from autopar.testing.counters import CollectiveCounter
 from autopar.testing.launch import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]

@@ -9,6 +9,7 @@ from autopar import BadInputError
 from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
+from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
 
 CLUSTER = "4x8xH100"
@@ -21,7 +22,8 @@ def gpt():
 
 
 def _plan(captured, constraints, cluster=CLUSTER):
-    return make_plan(captured, parse_cluster(cluster), model_name="tiny-gpt", constraints=constraints)
+    return make_plan(captured, parse_cluster(cluster), model_name="tiny-gpt",
+                     constraints=Constraints.from_mapping(constraints))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_free_search_tries_hsdp_when_data_parallelism_leaves_the_node(gpt):
 
 @pytest.mark.parametrize("constraints, match", [
     ({"dp": 32, "dp_shard": 8, "fsdp": 0}, r"dp_shard=8 \(HSDP\) shards parameters: it needs fsdp=3"),
-    ({"fsdp": 4}, r"fsdp=4.*ZeRO stage"),
+    ({"fsdp": 4}, r"fsdp must be a ZeRO stage.*got 4"),
 ])
 def test_bad_data_parallel_constraints(gpt, constraints, match):
     with pytest.raises(BadInputError, match=match):

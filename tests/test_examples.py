@@ -1,7 +1,12 @@
-"""examples/train.py under torchrun on 2 gloo ranks trains like one process (docs/architecture.md "Correctness")."""
+"""examples/train.py under torchrun on 2 gloo ranks trains like one process (docs/architecture.md "Correctness").
+
+The script is a user's training loop, with AdamW: the reference is single-process AdamW at the same
+``--lr``, and only the losses it reports are compared (gradients are compared by the parity tests of
+the same runtime, ``tests/test_parity.py``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -9,14 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopar.testing.launch import free_port
-from autopar.testing.parity import LR, train_single
+from autopar.testing.parity import train_single
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 STEPS = 3
 GLOBAL_BATCH = 8
+LR = 1e-4
+"""The script's AdamW learning rate (``--lr``): small, because Adam moves each element by about ``lr``
+whatever its gradient's size, rounding differences in near-zero gradients included."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -38,7 +47,8 @@ def torchrun_train(cwd: Path, *extra: str) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
-    return train_single("tiny-gpt", None, GLOBAL_BATCH, None, STEPS, seed=0).losses
+    adamw = functools.partial(torch.optim.AdamW, lr=LR)  # what examples/train.py trains with
+    return train_single("tiny-gpt", None, GLOBAL_BATCH, None, STEPS, seed=0, optimizer=adamw).losses
 
 
 def test_train_example_matches_single_process(tmp_path, reference):

@@ -59,13 +59,15 @@ def test_an_alternative_placement_of_a_parameter_is_priced_with_its_readers_grad
     """Each alternative's ``delta_s`` is exactly the step-time change of taking it alone, also for a
     parameter whose placement changes how the op reading it reduces its gradient (``RootSharding``):
     sharded, the gradient sync is replaced by the gather's reduce_scatter."""
+    from torch.distributed.tensor import Replicate, Shard
+
     from autopar.planning.explanations import explanations
     from autopar.planning.pricing import Cost
     from autopar.planning.problem import Decision, Edge, Option, Problem, RootSharding
     from autopar.planning.solver import evaluate
     from autopar.planning.strategies import Strategy
 
-    r, s0 = ("R",), ("S(0)",)
+    r, s0 = (Replicate(),), (Shard(0),)
     w = Decision("w", ["w"], [Option(Strategy((), (r,)), Cost(memory_bytes=4.0)),
                               Option(Strategy((), (s0,)), Cost(memory_bytes=1.0))])
     mm = Decision("mm", ["mm"], [Option(Strategy((r,), (s0,)), Cost(compute_s=2e-3, backward_compute_s=1e-3,

@@ -2,7 +2,8 @@
 
 Layers: unit (the source of solver plans and of hand-written textbook plans, and the notes on what the
 native APIs cannot say), CLI (subprocess), gloo world 4 (the exported function trains like autopar's
-own runtime under the same plan, and like one process for the textbook plans).
+own runtime under the same plan, and like one process for the textbook plans: SGD, with gradients after
+the first backward, per-step losses, final parameters and the first output compared).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import this module's rank function
 
@@ -23,7 +25,8 @@ import autopar  # noqa: E402
 from autopar.inspect.export import export_plan  # noqa: E402
 from autopar.testing.launch import run_on_ranks  # noqa: E402
 from autopar.models import build_model  # noqa: E402
-from autopar.testing.parity import LR, batches, train_parallel_many, train_single  # noqa: E402
+from autopar.testing.parity import (ParityResult, TrainResult, batches, gathered_grads, gathered_params,  # noqa: E402
+                                    sgd, train_parallel_many, train_single)
 
 STEPS = 3
 BATCH = 8
@@ -297,8 +300,9 @@ def _load(path: str, name: str):
 
 
 def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> list[dict]:
-    """Each (model name, exported file): parallelize, train STEPS of AdamW on this rank's slice of the
-    global batches. Returns the losses (global means: all ranks averaged), the first step's output
+    """Each (model name, exported file): parallelize, train STEPS of parity's SGD on this rank's slice of
+    the global batches. Returns the losses (global means: all ranks averaged), the gradients after the
+    first backward and the final parameters (gathered, by the model's names), the first step's output
     and which rows of the global batch it is."""
     results = []
     for i, (name, path) in enumerate(runs):
@@ -306,31 +310,36 @@ def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> l
         bundle = build_model(name, global_batch=BATCH, device="cpu", seed=0)
         mesh = exported.build_mesh()
         model = exported.parallelize(bundle.model, mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses, outputs = [], []
-        for *inputs, targets in batches(bundle, STEPS, 0):
+        inner = model.module if isinstance(model, DistributedDataParallel) else model  # names without "module."
+        opt = sgd(model.parameters())
+        losses, outputs, grads = [], [], {}
+        for step, (*inputs, targets) in enumerate(batches(bundle, STEPS, 0)):
             out = model(*(exported.local_batch(x, mesh) for x in inputs))
             loss = bundle.loss_fn(out, exported.local_batch(targets, mesh))
             opt.zero_grad()
             loss.backward()
+            if step == 0:
+                grads = gathered_grads(inner)
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
             outputs.append(out.detach())
         rows = exported.local_batch(torch.arange(BATCH), mesh)
-        results.append({"losses": losses, "output": outputs[0], "rows": rows})
+        results.append({"losses": losses, "grads": grads, "params": gathered_params(inner), "output": outputs[0],
+                        "rows": rows})
     return results
+
+
+def _gathered(per_rank: list[list[dict]], i: int) -> ParityResult:
+    """Run ``i`` of ``train_exported_rank`` on every rank, as a ``ParityResult``."""
+    return ParityResult([r[i]["losses"] for r in per_rank], per_rank[0][i]["grads"], per_rank[0][i]["params"])
 
 
 def _write(tmp_path: Path, key: str, plan: autopar.Plan) -> str:
     path = tmp_path / f"{key.replace('-', '_')}.py"
     path.write_text(export_plan(plan)[0])
     return str(path)
-
-
-def _assert_losses(actual: list[float], expected: list[float], what: str) -> None:
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=0, msg=what)
 
 
 @pytest.mark.slow
@@ -345,9 +354,10 @@ def test_exported_solver_plans_train_like_autopar(plans, tmp_path):
                                         for k in keys])
     outputs = {name: _first_output(name) for name in {"mlp", "tiny-gpt"}}
     for i, key in enumerate(keys):
+        autopar_run = reference[i]  # its losses are global means, the same on every rank
+        _gathered(exported, i).assert_matches(TrainResult(autopar_run.losses[0], autopar_run.grads, autopar_run.params))
         for rank in range(4):
             got = exported[rank][i]
-            _assert_losses(got["losses"], reference[i]["losses"][rank], f"{key} rank {rank}")
             torch.testing.assert_close(got["output"], outputs[SOLVER_CONFIGS[key][0]][got["rows"]], rtol=1e-4,
                                        atol=1e-6, msg=f"{key} rank {rank} output")
 
@@ -359,12 +369,12 @@ def test_exported_textbook_plans_train_like_one_process(handmade, tmp_path):
     keys = list(handmade)
     model_of = {k: "mlp" if k.startswith("mlp") else "tiny-gpt" for k in keys}
     exported = run_on_ranks(train_exported_rank, 4, [(model_of[k], _write(tmp_path, k, handmade[k])) for k in keys])
-    reference = {name: train_single(name, None, BATCH, None, STEPS).losses for name in set(model_of.values())}
+    reference = {name: train_single(name, None, BATCH, None, STEPS) for name in set(model_of.values())}
     for i, key in enumerate(keys):
+        _gathered(exported, i).assert_matches(reference[model_of[key]])
         output = _first_output(model_of[key])
         for rank in range(4):
             got = exported[rank][i]
-            _assert_losses(got["losses"], reference[model_of[key]], f"{key} rank {rank}")
             # outputs too: at init attention is near uniform, so a wrong head split hides in the loss
             torch.testing.assert_close(got["output"], output[got["rows"]], rtol=1e-4, atol=1e-6,
                                        msg=f"{key} rank {rank} output")

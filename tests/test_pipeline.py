@@ -1,4 +1,4 @@
-"""Pipeline stages, schedules and activation checkpointing in the planner (autopar/stages.py), without
+"""Pipeline stages, schedules and activation checkpointing in the planner (autopar/planning/stages.py), without
 processes: the staging arithmetic by hand, then plans of a GPT on meta tensors with pinned degrees."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from autopar import BadInputError
 from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
+from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
 from autopar.planning.stages import Staging
 from autopar.api import reprice
@@ -53,7 +54,8 @@ def gpt8():
 
 
 def _plan(captured, constraints, cluster=CLUSTER):
-    return make_plan(captured, parse_cluster(cluster), model_name="gpt8", constraints=constraints)
+    return make_plan(captured, parse_cluster(cluster), model_name="gpt8",
+                     constraints=Constraints.from_mapping(constraints))
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +164,7 @@ def test_fixed_pipeline_through_the_cli(tmp_path):
 @pytest.mark.parametrize("constraints, match", [
     ({"pp": 16}, r"pp=16: the model has only 8 repeated layers"),
     ({"pp": 3}, r"pp=3 does not divide the 32 devices"),
-    ({"schedule": "zigzag"}, r"schedule='zigzag'"),
+    ({"schedule": "zigzag"}, r"schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"),
 ])
 def test_bad_pipeline_constraints(gpt8, constraints, match):
     with pytest.raises(BadInputError, match=match):

@@ -15,8 +15,7 @@ import autopar
 from autopar import Plan, PlanFormatError
 from autopar.models import build_model
 from autopar.core.placement import (
-    is_partial,
-    is_sharded,
+    optimizer_shard_dim,
     placement_to_str,
     placements_to_strs,
     str_to_placement,
@@ -134,7 +133,7 @@ def test_placements_cover_every_parameter(plan, bundle):
     for fqn, pls in plan.placements.items():
         assert len(pls) == ndim, fqn
         assert all(PLACEMENT.match(p) for p in pls), (fqn, pls)
-        assert not any(is_partial(p) for p in pls), (fqn, pls)  # parameters are never partial
+        assert not any(p.is_partial() for p in strs_to_placements(pls)), (fqn, pls)  # parameters are never partial
 
 
 def test_ops_name_strategies_in_placement_strings(plan):
@@ -308,8 +307,18 @@ def test_placement_list_helpers():
     ps = strs_to_placements(strs)
     assert ps == (Shard(1), Replicate(), Partial())
     assert placements_to_strs(ps) == strs
-    assert [is_sharded(s) for s in strs] == [True, False, False]
-    assert [is_partial(s) for s in strs + ["P(avg)"]] == [False, False, True, True]
+    assert [p.is_shard() for p in ps] == [True, False, False]
+    assert [p.is_partial() for p in strs_to_placements(strs + ["P(avg)"])] == [False, False, True, True]
+
+
+def test_optimizer_state_splits_on_the_first_dim_no_mesh_dim_shards():
+    """ZeRO's shard dim (``optimizer_shard_dim``) skips tensor dims a mesh dim already splits, and a dim
+    too small to split ``ways`` ways; a tensor with no such dim keeps whole state (None)."""
+    assert optimizer_shard_dim((8, 6), (Replicate(), Replicate()), 4) == 0
+    assert optimizer_shard_dim((8, 6), (Shard(0), Replicate()), 4) == 1
+    assert optimizer_shard_dim((8, 6), (Replicate(), Shard(-2)), 4) == 1  # a negative dim counts from the end
+    assert optimizer_shard_dim((8, 2), (Shard(0), Partial()), 4) is None
+    assert optimizer_shard_dim((), (Replicate(),), 2) is None
 
 
 @pytest.mark.parametrize("bad", ["X", "S", "S()", "S(a)", "Shard(0)", "r", ""])

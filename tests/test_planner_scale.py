@@ -26,6 +26,7 @@ from autopar.ir.capture import CapturedGraph, capture
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
 from autopar.core.plan import Plan
+from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
 
 REL_TOL = 1e-6  # the ILP solves to a relative gap of 1e-6
@@ -41,7 +42,8 @@ def _plan(captured: CapturedGraph, cluster: str, constraints: dict[str, Any] | N
     """A plan whose memory is checked against its device's capacity, like every plan of this file."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unsupported-op warnings of the capture's loss
-        plan = make_plan(captured, parse_cluster(cluster), model_name="model", constraints=constraints)
+        plan = make_plan(captured, parse_cluster(cluster), model_name="model",
+                         constraints=Constraints.from_mapping(constraints or {}))
     _assert_fits(plan)
     return plan
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost_models import parse_cluster
 from autopar.testing.launch import run_on_ranks
@@ -15,11 +16,12 @@ from autopar.planning.pricing import Pricer
 def test_a_regathered_parameter_edge_runs_its_gather_again_in_backward_and_not_again_under_recompute():
     pricer = Pricer(parse_cluster("1x8xH100"), (8,), "bf16")
     weight = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
-    held = pricer.edge(weight, ("S(0)",), ("R",), per_microbatch=True)
-    regathered = pricer.edge(weight, ("S(0)",), ("R",), per_microbatch=True, regathered=True)
+    sharded, whole = (Shard(0),), (Replicate(),)
+    held = pricer.edge(weight, sharded, whole, per_microbatch=True)
+    regathered = pricer.edge(weight, sharded, whole, per_microbatch=True, regathered=True)
     assert regathered.comm_s["all_gather"] == pytest.approx(2 * held.comm_s["all_gather"])
     assert held.forward_comm_s and not regathered.forward_comm_s  # a recompute adds no third gather
-    kinds = [(c.kind, c.phase, c.regather) for c in pricer.edge_collectives(weight, ("S(0)",), ("R",), (), True)]
+    kinds = [(c.kind, c.phase, c.regather) for c in pricer.edge_collectives(weight, sharded, whole, (), True)]
     assert kinds == [("all_gather", "forward", False), ("all_gather", "backward", True)]
 
 
@@ -27,7 +29,8 @@ def _fsdp_step(rank: int, world: int) -> dict:
     import gc
 
     import autopar
-    from autopar.inspect.collectives import CollectiveCounter, predicted_collectives
+    from autopar.inspect.collectives import predicted_collectives
+    from autopar.testing.counters import CollectiveCounter
     from autopar.models import build_model
     from autopar.testing.parity import batches
 

@@ -1,4 +1,4 @@
-"""Activation memory from what autograd saves for backward (``autopar.saved_tensors``).
+"""Activation memory from what autograd saves for backward (``autopar.ir.saved_tensors``).
 
 * hand-checkable graphs: a Linear+ReLU MLP saves exactly ReLU's output (and its input ``x`` and the
   second weight, which are not activations); an add-only chain saves nothing; fused attention saves

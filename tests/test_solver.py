@@ -1,4 +1,4 @@
-"""Unit tests of the placement ILP (autopar.solver): hand-built problems with known optima, random
+"""Unit tests of the placement ILP (autopar.planning.solver): hand-built problems with known optima, random
 problems against brute force, and a problem built from a real captured graph. No processes."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.planning.pricing import Cost
@@ -19,7 +20,7 @@ from autopar.planning.solver import brute_force, evaluate, least_memory, solve
 from autopar.planning.strategies import Strategy
 
 GIB = 2.0**30
-R, S0, S1, P = ("R",), ("S(0)",), ("S(1)",), ("P",)
+R, S0, S1, P = (Replicate(),), (Shard(0),), (Shard(1),), (Partial(),)
 
 
 def opt(out, inputs=(), *, compute=0.0, comm=None, sync=0.0, bwd=0.0, mem=0.0) -> Option:
@@ -206,10 +207,10 @@ def random_problem(seed: int) -> Problem:
     edges = []
     for k in keys:
         for slot, src in enumerate(incoming[k]):
-            outs = {o.strategy.outputs[0] for o in decisions[src].options}
-            ins = {o.edge_key(slot) for o in decisions[k].options}
+            outs = dict.fromkeys(o.strategy.outputs[0] for o in decisions[src].options)  # a set's order
+            ins = dict.fromkeys(o.edge_key(slot) for o in decisions[k].options)  # would follow the hash seed
             price = {(a, b): Cost(comm_s={} if a == b[0] else {"all_gather": rng.uniform(0, 2e-3)})
-                     for a in sorted(outs) for b in sorted(ins)}  # sorted: a set's order follows PYTHONHASHSEED
+                     for a in outs for b in ins}
             edges.append(Edge(src, 0, k, slot, rng.randint(1, 3), price))
     lo = sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in decisions.values())
     hi = sum(d.count * max(o.cost.memory_bytes for o in d.options) for d in decisions.values())

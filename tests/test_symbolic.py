@@ -45,6 +45,8 @@ from autopar.cost_models.symbolic import (
 from autopar.planning.assemble import model_dims
 from autopar.planning.explanations import collective_terms
 from autopar.models import build_model
+from autopar.core.constraints import Constraints
+from autopar.core.placement import strs_to_placements
 from autopar.planning.search import make_plan
 from autopar.planning.pricing import Pricer
 from autopar.planning.strategies import Strategy
@@ -190,11 +192,11 @@ def _strategies_from(plan, captured):
     def strategy_of(name: str) -> Strategy:
         if name in plan.ops:
             op = plan.ops[name]
-            return Strategy(tuple(tuple(x) for x in op["inputs"]),
-                            tuple(tuple(x) if x is not None else None for x in op["outputs"]))
+            return Strategy(tuple(strs_to_placements(x) for x in op["inputs"]),
+                            tuple(strs_to_placements(x) if x is not None else None for x in op["outputs"]))
         placed = plan.placements.get(fqn_of.get(name)) or plan.buffers.get(fqn_of.get(name)) \
             or plan.inputs.get(name, {}).get("placements") or ["R"] * len(plan.mesh["shape"])
-        return Strategy((), (tuple(placed),))
+        return Strategy((), (strs_to_placements(placed),))
 
     return strategy_of
 
@@ -205,7 +207,7 @@ def tp_plan(tmp_path_factory):
     bundle = build_model("tiny-gpt", global_batch=8, device="meta")
     captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
     cluster = parse_cluster("1x2xcpu")
-    plan = make_plan(captured, cluster, model_name="tiny-gpt", constraints={"tp": 2})
+    plan = make_plan(captured, cluster, model_name="tiny-gpt", constraints=Constraints(tp=2))
     pricer = Pricer(cluster, plan.mesh["shape"], plan.model["dtype"])
     strategy_of = _strategies_from(plan, captured)
     data = plan.to_dict()

@@ -16,6 +16,7 @@ from autopar.ir.capture import CapturedGraph, capture, module_path
 from autopar.cli import main
 from autopar.cost_models import parse_cluster
 from autopar.models import build_model
+from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
 from autopar.ir.problem_file import load_problem, save_problem
 
@@ -25,7 +26,8 @@ BATCH = 16  # splits over 4 cpu ranks and 16 H100s
 def _plan(captured: CapturedGraph, cluster: str, constraints=None, name: str = "tiny-gpt") -> autopar.Plan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return make_plan(captured, parse_cluster(cluster), model_name=name, constraints=constraints)
+        return make_plan(captured, parse_cluster(cluster), model_name=name,
+                         constraints=Constraints.from_mapping(constraints or {}))
 
 
 @pytest.fixture(scope="module")

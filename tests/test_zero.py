@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from autopar.ir.capture import capture
-from autopar.inspect.collectives import CollectiveCounter, predicted_collectives
+from autopar.inspect.collectives import predicted_collectives
+from autopar.testing.counters import CollectiveCounter
 from autopar.cost_models import parse_cluster
 from autopar.testing.launch import run_on_ranks
 from autopar.models import build_model
-from autopar.testing.parity import batches, build, make_optimizer, max_param_diff, train_single
+from autopar.testing.parity import AutoparResult, batches, build, gathered_grads, sgd, train_single
+from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
 
 STEPS = 3
@@ -30,7 +32,8 @@ def llama():
 
 
 def _plan(captured, constraints):
-    return make_plan(captured, parse_cluster("1x4xcpu"), model_name="tiny-llama", constraints=constraints)
+    return make_plan(captured, parse_cluster("1x4xcpu"), model_name="tiny-llama",
+                     constraints=Constraints.from_mapping(constraints))
 
 
 def test_zero_gradient_sync_is_reduce_scatter_then_all_gather(llama):
@@ -65,23 +68,35 @@ def _train_rank(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[dic
 
 
 def _train(name: str, constraints: dict) -> dict[str, Any]:
-    """Three AdamW steps under the plan, counting the collectives of the last; what each rank holds."""
+    """Three SGD steps under the plan (as ``autopar.testing.parity.train_module``), counting the
+    collectives of the last; what each rank holds, and the optimizer state AdamW keeps for the
+    parameters ``pm.parameters()`` hands it."""
     import autopar
 
     bundle = build(name, None, BATCH, None, seed=0)
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, constraints=constraints)
-    opt = make_optimizer("adamw", pm.parameters())
-    losses, counted = [], {}
+    opt = sgd(pm.parameters())
+    losses, grads, counted = [], {}, {}
     for i, batch in enumerate(batches(bundle, STEPS, seed=0)):
         opt.zero_grad()
         with CollectiveCounter() as comm:
             losses.append(pm.step(*batch).item())
         counted = comm.counts
+        if i == 0:
+            grads = gathered_grads(pm)
         opt.step()
-    state = sum(t.to_local().numel() for s in opt.state.values() for k, t in s.items() if k == "exp_avg")
-    return {"losses": losses, "params": pm.full_state_dict(), "plan": pm.plan.to_dict(), "counted": counted,
-            "state_numel": state, "numel": sum(p.numel() for p in bundle.model.parameters())}
+    return {"losses": losses, "grads": grads, "params": pm.full_state_dict(), "plan": pm.plan.to_dict(),
+            "redistributes": pm.redistributes, "counted": counted, "state_numel": _adamw_state_numel(pm),
+            "numel": sum(p.numel() for p in bundle.model.parameters())}
+
+
+def _adamw_state_numel(pm: Any) -> int:
+    """Elements of AdamW's first moment on this rank once it has updated ``pm.parameters()`` (with their
+    last gradients): AdamW keeps state shaped like the tensors it is given, which ZeRO shards."""
+    adamw = torch.optim.AdamW(pm.parameters())
+    adamw.step()
+    return sum(state["exp_avg"].to_local().numel() for state in adamw.state.values())
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +110,7 @@ def trained_fsdp_tp() -> list[list[dict[str, Any]]]:
 
 
 def _check_parity(name: str, per_rank_results: list[dict[str, Any]]) -> None:
-    reference = train_single(name, None, BATCH, None, STEPS)
-    for result in per_rank_results:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=0)
-    assert max_param_diff(reference.params, per_rank_results[0]["params"]) < 1e-5
+    AutoparResult.from_ranks(per_rank_results).assert_matches(train_single(name, None, BATCH, None, STEPS))
 
 
 @pytest.mark.dist

@@ -1,86 +1,216 @@
-"""Constraints: what a user pins (``{"dp": 2, "tp": 2}``, ``--fix``), checked before anything slow runs."""
+"""Constraints: what a user pins (``{"dp": 2, "tp": 2}``, ``--fix dp=2,tp=2``), checked before anything slow runs.
+
+``Constraints`` is the one value the planner reads them from: a field is ``None`` where the planner is
+free. It is built from the API's ``constraints=`` mapping (``Constraints.from_mapping``) or the CLI's
+``--fix`` text (``Constraints.parse``) and checks itself on construction, as torchtitan's ``ParallelDims``
+checks its degrees, so a refused value is named (with what was expected) before the model is built or
+captured. Checks that need the cluster or the model (a degree that does not divide the world, a pipeline
+deeper than the model) stay with the planner.
+
+The keys are the field names but one: users write the ZeRO stage (field ``zero_stage``) as ``fsdp``
+(``--fix fsdp=0``). The plan's ``degrees["fsdp"]`` is another number: the size of the group the parameters
+are sharded over (``core/plan.py``).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+import re
+from dataclasses import dataclass, field, fields
+from numbers import Integral
+from typing import Any, Callable, Mapping
 
 from autopar.core.errors import BadInputError
 from autopar.core.plan import CHECKPOINTING, SCHEDULES
 
-KNOWN_CONSTRAINTS = {"dp", "tp", "pp", "sp", "fsdp", "dp_shard", "cp", "ep", "microbatches", "microbatch_size",
-                     "schedule", "virtual_stages", "checkpointing", "memory_gb", "time_limit_s", "dtype"}
-
-
-def validate_constraints(constraints: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = set(constraints) - KNOWN_CONSTRAINTS
-    if unknown:
-        raise BadInputError(f"unknown constraint(s) {', '.join(sorted(unknown))}: "
-                            f"known are {', '.join(sorted(KNOWN_CONSTRAINTS))}")
-    out = dict(constraints)
-    for key in ("cp", "ep"):
-        if int(out.get(key, 1)) != 1:
-            raise BadInputError(f"constraint {key}={out[key]}: this version plans {key}=1 only "
-                                "(context and expert parallelism are not implemented yet)")
-    if "fsdp" in out:
-        if str(out["fsdp"]) not in ("0", "1", "2", "3"):
-            raise BadInputError(f"constraint fsdp={out['fsdp']!r}: expected a ZeRO stage, 0 (replicated "
-                                "parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) or 3 "
-                                "(and parameters: FSDP)")
-        out["fsdp"] = int(out["fsdp"])
-    if "sp" in out:
-        out["sp"] = _switch("sp", out["sp"])
-    for key in ("dp", "tp", "pp", "dp_shard", "microbatches", "microbatch_size", "virtual_stages"):
-        if key in out:
-            out[key] = _positive(key, out[key], int)
-    if out.get("sp") == 1 and out.get("tp") == 1:
-        raise BadInputError("constraint sp=1 splits the norms on the sequence over the tp mesh dim: it needs "
-                            "tp > 1, got tp=1")
-    if "dp_shard" in out and out.get("fsdp", 3) != 3:
-        raise BadInputError(f"constraint dp_shard={out['dp_shard']} (HSDP) shards parameters: it needs fsdp=3, "
-                            f"got fsdp={out['fsdp']}")
-    if "microbatches" in out and "microbatch_size" in out:
-        raise BadInputError("constraints microbatches and microbatch_size: pin one of them (the global batch "
-                            "fixes the other)")
-    for key in ("memory_gb", "time_limit_s"):
-        if key in out:
-            out[key] = _positive(key, out[key], float)
-    if out.get("dtype") not in (None, "fp32", "bf16", "fp16"):
-        raise BadInputError(f"constraint dtype={out['dtype']!r}: expected fp32, bf16 or fp16")
-    _check_choice(out, "checkpointing", CHECKPOINTING)
-    _check_choice(out, "schedule", SCHEDULES)
-    if out.get("schedule") == "interleaved" and out.get("virtual_stages", 2) < 2:
-        raise BadInputError("constraint virtual_stages must be at least 2 with schedule=interleaved")
-    if "virtual_stages" in out and out["virtual_stages"] > 1 and out.get("schedule", "interleaved") != "interleaved":
-        raise BadInputError(f"constraint virtual_stages={out['virtual_stages']} needs schedule=interleaved")
-    if "virtual_stages" in out and out["virtual_stages"] > 1:
-        out["schedule"] = "interleaved"
-    return out
-
-
+DTYPES = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
+_ZERO_STAGES_IN_WORDS = ("0 (replicated parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) "
+                         "or 3 (and parameters: FSDP)")
 _SWITCH = {"0": 0, "1": 1, "false": 0, "true": 1}
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_POSITIVE_INT = re.compile(r"[1-9][0-9]*")
+
+
+def split_pairs(text: str | None, what: str) -> dict[str, str]:
+    """``"dp=2, tp=4,schedule=1F1B"`` -> ``{"dp": "2", "tp": "4", "schedule": "1F1B"}``: the ``key=value,...``
+    text of ``--fix`` and ``--set`` (``what`` names the flag in errors). Empty or None text gives ``{}``; a
+    malformed or repeated item is refused, naming it."""
+    pairs: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not _KEY.fullmatch(key) or not value:
+            raise BadInputError(f"bad {what} item {item!r}: expected key=value")
+        if key in pairs:
+            raise BadInputError(f"bad {what} item {item!r}: {key!r} given twice")
+        pairs[key] = value
+    return pairs
+
+
+# ---- one value at a time: each returns the value as the field holds it, or names what it expected ----------
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str) and _POSITIVE_INT.fullmatch(value.strip()):
+        return int(value)
+    raise BadInputError(f"constraint {key} must be a positive integer, got {value!r}")
+
+
+def _positive_number(key: str, value: Any) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise BadInputError(f"constraint {key} must be a positive number, got {value!r}")
+    return number
 
 
 def _switch(key: str, value: Any) -> int:
     """An on/off constraint (``sp``) as 0 or 1, from 0, 1, true or false (any case, or a Python bool)."""
     on = _SWITCH.get(str(value).strip().lower())
     if on is None:
-        raise BadInputError(f"constraint {key}={value!r}: expected 0 or 1 (or false/true)")
+        raise BadInputError(f"constraint {key} must be 0 or 1 (or false/true), got {value!r}")
     return on
 
 
-def _check_choice(out: dict[str, Any], key: str, allowed: tuple[str, ...]) -> None:
-    if key in out:
-        value = str(out[key]).lower()
-        if value not in allowed:
-            raise BadInputError(f"constraint {key}={out[key]!r}: expected one of {', '.join(allowed)}")
-        out[key] = value
+def _zero_stage(key: str, value: Any) -> int:
+    if isinstance(value, bool) or str(value).strip() not in {str(stage) for stage in ZERO_STAGES}:
+        raise BadInputError(f"constraint {key} must be a ZeRO stage: {_ZERO_STAGES_IN_WORDS}; got {value!r}")
+    return int(value)
 
 
-def _positive(key: str, value: Any, kind: type) -> Any:
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        number = 0
-    if number <= 0 or (kind is int and str(value).strip() != str(number)):
-        raise BadInputError(f"constraint {key}={value!r}: expected a positive {'integer' if kind is int else 'number'}")
-    return number
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(key: str, value: Any) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in allowed:
+            raise BadInputError(f"constraint {key} must be one of {', '.join(allowed)}, got {value!r}")
+        return value.strip().lower()
+
+    return check
+
+
+def _pinned(check: Callable[[str, Any], Any], key: str | None = None) -> Any:
+    """A field, ``None`` (free) unless pinned; ``check`` turns a pinned value into the field's type.
+    ``key`` is the name users write, where it is not the field's."""
+    return field(default=None, metadata={"check": check, "key": key})
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Degrees and options a user pins; every field ``None`` leaves the planner free to choose it."""
+
+    dp: int | None = _pinned(_positive_int)
+    """Data-parallel degree: the ranks that each work on their own share of the batch (under HSDP,
+    replica groups x shard group)."""
+    tp: int | None = _pinned(_positive_int)
+    """Tensor-parallel degree. Free, it stays inside a node; pinned, it may span nodes."""
+    pp: int | None = _pinned(_positive_int)
+    """Pipeline stages."""
+    sp: int | None = _pinned(_switch)
+    """Sequence parallelism over tp: 1 splits the norms and the residual stream on the sequence, 0 keeps
+    the norms whole (``true``/``false`` are accepted). 1 needs tp > 1."""
+    zero_stage: int | None = _pinned(_zero_stage, key="fsdp")
+    """Key ``fsdp``: the ZeRO stage of data parallelism, 0 (DDP: parameters replicated), 1 (optimizer state
+    sharded), 2 (and gradients) or 3 (and parameters: FSDP)."""
+    dp_shard: int | None = _pinned(_positive_int)
+    """HSDP: the size of the groups parameters are sharded over (``dp / dp_shard`` replica groups). Needs
+    ``fsdp`` 3 or free."""
+    cp: int | None = _pinned(_positive_int)
+    """Context-parallel degree: 1 only (not implemented yet)."""
+    ep: int | None = _pinned(_positive_int)
+    """Expert-parallel degree: 1 only (not implemented yet)."""
+    microbatches: int | None = _pinned(_positive_int)
+    """Microbatches per step (gradient accumulation, or the pipeline's microbatches)."""
+    microbatch_size: int | None = _pinned(_positive_int)
+    """Sequences per microbatch on each data-parallel rank; pin this or ``microbatches``, not both."""
+    schedule: str | None = _pinned(_one_of(SCHEDULES))
+    """Pipeline schedule: gpipe, 1f1b (the default) or interleaved (any case)."""
+    virtual_stages: int | None = _pinned(_positive_int)
+    """Model chunks per pipeline stage; more than 1 means ``schedule=interleaved`` (whose default is 2)."""
+    checkpointing: str | None = _pinned(_one_of(CHECKPOINTING))
+    """Activation checkpointing of every repeated layer: none, selective or full (free: searched per layer)."""
+    memory_gb: float | None = _pinned(_positive_number)
+    """Memory per device the plan may use, in GB of 1e9 bytes (free: the device's usable memory)."""
+    time_limit_s: float | None = _pinned(_positive_number)
+    """Seconds the ILP solver may spend on each problem (free: the planner's default)."""
+    dtype: str | None = _pinned(_one_of(DTYPES))
+    """Compute dtype: fp32, bf16 or fp16 (free: fp32 on cpu, bf16 elsewhere)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:  # frozen: the checked value replaces the given one (e.g. "2" -> 2)
+                object.__setattr__(self, f.name, f.metadata["check"](_key(f), value))
+        self._refuse_unimplemented()
+        self._refuse_contradictions()
+        if self.virtual_stages is not None and self.virtual_stages > 1:
+            object.__setattr__(self, "schedule", "interleaved")
+
+    # ---- boundaries ------------------------------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, constraints: Mapping[str, Any]) -> Constraints:
+        """From the API's ``constraints=`` (``{"dp": 2, "fsdp": 0, "schedule": "1F1B"}``); values may be
+        text, as ``--fix`` gives them."""
+        unknown = set(constraints) - set(KEYS)
+        if unknown:
+            raise BadInputError(f"unknown constraint(s) {', '.join(sorted(unknown))}: "
+                                f"known are {', '.join(sorted(KEYS))}")
+        return cls(**{KEYS[key]: value for key, value in constraints.items()})
+
+    @classmethod
+    def parse(cls, text: str | None) -> Constraints:
+        """From ``--fix`` text: ``"dp=2,tp=4,schedule=1F1B"``."""
+        return cls.from_mapping(split_pairs(text, "--fix"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The pinned constraints under the keys users write (``fsdp``), as ``from_mapping`` takes them."""
+        return {_key(f): getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    # ---- what the planner reads beyond the fields ---------------------------------------------------------
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule of a pipeline: the pinned one, else 1f1b."""
+        return self.schedule or "1f1b"
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks per pipeline stage: ``virtual_stages``, else 2 under interleaved, else 1."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved" else 1
+
+    # ---- checks across fields -------------------------------------------------------------------------------
+    def _refuse_unimplemented(self) -> None:
+        for key in ("cp", "ep"):
+            value = getattr(self, key)
+            if value is not None and value != 1:
+                raise BadInputError(f"constraint {key}={value}: this version plans {key}=1 only "
+                                    "(context and expert parallelism are not implemented yet)")
+
+    def _refuse_contradictions(self) -> None:
+        if self.sp == 1 and self.tp == 1:
+            raise BadInputError("constraint sp=1 splits the norms on the sequence over the tp mesh dim: it needs "
+                                "tp > 1, got tp=1")
+        if self.dp_shard is not None and self.zero_stage not in (None, 3):
+            raise BadInputError(f"constraint dp_shard={self.dp_shard} (HSDP) shards parameters: it needs fsdp=3, "
+                                f"got fsdp={self.zero_stage}")
+        if self.microbatches is not None and self.microbatch_size is not None:
+            raise BadInputError("constraints microbatches and microbatch_size: pin one of them (the global batch "
+                                "fixes the other)")
+        if self.schedule == "interleaved" and self.model_chunks < 2:
+            raise BadInputError("constraint virtual_stages must be at least 2 with schedule=interleaved")
+        if self.virtual_stages is not None and self.virtual_stages > 1 and self.schedule not in (None, "interleaved"):
+            raise BadInputError(f"constraint virtual_stages={self.virtual_stages} needs schedule=interleaved")
+
+
+def _key(f: Any) -> str:
+    """The name users write for field ``f``."""
+    return f.metadata["key"] or f.name
+
+
+KEYS = {_key(f): f.name for f in fields(Constraints)}
+"""The keys of ``from_mapping`` and ``--fix``, in field order, and the field each sets."""

@@ -1,8 +1,10 @@
-"""Placements as plans write them: ``S(d)``, ``R``, ``P`` and ``P(avg)`` strings.
+"""Placements as plans write them: ``S(d)``, ``R``, ``P`` and ``P(avg)`` strings, and the one conversion.
 
-A placement says how one tensor lies along one mesh dimension, exactly as DTensor's ``Shard``,
-``Replicate`` and ``Partial`` do (we reuse those types at run time). Plans keep the short human form,
-one string per mesh dimension, so plan files stay readable and never pickle torch objects.
+A placement says how one tensor lies along one mesh dimension. Inside the planner and at run time it is
+DTensor's own value (``Shard(d)``, ``Replicate()``, ``Partial(reduce_op)``: frozen, hashable, with
+``is_shard()``/``is_replicate()``/``is_partial()``), one per mesh dimension. Plans keep the short human
+form, one string per mesh dimension, so plan files stay readable and never pickle torch objects: the
+functions here convert between the two where a plan is written or read, and nowhere else.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Sequence
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autopar.core.errors import PlanFormatError
+
+Placements = tuple[Placement, ...]  # one placement per mesh dim
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 _PARTIAL = re.compile(r"^P(?:\((\w+)\))?$")
@@ -47,19 +51,11 @@ def placements_to_strs(ps: Sequence[Placement]) -> list[str]:
     return [placement_to_str(p) for p in ps]
 
 
-def strs_to_placements(ss: Sequence[str]) -> tuple[Placement, ...]:
+def strs_to_placements(ss: Sequence[str]) -> Placements:
     return tuple(str_to_placement(s) for s in ss)
 
 
-def is_sharded(text: str) -> bool:
-    return text.startswith("S(")
-
-
-def is_partial(text: str) -> bool:
-    return text.startswith("P")
-
-
-def optimizer_shard_dim(shape: Sequence[int], placements: Sequence[str], ways: int) -> int | None:
+def optimizer_shard_dim(shape: Sequence[int], placements: Sequence[Placement], ways: int) -> int | None:
     """The tensor dim on which ZeRO-1/2 splits a parameter's optimizer state and gradient ``ways``
     ways: the first dim that no mesh dim already shards and that has at least ``ways`` elements.
     None when there is none (a tensor-parallel bias, a scalar): that parameter keeps whole state.
@@ -67,7 +63,7 @@ def optimizer_shard_dim(shape: Sequence[int], placements: Sequence[str], ways: i
     One rule for both sides: ``Pricer.parameter_memory`` divides state by ``ways`` exactly when this
     finds a dim, and ``passes/zero.py`` shards the optimizer's parameters on it.
     """
-    taken = {int(p[2:-1]) % max(1, len(shape)) for p in placements if is_sharded(p)}
+    taken = {p.dim % max(1, len(shape)) for p in placements if p.is_shard()}
     for dim, size in enumerate(shape):
         if dim not in taken and size >= ways:
             return dim

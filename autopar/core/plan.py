@@ -32,7 +32,17 @@ class Plan:
     model: dict[str, Any]  # name, params, layers, flops_per_step, graph_fingerprint
     cluster: dict[str, Any]  # spec, devices, nodes, devices_per_node, device
     mesh: dict[str, Any]  # shape, dim_names
-    degrees: dict[str, int]  # dp, fsdp, tp, sp, cp, ep, pp
+    degrees: dict[str, int]  # parallel degrees, one meaning per key (keys, not mesh axes: core/axes.py):
+    #   dp: the data-parallel ranks of a stage, each on its own share of the batch (HSDP: dp_replicate x fsdp)
+    #   fsdp: the size of the group parameters are sharded over (mesh dim "dp"); 1 when they are replicated.
+    #         Not the ZeRO stage that constraint fsdp pins: that is "zero"
+    #   dp_replicate: HSDP's replica groups (mesh dim "dp_replicate"); 1 without HSDP
+    #   zero: the ZeRO stage, 1 or 2 (optimizer state, and gradients, sharded over dp) or 3 (parameters too);
+    #         absent when nothing is sharded (DDP)
+    #   tp: tensor-parallel ranks (mesh dim "tp")
+    #   sp: tp when the norms run split on the sequence over tp (sequence parallelism), else 1
+    #   cp, ep: context and expert parallelism, 1 (not planned yet)
+    #   pp: pipeline stages (the runtime's outermost mesh dim "pp"; ``mesh`` is one stage's)
     pipeline: dict[str, Any]  # stages, schedule, microbatches, microbatch_size
     checkpointing: str  # one of CHECKPOINTING for every layer, or MIXED
     placements: dict[str, list[str]]  # parameter fqn -> placement per mesh dim

@@ -1,7 +1,7 @@
 """The collectives one training step runs, as the plan predicts them: a count per kind.
 
 Derived from the collectives the planner records per op (``plan.ops[name]["collectives"]``, built by
-``autopar.explain.collective_terms`` from ``Pricer.edge_collectives`` and
+``planning/explanations.py``'s ``collective_terms`` from ``Pricer.edge_collectives`` and
 ``Pricer.gradient_collectives``), the way the runtime (``ParallelModule.step``) issues them:
 
 * every op's forward and backward collectives run once per microbatch, since the whole program
@@ -16,7 +16,7 @@ Derived from the collectives the planner records per op (``plan.ops[name]["colle
   of its updated value per step, per data-parallel dim, whatever number of ops read it.
 
 This is the plan's prediction; ``tests/test_collective_parity.py`` holds it against what a step on
-gloo ranks actually issues (docs/architecture.md "Correctness", collective parity), including where DTensor's backward
+gloo ranks actually issues (counted by ``autopar.testing.counters.CollectiveCounter``) (docs/architecture.md "Correctness", collective parity), including where DTensor's backward
 differs from pricing. Plans that did not record collectives predict none. Not for timing: the
 seconds are in ``plan.predicted``.
 """
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
-
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.passes.gradient_sync import BUCKET_BYTES, buckets
 
@@ -99,42 +96,3 @@ def predicted_collectives(plan_data: Mapping[str, Any], phases: Iterable[str] = 
         if c.phase in wanted:
             totals[c.kind] = totals.get(c.kind, 0.0) + c.times
     return {kind: round(total) for kind, total in totals.items() if round(total)}
-
-
-_OP_KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-}
-"""Collective ops (functional collectives, and c10d ops such as the gradient sync's ``dist.all_reduce``)
-by the name of the op, to the kinds plans use."""
-_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
-"""Ops of the collective namespaces that move no data (waiting on a collective, wrapping its result)."""
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives run inside it, per plan kind (``counts``): to hold a step's collectives
-    against ``predicted_collectives``.
-
-    Where we diverge from ``torch.distributed.tensor.debug.CommDebugMode``, which counts the same way
-    (letting DTensor desugar first, then counting the collective ops it dispatches): its module
-    tracker fails when a module runs forward again after a backward, as ``ParallelModule.step`` does
-    with several microbatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor run and desugar into the collectives counted below
-        name = getattr(func, "_overloadpacket", func).__name__
-        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional") and name not in _NOT_COLLECTIVES:
-            kind = _OP_KINDS.get(name, name)  # a collective no plan predicts keeps its own name
-            self.counts[kind] = self.counts.get(kind, 0) + 1
-        return func(*args, **(kwargs or {}))

@@ -32,7 +32,10 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from torch.distributed.tensor import Placement, Shard
+
 from autopar.core.errors import BadInputError
+from autopar.core.placement import Placements, placement_to_str, strs_to_placements
 from autopar.core.plan import Plan
 
 __all__ = ["export_plan"]
@@ -58,38 +61,62 @@ _KNOWN_DIMS = ("dp", "tp")
 # --------------------------------------------------------------------------- reading the plan
 
 @dataclass(frozen=True)
+class _Placed:
+    """The plan's placement strings, parsed once: parameters, buffers and inputs by name, and each op's
+    (inputs, outputs) by op name (an output that is not a tensor is None)."""
+
+    params: dict[str, Placements]
+    buffers: dict[str, Placements]
+    inputs: dict[str, Placements]
+    ops: dict[str, tuple[tuple[Placements, ...], tuple[Placements | None, ...]]]
+
+
+def _placed(plan: Plan) -> _Placed:
+    return _Placed(
+        params={fqn: strs_to_placements(pls) for fqn, pls in plan.placements.items()},
+        buffers={fqn: strs_to_placements(pls) for fqn, pls in plan.buffers.items()},
+        inputs={name: strs_to_placements(spec["placements"]) for name, spec in plan.inputs.items()
+                if "placements" in spec},
+        ops={name: (tuple(strs_to_placements(p) for p in op.get("inputs", [])),
+                    tuple(None if p is None else strs_to_placements(p) for p in op.get("outputs", [])))
+             for name, op in plan.ops.items()},
+    )
+
+
+@dataclass(frozen=True)
 class _WeightOp:
     """One op that reads a module's weight: placements per mesh dim, the weight in its module's layout."""
 
     module: str
     kind: str  # "linear" (weight [out, in]) | "embedding" (weight [vocab, dim])
     index: int  # position in plan.ops (graph order)
-    act: tuple[str, ...]
-    weight: tuple[str, ...]
-    out: tuple[str, ...]
+    act: Placements
+    weight: Placements
+    out: Placements
 
     @property
     def parent(self) -> str:
         return self.module.rpartition(".")[0]
 
 
-def _transposed(p: str) -> str:
-    return {"S(0)": "S(1)", "S(1)": "S(0)"}.get(p, p)
+def _transposed(p: Placement) -> Placement:
+    return Shard(1 - p.dim) if p.is_shard() and p.dim in (0, 1) else p
 
 
-def _weight_ops(plan: Plan) -> list[_WeightOp]:
+def _weight_ops(plan: Plan, placed: _Placed) -> list[_WeightOp]:
     """The first weight-reading op of every module, in graph order."""
     found: dict[str, _WeightOp] = {}
     for index, (name, op) in enumerate(plan.ops.items()):
         spec = _WEIGHT_OPS.get(op.get("op", ""))
         module = op.get("module", "")
-        if spec is None or not module or module in found or not op.get("outputs") or op["outputs"][0] is None:
+        inputs, outputs = placed.ops[name]
+        if spec is None or not module or module in found or not outputs or outputs[0] is None:
             continue
         kind, a, w, transposed = spec
-        if len(op["inputs"]) <= max(a, w):
+        if len(inputs) <= max(a, w):
             continue
-        weight = tuple(_transposed(p) if transposed else p for p in op["inputs"][w])
-        found[module] = _WeightOp(module, kind, index, tuple(op["inputs"][a]), weight, tuple(op["outputs"][0]))
+        weight = tuple(_transposed(p) if transposed else p for p in inputs[w])
+        found[module] = _WeightOp(module, kind, index, inputs[a], weight, outputs[0])
     return list(found.values())
 
 
@@ -132,24 +159,25 @@ class _TensorParallel:
 def _role(w: _WeightOp, t: int) -> str:
     """How the plan computes ``w`` on mesh dim ``t``: col | row | replicated | batch | other."""
     act, weight, out = w.act[t], w.weight[t], w.out[t]
+    on_features = out.is_shard() and out != Shard(0)  # split, but not on the batch
     if w.kind == "linear":
-        if weight == "S(0)" and act == "R" and out.startswith("S(") and out != "S(0)":
+        if weight == Shard(0) and act.is_replicate() and on_features:
             return "col"
-        if weight == "S(1)" and act.startswith("S(") and act != "S(0)" and out.startswith("P"):
+        if weight == Shard(1) and act.is_shard() and act != Shard(0) and out.is_partial():
             return "row"
     else:
-        if weight == "S(1)" and act == "R" and out.startswith("S(") and out != "S(0)":
+        if weight == Shard(1) and act.is_replicate() and on_features:
             return "col"
-        if weight == "S(0)" and act == "R" and out.startswith("P"):
+        if weight == Shard(0) and act.is_replicate() and out.is_partial():
             return "row"
-    if act == weight == out == "R":
+    if act.is_replicate() and weight.is_replicate() and out.is_replicate():
         return "replicated"
-    if act == "S(0)" and weight == "R":
+    if act == Shard(0) and weight.is_replicate():
         return "batch"
     return "other"
 
 
-def _pair_kind(plan: Plan, ops: list[_WeightOp], roles: dict[str, str], col: _WeightOp, t: int
+def _pair_kind(plan: Plan, placed: _Placed, ops: list[_WeightOp], roles: dict[str, str], col: _WeightOp, t: int
                ) -> tuple[str, _WeightOp | None, str]:
     """Does column split ``col`` feed a row split of the same parent with its output kept split?
 
@@ -167,22 +195,22 @@ def _pair_kind(plan: Plan, ops: list[_WeightOp], roles: dict[str, str], col: _We
         break
     if row is None:
         return "none", None, ""
-    between = [op for op in list(plan.ops.values())[col.index + 1:row.index]
-               if op.get("module", "") not in linear_modules]
-    outs = [o[t] for op in between for o in op.get("outputs", []) if o is not None]
-    if any(not p.startswith("S(") for p in outs):
+    between = [name for name in list(plan.ops)[col.index + 1:row.index]
+               if plan.ops[name].get("module", "") not in linear_modules]
+    outs = [o[t] for name in between for o in placed.ops[name][1] if o is not None]
+    if any(not p.is_shard() for p in outs):
         return "none", row, ""  # the plan itself gathers between them
-    bases = {_op_base(op) for op in between}
+    bases = {_op_base(plan.ops[name]) for name in between}
     if bases <= _POINTWISE:
         return "local", row, ""
-    attention = [op for op in between if _op_base(op) in _ATTENTION]
-    heads_split = attention and all(inp[t] == "S(1)" for op in attention for inp in op["inputs"][:3])
+    attention = [name for name in between if _op_base(plan.ops[name]) in _ATTENTION]
+    heads_split = attention and all(inp[t] == Shard(1) for name in attention for inp in placed.ops[name][0][:3])
     if heads_split and bases <= _POINTWISE | _ATTENTION_SHAPE_OPS | _ATTENTION:
-        return "heads", row, attention[0].get("module", "")
+        return "heads", row, plan.ops[attention[0]].get("module", "")
     return "none", row, ""
 
 
-def _tensor_parallel(plan: Plan, ops: list[_WeightOp], t: int, notes: list[str]) -> _TensorParallel:
+def _tensor_parallel(plan: Plan, placed: _Placed, ops: list[_WeightOp], t: int, notes: list[str]) -> _TensorParallel:
     tp = _TensorParallel()
     if not ops and any(op.get("op") in _WEIGHT_OPS for op in plan.ops.values()):
         notes.append("the plan's ops name no modules (a plan from an older autopar): TP styles cannot be "
@@ -200,7 +228,7 @@ def _tensor_parallel(plan: Plan, ops: list[_WeightOp], t: int, notes: list[str])
     for w in ops:
         if roles[w.module] != "col" or w.kind != "linear":
             continue
-        kind, row, attn = _pair_kind(plan, ops, roles, w, t)
+        kind, row, attn = _pair_kind(plan, placed, ops, roles, w, t)
         if kind == "none":
             continue
         split_cols.add(w.module)
@@ -215,7 +243,7 @@ def _tensor_parallel(plan: Plan, ops: list[_WeightOp], t: int, notes: list[str])
         style = _style(roles[w.module], w.module in split_cols, w.module in fed_rows)
         if style is not None:
             tp.styles[w.module] = style
-    _tp_notes(plan, ops, roles, split_cols, t, tp, notes)
+    _tp_notes(placed, ops, roles, split_cols, t, tp, notes)
     return tp
 
 
@@ -228,9 +256,9 @@ def _style(role: str, keeps_split: bool, fed_split: bool) -> _Style | None:
     return None
 
 
-def _tp_notes(plan: Plan, ops: list[_WeightOp], roles: dict[str, str], split_cols: set[str], t: int,
+def _tp_notes(placed: _Placed, ops: list[_WeightOp], roles: dict[str, str], split_cols: set[str], t: int,
               tp: _TensorParallel, notes: list[str]) -> None:
-    stored_split = lambda w: plan.placements.get(f"{w.module}.weight", ["R"] * (t + 1))[t] != "R"  # noqa: E731
+    stored_split = lambda w: not _whole_on(placed.params.get(f"{w.module}.weight"), t, True)  # noqa: E731
     tp.storage_only = [w.module for w in ops if roles[w.module] in ("replicated", "batch") and stored_split(w)]
     batch = tp.batch = [w.module for w in ops if roles[w.module] == "batch"]
     other = [w.module for w in ops if roles[w.module] == "other"]
@@ -249,15 +277,21 @@ def _tp_notes(plan: Plan, ops: list[_WeightOp], roles: dict[str, str], split_col
                      "(ColwiseParallel(output_layouts=Replicate())) where the plan keeps it split; for logits "
                      "into the loss, use_local_output=False with loss_parallel() would keep them split")
     col_bias = [w.module for w in ops if tp.styles.get(w.module, _Style("")).cls == "ColwiseParallel"
-                and plan.placements.get(f"{w.module}.bias", ["S(0)"] * (t + 1))[t] == "R"]
+                and _whole_on(placed.params.get(f"{w.module}.bias"), t, False)]
     if col_bias:
         notes.append(f"ColwiseParallel also splits the bias of {_collapse(col_bias)} (the plan keeps it replicated)")
     styled = {f"{m}.{p}" for m in tp.styles for p in ("weight", "bias")}
-    loose = [fqn for fqn, pls in plan.placements.items() if pls[t].startswith("S(") and fqn not in styled
+    loose = [fqn for fqn, pls in placed.params.items() if pls[t].is_shard() and fqn not in styled
              and fqn.rpartition(".")[0] not in tp.storage_only]
     if loose:
         notes.append(f"parameters {_collapse(loose)} are stored split on tp in the plan; "
                      "no native TP style splits them: replicated")
+
+
+def _whole_on(placements: Placements | None, d: int, absent: bool) -> bool:
+    """Whether a tensor placed so is replicated on mesh dim ``d`` (``absent``: the answer for a tensor the
+    plan does not place)."""
+    return absent if placements is None else placements[d].is_replicate()
 
 
 # --------------------------------------------------------------------------- the dp dim
@@ -279,16 +313,16 @@ def _repeated_container(fqns: Iterable[str]) -> str:
     return max(counts, key=lambda c: len(counts[c]), default="")
 
 
-def _data_parallel(plan: Plan, ops: list[_WeightOp], tp: _TensorParallel | None, notes: list[str]
-                   ) -> _DataParallel:
+def _data_parallel(plan: Plan, placed: _Placed, ops: list[_WeightOp], tp: _TensorParallel | None,
+                   notes: list[str]) -> _DataParallel:
     names = plan.mesh["dim_names"]
     has_dp = "dp" in names
     dp_sharded = has_dp and (plan.degrees.get("fsdp", 1) > 1 or any(
-        pls[names.index("dp")].startswith("S(") for pls in plan.placements.values()))
+        pls[names.index("dp")].is_shard() for pls in placed.params.values()))
     tp_as_fsdp = tp is not None and not tp.styles and bool(tp.storage_only)
     blocks = _repeated_container(plan.placements)
     if has_dp:
-        _dp_notes(plan, ops, names.index("dp"), notes)
+        _dp_notes(plan, placed, ops, names.index("dp"), notes)
     gathered = [m for m in tp.storage_only if m not in tp.batch] if tp is not None else []
     if gathered and not tp_as_fsdp:
         notes.append(f"{_collapse(gathered)} are stored split on tp but computed on gathered weights "
@@ -307,25 +341,25 @@ def _data_parallel(plan: Plan, ops: list[_WeightOp], tp: _TensorParallel | None,
     return _DataParallel("ddp", ("dp",)) if has_dp else _DataParallel()
 
 
-def _dp_notes(plan: Plan, ops: list[_WeightOp], d: int, notes: list[str]) -> None:
-    unsplit = [name for name, spec in plan.inputs.items() if spec.get("placements", ["S(0)"] * (d + 1))[d] != "S(0)"]
+def _dp_notes(plan: Plan, placed: _Placed, ops: list[_WeightOp], d: int, notes: list[str]) -> None:
+    unsplit = [name for name, pls in placed.inputs.items() if pls[d] != Shard(0)]
     if unsplit:
         notes.append(f"the plan does not split inputs {', '.join(unsplit)} over dp; here every input is split "
                      "over dp on dim 0 (local_batch)")
-    odd = [w.module for w in ops if w.weight[d] != "R"]
+    odd = [w.module for w in ops if not w.weight[d].is_replicate()]
     if odd:
         notes.append(f"on the dp dim the plan computes {_collapse(odd)} with split weights; "
                      "native data parallelism computes them batch-split on whole (gathered) weights")
     if plan.degrees.get("fsdp", 1) > 1:
-        layouts = sorted({pls[d] for pls in plan.placements.values()})
-        if layouts != ["S(0)"]:
+        layouts = {pls[d] for pls in placed.params.values()}
+        if layouts != {Shard(0)}:
             notes.append(f"fully_shard splits every parameter on dim 0 over dp; the plan's per-parameter "
-                         f"dp layouts are {', '.join(layouts)}")
+                         f"dp layouts are {', '.join(sorted(map(placement_to_str, layouts)))}")
 
 
 # --------------------------------------------------------------------------- plan-wide notes
 
-def _plan_notes(plan: Plan) -> list[str]:
+def _plan_notes(plan: Plan, placed: _Placed) -> list[str]:
     notes = []
     degrees, pipe = plan.degrees, plan.pipeline
     if degrees.get("pp", 1) > 1:
@@ -350,7 +384,7 @@ def _plan_notes(plan: Plan) -> list[str]:
     other_dims = [n for n in plan.mesh["dim_names"] if n not in _KNOWN_DIMS]
     if other_dims:
         notes.append(f"mesh dims {', '.join(other_dims)} have no native mapping here: replicated over them")
-    sharded_buffers = [b for b, pls in plan.buffers.items() if any(p.startswith("S(") for p in pls)]
+    sharded_buffers = [b for b, pls in placed.buffers.items() if any(p.is_shard() for p in pls)]
     if sharded_buffers:
         notes.append(f"buffers {_collapse(sharded_buffers)} are split in the plan: replicated here")
     return notes
@@ -588,11 +622,12 @@ def export_plan(plan: Plan) -> tuple[str, list[str]]:
     if "dp_replicate" in plan.mesh["dim_names"]:
         raise BadInputError("HSDP plans (mesh dim dp_replicate) are not exported yet: pass the 2-D mesh "
                             "mesh['dp_replicate', 'dp'] to fully_shard and split the batch over both dims by hand")
-    notes = _plan_notes(plan)
-    ops = _weight_ops(plan)
+    placed = _placed(plan)
+    notes = _plan_notes(plan, placed)
+    ops = _weight_ops(plan, placed)
     names = plan.mesh["dim_names"]
-    tp = _tensor_parallel(plan, ops, names.index("tp"), notes) if "tp" in names else None
-    dp = _data_parallel(plan, ops, tp, notes)
+    tp = _tensor_parallel(plan, placed, ops, names.index("tp"), notes) if "tp" in names else None
+    dp = _data_parallel(plan, placed, ops, tp, notes)
     code = _Code()
     code(*_header(plan, notes, dp), "", *_imports(tp, dp))
     _render_entry(code, plan, tp, dp)

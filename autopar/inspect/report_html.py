@@ -7,7 +7,7 @@ scripts, no network, no plotting library, so the file opens anywhere (an offline
 included) and diffs as text.
 
 Not for: new numbers. Everything drawn is read from the Plan; nothing is re-priced or re-solved.
-The text views (``autopar show``) live in ``report.py``, whose formatters this page reuses.
+The text views (``autopar show``) live in ``show.py``, whose formatters this page reuses.
 """
 
 from __future__ import annotations

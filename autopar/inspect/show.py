@@ -131,7 +131,7 @@ def summarize(plan: Plan) -> str:
 
 
 def _collective_count_line(plan: Plan) -> list[str]:
-    """How many collectives of each kind a step runs (``autopar.collectives``); none for plans that
+    """How many collectives of each kind a step runs (``autopar.inspect.collectives``); none for plans that
     did not record their collectives."""
     counts = predicted_collectives({"ops": plan.ops, "pipeline": plan.pipeline})
     if not counts:

@@ -2,7 +2,7 @@
 to, which ops selective checkpointing keeps, and a node's tensor inputs and output values.
 
 One place for each: ``planning/stages.py`` prices by these rules and ``passes/checkpoint.py`` and
-``runtime/pipeline.py`` run by them, so what is priced is what runs.
+``passes/split_stages.py`` run by them, so what is priced is what runs.
 """
 
 from __future__ import annotations

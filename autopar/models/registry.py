@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from autopar.core.constraints import split_pairs
 
 from .common import lm_loss, mse_loss
 from .gpt import GPT, GPTConfig
@@ -148,11 +149,8 @@ _FAMILIES: dict[str, _Family] = {
 
 # --------------------------------------------------------------------------- overrides
 
-_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _parse_value(text: str) -> OverrideValue:
-    """``true/false`` -> bool, then int, then float; raise ValueError otherwise."""
+def _parse_value(key: str, text: str) -> OverrideValue:
+    """``true/false`` -> bool, then int, then float; a ValueError naming the item otherwise."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -161,38 +159,18 @@ def _parse_value(text: str) -> OverrideValue:
             return convert(text)
         except ValueError:
             pass
-    raise ValueError(text)
-
-
-def _parse_item(item: str) -> tuple[str, OverrideValue]:
-    """Parse one ``key=value`` item, naming it in any error."""
-    key, sep, raw = item.partition("=")
-    key, raw = key.strip(), raw.strip()
-    if not sep or not _KEY_RE.match(key) or not raw:
-        raise ValueError(f"bad override item {item.strip()!r}: expected key=value")
-    try:
-        return key, _parse_value(raw)
-    except ValueError:
-        raise ValueError(
-            f"bad override item {item.strip()!r}: value must be an int, float, true or false"
-        ) from None
+    item = f"{key}={text}"
+    raise ValueError(f"bad override item {item!r}: value must be an int, float, true or false")
 
 
 def parse_overrides(text: str | None) -> dict[str, OverrideValue]:
     """Parse ``"layers=2,hidden=64,bias=false"`` into a dict of typed values.
 
     Values are ``true``/``false`` (bool), ints, or floats (``1e-6``). Empty or
-    None text gives ``{}``. A malformed or repeated item raises ValueError naming it.
+    None text gives ``{}``. A malformed or repeated item raises ValueError naming it
+    (the ``key=value,...`` text of ``--set`` is that of ``--fix``: ``split_pairs``).
     """
-    result: dict[str, OverrideValue] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, value = _parse_item(item)
-        if key in result:
-            raise ValueError(f"bad override item {item.strip()!r}: {key!r} given twice")
-        result[key] = value
-    return result
+    return {key: _parse_value(key, raw) for key, raw in split_pairs(text, "override").items()}
 
 
 def _coerce(key: str, value: Any, kind: Any) -> Any:

@@ -7,7 +7,9 @@ predictions, the solver's figures and the explanations.
 """
 
 from __future__ import annotations
-from autopar.core.placement import is_sharded
+from autopar.core.axes import MeshAxis
+from autopar.core.constraints import Constraints
+from autopar.core.placement import placements_to_strs
 from autopar.core.plan import MIXED, Plan
 from autopar.cost_models import Cluster, adamw_step_time
 from autopar.ir.capture import CapturedGraph, module_path
@@ -21,7 +23,7 @@ from autopar.planning.solver import Solution, exposed_grad_sync
 from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
 from autopar.planning.strategies import LOCAL_RULES
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 import hashlib
 import math
 import torch
@@ -80,7 +82,7 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
     """Per tensor one layer hands the next: (bytes per device for the whole batch, the tp mesh dim if
     every rank of it holds the same copy, else None), as the solution places it."""
     roles = layer_roles(captured, problem)
-    tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
+    tp_dims = [i for i, n in enumerate(mesh.names) if n == MeshAxis.TP]
     layers = max(1, captured.layer_count())
     out = []
     for key in sorted(roles.boundary):
@@ -90,36 +92,37 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
         if placements is None or not isinstance(val, torch.Tensor):
             continue
         per_layer = len(d.nodes) / layers
-        copies = next((i for i in tp_dims if placements[i] == "R" and mesh.shape[i] > 1), None)
+        copies = next((i for i in tp_dims if placements[i].is_replicate() and mesh.shape[i] > 1), None)
         out.append((pricer.local_bytes(val, placements) * per_layer, copies))
     return out
 
 
 def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
              results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
-             constraints: Mapping[str, Any]) -> Plan:
+             constraints: Constraints) -> Plan:
     mesh, solution, staging = best.mesh, best.solution, best.staging
     problem = best.problem.settled(solution.choice)  # prices as the chosen parameter placements make them
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
     pricer = pricer_for(cluster, mesh, dtype, constraints)
-    placements = {fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.params.items()}
+    placed = lambda name: placements_to_strs(by_node[name][1].strategy.outputs[0])  # noqa: E731
+    placements = {fqn: placed(name) for name, fqn in captured.params.items()}
     return Plan(
         model={"name": model_name, "params": captured.num_params(), "layers": captured.layer_count(),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
                "dtype": dtype},
         cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
-        mesh={"shape": list(mesh.shape), "dim_names": list(mesh.names)},
+        mesh=mesh.to_dict(),
         degrees=_degrees(mesh, captured, by_node, pricer.zero_stage),
         pipeline=_pipeline_section(captured, best),
         checkpointing=best.checkpointing,
         recomputed_layers=_recomputed_layers(captured, best),
         placements=placements,
-        inputs={name: {"placements": list(by_node[name][1].strategy.outputs[0]),
+        inputs={name: {"placements": placed(name),
                        "shape": list(captured.node(name).meta["val"].shape),
                        "dtype": str(captured.node(name).meta["val"].dtype).replace("torch.", "")}
                 for name in captured.user_inputs},
-        buffers={fqn: list(by_node[name][1].strategy.outputs[0]) for name, fqn in captured.buffers.items()},
+        buffers={fqn: placed(name) for name, fqn in captured.buffers.items()},
         ops=_ops(captured, problem, solution, by_node, pricer),
         predicted=_predicted(captured, cluster, best, problem, chosen, pricer),
         solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
@@ -128,8 +131,8 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
                 "decisions": len(problem.decisions), "meshes_tried": len(results) + len(pruned),
                 "pruned_meshes": [m.describe() for m in pruned]},
         explanations=explanations(best.problem, solution.choice, _explanation_index(captured, problem)),
-        candidates=[{"mesh": {"shape": list(c.mesh.shape), "dim_names": list(c.mesh.names)},
-                     "degrees": {"pp": c.mesh.stages, "dp": c.mesh.degree("dp"), "tp": c.mesh.degree("tp")},
+        candidates=[{"mesh": c.mesh.to_dict(),
+                     "degrees": {"pp": c.mesh.stages, "dp": c.mesh.data_parallel_size, "tp": c.mesh.size(MeshAxis.TP)},
                      "microbatches": c.problem.microbatches, "schedule": c.staging.schedule,
                      "checkpointing": c.checkpointing, "layer_modes": c.layer_modes,
                      "step_time_s": c.step_s, "status": c.solution.status} for c in results],
@@ -146,7 +149,7 @@ def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any
     ranges = [[min(i * per_chunk, layers), min((i + 1) * per_chunk, layers)] for i in range(chunks)]
     return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
             "microbatches": m,
-            "microbatch_size": (global_batch(captured) or 1) // (m * best.mesh.degree("dp"))}
+            "microbatch_size": (global_batch(captured) or 1) // (m * best.mesh.data_parallel_size)}
 
 
 def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, str]:
@@ -174,8 +177,8 @@ def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node:
             for kind, sec in reshard.get(key, {}).items():
                 comm[kind] = comm.get(kind, 0.0) + sec
             ops[node.name] = {"op": str(node.target), "module": module_path(node), "decision": key,
-                              "inputs": [list(p) for p in s.inputs],
-                              "outputs": [list(p) if p is not None else None for p in s.outputs],
+                              "inputs": [placements_to_strs(p) for p in s.inputs],
+                              "outputs": [placements_to_strs(p) if p is not None else None for p in s.outputs],
                               "cost": {"compute_s": c.compute_s, "comm_s": comm, "grad_sync_s": c.grad_sync_s,
                                        "memory_bytes": int(c.memory_bytes)}}
             if str(node.target) in problem.unsupported_ops or node.target in LOCAL_RULES:
@@ -209,23 +212,24 @@ def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, s
 
 
 def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stage: int) -> dict[str, int]:
-    """Degrees of docs/architecture.md "Plan JSON" (``sp`` is the tp degree when a norm's result is split on its sequence
-    dim over tp: ``sequence_parallel.norm_sites``), plus ``dp_replicate`` (HSDP's replica groups, 1
-    without HSDP) and, when anything is sharded over data parallelism, ``zero``: the ZeRO stage (1-2 optimizer state and
-    gradients sharded, 3 parameters too); absent for DDP."""
-    tp, dp = mesh.degree("tp"), mesh.degree("dp")
+    """Degrees of docs/architecture.md "Plan JSON" (what each key means: ``Plan.degrees`` in ``core/plan.py``).
+    ``sp`` is the tp degree when a norm's result is split on its sequence dim over tp
+    (``sequence_parallel.norm_sites``); ``fsdp`` the size of the shard dim when most parameter bytes are
+    sharded on it; ``zero``, when anything is sharded over data parallelism, the ZeRO stage (1-2
+    optimizer state and gradients sharded, 3 parameters too), absent for DDP."""
+    tp = mesh.size(MeshAxis.TP)
     fsdp = 1
-    if mesh.dims_named("dp"):  # fsdp = the shard group when most parameter bytes are sharded on it
-        dp_dim = mesh.names.index("dp")
+    if mesh.dims_of(MeshAxis.DP_SHARD):
+        shard_dim = mesh.names.index(MeshAxis.DP_SHARD)
         numel = {n: captured.node(n).meta["val"].numel() for n in captured.params}
-        sharded = sum(numel[n] for n in captured.params if is_sharded(by_node[n][1].strategy.outputs[0][dp_dim]))
+        sharded = sum(numel[n] for n in captured.params if by_node[n][1].strategy.outputs[0][shard_dim].is_shard())
         if sharded * 2 > sum(numel.values()):
-            fsdp = mesh.degree("dp") // mesh.degree("dp_replicate")
+            fsdp = mesh.size(MeshAxis.DP_SHARD)
     outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
-    sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index("tp")) else 1
+    sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index(MeshAxis.TP)) else 1
     zero = 3 if fsdp > 1 else zero_stage
-    return {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
-            "dp_replicate": mesh.degree("dp_replicate"), **({"zero": zero} if zero else {})}
+    return {"dp": mesh.data_parallel_size, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
+            "dp_replicate": mesh.size(MeshAxis.DP_REPLICATE), **({"zero": zero} if zero else {})}
 
 
 def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, problem: Problem, chosen: dict,

@@ -17,12 +17,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
 
+from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import tensor_inputs
 from autopar.planning.pricing import Collective, Pricer, gathers
 from autopar.planning.problem import (Problem, RootSharding, gradient_root, partial_gradient_share,
                                       read_through_views, source_of)
-from autopar.planning.strategies import Placements, Strategy
+from autopar.planning.strategies import Strategy
 
 TOP_K = 8
 
@@ -145,7 +146,8 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
                                                       partial_gradient_share(arg))):
             # edge_collectives lists the partial gradient's reductions first, one per dim
             why = ("partial gradient" if i < len(grad_partial) else
-                   f"resharding {have[c.mesh_dim]} -> {wanted[c.mesh_dim]}" + (" again in backward" if c.regather else ""))
+                   f"resharding {placement_to_str(have[c.mesh_dim])} -> {placement_to_str(wanted[c.mesh_dim])}"
+                   + (" again in backward" if c.regather else ""))
             weight = kinds[src.name] == "param"  # a parameter or a view of one
             terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
@@ -167,6 +169,6 @@ def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer
     return {"kind": c.kind, "phase": c.phase, "why": why,
             "tensor": captured.params.get(source_of(arg)[0].name, arg.name),
             "shape": list(val.shape), "element_bytes": pricer.element_bytes(val), "mesh_dim": c.mesh_dim,
-            "sharded_on": [d for d, p in enumerate(c.placements) if p.startswith("S(")],
+            "sharded_on": [d for d, p in enumerate(c.placements) if p.is_shard()],
             "group": [group.size, group.per_node, group.nodes], "nbytes": c.nbytes, "seconds": seconds,
             "grad_sync": c.grad_sync, "per_microbatch": per_microbatch, "share": c.share}

@@ -9,19 +9,21 @@ number of stages.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.core.axes import MeshAxis
+from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError
 from autopar.cost_models import Cluster
 from autopar.ir.capture import CapturedGraph
-from dataclasses import dataclass
-from typing import Any, Mapping
-
 
 
 @dataclass(frozen=True)
 class MeshChoice:
-    """A stage submesh (``dims``: name and size per dim) and how many pipeline stages share the world."""
+    """A stage submesh (``dims``: axis and size per dim) and how many pipeline stages share the world."""
 
-    dims: tuple[tuple[str, int], ...]  # (name, size) per mesh dim of one stage
+    dims: tuple[tuple[MeshAxis, int], ...]  # (axis, size) per mesh dim of one stage
     stages: int = 1
 
     @property
@@ -29,33 +31,41 @@ class MeshChoice:
         return tuple(s for _, s in self.dims)
 
     @property
-    def names(self) -> tuple[str, ...]:
+    def names(self) -> tuple[MeshAxis, ...]:
         return tuple(n for n, _ in self.dims)
 
-    def degree(self, name: str) -> int:
-        """Parallel degree of ``name``; ``dp`` counts every data-parallel rank (HSDP: replicas x shards)."""
-        if name == "pp":
-            return self.stages
-        sizes = dict(self.dims)
-        if name == "dp":
-            return sizes.get("dp", 1) * sizes.get("dp_replicate", 1)
-        return sizes.get(name, 1)
+    def size(self, axis: MeshAxis) -> int:
+        """The size of mesh dim ``axis``; 1 when the stage mesh has no such dim."""
+        return dict(self.dims).get(axis, 1)
 
-    def dims_named(self, *names: str) -> list[int]:
-        return [i for i, (n, s) in enumerate(self.dims) if n in names and s > 1]
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks of a stage that each work on their own share of the batch: the product of the
+        data-parallel dims (HSDP: replica groups x shard group). The plan's ``degrees["dp"]``."""
+        return self.size(MeshAxis.DP_SHARD) * self.size(MeshAxis.DP_REPLICATE)
+
+    def dims_of(self, *axes: MeshAxis) -> list[int]:
+        """Indices of the dims of ``axes`` larger than 1."""
+        return [i for i, (n, s) in enumerate(self.dims) if n in axes and s > 1]
+
+    def to_dict(self) -> dict[str, list]:
+        """The plan's ``mesh`` section: ``shape`` and ``dim_names``."""
+        return {"shape": list(self.shape), "dim_names": [axis.value for axis in self.names]}
 
     def describe(self) -> dict[str, int]:
-        return {**({"pp": self.stages} if self.stages > 1 else {}), **dict(self.dims)}
+        """Stages and dim sizes, as ``solver.pruned_meshes`` lists them."""
+        return {**({MeshAxis.PP.value: self.stages} if self.stages > 1 else {}),
+                **{axis.value: s for axis, s in self.dims}}
 
 
-def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int | None,
+def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | None,
                     layers: int = 0) -> list[MeshChoice]:
     """Every ``pp x dp x tp`` factorization of the world the constraints and topology allow, pipeline
     degree first (1 first), then tensor-parallel degree. Unless pinned, ``tp`` stays inside a node
     (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
     nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21)."""
     world = cluster.world_size
-    fixed = {k: constraints.get(k) for k in ("pp", "dp", "tp")}
+    fixed = {"pp": constraints.pp, "dp": constraints.dp, "tp": constraints.tp}  # pinned degrees, by constraint key
     if fixed["dp"] and fixed["tp"] and not fixed["pp"] and world % (fixed["dp"] * fixed["tp"]) == 0:
         fixed["pp"] = world // (fixed["dp"] * fixed["tp"])  # dp and tp pinned: the rest are stages
     _check_fixed_degrees(cluster, fixed, layers, constraints)
@@ -69,17 +79,17 @@ def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int
                 continue
             if not fixed["tp"] and tp > cluster.devices_per_node:
                 continue  # keep tensor parallelism on NVLink unless asked otherwise
-            if tp == 1 and constraints.get("sp") == 1:
+            if tp == 1 and constraints.sp == 1:
                 continue  # sequence parallelism splits over the tp dim
             if batch is not None and batch % dp:
                 if fixed["dp"]:
                     raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
                 continue
             for replicas in _replica_counts(cluster, constraints, dp, tp):
-                named = (("dp_replicate", replicas), ("dp", dp // replicas), ("tp", tp))
-                dims = tuple((n, s) for n, s in named if s > 1) or (("dp", 1),)
+                named = ((MeshAxis.DP_REPLICATE, replicas), (MeshAxis.DP_SHARD, dp // replicas), (MeshAxis.TP, tp))
+                dims = tuple((n, s) for n, s in named if s > 1) or ((MeshAxis.DP_SHARD, 1),)
                 out.append(MeshChoice(dims, pp))
-    if not out and constraints.get("sp") == 1:
+    if not out and constraints.sp == 1:
         raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
                             f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"
                             + (f", global batch {batch}" if batch is not None else "") + ")")
@@ -90,18 +100,18 @@ def mesh_candidates(cluster: Cluster, constraints: Mapping[str, Any], batch: int
     return out
 
 
-def _replica_counts(cluster: Cluster, constraints: Mapping[str, Any], dp: int, tp: int) -> list[int]:
+def _replica_counts(cluster: Cluster, constraints: Constraints, dp: int, tp: int) -> list[int]:
     """HSDP replica groups to try for a data-parallel degree: 1 (plain DDP/FSDP), and, when the dp
     group leaves the node and parameters may be sharded, shard groups that fill a node's devices
     (parameter gathers on NVLink, only the gradient all_reduce across nodes; Zhao et al., VLDB 2023).
     ``dp_shard`` pins the shard group."""
-    if "dp_shard" in constraints:
-        shard = constraints["dp_shard"]
+    if constraints.dp_shard is not None:
+        shard = constraints.dp_shard
         if dp % shard:
             return []
         return [dp // shard]
     shard = cluster.devices_per_node // tp
-    if constraints.get("fsdp", 3) != 3 or shard <= 1 or dp % shard or dp <= shard:
+    if constraints.zero_stage not in (None, 3) or shard <= 1 or dp % shard or dp <= shard:
         return [1]
     return [1, dp // shard]
 
@@ -111,7 +121,7 @@ def _free_stages_ok(pp: int, cluster: Cluster, layers: int) -> bool:
 
 
 def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers: int,
-                         constraints: Mapping[str, Any]) -> None:
+                         constraints: Constraints) -> None:
     world = cluster.world_size
     for key, value in fixed.items():
         if value and world % value:
@@ -124,7 +134,7 @@ def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers:
         raise BadInputError(" x ".join(f"{k}={v}" for k, v in fixed.items() if v)
                             + f" = {product} does not fit the {world} devices of {cluster.spec}")
     pp = fixed["pp"] or 1
-    chunks = constraints.get("virtual_stages", 2 if constraints.get("schedule") == "interleaved" else 1)
+    chunks = constraints.model_chunks
     if pp > 1 and chunks > 1 and pp * chunks > layers:
         raise BadInputError(f"pp={pp} with {chunks} virtual stages needs {pp * chunks} layers; the model has {layers}")
     if pp > 1 and layers == 0:
@@ -137,15 +147,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def microbatch_counts(batch: int | None, dp: int, constraints: Mapping[str, Any]) -> list[int]:
+def microbatch_counts(batch: int | None, dp: int, constraints: Constraints) -> list[int]:
     """Microbatch counts m with every microbatch still split evenly over dp (batch % (m * dp) == 0),
     ascending; one count when ``microbatches`` or ``microbatch_size`` (per dp rank) is pinned."""
     if batch is None:
         return [1]
-    if "microbatch_size" in constraints:
-        size = constraints["microbatch_size"] * dp
+    if constraints.microbatch_size is not None:
+        size = constraints.microbatch_size * dp
         return [batch // size] if batch % size == 0 else []
-    fixed = constraints.get("microbatches")
+    fixed = constraints.microbatches
     if fixed is not None:
         return [] if batch % (fixed * dp) else [fixed]
     return [m for m in _divisors(batch // dp) if (batch // m) % dp == 0]

@@ -61,12 +61,13 @@ from typing import Sequence
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Placement, Replicate
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
-from autopar.core.placement import optimizer_shard_dim
-from autopar.planning.strategies import Placements, Strategy
+from autopar.core.placement import Placements, optimizer_shard_dim
+from autopar.planning.strategies import Strategy
 from autopar.ir.layers import output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -180,7 +181,7 @@ class Pricer:
     def local_numel(self, val: torch.Tensor, placements: Placements | None) -> float:
         n = float(val.numel())
         for p, size in zip(placements or (), self.mesh_shape):
-            if p.startswith("S("):
+            if p.is_shard():
                 n /= size
         return n
 
@@ -189,9 +190,8 @@ class Pricer:
         DTensor gives the first ranks the larger pieces of an uneven split)."""
         shape = list(val.shape)
         for p, size in zip(placements or (), self.mesh_shape):
-            if p.startswith("S("):
-                dim = int(p[2:-1])
-                shape[dim] = -(-shape[dim] // size)
+            if p.is_shard():
+                shape[p.dim] = -(-shape[p.dim] // size)
         return shape
 
     def local_bytes(self, val: torch.Tensor, placements: Placements | None) -> float:
@@ -242,7 +242,7 @@ class Pricer:
         divisor = 1
         for dim, size in enumerate(self.mesh_shape):
             placed = [p[dim] for p in (*strategy.inputs, *strategy.outputs) if p is not None]
-            if any(p.startswith("S(") for p in placed):
+            if any(p.is_shard() for p in placed):
                 divisor *= size
         return divisor
 
@@ -372,20 +372,20 @@ class Pricer:
         if redistributed_from is None:
             return [Collective("all_reduce", "backward", self.local_bytes(val, placements), d, placements, slot=slot,
                                share=share) for d in dims]
-        return [Collective("reduce_scatter" if redistributed_from[d].startswith("S(") else "all_reduce", "backward",
+        return [Collective("reduce_scatter" if redistributed_from[d].is_shard() else "all_reduce", "backward",
                            self.local_bytes(val, placements), d, placements, slot=slot) for d in dims]
 
     def _partial_dims(self, val: torch.Tensor, placements: Placements, out: Placements) -> tuple[int, ...]:
         if not val.dtype.is_floating_point:
             return ()  # no gradient flows back into this input
         return tuple(d for d, group in enumerate(self.groups)
-                     if placements[d] == "R" and out[d] != "R" and group.size > 1)
+                     if placements[d].is_replicate() and not out[d].is_replicate() and group.size > 1)
 
     def _zero_dims(self, val: torch.Tensor, placements: Placements) -> tuple[int, ...]:
         """The data-parallel dims on which ZeRO-1/2 shards this parameter's state (none without ZeRO)."""
         if self.zero_stage not in (1, 2):
             return ()
-        dims = tuple(d for d in self.dp_dims if placements[d] == "R" and self.mesh_shape[d] > 1)
+        dims = tuple(d for d in self.dp_dims if placements[d].is_replicate() and self.mesh_shape[d] > 1)
         ways = 1
         for d in dims:
             ways *= self.mesh_shape[d]
@@ -450,10 +450,11 @@ class Pricer:
         under gradient accumulation its collectives repeat; ``regathered``: a parameter the consumer
         saves for backward, moved again in backward."""
         key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered, partial_share)
-        if key not in self._edge_cache:
-            self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered,
-                                               partial_share)
-        return self._edge_cache[key]
+        cost = self._edge_cache.get(key)  # one lookup: hashing DTensor placements is not cheap
+        if cost is None:
+            cost = self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered,
+                                                      partial_share)
+        return cost
 
     def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool,
               grad_partial: tuple[int, ...], regathered: bool, partial_share: float) -> Cost:
@@ -481,7 +482,7 @@ class Pricer:
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:
                 continue
-            seen = _unsharded_on(dst, dim) if b.startswith("S(") or a.startswith("S(") else dst
+            seen = _unsharded_on(dst, dim) if b.is_shard() or a.is_shard() else dst
             for phase, kinds in zip(("forward", "backward"), _transition(a, b)):
                 found += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
         if regathered:
@@ -526,30 +527,31 @@ def in_step_collective_time(kind: str, nbytes: float, group, redistribute_s: flo
 def gathers(root: Placements, placements: Placements) -> bool:
     """Whether a tensor placed ``root`` is gathered on some mesh dim to be read at ``placements``
     (sharded there, replicated here; a view may move the sharded tensor dim, not unshard it)."""
-    return any(r.startswith("S(") and p == "R" for r, p in zip(root, placements))
+    return any(r.is_shard() and p.is_replicate() for r, p in zip(root, placements))
 
 
 def _unsharded_on(placements: Placements, dim: int) -> Placements:
-    return tuple("R" if i == dim else p for i, p in enumerate(placements))
+    return tuple(Replicate() if i == dim else p for i, p in enumerate(placements))
 
 
-def _transition(src: str, dst: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _transition(src: Placement, dst: Placement) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(forward, backward) collectives that turn placement ``src`` into ``dst`` on one mesh dim."""
-    s_shard, d_shard = src.startswith("S("), dst.startswith("S(")
-    s_part, d_part = src.startswith("P"), dst.startswith("P")
-    if s_shard and dst == "R":
+    s_shard, d_shard = src.is_shard(), dst.is_shard()
+    s_part, d_part = src.is_partial(), dst.is_partial()
+    s_whole, d_whole = src.is_replicate(), dst.is_replicate()
+    if s_shard and d_whole:
         return ("all_gather",), ()
-    if s_part and dst == "R":
+    if s_part and d_whole:
         return ("all_reduce",), ()
     if s_part and d_shard:
         return ("reduce_scatter",), ("all_gather",)
-    if src == "R" and d_shard:  # a local slice; its gradient is gathered back
+    if s_whole and d_shard:  # a local slice; its gradient is gathered back
         return (), ("all_gather",)
     if s_shard and d_shard:
         return ("all_to_all",), ("all_to_all",)
     if s_part and d_part:  # P(sum) <-> P(avg): reduce, then re-split for free
         return ("all_reduce",), ()
-    if d_part and src == "R":
+    if d_part and s_whole:
         return (), ()
     if s_shard and d_part:
         return ("all_gather",), ()

@@ -27,10 +27,12 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Placement, Replicate
 
+from autopar.core.placement import Placements
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost
-from autopar.planning.strategies import Placements, Strategy, StrategyFinder, candidate_placements
+from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
 from autopar.ir.layers import output_vals, tensor_inputs
 
 
@@ -145,7 +147,7 @@ class Problem:
         """The problem with the parameter placements of ``choice`` taken as given: each ``RootSharding``
         whose root option ``choice`` takes is folded into its consumer options' prices, and the
         problem has no such terms left. Its prices for ``choice`` are the ILP's (``solver.evaluate``),
-        and an option of a consumer is priced as if taken with those placements (``autopar.explain``)."""
+        and an option of a consumer is priced as if taken with those placements (``planning/explanations.py``)."""
         if not self.root_terms:
             return self
         extra: dict[tuple[str, int], list[Cost]] = defaultdict(list)
@@ -254,7 +256,7 @@ def build_problem(
         for key, nodes in members.items()
     }
     decisions[OUTPUT_KEY] = Decision(OUTPUT_KEY, [OUTPUT_KEY], [
-        Option(Strategy((tuple(["R"] * len(pricer.mesh_shape)),), ()), Cost())
+        Option(Strategy((tuple([Replicate()] * len(pricer.mesh_shape)),), ()), Cost())
     ])
     _charge_working_set(captured, decisions, pricer)
     edges = _edges(captured, decisions, pricer)
@@ -337,7 +339,7 @@ def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, s
     """Bytes of ``node``'s outputs and non-parameter inputs, local under ``strategy`` (None: whole)."""
     kinds = captured.gradient_kinds()
     outs, ins = output_vals(node), tensor_inputs(node)
-    whole = tuple("R" for _ in pricer.mesh_shape)
+    whole = tuple(Replicate() for _ in pricer.mesh_shape)
     out_places = strategy.outputs if strategy else [whole] * len(outs)
     in_places = strategy.inputs if strategy else [whole] * len(ins)
     total = sum(pricer.local_bytes(v, p) for v, p in zip(outs, out_places)
@@ -438,7 +440,7 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
 
 def partial_gradient_share(arg: fx.Node) -> float:
     """The share of ``arg``'s partial-gradient reduction that one reader pays: ``1/k`` for a value read
-    by ``k`` ops other than views, directly or through views of it (``autopar.pricing``: the readers'
+    by ``k`` ops other than views, directly or through views of it (``autopar.planning.pricing``: the readers'
     partial gradients are summed, through the views' backward, before the one reduction)."""
     readers = {n for user in view_root(arg).users for n in through_views(user)
                if n.op == "call_function" and not is_view(n)}
@@ -448,25 +450,28 @@ def partial_gradient_share(arg: fx.Node) -> float:
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
                  from_param: bool, regathered: bool, partial_share: float
                  ) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
-    srcs = {o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options}
-    dsts = {o.edge_key(edge.slot) for o in decisions[edge.dst].options}
+    # in the options' order (a set's order would follow the hashes, which vary from run to run for
+    # ``Partial``, and the order of the ILP's variables picks among equally priced plans)
+    srcs = dict.fromkeys(o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options)
+    dsts = dict.fromkeys(o.edge_key(edge.slot) for o in decisions[edge.dst].options)
     return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered,
                                 partial_share=partial_share)
             for a in srcs if a is not None for b in dsts}
 
 
-def placeholder_candidates(mesh_shape: Sequence[int], fixed: dict[int, str]) -> Callable[[torch.Tensor], list[Placements]]:
-    """Candidates of R/S(d) per mesh dim, with some dims pinned (e.g. ``{0: "R"}``)."""
+def placeholder_candidates(mesh_shape: Sequence[int], fixed: dict[int, Placement]
+                           ) -> Callable[[torch.Tensor], list[Placements]]:
+    """Candidates of R/S(d) per mesh dim, with some dims pinned (e.g. ``{0: Replicate()}``)."""
 
     def pick(val: torch.Tensor) -> list[Placements]:
         out = []
         for c in candidate_placements(val, mesh_shape, partial=False):
             if all(c[d] == want for d, want in fixed.items() if _pin_applies(want, val)):
                 out.append(c)
-        return out or [tuple("R" for _ in mesh_shape)]
+        return out or [tuple(Replicate() for _ in mesh_shape)]
 
     return pick
 
 
-def _pin_applies(want: str, val: torch.Tensor) -> bool:
-    return not (want.startswith("S(") and val.ndim == 0)
+def _pin_applies(want: Placement, val: torch.Tensor) -> bool:
+    return not (want.is_shard() and val.ndim == 0)

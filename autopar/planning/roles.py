@@ -1,7 +1,7 @@
 """Mesh-dim roles: how each mesh dim of a candidate constrains the ILP built for it.
 
 Each mesh dimension has a role that the placeholders' candidate placements and the ``allow`` rules
-encode:
+encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp`` as ``MeshAxis.DP_SHARD``):
 
 * ``dp``: example inputs are split on their batch dimension (``S(0)``), buffers are replicated, and
   every op downstream of the inputs keeps its output split (or partial) on this dim: each rank works
@@ -18,6 +18,8 @@ encode:
 """
 
 from __future__ import annotations
+from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
+from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import tensor_inputs
@@ -27,7 +29,7 @@ from autopar.planning.problem import Problem, Roles, build_problem, placeholder_
 from autopar.planning.sequence_parallel import sequence_parallel_rule
 from autopar.planning.strategies import StrategyFinder
 from torch import fx
-from typing import Any, Mapping
+from torch.distributed.tensor import Replicate, Shard
 import torch
 
 
@@ -37,28 +39,28 @@ OVERLAP_FRACTION = 0.8
 the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."""
 
 
-def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Mapping[str, Any]) -> Pricer:
+def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Constraints) -> Pricer:
     """The pricer of one stage of ``mesh``; ``fsdp`` 1 or 2 pins ZeRO-1/2 optimizer (and gradient) sharding."""
-    zero = constraints.get("fsdp") if constraints.get("fsdp") in (1, 2) else 0
+    zero = constraints.zero_stage if constraints.zero_stage in (1, 2) else 0
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
-                  dp_dims=mesh.dims_named("dp", "dp_replicate"))
+                  dp_dims=mesh.dims_of(*DATA_PARALLEL_AXES))
 
 
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
-                 constraints: Mapping[str, Any]) -> Problem:
+                 constraints: Constraints) -> Problem:
     """The ILP of one stage under the dims' roles. ``dp`` and ``dp_replicate`` split the batch;
     parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp``, replicated
     (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose."""
     shape = mesh.shape
-    dp_dims = mesh.dims_named("dp", "dp_replicate")
-    shard_dims = mesh.dims_named("dp")
-    replica_dims = mesh.dims_named("dp_replicate")
-    tp_dims = [i for i, n in enumerate(mesh.names) if n == "tp"]
-    pins_buffers = {i: "R" for i in dp_dims}
-    fsdp = 3 if replica_dims else constraints.get("fsdp")
-    pins_params = {i: "R" for i in (dp_dims if fsdp in (0, 1, 2) else replica_dims)}
-    sharded_on_dp = shard_dims if fsdp == 3 else []
-    pins_inputs = {i: ("S(0)" if n in ("dp", "dp_replicate") else "R") for i, n in enumerate(mesh.names)}
+    dp_dims = mesh.dims_of(*DATA_PARALLEL_AXES)
+    shard_dims = mesh.dims_of(MeshAxis.DP_SHARD)
+    replica_dims = mesh.dims_of(MeshAxis.DP_REPLICATE)
+    tp_dims = [i for i, n in enumerate(mesh.names) if n == MeshAxis.TP]
+    pins_buffers = {i: Replicate() for i in dp_dims}
+    zero_stage = 3 if replica_dims else constraints.zero_stage
+    pins_params = {i: Replicate() for i in (dp_dims if zero_stage in (0, 1, 2) else replica_dims)}
+    sharded_on_dp = shard_dims if zero_stage == 3 else []
+    pins_inputs = {i: (Shard(0) if n in DATA_PARALLEL_AXES else Replicate()) for i, n in enumerate(mesh.names)}
     param_candidates = placeholder_candidates(shape, pins_params)
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
@@ -66,7 +68,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
         buffer=placeholder_candidates(shape, pins_buffers),
         allow=_all_of(_batch_stays_split(captured, dp_dims), _weights_stay_split(captured, tp_dims),
                       _replicas_act_as_shards(replica_dims, shard_dims),
-                      sequence_parallel_rule(captured, tp_dims, constraints.get("sp"))),
+                      sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
     return build_problem(captured, StrategyFinder(shape, copies), pricer, roles, capacity, OVERLAP_FRACTION)
@@ -76,7 +78,7 @@ def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
     """A weight matrix is split on each of ``dims`` (tp dims; dp dims under fsdp=3) when it can be."""
     if val.ndim < 2 or not dims:
         return cands
-    split = [c for c in cands if all(c[d] != "R" for d in dims)]
+    split = [c for c in cands if all(not c[d].is_replicate() for d in dims)]
     return split or cands
 
 
@@ -96,11 +98,11 @@ def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
         if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
             return True
         args = tensor_inputs(node)
-        if any(a.name in on_data and a.meta["val"].ndim > 0 and placements[d] == "R"
+        if any(a.name in on_data and a.meta["val"].ndim > 0 and placements[d].is_replicate()
                for a, placements in zip(args, strategy.inputs) for d in dp_dims):
             return False
         reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
-        return all(out[d].startswith("S(") or (reduces and out[d].startswith("P")) for d in dp_dims)
+        return all(out[d].is_shard() or (reduces and out[d].is_partial()) for d in dp_dims)
 
     return allow
 
@@ -113,7 +115,8 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
 
     def allow(node: fx.Node, strategy) -> bool:
         for arg, placements in zip(tensor_inputs(node), strategy.inputs):
-            if kinds[arg.name] == "param" and arg.meta["val"].ndim >= 2 and any(placements[d] == "R" for d in tp_dims):
+            if (kinds[arg.name] == "param" and arg.meta["val"].ndim >= 2
+                    and any(placements[d].is_replicate() for d in tp_dims)):
                 return False
         return True
 

@@ -1,32 +1,16 @@
 """The planner: capture once, then for every candidate mesh build the ILP, solve it, keep the best.
 
-The mesh search enumerates factorizations of the world into pipeline stages and, per stage, a
-data-parallel and a tensor-parallel dimension (``pp x dp x tp``; ``mesh_candidates``). Unless pinned,
-``tp`` stays inside a node (tensor parallelism all-reduces on the critical path, so it belongs on
-NVLink) and ``pp`` divides the node count (stages span whole nodes; Narayanan et al., SC21). The plan's
-``mesh`` is one stage's submesh. Each mesh dimension has a role that the placeholders' candidate
-placements and the ``allow`` rules encode:
+The candidates are the factorizations of the world into pipeline stages and, per stage, data- and
+tensor-parallel mesh dims (``meshes.py``); each mesh dim's role in the ILP is ``roles.py``'s, and the
+winner becomes a ``Plan`` in ``assemble.py``.
 
-* ``dp``: example inputs are split on their batch dimension (``S(0)``), buffers are replicated, and
-  every op downstream of the inputs keeps its output split (or partial) on this dim: each rank works
-  on its own share of the batch, never on a gathered copy. Parameters are replicated (DDP; ZeRO-1/2
-  with ``fsdp`` 1/2, which shard the optimizer state and gradients in ``pricing.py``), sharded
-  (``fsdp=3``, FSDP) or left to the solver. The gradient all_reduce follows from the strategies.
-* ``dp_replicate`` (HSDP): a second data-parallel dim across nodes over which parameters stay
-  replicated while ``dp`` shards them inside a node; ops place tensors alike on both dims.
-* ``tp``: example inputs are replicated and every weight matrix (parameter of 2+ dims) is split on
-  this dim; the ILP picks which dim (column/row, heads, vocabulary) and how activations flow
-  between them (sharded, partial, or split on the sequence) from DTensor's strategies. Constraint
-  ``sp`` pins sequence parallelism: 1 keeps the norms and the residual stream split on the sequence
-  over tp, 0 keeps the norms off it (``sequence_parallel.py``).
-
-A size-1 dimension is dropped. Per mesh, ``_MeshSearch`` tries activation checkpointing modes for the
+Per mesh, ``_MeshSearch`` tries activation checkpointing modes for the
 whole model (none, selective, full: more recomputation only when it lets fewer microbatches fit) and
 microbatch counts (without a pipeline the fewest that fit; with one, larger counts while the bubble
 shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
 the pipeline. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
 a decision of the ILP: recomputing some layers, not all, often fits at less cost.
-Constraints (``{"dp": 2, "tp": 2}``) pin degrees and options; the rest is searched. Meshes are solved
+Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
 in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
 soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
 """
@@ -35,9 +19,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Mapping
 
-
+from autopar.core.axes import MeshAxis
+from autopar.core.constraints import Constraints
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
@@ -47,21 +32,23 @@ from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import Pruned, infeasible_reason, least_memory, solve
 from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
-from autopar.core.constraints import validate_constraints
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
 from autopar.planning.roles import pricer_for, problem_for
 
+TIME_LIMIT_S = 30.0
+"""Seconds the solver may spend on each problem unless constraint ``time_limit_s`` says otherwise."""
+
 
 def make_plan(
-    captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Mapping[str, Any] | None = None,
+    captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Constraints = Constraints(),
     model_dims: Mapping[str, int] | None = None,
 ) -> Plan:
-    """The best plan of ``captured`` on ``cluster``. ``model_dims`` (named sizes such as ``h``, ``vocab``)
-    are recorded in ``plan.model["dims"]`` so that ``explain`` can write tensor sizes as formulas."""
-    constraints = validate_constraints(constraints or {})
-    dtype = constraints.get("dtype") or ("fp32" if cluster.device.name == "cpu" else "bf16")
-    capacity = constraints["memory_gb"] * 1e9 if "memory_gb" in constraints else usable_bytes(cluster.device)
+    """The best plan of ``captured`` on ``cluster`` under ``constraints`` (checked when they were built).
+    ``model_dims`` (named sizes such as ``h``, ``vocab``) are recorded in ``plan.model["dims"]`` so that
+    ``explain`` can write tensor sizes as formulas."""
+    dtype = constraints.dtype or ("fp32" if cluster.device.name == "cpu" else "bf16")
+    capacity = constraints.memory_gb * 1e9 if constraints.memory_gb is not None else usable_bytes(cluster.device)
     batch = global_batch(captured)
     results: list[Candidate] = []
     failures: list[str] = []
@@ -71,7 +58,7 @@ def make_plan(
     for mesh in _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch,
                                                                        captured.layer_count())):
         best = min(results, key=lambda c: c.step_s, default=None)
-        if "pp" not in constraints and _pipeline_cannot_win(mesh, best, batch):
+        if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch):
             pruned.append(mesh)
             continue
         found = search.run(mesh, best.step_s if best else None)
@@ -92,20 +79,20 @@ def make_plan(
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
 
 
-def _sequence_splits(captured: CapturedGraph, constraints: Mapping[str, Any], meshes: list[MeshChoice]
+def _sequence_splits(captured: CapturedGraph, constraints: Constraints, meshes: list[MeshChoice]
                      ) -> list[MeshChoice]:
     """The meshes constraint ``sp=1`` can run on: those whose tp degree splits every norm's sequence dim
     evenly (plans keep shards equal; ``mesh_candidates`` already left out meshes without tp)."""
-    if constraints.get("sp") != 1:
+    if constraints.sp != 1:
         return meshes
     sites = norm_sites(captured)
     if not sites:
         raise BadInputError("constraint sp=1: the model has no LayerNorm or RMSNorm over [batch, seq, hidden] "
                             "activations to split on the sequence")
     lengths = sorted({site.seq_len for site in sites})
-    kept = [m for m in meshes if all(n % m.degree("tp") == 0 for n in lengths)]
+    kept = [m for m in meshes if all(n % m.size(MeshAxis.TP) == 0 for n in lengths)]
     if not kept:
-        degrees = sorted({m.degree("tp") for m in meshes})
+        degrees = sorted({m.size(MeshAxis.TP) for m in meshes})
         raise BadInputError(f"constraint sp=1: sequence length {', '.join(map(str, lengths))} cannot be split "
                             f"evenly over tp={' or '.join(map(str, degrees))}")
     return kept
@@ -121,7 +108,7 @@ def _pipeline_cannot_win(mesh: MeshChoice, best: Candidate | None, batch: int | 
     fits as FSDP x TP, yet pp=8 x tp=8 is 11% faster; ``benchmarks/cost_model_validation.py``.)"""
     if mesh.stages == 1 or best is None:
         return False
-    most_microbatches = (batch or 1) // mesh.degree("dp")
+    most_microbatches = (batch or 1) // mesh.data_parallel_size
     compute = best.compute_s
     return compute * (mesh.stages - 1) / max(1, most_microbatches) >= best.step_s - compute
 
@@ -131,19 +118,20 @@ class _MeshSearch:
     microbatch counts worth solving, each priced with its pipeline bubble."""
 
     def __init__(self, captured: CapturedGraph, cluster: Cluster, dtype: str, capacity: float,
-                 batch: int | None, constraints: Mapping[str, Any]):
+                 batch: int | None, constraints: Constraints):
         self.captured, self.cluster, self.dtype = captured, cluster, dtype
         self.capacity, self.batch, self.constraints = capacity, batch, constraints
-        self.time_limit_s = constraints.get("time_limit_s", 30.0)
+        self.time_limit_s = constraints.time_limit_s if constraints.time_limit_s is not None else TIME_LIMIT_S
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
         """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
         shows it cannot beat ``cutoff_s`` (the best step time of the meshes solved before it)."""
-        counts = microbatch_counts(self.batch, mesh.degree("dp"), self.constraints)
+        dp = mesh.data_parallel_size
+        counts = microbatch_counts(self.batch, dp, self.constraints)
         if not counts:
-            pinned = ", ".join(f"{k}={self.constraints[k]}" for k in ("microbatches", "microbatch_size")
-                               if k in self.constraints)
-            return f"global batch {self.batch} cannot be cut into {pinned} x dp={mesh.degree('dp')}"
+            pinned = ", ".join(f"{k}={v}" for k, v in self.constraints.to_dict().items()
+                               if k in ("microbatches", "microbatch_size"))
+            return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
         pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
         per_m = _MicrobatchProblems(problem_for(self.captured, mesh, pricer, self.capacity, self.constraints), pricer)
         best: Candidate | None = None
@@ -181,7 +169,8 @@ class _MeshSearch:
         8-layer GPT's optimum in 120 s, where a uniform mode takes 1-2 s), so it runs once, on the
         winner, under the search's time limit, with SCIP, which returns its best plan when the limit
         stops it (OR-Tools' HiGHS interface returns none)."""
-        if "checkpointing" in self.constraints or best.checkpointing == "none" or best.staging.layers_per_stage < 2:
+        if self.constraints.checkpointing is not None or best.checkpointing == "none" \
+                or best.staging.layers_per_stage < 2:
             return best
         staging = replace(best.staging, checkpointing=CHECKPOINTING)
         pricer = pricer_for(self.cluster, best.mesh, self.dtype, self.constraints)
@@ -199,9 +188,9 @@ class _MeshSearch:
         layers = self.captured.layer_count()
         schedule, chunks = "none", 1
         if mesh.stages > 1:
-            schedule = self.constraints.get("schedule", "1f1b")
-            chunks = self.constraints.get("virtual_stages", 2 if schedule == "interleaved" else 1)
-        modes = [self.constraints["checkpointing"]] if "checkpointing" in self.constraints else list(CHECKPOINTING)
+            schedule, chunks = self.constraints.pipeline_schedule, self.constraints.model_chunks
+        pinned = self.constraints.checkpointing
+        modes = [pinned] if pinned is not None else list(CHECKPOINTING)
         return [Staging(mesh.stages, layers, schedule, chunks, (mode,)) for mode in modes]
 
     def _staged(self, problem: Problem, staging: Staging) -> Problem:

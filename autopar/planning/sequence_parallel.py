@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.ir.capture import CapturedGraph
 from autopar.planning.strategies import Strategy
@@ -95,7 +96,7 @@ def sequence_parallel_rule(captured: CapturedGraph, tp_dims: list[int], sp: int 
         out = strategy.outputs[0] if strategy.outputs else None
         if dim is None or out is None:
             return True
-        on_sequence = [out[d] == f"S({dim})" for d in tp_dims]
+        on_sequence = [out[d] == Shard(dim) for d in tp_dims]
         return all(on_sequence) if sp else not any(on_sequence)
 
     return allow
@@ -106,7 +107,7 @@ def sequence_sharded(sites: Iterable[NormSite], output_placements: Callable[[str
     gives a node's planned first-output placements)."""
     for site in sites:
         out = output_placements(site.output)
-        if out is not None and out[tp_dim] == f"S({site.seq_dim})":
+        if out is not None and out[tp_dim] == Shard(site.seq_dim):
             return True
     return False
 

@@ -191,15 +191,19 @@ def add_choice_variables(solver: pywraplp.Solver, problem: Problem) -> dict[str,
     return x
 
 
-def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> dict:
-    """y_epq and constraints (2). y may be continuous: with x integral the marginals fix it."""
+def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> dict[int, list]:
+    """y_epq and constraints (2), per edge a list in the order of its ``price`` pairs. y may be continuous:
+    with x integral the marginals fix it.
+
+    Edge tables are walked in order rather than looked up by their (placements) keys wherever the ILP
+    allows: hashing a DTensor placement calls its Python ``__hash__``, ten times the cost of a string's."""
     y = {}
     for e_idx, edge in enumerate(problem.edges):
         src, dst = problem.decisions[edge.src], problem.decisions[edge.dst]
-        pairs = {pq: solver.NumVar(0.0, 1.0, "") for pq in edge.price}
+        pairs = [solver.NumVar(0.0, 1.0, "") for _ in edge.price]
         by_src: dict = {}
         by_dst: dict = {}
-        for (p, q), var in pairs.items():
+        for (p, q), var in zip(edge.price, pairs):
             by_src.setdefault(p, []).append((var, 1.0))
             by_dst.setdefault(q, []).append((var, 1.0))
         for k, o in enumerate(src.options):
@@ -251,22 +255,23 @@ def add_mode_choice_variables(solver: pywraplp.Solver, problem: Problem, x: Mapp
 
 def add_recompute_edge_variables(solver: pywraplp.Solver, problem: Problem, y: Mapping[int, dict],
                                  n: Mapping[str, object]) -> dict:
-    """u_epqm and constraint (8), for the edge pairs into recomputed ops with forward collectives."""
-    u: dict[tuple[int, object, str], object] = {}
+    """u_epqm and constraint (8), for the edge pairs into recomputed ops with forward collectives; keyed
+    (edge, pair's position in the edge's ``price``, mode)."""
+    u: dict[tuple[int, int, str], object] = {}
     if problem.layer_modes is None:
         return u
     layers = float(problem.layer_modes.layers)
     for e_idx, edge in enumerate(problem.edges):
-        rerun = [pq for pq, c in edge.price.items() if c.forward_comm_s]
+        rerun = [i for i, c in enumerate(edge.price.values()) if c.forward_comm_s]
         if not edge.recomputed_under or not rerun:
             continue
         for m in edge.recomputed_under:
-            for pq in rerun:  # u <= L y
-                u[e_idx, pq, m] = solver.NumVar(0.0, layers, "")
-                _row(solver, -solver.infinity(), 0.0, [(u[e_idx, pq, m], 1.0), (y[e_idx][pq], -layers)])
+            for i in rerun:  # u <= L y
+                u[e_idx, i, m] = solver.NumVar(0.0, layers, "")
+                _row(solver, -solver.infinity(), 0.0, [(u[e_idx, i, m], 1.0), (y[e_idx][i], -layers)])
             # sum_F u - n_m - L sum_F y >= -L
-            _row(solver, -layers, solver.infinity(), [*((u[e_idx, pq, m], 1.0) for pq in rerun), (n[m], -1.0),
-                                                      *((y[e_idx][pq], -layers) for pq in rerun)])
+            _row(solver, -layers, solver.infinity(), [*((u[e_idx, i, m], 1.0) for i in rerun), (n[m], -1.0),
+                                                      *((y[e_idx][i], -layers) for i in rerun)])
     return u
 
 
@@ -319,13 +324,14 @@ def set_objective(solver: pywraplp.Solver, problem: Problem, terms: list, y, u, 
     objective = solver.Objective()
     for var, coef in _weighted(terms, lambda c: c.exposed_s * _US):
         objective.SetCoefficient(var, coef)
+    prices = [list(edge.price.values()) for edge in problem.edges]  # in the order of y's and u's pairs
     for e_idx, edge in enumerate(problem.edges):
-        for pq, var in y[e_idx].items():
-            if edge.price[pq].exposed_s:
-                objective.SetCoefficient(var, edge.count * edge.price[pq].exposed_s * _US)
-    for (e_idx, pq, m), var in u.items():
+        for var, cost in zip(y[e_idx], prices[e_idx]):
+            if cost.exposed_s:
+                objective.SetCoefficient(var, edge.count * cost.exposed_s * _US)
+    for (e_idx, i, m), var in u.items():
         edge = problem.edges[e_idx]
-        again = sum(edge.price[pq].forward_comm_s.values())
+        again = sum(prices[e_idx][i].forward_comm_s.values())
         if again:
             objective.SetCoefficient(var, edge.count / problem.layer_modes.layers * again * _US)
     objective.SetCoefficient(z, 1.0)

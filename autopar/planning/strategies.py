@@ -18,6 +18,9 @@ mesh dim of one device (``fits_mesh``: pure relabelling, which the runtime pays 
 
 Placeholders get candidate placements by role: parameters and buffers any ``R``/``S(d)``, example inputs
 whatever the caller allows (the planner pins the batch dimension to the data-parallel mesh dim).
+
+A placement here is DTensor's own value (``Shard(d)``, ``Replicate()``, ``Partial(op)``), as DTensor's
+strategies give it; plan strings (``autopar.core.placement``) appear only where a plan is written or read.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import itertools
 import logging
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -36,14 +38,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 
-from autopar.core.placement import placement_to_str
+from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import FUSED_ATTENTION
 from autopar.ir.layers import output_vals, tensor_inputs
 
 log = logging.getLogger(__name__)
-
-Placements = tuple[str, ...]  # one placement string per mesh dim
-
 
 @dataclass(frozen=True)
 class Strategy:
@@ -53,7 +52,7 @@ class Strategy:
     outputs: tuple[Placements | None, ...]  # per output (one for single-tensor ops); None: not a tensor
 
     def describe(self) -> str:
-        fmt = lambda ps: "(" + ",".join(ps) + ")" if ps is not None else "-"  # noqa: E731
+        fmt = lambda ps: "(" + ",".join(map(placement_to_str, ps)) + ")" if ps is not None else "-"  # noqa: E731
         outs = ", ".join(fmt(p) for p in self.outputs)
         return f"{', '.join(fmt(p) for p in self.inputs)} -> {outs}" if self.inputs else outs
 
@@ -75,7 +74,7 @@ def candidate_placements(
 
 def _assignments(val: torch.Tensor, mesh_ndim: int, partial: bool, shard: bool = True) -> list[Placements]:
     """Every ``R``/``S(d)`` (and optionally ``P``) assignment of ``val`` over ``mesh_ndim`` dims of any size."""
-    one = ["R"] + (["P"] if partial else []) + ([f"S({d})" for d in range(val.ndim)] if shard else [])
+    one = [Replicate()] + ([Partial()] if partial else []) + ([Shard(d) for d in range(val.ndim)] if shard else [])
     return list(itertools.product(one, repeat=mesh_ndim))
 
 
@@ -85,15 +84,15 @@ def fits_mesh(placements: Placements, shape: tuple[int, ...], mesh_shape: Sequen
     tensor all the same, and only the runtime notices: each change of such a label is a DTensor
     redistribute that moves nothing yet costs the host its dispatch, forward and backward (on a
     one-device mesh a plan otherwise relabels tensors about a hundred times a step)."""
-    whole_on_unit_dims = all(p == "R" for p, size in zip(placements, mesh_shape) if size == 1)
+    whole_on_unit_dims = all(p.is_replicate() for p, size in zip(placements, mesh_shape) if size == 1)
     return whole_on_unit_dims and _divides_evenly(placements, shape, mesh_shape)
 
 
 def _divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: Sequence[int]) -> bool:
     factor: dict[int, int] = {}
     for p, size in zip(placements, mesh_shape):
-        if p.startswith("S("):
-            d = int(p[2:-1]) % max(len(shape), 1)
+        if p.is_shard():
+            d = p.dim % max(len(shape), 1)
             factor[d] = factor.get(d, 1) * size
     return all(d < len(shape) and shape[d] % f == 0 and shape[d] >= f for d, f in factor.items())
 
@@ -106,7 +105,7 @@ class LocalRule:
     tensor_inputs: int
 
     def strategies(self, mesh_ndim: int) -> list[Strategy]:
-        one = ["R"] + [f"S({d})" for d in self.independent_dims]
+        one = [Replicate()] + [Shard(d) for d in self.independent_dims]
         return [Strategy(tuple([combo] * self.tensor_inputs), (combo,))
                 for combo in itertools.product(one, repeat=mesh_ndim)]
 
@@ -162,12 +161,10 @@ class StrategyFinder:
         def full(p: Placements | None) -> Placements | None:
             if p is None:
                 return None
-            out = [""] * len(self.mesh_shape)
-            for d, placement in zip(self._free, p):
-                out[d] = placement
+            by_dim = dict(zip(self._free, p))
             for d, source in self.copies.items():
-                out[d] = out[source]
-            return tuple(out)
+                by_dim[d] = by_dim[source]
+            return tuple(by_dim[d] for d in range(len(self.mesh_shape)))
 
         return Strategy(tuple(full(p) for p in strategy.inputs), tuple(full(p) for p in strategy.outputs))
 
@@ -235,10 +232,10 @@ class StrategyFinder:
     def _input_strategy(self, val: torch.Tensor, single: bool, only: Placements | None) -> OpStrategy:
         meta = TensorMeta(val.shape, val.stride(), val.dtype)
         if single:  # DTensor expands single-dim rules itself; one spec tells it plain Shard is in use
-            pls = [tuple(["S(0)" if val.ndim else "R"] * self._ndim)]
+            pls = [tuple([Shard(0) if val.ndim else Replicate()] * self._ndim)]
         else:
             pls = [only] if only is not None else _assignments(val, self._ndim, partial=True)
-        return OpStrategy([OpSpec(DTensorSpec(self.mesh, _to_dtensor(p), meta)) for p in pls])
+        return OpStrategy([OpSpec(DTensorSpec(self.mesh, p, meta)) for p in pls])
 
     def _convert(self, node: fx.Node, op_strategy: Any) -> list[Strategy]:
         if not isinstance(op_strategy, OpStrategy):
@@ -272,7 +269,7 @@ class StrategyFinder:
 def _partial_kind_blind(s: Strategy) -> tuple:
     """Strategies that differ only in the reduce op of their partials (``P`` vs ``P(avg)``, which
     linear ops accept alike) cost the same; the planner keeps the first of each such family."""
-    strip = lambda ps: None if ps is None else tuple("P" if p.startswith("P") else p for p in ps)  # noqa: E731
+    strip = lambda ps: None if ps is None else tuple(Partial() if p.is_partial() else p for p in ps)  # noqa: E731
     return (tuple(strip(p) for p in s.inputs), tuple(strip(p) for p in s.outputs))
 
 
@@ -290,21 +287,16 @@ def _strategy_from_spec(spec: OpSpec, n_inputs: int) -> Strategy | None:
 
 
 def _from_dtensor(placements: Iterable[Any]) -> Placements:
+    """DTensor's placements of one spec, as they are: plain ``Shard``/``Replicate``/``Partial`` only."""
+    placements = tuple(placements)
     for p in placements:
         if type(p) not in (Shard, Replicate, Partial):
             raise ValueError(f"unsupported placement {p!r}")
-    return tuple(placement_to_str(p) for p in placements)
-
-
-@lru_cache(maxsize=None)
-def _to_dtensor(placements: Placements) -> tuple[Any, ...]:
-    from autopar.core.placement import strs_to_placements
-
-    return strs_to_placements(placements)
+    return placements
 
 
 def _replicated(node: fx.Node, n_inputs: int, mesh_ndim: int) -> Strategy:
-    r = tuple(["R"] * mesh_ndim)
+    r = tuple([Replicate()] * mesh_ndim)
     outs = output_vals(node)
     return Strategy(tuple([r] * n_inputs), tuple(r if isinstance(v, torch.Tensor) else None for v in outs))
 

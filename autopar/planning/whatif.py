@@ -17,9 +17,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from autopar.core.axes import MeshAxis
+from autopar.core.constraints import Constraints
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError
+from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.planning.assemble import fingerprint, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice
@@ -38,7 +41,8 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) 
     check_same_model(plan, captured)
     check_same_world(plan, target)
     mesh = _plan_mesh(plan)
-    (staging, layer_modes), dtype, constraints = _staging(plan, captured), plan.model["dtype"], _pricing_constraints(plan)
+    (staging, layer_modes), dtype = _staging(plan, captured), plan.model["dtype"]
+    constraints = _pricing_constraints(plan)
     priced = _planner_problem(captured, target, mesh, staging, dtype, int(plan.pipeline["microbatches"]),
                               constraints).with_layer_modes(layer_modes)
     choice = plan_choice(plan, captured, priced)
@@ -80,8 +84,8 @@ def _plan_strategies(plan: Plan, captured: CapturedGraph) -> dict[str, Strategy]
     """Node name -> the strategy the plan gives it: ops from ``plan.ops``, placeholders from the
     placements of parameters, inputs and buffers; lifted constants are replicated (the runtime's rule)."""
     ndim = len(plan.mesh["shape"])
-    out = {name: Strategy(tuple(tuple(p) for p in op["inputs"]),
-                          tuple(tuple(p) if p is not None else None for p in op["outputs"]))
+    out = {name: Strategy(tuple(strs_to_placements(p) for p in op["inputs"]),
+                          tuple(strs_to_placements(p) if p is not None else None for p in op["outputs"]))
            for name, op in plan.ops.items()}
     for name, fqn in captured.params.items():
         out[name] = _placeholder(plan.placements.get(fqn))
@@ -95,7 +99,7 @@ def _plan_strategies(plan: Plan, captured: CapturedGraph) -> dict[str, Strategy]
 
 
 def _placeholder(placements: list[str] | None) -> Strategy | None:
-    return None if placements is None else Strategy((), (tuple(placements),))
+    return None if placements is None else Strategy((), (strs_to_placements(placements),))
 
 
 def _option_index(decision: Decision, strategy: Strategy | None, plan: Plan) -> int:
@@ -112,7 +116,13 @@ def _option_index(decision: Decision, strategy: Strategy | None, plan: Plan) -> 
 # ---- the planner's internals, in one place ------------------------------------------------------
 
 def _plan_mesh(plan: Plan) -> MeshChoice:
-    return MeshChoice(tuple(zip(plan.mesh["dim_names"], plan.mesh["shape"])), int(plan.degrees.get("pp", 1)))
+    axes = {axis.value: axis for axis in MeshAxis}
+    unknown = [name for name in plan.mesh["dim_names"] if name not in axes]
+    if unknown:
+        raise BadInputError(f"the plan's mesh has dims {', '.join(map(repr, unknown))}, which this autopar does not "
+                            f"plan (it knows {', '.join(axes)}): was the plan made by another version?")
+    return MeshChoice(tuple((axes[name], size) for name, size in zip(plan.mesh["dim_names"], plan.mesh["shape"])),
+                      int(plan.degrees.get("pp", 1)))
 
 
 def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, int]]:
@@ -126,16 +136,16 @@ def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, in
     return replace(staging, checkpointing=tuple(counts) or ("none",)), counts
 
 
-def _pricing_constraints(plan: Plan) -> dict[str, int]:
+def _pricing_constraints(plan: Plan) -> Constraints:
     """What the planner's pricing needs beyond the placements: a ZeRO-1/2 stage (sharded optimizer
     state of replicated parameters). Nothing else is pinned, so every strategy the plan took, under
     whatever constraints it was made, is among the options."""
     zero = int(plan.degrees.get("zero", 0))
-    return {"fsdp": zero} if zero in (1, 2) else {}
+    return Constraints(zero_stage=zero) if zero in (1, 2) else Constraints()
 
 
 def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, staging: Staging, dtype: str,
-                     microbatches: int, constraints: dict[str, int]) -> Problem:
+                     microbatches: int, constraints: Constraints) -> Problem:
     """The problem the planner solves for ``mesh`` and ``staging`` on ``cluster``, priced for ``microbatches``."""
     pricer = pricer_for(cluster, mesh, dtype, constraints)
     whole = problem_for(captured, mesh, pricer, usable_bytes(cluster.device), constraints)
@@ -144,7 +154,7 @@ def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice
 
 def _planner_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, mesh: MeshChoice,
                   staging: Staging, problem: Problem, solution: Solution, wall_s: float,
-                  constraints: dict[str, int]) -> Plan:
+                  constraints: Constraints) -> Plan:
     """The planner's Plan of this one priced candidate (with its pipeline bubble and transfers)."""
     pricer = pricer_for(cluster, mesh, dtype, constraints)
     best = with_pipeline_time(captured, mesh, staging, problem, solution, pricer)

@@ -1,15 +1,14 @@
 """``ParallelModule``: one rank's share of a model, running the plan's per-rank program.
 
-Built from a model, a captured graph and a Plan (the passes do the rewriting):
+Built from a model, a captured graph and a Plan (the passes do the rewriting, in the order
+``autopar.passes`` states):
 
 * parameters and buffers are sharded to DTensors with the plan's placements;
-* the captured forward+loss graph, with redistributes inserted, is this rank's program; values in it
-  are DTensors, so DTensor computes local shapes and the collectives of each redistribute, and
-  autograd derives the backward (with the dual collectives);
-* a parameter gathered for an op is gathered again in backward rather than held (reshard after
-  forward, ``passes/reshard.py``), as pricing charges it;
-* each repeated layer the plan recomputes (``Plan.checkpointing_of``) runs under
-  ``torch.utils.checkpoint`` and is recomputed in backward as the plan priced it;
+* the program is ``autopar.passes.build_program``'s one stage program, the whole captured forward+loss
+  graph rewritten: values in it are DTensors, so DTensor computes local shapes and the collectives of
+  each redistribute, and autograd derives the backward (with the dual collectives); gathered
+  parameters are gathered again in backward and the recomputed layers run under
+  ``torch.utils.checkpoint``, as the plan priced them;
 * ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
   with the last microbatch's backward;
 * under ZeRO-1/2 (``plan.degrees["zero"]``) ``parameters()`` are dp-sharded copies the program's
@@ -27,17 +26,15 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.passes import (GradientSync, ResavedParameters, ShardedOptimizerState, checkpoint_layers,
-                            insert_redistributes, reshard_after_forward, run_locally, shard_parameters, shard_tensor)
-from autopar.core.placement import strs_to_placements
-
-from autopar.ir.capture import CapturedGraph
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
+from autopar.ir.capture import CapturedGraph
+from autopar.passes import GradientSync, ShardedOptimizerState, build_program, shard_parameters, shard_tensor
+from autopar.runtime.inputs import user_input
 
 
 def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
@@ -70,7 +67,10 @@ class ParallelModule(nn.Module):
         named_buffers = dict(model.named_buffers())
         self._buffers_dt = {fqn: shard_tensor(named_buffers[fqn], mesh, pl) for fqn, pl in plan.buffers.items()}
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
-        self.program, self.redistributes = _build_program(captured, plan, mesh)
+        built = build_program(plan, captured, mesh)
+        (stage,) = built.stages
+        self.program, self.redistributes = stage.module, built.redistributes
+        self._placeholders = stage.program.placeholders
         zero = int(plan.degrees.get("zero", 0))
         self._zero = ShardedOptimizerState(self._params, mesh, zero) if zero in (1, 2) else None
         self._grad_sync = GradientSync(self._zero.unsharded() if self._zero else self._params.values())
@@ -133,81 +133,18 @@ class ParallelModule(nn.Module):
         if len(inputs) != len(cg.user_inputs):
             raise BadInputError(f"step() takes {len(cg.user_inputs)} tensors (inputs then targets), "
                                 f"got {len(inputs)}")
-        user = dict(zip(cg.user_inputs, (self._input(n, x, local) for n, x in zip(cg.user_inputs, inputs))))
+        user = {n: user_input(self.plan, self.mesh, n, x, local) for n, x in zip(cg.user_inputs, inputs)}
         values = []
-        for node in cg.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            if node.name in cg.params:
-                values.append(self._params[_key(cg.params[node.name])])
-            elif node.name in cg.buffers:
-                values.append(self._buffers_dt[cg.buffers[node.name]])
-            elif node.name in cg.constants:
-                values.append(self._constants[node.name])
+        for name in self._placeholders:
+            if name in cg.params:
+                values.append(self._params[_key(cg.params[name])])
+            elif name in cg.buffers:
+                values.append(self._buffers_dt[cg.buffers[name]])
+            elif name in cg.constants:
+                values.append(self._constants[name])
             else:
-                values.append(user[node.name])
+                values.append(user[name])
         return values
-
-    def _input(self, name: str, x: torch.Tensor, local: bool) -> DTensor:
-        spec = self.plan.inputs[name]
-        placements = strs_to_placements(spec["placements"])
-        shape = microbatch_shape(spec["shape"], self.microbatches)
-        if local:
-            return DTensor.from_local(x, self.mesh, placements, run_check=False, shape=torch.Size(shape),
-                                      stride=torch.empty(shape, device="meta").stride())
-        if list(x.shape) != shape:
-            raise BadInputError(f"input {name} has shape {list(x.shape)}, the plan was made for {spec['shape']} "
-                                "(pass local=True for per-rank slices)")
-        return shard_tensor(x, self.mesh, spec["placements"])
-
-
-def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
-    """The global shape of one microbatch of an input whose whole-batch shape is ``shape``."""
-    shape = list(shape)
-    return [shape[0] // microbatches] + shape[1:] if shape else shape
-
-
-def _build_program(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> tuple[nn.Module, int]:
-    gm = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
-    produced = produced_placements(captured, plan)
-    inserted = insert_redistributes(gm, plan.ops, produced, mesh)
-    gathers = reshard_after_forward(gm, parameter_values(captured))
-    run_locally(gm, plan.ops, mesh)
-    program = checkpoint_layers(gm, plan.checkpointing_of)
-    return (ResavedParameters(program) if gathers else program), inserted
-
-
-def parameter_values(captured: CapturedGraph) -> set[str]:
-    """Names of the values that are parameters or views of one (the same every microbatch)."""
-    return {name for name, kind in captured.gradient_kinds().items() if kind == "param"}
-
-
-def copy_graph(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` to rewrite, leaving the captured one as it is (shared with the pipeline runtime)."""
-    new = fx.Graph()
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    return new
-
-
-def produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:
-    """Placement of every value as the plan produces it (parameters, buffers, inputs, op outputs; an
-    output of a multi-output op as ``name.i``): what ``insert_redistributes`` reshards from."""
-    produced: dict[str, list[str]] = {}
-    for name, fqn in captured.params.items():
-        produced[name] = plan.placements[fqn]
-    for name, fqn in captured.buffers.items():
-        produced[name] = plan.buffers[fqn]
-    for name, spec in plan.inputs.items():
-        produced[name] = spec["placements"]
-    for name, op in plan.ops.items():
-        outs = op["outputs"]
-        if len(outs) == 1:
-            produced[name] = outs[0]
-        for i, out in enumerate(outs):
-            if out is not None:
-                produced[f"{name}.{i}"] = out
-    return produced
 
 
 def _key(fqn: str) -> str:

@@ -1,35 +1,157 @@
-"""Train a built-in model k steps under a plan on gloo ranks and, beside it, in one process.
+"""Numerical parity: train a built-in model k steps under a plan on gloo ranks and, beside it, in one process.
 
-This is how autopar proves a plan is numerically faithful (docs/architecture.md "Correctness"): same seed, same global
-batches, AdamW, per-step losses and gathered final parameters compared. ``autopar demo`` and the
-multi-process tests use it.
+This is how autopar proves a plan numerically faithful (docs/architecture.md "Correctness"). Both runs
+build the model from the same seed and feed the same global batches to plain SGD at ``LR``; the parallel
+run matches when every parameter's gradient after the first backward, gathered to its full value, is
+within ``GRAD_RTOL``/``GRAD_ATOL`` of single-process autograd's, every rank's per-step loss within
+``LOSS_RTOL`` and every gathered final parameter within ``PARAM_ATOL``. ``ParityResult.assert_matches``
+is that check: its AssertionError names, for each kind that is off, the worst tensor and its error.
+
+SGD, not Adam: SGD's update is proportional to the gradient, so a gradient off by a constant factor moves
+the parameters, where Adam's per-element normalization hides it (``LR`` states the margin). Gradients
+are compared directly too, so an error shows where it starts rather than three updates later.
+``train_parallel_many`` trains several runs in one spawn of ranks (spawning is most of a test's time);
+``autopar demo`` and the multi-process tests use this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.api import autoparallelize
 from autopar.core.plan import Plan
-from autopar.testing.launch import run_on_ranks
 from autopar.models import ModelBundle, build_model
+from autopar.testing.launch import run_on_ranks
 
-LR = 1e-4
-"""AdamW learning rate of parity runs. Adam normalizes each element's update, so rounding differences
-in near-zero gradients (the reduction order changes with the batch split) can move an element by a
-fraction of ``lr`` per step; at 1e-4 three steps stay inside docs/architecture.md's atol of 1e-5. Gradients
-themselves are compared separately (``grads=True``)."""
+LR = 0.1
+"""SGD learning rate of parity runs. A gradient 1.25x too large on every parameter then moves the final
+parameters of mlp, tiny-gpt and tiny-llama by 1e-3 to 3e-3 after three steps, 100x ``PARAM_ATOL`` or
+more (``tests/test_parity.py`` checks 50x), while the rounding differences of another reduction order
+(about 1e-7 of a gradient) move them by about 1e-8."""
+LOSS_RTOL = 1e-4
+GRAD_RTOL = 1e-4
+GRAD_ATOL = 1e-5
+PARAM_ATOL = 1e-5
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of parity runs: plain SGD at ``LR`` (no momentum, no weight decay)."""
+    return torch.optim.SGD(params, lr=LR)
 
 
 @dataclass
 class TrainResult:
+    """A single-process run: per-step losses, each parameter's gradient after the first backward, and
+    each parameter's final value, by fully qualified name."""
+
     losses: list[float]
+    grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
 
 
+@dataclass
+class ParityResult:
+    """A run on W ranks, gathered: each rank's per-step losses, each parameter's full gradient after the
+    first backward, and each parameter's full final value."""
+
+    losses: list[list[float]]
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+    def mismatches(self, single: TrainResult) -> list[str]:
+        """One line per kind (gradients, parameters, losses) that differs from ``single`` beyond its
+        tolerance: how many tensors are off, and the worst with its values and error."""
+        expected_losses = [single.losses] * len(self.losses)
+        found = [_tensors_mismatch("gradients after the first backward", self.grads, single.grads,
+                                   GRAD_RTOL, GRAD_ATOL),
+                 _tensors_mismatch("final parameters", self.params, single.params, 0.0, PARAM_ATOL),
+                 _tensors_mismatch("per-step losses", _per_step(self.losses), _per_step(expected_losses),
+                                   LOSS_RTOL, 0.0)]
+        return [line for line in found if line]
+
+    def assert_matches(self, single: TrainResult) -> None:
+        """Raise an AssertionError listing ``mismatches(single)`` if there are any."""
+        found = self.mismatches(single)
+        if found:
+            raise AssertionError("parallel training differs from single-process training:\n  " + "\n  ".join(found))
+
+
+@dataclass
+class AutoparResult(ParityResult):
+    """A ``ParityResult`` of autopar's runtime, with the plan it ran and its redistribute count."""
+
+    plan: dict[str, Any]
+    redistributes: int
+
+    @classmethod
+    def from_ranks(cls, per_rank: list[Mapping[str, Any]]) -> AutoparResult:
+        """From what each rank returned (``train_module``'s dict; rank 0's holds the gathered tensors)."""
+        first = per_rank[0]
+        return cls(losses=[r["losses"] for r in per_rank], grads=first["grads"], params=first["params"],
+                   plan=first["plan"], redistributes=first["redistributes"])
+
+
+def _per_step(losses_per_rank: list[list[float]]) -> dict[str, torch.Tensor]:
+    """Each rank's loss at each step as a named scalar, to compare like tensors."""
+    return {f"rank {r} step {s}": torch.tensor(loss, dtype=torch.float64)
+            for r, losses in enumerate(losses_per_rank) for s, loss in enumerate(losses)}
+
+
+@dataclass
+class _Error:
+    """The worst element of one tensor compared with its expected value."""
+
+    excess: float  # |diff| / allowed at the worst element (inf for a shape mismatch or NaN)
+    text: str
+
+
+def _tensors_mismatch(kind: str, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                      rtol: float, atol: float) -> str | None:
+    """``None`` if every tensor of ``got`` is within ``atol + rtol * |expected|`` elementwise (the rule of
+    ``torch.testing.assert_close``), else a line naming how many are off and the worst."""
+    missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    if missing or unexpected:
+        return f"{kind}: names differ, missing {missing}, unexpected {unexpected}"
+    errors = {name: _error(got[name], expected[name], rtol, atol) for name in expected}
+    off = {name: e for name, e in errors.items() if e.excess > 1}
+    if not off:
+        return None
+    worst = max(off, key=lambda name: off[name].excess)
+    return f"{kind}: {len(off)} of {len(errors)} off, worst {worst}{off[worst].text}"
+
+
+def _error(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> _Error:
+    if got.shape != expected.shape:
+        return _Error(float("inf"), f": shape {list(got.shape)}, expected {list(expected.shape)}")
+    got, expected = got.detach().double(), expected.detach().double()
+    diff = (got - expected).abs()
+    allowed = atol + rtol * expected.abs()
+    excess = torch.where(diff == 0, 0.0, diff / allowed).nan_to_num(nan=float("inf")).reshape(-1)
+    if excess.numel() == 0:
+        return _Error(0.0, "")
+    i = int(excess.argmax())
+    index = list(torch.unravel_index(torch.tensor(i), got.shape)) if got.dim() else []
+    at = f"[{', '.join(str(int(j)) for j in index)}]" if index else ""
+    value, want = got.reshape(-1)[i].item(), expected.reshape(-1)[i].item()
+    return _Error(float(excess[i]), f"{at}: {value:.6g}, expected {want:.6g} "
+                                    f"(|diff| {abs(value - want):.3g}, allowed {float(allowed.reshape(-1)[i]):.3g})")
+
+
+def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """The largest elementwise difference between same-named tensors (``autopar demo`` prints it)."""
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ---- the runs ---------------------------------------------------------------------------------------
 def batches(bundle: ModelBundle, steps: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     """``steps`` global batches shaped like the bundle's example batch, from a seeded generator."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -51,71 +173,98 @@ def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq
     return build_model(name, overrides=overrides, global_batch=global_batch, seq=seq, device="cpu", seed=seed)
 
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-"""AdamW is what people train with; SGD's update is proportional to the gradient, so a parity run with
-it also catches a gradient that is off by a constant factor (which Adam's normalization hides)."""
-
-
-def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    return OPTIMIZERS[kind](params, lr=LR if kind == "adamw" else 0.1)
-
-
 def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
-                 steps: int, seed: int = 0, optimizer: str = "adamw") -> TrainResult:
+                 steps: int, seed: int = 0, optimizer: OptimizerFactory = sgd) -> TrainResult:
+    """The reference: ``steps`` steps of single-process autograd (``optimizer``: parity's SGD unless a
+    test of something else, such as the example script, trains with another)."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
-    opt = make_optimizer(optimizer, model.parameters())
-    losses = []
-    for *inputs, targets in batches(bundle, steps, seed):
+    opt = optimizer(model.parameters())
+    losses, grads = [], {}
+    for i, (*inputs, targets) in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
         loss = loss_fn(model(*inputs), targets)
         loss.backward()
+        if i == 0:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
         losses.append(loss.item())
-    return TrainResult(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
+    return TrainResult(losses, grads, {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+def gathered_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, gathered to its full value, for every rank's parameters, on every rank.
+
+    Collective: every rank calls it. ``module.named_parameters()`` are the tensors the optimizer updates:
+    DTensors with the plan's placements, under ZeRO-1/2 the dp-sharded copies onto which the gradients
+    were reduce-scattered (``passes/zero.py``). A pipeline rank holds only its stages' parameters, so
+    after gathering on their meshes the ranks exchange what they hold.
+    """
+    return _exchanged({name: _full(p.grad) for name, p in module.named_parameters() if p.grad is not None})
+
+
+def gathered_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's full value, for every rank's parameters, on every rank (collective, as
+    ``gathered_grads``); for modules without autopar's ``full_state_dict``."""
+    return _exchanged({name: _full(p.detach()) for name, p in module.named_parameters()})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _exchanged(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name: t for held in everyone for name, t in held.items()}
+
+
+def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int) -> dict[str, Any]:
+    """Train autopar's module ``pm`` (``ParallelModule`` or ``PipelineParallelModule``) ``steps`` SGD
+    steps on the global batches of ``seed``. Every rank returns its losses; rank 0 also the gathered
+    gradients after the first backward and final parameters (``AutoparResult.from_ranks`` reads them)."""
+    opt = sgd(pm.parameters())
+    losses, grads = [], {}
+    for i, batch in enumerate(batches(bundle, steps, seed)):
+        opt.zero_grad()
+        losses.append(pm.step(*batch).item())
+        if i == 0:
+            grads = gathered_grads(pm)
+        opt.step()
+    params = pm.full_state_dict()
+    return {"losses": losses, "grads": grads if rank == 0 else None, "params": params if rank == 0 else None,
+            "plan": pm.plan.to_dict(), "redistributes": pm.redistributes}
 
 
 def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str, Any] | None,
                         global_batch: int, seq: int | None, steps: int, plan: dict | None,
                         constraints: Mapping[str, Any] | None, seed: int = 0,
-                        optimizer: str = "adamw") -> dict[str, Any]:
-    """One rank's training under ``plan`` (or a plan made here for this world); rank 0 returns results."""
-    bundle = build(name, overrides, global_batch, seq, seed)
-    pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, constraints=constraints,
-                                 plan=Plan.from_dict(plan) if plan else None)
-    opt = make_optimizer(optimizer, pm.parameters())
-    losses = []
-    for batch in batches(bundle, steps, seed):
-        opt.zero_grad()
-        losses.append(pm.step(*batch).item())
-        opt.step()
-    state = pm.full_state_dict()
-    return {"losses": losses, "params": state if rank == 0 else None, "plan": pm.plan.to_dict(),
-            "redistributes": pm.redistributes}
+                        under: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+    """One rank's training under ``plan`` (or a plan made here for this world), as ``train_module``.
+
+    ``under``, if given, is called on the rank and the run made inside the context it returns: a test
+    perturbs the runtime there (a picklable, module-level function) to prove the check fails.
+    """
+    with under() if under else contextlib.nullcontext():
+        bundle = build(name, overrides, global_batch, seq, seed)
+        pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                             example_targets=bundle.example_targets, constraints=constraints,
+                             plan=Plan.from_dict(plan) if plan else None)
+        return train_module(pm, bundle, steps, seed, rank)
 
 
 def train_parallel(world: int, name: str, overrides: Mapping[str, Any] | None, global_batch: int,
                    seq: int | None, steps: int, plan: dict | None = None,
-                   constraints: Mapping[str, Any] | None = None, seed: int = 0,
-                   optimizer: str = "adamw") -> dict[str, Any]:
-    results = run_on_ranks(train_parallel_rank, world, name, overrides, global_batch, seq, steps, plan,
-                           constraints, seed, optimizer)
-    return {"losses": [r["losses"] for r in results], "params": results[0]["params"],
-            "plan": results[0]["plan"], "redistributes": results[0]["redistributes"]}
+                   constraints: Mapping[str, Any] | None = None, seed: int = 0) -> AutoparResult:
+    return AutoparResult.from_ranks(run_on_ranks(train_parallel_rank, world, name, overrides, global_batch, seq,
+                                                 steps, plan, constraints, seed))
 
 
 def _train_many_rank(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [train_parallel_rank(rank, world, **run) for run in runs]
 
 
-def train_parallel_many(world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Several ``train_parallel`` runs (keyword dicts) in one set of processes: one spawn, one group."""
+def train_parallel_many(world: int, runs: list[dict[str, Any]]) -> list[AutoparResult]:
+    """Several ``train_parallel_rank`` runs (keyword dicts) in one set of processes: one spawn, one group."""
     per_rank = run_on_ranks(_train_many_rank, world, runs)
-    return [{"losses": [r[i]["losses"] for r in per_rank], "params": per_rank[0][i]["params"],
-             "plan": per_rank[0][i]["plan"], "redistributes": per_rank[0][i]["redistributes"]}
-            for i in range(len(runs))]
-
-
-def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return [AutoparResult.from_ranks([r[i] for r in per_rank]) for i in range(len(runs))]

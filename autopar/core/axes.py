@@ -1,0 +1,37 @@
+"""Mesh axes: the names of device-mesh dims, as plans (``mesh["dim_names"]``) and DeviceMesh spell them.
+
+One name, one meaning. A mesh axis names a dim of the device mesh; it is not a parallel degree. The
+plan's ``degrees["dp"]`` counts every data-parallel rank (under HSDP, replicas x shards), while the mesh
+axis spelled ``dp`` is only the inner of HSDP's two data-parallel dims: in code it is
+``MeshAxis.DP_SHARD`` (torchtitan's ``dp_shard``), and the degree is ``MeshChoice.data_parallel_size``.
+The spelled names stay those of ``autopar.plan/1``, so plan files and DeviceMesh dim names are unchanged.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class MeshAxis(str, Enum):
+    """A device-mesh dim. A ``str``: JSON and ``init_device_mesh(mesh_dim_names=...)`` take it as its name.
+
+    Context and expert parallelism (degrees ``cp`` and ``ep``) are not planned yet: no mesh has their dims.
+    """
+
+    DP_REPLICATE = "dp_replicate"
+    """HSDP's outer data-parallel dim, across nodes: parameters stay replicated over it."""
+    DP_SHARD = "dp"
+    """The data-parallel dim inside a replica group (without HSDP, every data-parallel rank): the batch is
+    split over it, and parameters (``fsdp=3``) or optimizer state (ZeRO-1/2) may be sharded over it."""
+    TP = "tp"
+    """Tensor parallelism: weight matrices are split over it."""
+    PP = "pp"
+    """Pipeline stages: the runtime's outermost dim (``runtime/pipeline.py``); a plan's ``mesh`` is one
+    stage's submesh, without it."""
+
+    def __str__(self) -> str:  # the spelled name, as enum.StrEnum (Python 3.11+) gives it
+        return self.value
+
+
+DATA_PARALLEL_AXES = (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD)
+"""The dims the batch is split over."""

@@ -1,0 +1,87 @@
+"""``build_program``: the one ordered list of graph passes, from a Plan and the captured step to the
+stage programs a runtime runs.
+
+Every runtime (``ParallelModule``, ``PipelineParallelModule``) builds its program here, so the order is
+written once. ``build_program`` reads as the recipe, one line per transformation (as torchtitan's
+``parallelize_llama``): the captured graph is copied, then rewritten in place by the passes that change
+what the program communicates and computes, then cut into stage programs, and each stage program is
+wrapped for how it keeps activations for backward.
+
+Where we diverge from FX's pass infrastructure (``torch.fx.passes.infra``: ``PassBase`` returns a
+``PassResult(graph_module, modified)``, ``PassManager`` runs a list of them): our passes take the plan's
+arguments besides the graph module, so each is a plain function called on its line, and it returns
+what it did (how many nodes it rewrote, where FX returns ``modified``) or the new modules it made. The
+split turns one graph into several, which a ``PassManager`` of graph-to-graph passes cannot express.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.core.plan import Plan
+from autopar.ir.capture import CapturedGraph
+
+from .checkpoint import checkpoint_layers
+from .insert_redistributes import insert_redistributes, produced_placements
+from .reshard import ResavedParameters, parameter_values, reshard_after_forward
+from .run_locally import run_locally
+from .split_stages import Boundary, StageProgram, boundary_of, split_program, whole_program
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage program ready to run: ``module(*received, *placeholders)`` returns the values sent
+    (the last stage's: the loss)."""
+
+    program: StageProgram  # its graph and what it reads and sends, by value name
+    module: nn.Module  # what runs: the graph, layers checkpointed as planned, re-gathering parameters in backward
+    received: tuple[Boundary, ...]  # how each of ``program.inputs`` arrives
+    sent: tuple[Boundary, ...]  # how each of ``program.outputs`` leaves
+
+
+@dataclass(frozen=True)
+class Program:
+    """The per-rank program of a plan."""
+
+    stages: tuple[Stage, ...]  # the whole program (one stage), or a pipeline plan's chunks in order
+    redistributes: int  # redistribute nodes inserted (before the split)
+    regathers_parameters: bool  # parameters gathered for an op are gathered again in backward
+
+
+def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Program:
+    """The captured step rewritten by the graph passes, in order, for one rank of ``mesh`` (a pipeline
+    plan's: one stage's submesh)."""
+    program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
+    redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), mesh)
+    gathers = reshard_after_forward(program, parameter_values(captured))
+    run_locally(program, plan.ops, mesh)
+    pieces = (split_program(program, plan.pipeline["stages"], captured.params, captured.user_inputs)
+              if _pipelined(plan) else [whole_program(program)])
+    stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)
+    return Program(stages, redistributes, gathers > 0)
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` to rewrite, leaving the captured one as it is."""
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _pipelined(plan: Plan) -> bool:
+    """Whether the plan cuts the program into pipeline stages."""
+    return int(plan.degrees.get("pp", 1)) > 1
+
+
+def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, regathers: bool) -> Stage:
+    """``piece`` with its layers checkpointed as planned, under ``ResavedParameters`` when the program
+    gathers parameters, and the placements of the values it receives and sends."""
+    module = checkpoint_layers(piece.graph_module, plan.checkpointing_of)
+    nodes = {node.name: node for node in program.graph.nodes}
+    return Stage(piece, ResavedParameters(module) if regathers else module,
+                 tuple(boundary_of(nodes[name], plan) for name in piece.inputs),
+                 tuple(boundary_of(nodes[name], plan) for name in piece.outputs))

@@ -1,0 +1,170 @@
+"""``autopar.passes.build_program``, the one ordered list of graph passes, on tiny-gpt planned for
+``1x2xcpu``, in one process: a fake 2-rank process group gives the meshes (no collective runs).
+
+* an FSDP plan with full checkpointing: one stage program, the whole step; a redistribute before
+  exactly the op inputs whose planned placement changes, moving them to the op's; every such move
+  of a parameter turned into a gather made again in backward (the reshard pass ran after the
+  insertion); the program runs under ``ResavedParameters`` around its checkpointed layers;
+* a pipeline plan (pp=2): two stage programs whose outputs are the next one's inputs, with the same
+  placements and the microbatch's shape on both sides, each parameter read by one stage only; run
+  one after the other on the 1-rank stage mesh, they give the loss eager PyTorch computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_leaves
+
+import autopar
+from autopar.ir.capture import CapturedGraph, capture
+from autopar.ir.layers import tensor_inputs
+from autopar.models import ModelBundle, build_model
+from autopar.passes import Program, build_program, shard_tensor
+from autopar.passes.checkpoint import CheckpointedLayer
+from autopar.passes.insert_redistributes import as_replicated, produced_placements, redistribute
+from autopar.passes.reshard import ResavedParameters, gather_parameter, parameter_values
+from autopar.passes.run_locally import run_local_op
+from autopar.runtime.parallel_module import mesh_for_plan
+from autopar.runtime.pipeline import pipeline_meshes
+
+BATCH = 8
+MOVES = (redistribute, gather_parameter)
+
+
+@pytest.fixture(scope="module")
+def two_fake_ranks() -> Iterator[None]:
+    """A 2-rank process group whose collectives do nothing: enough to build the plans' meshes."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gpt() -> ModelBundle:
+    return build_model("tiny-gpt", global_batch=BATCH, device="cpu", seed=0)
+
+
+def _plan(bundle: ModelBundle, constraints: dict[str, Any]) -> autopar.Plan:
+    return autopar.plan(bundle.model, bundle.example_inputs, cluster="1x2xcpu", loss_fn=bundle.loss_fn,
+                        example_targets=bundle.example_targets, constraints=constraints)
+
+
+def _captured(bundle: ModelBundle, rows: int) -> CapturedGraph:
+    """The step captured on the first ``rows`` rows of the batch (a pipeline program runs a microbatch)."""
+    return capture(bundle.model, tuple(x[:rows] for x in bundle.example_inputs), bundle.example_targets[:rows],
+                   bundle.loss_fn)
+
+
+def _value_name(node: fx.Node) -> str:
+    """The name a value has in ``produced_placements``: ``op.i`` for output i of a multi-output op."""
+    if getattr(node.target, "__name__", "") == "getitem":
+        return f"{node.args[0].name}.{node.args[1]}"
+    return node.name
+
+
+def _read_in_place_of(captured: fx.Node, rewritten: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(captured tensor input, the node the rewritten op reads in its place) for each input of an op."""
+    local = rewritten.target is run_local_op  # run_locally made its args (op, mesh, outputs, layouts, *args)
+    args = rewritten.args[4:] if local else rewritten.args
+    pairs = zip(tree_leaves((captured.args, captured.kwargs)), tree_leaves((args, rewritten.kwargs)))
+    return [(old, new) for old, new in pairs if old in tensor_inputs(captured)]
+
+
+def _reads_unmoved(old: fx.Node, new: fx.Node) -> bool:
+    """Whether the rewritten op reads the captured value itself (a factory's output wrapped as a
+    replicated DTensor included)."""
+    return new.name == old.name or (new.target is as_replicated and new.args[0].name == old.name)
+
+
+@pytest.fixture(scope="module")
+def fsdp(two_fake_ranks: None, gpt: ModelBundle) -> tuple[autopar.Plan, CapturedGraph, Program]:
+    plan = _plan(gpt, {"dp": 2, "fsdp": 3, "checkpointing": "full"})
+    captured = _captured(gpt, BATCH)
+    return plan, captured, build_program(plan, captured, mesh_for_plan(plan))
+
+
+def test_a_plan_without_pipeline_is_one_stage_program_of_the_whole_step(fsdp) -> None:
+    plan, captured, program = fsdp
+    (stage,) = program.stages
+    placeholders = [n.name for n in captured.graph.nodes if n.op == "placeholder"]
+    assert stage.program.placeholders == placeholders
+    assert (stage.program.inputs, stage.program.outputs, stage.received) == ([], [captured.loss_node], ())
+
+
+def test_redistributes_move_exactly_the_inputs_whose_placement_changes(fsdp) -> None:
+    plan, captured, program = fsdp
+    produced = produced_placements(captured, plan)
+    rewritten = {n.name: n for n in program.stages[0].program.graph_module.graph.nodes}
+    moved = 0
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or node.name not in plan.ops:
+            continue
+        for (old, new), wanted in zip(_read_in_place_of(node, rewritten[node.name]), plan.ops[node.name]["inputs"]):
+            if _reads_unmoved(old, new):
+                assert tuple(produced[_value_name(old)]) == tuple(wanted), f"{node.name} reads {old.name} unmoved"
+                continue
+            assert new.target in MOVES and new.args[0].name == old.name, f"{node.name}: {new.name} is not a move"
+            assert tuple(new.args[1]) == tuple(wanted) != tuple(produced[_value_name(old)])
+            moved += 1
+    assert moved == program.redistributes > 0
+
+
+def test_parameter_moves_become_gathers_made_again_in_backward_around_checkpointed_layers(fsdp) -> None:
+    plan, captured, program = fsdp
+    params = parameter_values(captured)
+    moves = [n for n in program.stages[0].program.graph_module.graph.nodes if n.target in MOVES]
+    gathers = [n for n in moves if n.target is gather_parameter]
+    assert gathers and all(n.args[0].name in params for n in gathers)
+    assert not [n for n in moves if n.target is redistribute and n.args[0].name in params]
+    assert program.regathers_parameters
+    module = program.stages[0].module
+    assert isinstance(module, ResavedParameters)
+    layers = [m.layer_name for m in module.program.modules() if isinstance(m, CheckpointedLayer)]
+    assert layers == ["blocks.0", "blocks.1"]
+
+
+@pytest.fixture(scope="module")
+def pipeline(two_fake_ranks: None, gpt: ModelBundle) -> tuple[autopar.Plan, CapturedGraph, Program]:
+    plan = _plan(gpt, {"pp": 2, "microbatches": 2})
+    captured = _captured(gpt, BATCH // 2)
+    _, stage_mesh = pipeline_meshes(plan)
+    return plan, captured, build_program(plan, captured, stage_mesh)
+
+
+def test_a_pipeline_plan_is_split_into_stage_programs_that_chain(pipeline) -> None:
+    plan, captured, program = pipeline
+    stages = program.stages
+    assert [s.program.index for s in stages] == list(range(len(plan.pipeline["stages"]))) == [0, 1]
+    assert stages[0].program.inputs == [] and stages[-1].program.outputs == [captured.loss_node]
+    for sender, receiver in zip(stages, stages[1:]):
+        assert sender.program.outputs == receiver.program.inputs and sender.program.outputs
+        assert sender.sent == receiver.received
+        assert all(b.shape[0] == BATCH // 2 for b in receiver.received), "values cross at the microbatch's shape"
+    readers = [[s.program.index for s in stages if name in s.program.placeholders] for name in captured.params]
+    assert all(len(r) == 1 for r in readers), "each parameter belongs to one stage"
+    assert not program.regathers_parameters
+
+
+@torch.no_grad()
+def test_stage_programs_run_in_turn_give_the_eager_loss(pipeline, gpt: ModelBundle) -> None:
+    plan, captured, program = pipeline
+    _, mesh = pipeline_meshes(plan)
+    rows = BATCH // 2
+    inputs, targets = tuple(x[:rows] for x in gpt.example_inputs), gpt.example_targets[:rows]
+    params, buffers = dict(gpt.model.named_parameters()), dict(gpt.model.named_buffers())
+    values = {n: shard_tensor(params[fqn], mesh, plan.placements[fqn]) for n, fqn in captured.params.items()}
+    values |= {n: shard_tensor(buffers[fqn], mesh, plan.buffers[fqn]) for n, fqn in captured.buffers.items()}
+    values |= {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
+    values |= {n: shard_tensor(x, mesh, plan.inputs[n]["placements"])
+               for n, x in zip(captured.user_inputs, (*inputs, targets))}
+    carried: tuple = ()
+    for stage in program.stages:
+        carried = stage.module(*carried, *(values[n] for n in stage.program.placeholders))
+    (loss,) = carried
+    torch.testing.assert_close(loss.full_tensor(), gpt.loss_fn(gpt.model(*inputs), targets), rtol=1e-6, atol=0)
