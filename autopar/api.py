@@ -99,15 +99,15 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
-    if the_plan.degrees.get("zero", 0) in (1, 2) and the_plan.degrees.get("pp", 1) > 1:
-        raise BadInputError(f"the plan shards optimizer state (ZeRO-{the_plan.degrees['zero']}) inside pipeline "
+    if the_plan.degrees.zero in (1, 2) and the_plan.degrees.pp > 1:
+        raise BadInputError(f"the plan shards optimizer state (ZeRO-{the_plan.degrees.zero}) inside pipeline "
                             "stages: such plans can be planned, compared and exported, but the pipeline runtime "
                             "keeps the optimizer unsharded; re-plan with fsdp=0 or fsdp=3 to run it")
-    m = int(the_plan.pipeline.get("microbatches", 1))
+    m = the_plan.pipeline.microbatches
     if m > 1:  # the program runs one microbatch at a time: capture it at that shape
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
                            _first_rows(example_targets, m) if example_targets is not None else None, loss_fn)
-    if the_plan.degrees.get("pp", 1) > 1:
+    if the_plan.degrees.pp > 1:
         return PipelineParallelModule(model, captured, the_plan)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan))
 

@@ -99,7 +99,7 @@ def measure_world(world: int, steps: int, quick: bool, directory: Path, round_in
     return {
         "world": world, "round": round_index, "model": MODEL, "global_batch": GLOBAL_BATCH, "quick": quick,
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-        "mesh": dict(zip(calibrated.mesh["dim_names"], calibrated.mesh["shape"])),
+        "mesh": dict(zip(calibrated.mesh.dim_names, calibrated.mesh.shape)),
         "predicted_step_s": predicted, "predicted_compute_s": calibrated.predicted["compute_s"],
         "predicted_exposed_comm_s": calibrated.predicted["exposed_comm_s"],
         "preset_predicted_step_s": preset.predicted["step_time_s"],

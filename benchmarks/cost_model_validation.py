@@ -128,11 +128,11 @@ def free_search_162b() -> dict:
     start = time.perf_counter()
     plan = price(32, 20480, 128, 64, 32, {})
     d = plan.degrees
-    print(f"  free search: pp={d['pp']} tp={d['tp']} dp={d['dp']} fsdp={d['fsdp']} {plan.pipeline['schedule']} "
-          f"m={plan.pipeline['microbatches']} checkpointing={plan.checkpointing}: "
+    print(f"  free search: pp={d['pp']} tp={d['tp']} dp={d['dp']} fsdp={d['fsdp']} {plan.pipeline.schedule} "
+          f"m={plan.pipeline.microbatches} checkpointing={plan.checkpointing}: "
           f"{plan.predicted['step_time_s']:.2f} s/step, MFU {plan.predicted['mfu'] * 100:.1f}% "
           f"[{time.perf_counter() - start:.0f} s]", flush=True)
-    return {"degrees": d, "schedule": plan.pipeline["schedule"], "microbatches": plan.pipeline["microbatches"],
+    return {"degrees": d, "schedule": plan.pipeline.schedule, "microbatches": plan.pipeline.microbatches,
             "checkpointing": plan.checkpointing, "step_time_s": plan.predicted["step_time_s"],
             "mfu": plan.predicted["mfu"], "plan_wall_s": time.perf_counter() - start}
 

@@ -123,7 +123,7 @@ def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict
     chosen = plans["calibrated"]
     out: dict[str, Any] = {"model": name, "preset": preset, "overrides": overrides, "global_batch": batch,
                            "seq": seq, "dtype": dtype_key, "params": bundle.num_params(),
-                           "mesh": dict(zip(chosen.mesh["dim_names"], chosen.mesh["shape"])),
+                           "mesh": dict(zip(chosen.mesh.dim_names, chosen.mesh.shape)),
                            "checkpointing": chosen.checkpointing,
                            "predicted": {which: p.predicted for which, p in plans.items()}}
     out["eager"] = _eager(bundle, sync, steps, device, baseline)

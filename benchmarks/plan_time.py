@@ -43,8 +43,8 @@ def measure(name: str, cluster: str, batch: int, seq: int | None) -> dict:
     return {
         "model": name, "cluster": cluster, "global_batch": batch, "seq": seq,
         "nodes": len(captured.graph.nodes), "capture_s": captured_at - start, "search_s": done - captured_at,
-        "total_s": done - start, "mesh": dict(zip(plan.mesh["dim_names"], plan.mesh["shape"])),
-        "microbatches": plan.pipeline["microbatches"], "meshes_tried": plan.solver["meshes_tried"],
+        "total_s": done - start, "mesh": dict(zip(plan.mesh.dim_names, plan.mesh.shape)),
+        "microbatches": plan.pipeline.microbatches, "meshes_tried": plan.solver["meshes_tried"],
         "variables": plan.solver["variables"], "step_time_s": plan.predicted["step_time_s"],
         "mfu": plan.predicted["mfu"],
     }

@@ -121,7 +121,7 @@ def row(sweep: str, layers: int, batch: int, cluster: str, captured: CapturedGra
         "meshes_pruned": len(solver["pruned_meshes"]), "decisions": solver["decisions"],
         "variables": solver["variables"], "constraints": solver["constraints"],
         "degrees": {k: plan.degrees[k] for k in ("pp", "dp", "tp", "fsdp")},
-        "microbatches": plan.pipeline["microbatches"], "checkpointing": plan.checkpointing,
+        "microbatches": plan.pipeline.microbatches, "checkpointing": plan.checkpointing,
         "step_time_s": plan.predicted["step_time_s"], "mfu": plan.predicted["mfu"],
     }
 

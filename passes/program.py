@@ -58,7 +58,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), mesh)
     gathers = reshard_after_forward(program, parameter_values(captured))
     run_locally(program, plan.ops, mesh)
-    pieces = (split_program(program, plan.pipeline["stages"], captured.params, captured.user_inputs)
+    pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)
     return Program(stages, redistributes, gathers > 0)
@@ -74,7 +74,7 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 
 def _pipelined(plan: Plan) -> bool:
     """Whether the plan cuts the program into pipeline stages."""
-    return int(plan.degrees.get("pp", 1)) > 1
+    return plan.degrees.pp > 1
 
 
 def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, regathers: bool) -> Stage:

@@ -1,7 +1,7 @@
 """Split the program into pipeline stage programs: one graph per model chunk, chained by the values
 that cross from one chunk to the next.
 
-A pipeline plan (``degrees["pp"] = p``) lists ``p v`` layer ranges in ``plan.pipeline["stages"]``
+A pipeline plan (``degrees["pp"] = p``) lists ``p v`` layer ranges in ``plan.pipeline.stages``
 (chunk ``i`` runs on stage ``i mod p``). Each computing node of the rewritten program gets a chunk:
 
 * a node of a repeated layer (``autopar.ir.layers.layer_of``) the chunk of its layer's range;
@@ -260,7 +260,7 @@ def _planned(node: fx.Node, plan: Plan) -> Sequence[str]:
     if node.target in (redistribute, gather_parameter):
         return node.args[1]
     if node.target is as_replicated:
-        return ["R"] * len(plan.mesh["shape"])
+        return ["R"] * plan.mesh.ndim
     if getattr(node.target, "__name__", "") == "getitem":
         return plan.ops[node.args[0].name]["outputs"][node.args[1]]
     if node.name in plan.ops:

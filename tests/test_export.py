@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import this module's rank function
@@ -25,8 +27,8 @@ import autopar  # noqa: E402
 from autopar.inspect.export import export_plan  # noqa: E402
 from autopar.testing.launch import run_on_ranks  # noqa: E402
 from autopar.models import build_model  # noqa: E402
-from autopar.testing.parity import (ParityResult, TrainResult, batches, gathered_grads, gathered_params,  # noqa: E402
-                                    sgd, train_parallel_many, train_single)
+from autopar.testing.parity import (ParityResult, TrainResult, batches, gathered, sgd,  # noqa: E402
+                                    train_parallel_many, train_single)
 
 STEPS = 3
 BATCH = 8
@@ -310,7 +312,7 @@ def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> l
         bundle = build_model(name, global_batch=BATCH, device="cpu", seed=0)
         mesh = exported.build_mesh()
         model = exported.parallelize(bundle.model, mesh)
-        inner = model.module if isinstance(model, DistributedDataParallel) else model  # names without "module."
+        leaves = _optimized_tensors(model)
         opt = sgd(model.parameters())
         losses, outputs, grads = [], [], {}
         for step, (*inputs, targets) in enumerate(batches(bundle, STEPS, 0)):
@@ -319,16 +321,34 @@ def train_exported_rank(rank: int, world: int, runs: list[tuple[str, str]]) -> l
             opt.zero_grad()
             loss.backward()
             if step == 0:
-                grads = gathered_grads(inner)
+                grads = gathered({name: _as_dtensor(p.grad, p) for name, p in leaves.items() if p.grad is not None})
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
             outputs.append(out.detach())
         rows = exported.local_batch(torch.arange(BATCH), mesh)
-        results.append({"losses": losses, "grads": grads, "params": gathered_params(inner), "output": outputs[0],
-                        "rows": rows})
+        params = gathered({name: _as_dtensor(p.detach(), p) for name, p in leaves.items()})
+        results.append({"losses": losses, "grads": grads, "params": params, "output": outputs[0], "rows": rows})
     return results
+
+
+def _optimized_tensors(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The tensors the optimizer updates, by the model's names, taken before the first forward: DDP over
+    TP (``torch.distributed.tensor.parallel.ddp._pre_dp_module_transform``) swaps TP's DTensor parameters
+    for local shards and, from the first forward on, leaves DTensor views in their place that
+    ``named_parameters()`` does not list."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model  # names without "module."
+    return dict(inner.named_parameters())
+
+
+def _as_dtensor(t: torch.Tensor, leaf: nn.Parameter) -> torch.Tensor:
+    """``t`` (``leaf`` or its gradient) as the DTensor it is a shard of. A local shard that DDP over TP
+    made keeps its DTensor's spec in ``_st_info`` (torch's attribute: no public accessor exists)."""
+    spec = getattr(leaf, "_st_info", None)
+    if spec is None:
+        return t
+    return DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def _gathered(per_rank: list[list[dict]], i: int) -> ParityResult:
@@ -355,7 +375,8 @@ def test_exported_solver_plans_train_like_autopar(plans, tmp_path):
     outputs = {name: _first_output(name) for name in {"mlp", "tiny-gpt"}}
     for i, key in enumerate(keys):
         autopar_run = reference[i]  # its losses are global means, the same on every rank
-        _gathered(exported, i).assert_matches(TrainResult(autopar_run.losses[0], autopar_run.grads, autopar_run.params))
+        _gathered(exported, i).assert_matches(TrainResult(autopar_run.losses[0], autopar_run.grads, autopar_run.params),
+                                              f"exported {key}")
         for rank in range(4):
             got = exported[rank][i]
             torch.testing.assert_close(got["output"], outputs[SOLVER_CONFIGS[key][0]][got["rows"]], rtol=1e-4,
@@ -371,7 +392,7 @@ def test_exported_textbook_plans_train_like_one_process(handmade, tmp_path):
     exported = run_on_ranks(train_exported_rank, 4, [(model_of[k], _write(tmp_path, k, handmade[k])) for k in keys])
     reference = {name: train_single(name, None, BATCH, None, STEPS) for name in set(model_of.values())}
     for i, key in enumerate(keys):
-        _gathered(exported, i).assert_matches(reference[model_of[key]])
+        _gathered(exported, i).assert_matches(reference[model_of[key]], f"exported {key}")
         output = _first_output(model_of[key])
         for rank in range(4):
             got = exported[rank][i]

@@ -8,10 +8,12 @@ read it to explain it, and nothing in it needs torch to load. Schema ``autopar.p
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar
 
 from autopar.core.errors import PlanFormatError
 from autopar.core.placement import str_to_placement
@@ -27,23 +29,165 @@ _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "check
              "ops", "predicted", "solver")
 
 
+# ---- typed sections ---------------------------------------------------------------------------------
+_S = TypeVar("_S", bound="_Section")
+
+
+class _Section(Mapping[str, Any]):
+    """A plan section as typed attributes that also reads as the JSON object it is written as: an
+    optional key the plan leaves out is ``None`` and absent from the mapping, so a plan's JSON is the
+    same whether it was made here or loaded from a file. Keys this version does not know are kept
+    (``extra``), so a round trip through an older autopar loses nothing."""
+
+    extra: Mapping[str, Any]
+    _required: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def parse(cls: type[_S], data: Any, source: str) -> _S:
+        """The section from its JSON object, each key checked; ``PlanFormatError`` names the bad one."""
+        if isinstance(data, cls):
+            return data
+        name = cls.json_name
+        if not isinstance(data, Mapping):
+            raise PlanFormatError(f"{source}: '{name}' must be a JSON object, got {type(data).__name__}")
+        missing = [k for k in cls._required if k not in data]
+        if missing:
+            raise PlanFormatError(f"{source}: {name} is missing {', '.join(missing)}")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        section = cls(**{k: v for k, v in data.items() if k in known},
+                      extra={k: v for k, v in data.items() if k not in known})
+        section.check(source)
+        return section
+
+    def check(self, source: str) -> None:
+        """Raise ``PlanFormatError`` naming the first key whose value this section cannot hold."""
+
+    def _keys(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name != "extra" and getattr(self, f.name) is not None]
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.extra:
+            return self.extra[key]
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._keys(), *self.extra])
+
+    def __len__(self) -> int:
+        return len(self._keys()) + len(self.extra)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: _json_value(self[k]) for k in self}
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _json_value(v) for k, v in value.items()}
+    return value
+
+
+def _positive_int(source: str, key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanFormatError(f"{source}: {key} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Mesh(_Section):
+    """One pipeline stage's device mesh: a size and a name per dim (``MeshAxis`` values)."""
+
+    shape: list[int]
+    dim_names: list[str]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    json_name: ClassVar[str] = "mesh"
+    _required: ClassVar[tuple[str, ...]] = ("shape", "dim_names")
+
+    def check(self, source: str) -> None:
+        if not isinstance(self.shape, list) or not isinstance(self.dim_names, list) \
+                or len(self.shape) != len(self.dim_names) \
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in self.shape):
+            raise PlanFormatError(f"{source}: mesh needs 'shape' (positive ints) and 'dim_names' lists of equal "
+                                  "length")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, axis: str) -> int:
+        """The size of mesh dim ``axis``; 1 when the mesh has no such dim (a dropped size-1 dim)."""
+        return self.shape[self.dim_names.index(axis)] if axis in self.dim_names else 1
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Degrees(_Section):
+    """How many ways each kind of parallelism splits the work (docs/architecture.md "Plan JSON")."""
+
+    dp: int  # the data-parallel ranks of a stage, each on its own share of the batch (HSDP: dp_replicate x fsdp)
+    fsdp: int  # the size of the group parameters are sharded over (mesh dim "dp"); 1 when they are replicated.
+    #            Not the ZeRO stage that constraint fsdp pins: that is ``zero``
+    tp: int  # tensor-parallel ranks (mesh dim "tp")
+    sp: int  # tp when the norms run split on the sequence over tp (sequence parallelism), else 1
+    cp: int  # context parallelism: 1 (not planned yet)
+    ep: int  # expert parallelism: 1 (not planned yet)
+    pp: int  # pipeline stages (the runtime's outermost mesh dim "pp"; ``Plan.mesh`` is one stage's)
+    dp_replicate: int | None = None  # HSDP's replica groups (mesh dim "dp_replicate"); 1 without HSDP
+    zero: int | None = None  # the ZeRO stage: 1 or 2 (optimizer state, and gradients, sharded over dp) or 3
+    #                          (parameters too); absent when nothing is sharded (DDP)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    json_name: ClassVar[str] = "degrees"
+    _required: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp")
+    # plans written before fsdp, sp, cp and ep were recorded lack them: each is then 1
+
+    @classmethod
+    def parse(cls, data: Any, source: str) -> Degrees:
+        if isinstance(data, Mapping) and not isinstance(data, cls):
+            data = {"fsdp": 1, "sp": 1, "cp": 1, "ep": 1, **data}
+        return super().parse(data, source)
+
+    def check(self, source: str) -> None:
+        for key in self._keys():
+            _positive_int(source, f"degrees.{key}", getattr(self, key))
+        if self.zero is not None and self.zero > 3:
+            raise PlanFormatError(f"{source}: degrees.zero is a ZeRO stage 1-3, got {self.zero}")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Pipeline(_Section):
+    """How the step is cut into stages and microbatches."""
+
+    stages: list[list[int]]  # layer ranges [first, last + 1): p of them, or p v chunks when interleaved
+    schedule: str  # none (one stage) or one of SCHEDULES
+    virtual_stages: int | None = None  # model chunks per device (interleaved)
+    microbatches: int
+    microbatch_size: int  # samples per microbatch per data-parallel rank
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    json_name: ClassVar[str] = "pipeline"
+    _required: ClassVar[tuple[str, ...]] = ("stages", "schedule", "microbatches", "microbatch_size")
+
+    def check(self, source: str) -> None:
+        _positive_int(source, "pipeline.microbatches", self.microbatches)
+        if not isinstance(self.stages, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(i, int) for i in r) for r in self.stages):
+            raise PlanFormatError(f"{source}: pipeline.stages must list [first, end) layer ranges")
+
+
+_SECTIONS: dict[str, type[_Section]] = {"mesh": Mesh, "degrees": Degrees, "pipeline": Pipeline}
+
+
 @dataclass(frozen=True)
 class Plan:
     model: dict[str, Any]  # name, params, layers, flops_per_step, graph_fingerprint
     cluster: dict[str, Any]  # spec, devices, nodes, devices_per_node, device
-    mesh: dict[str, Any]  # shape, dim_names
-    degrees: dict[str, int]  # parallel degrees, one meaning per key (keys, not mesh axes: core/axes.py):
-    #   dp: the data-parallel ranks of a stage, each on its own share of the batch (HSDP: dp_replicate x fsdp)
-    #   fsdp: the size of the group parameters are sharded over (mesh dim "dp"); 1 when they are replicated.
-    #         Not the ZeRO stage that constraint fsdp pins: that is "zero"
-    #   dp_replicate: HSDP's replica groups (mesh dim "dp_replicate"); 1 without HSDP
-    #   zero: the ZeRO stage, 1 or 2 (optimizer state, and gradients, sharded over dp) or 3 (parameters too);
-    #         absent when nothing is sharded (DDP)
-    #   tp: tensor-parallel ranks (mesh dim "tp")
-    #   sp: tp when the norms run split on the sequence over tp (sequence parallelism), else 1
-    #   cp, ep: context and expert parallelism, 1 (not planned yet)
-    #   pp: pipeline stages (the runtime's outermost mesh dim "pp"; ``mesh`` is one stage's)
-    pipeline: dict[str, Any]  # stages, schedule, microbatches, microbatch_size
+    mesh: Mesh
+    degrees: Degrees
+    pipeline: Pipeline
     checkpointing: str  # one of CHECKPOINTING for every layer, or MIXED
     placements: dict[str, list[str]]  # parameter fqn -> placement per mesh dim
     ops: dict[str, dict[str, Any]]  # node -> {"op", "inputs": [[...]], "outputs": [[...]|None], "local"?}
@@ -56,9 +200,16 @@ class Plan:
     recomputed_layers: dict[str, str] = field(default_factory=dict)  # MIXED: layer -> selective|full (others: none)
     schema: str = SCHEMA
 
+    def __post_init__(self) -> None:
+        """Sections given as JSON objects (``from_dict``, plan assembly) become their typed values."""
+        for name, kind in _SECTIONS.items():
+            object.__setattr__(self, name, kind.parse(getattr(self, name), "plan"))
+
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan as its JSON object (sections in their JSON form, key for key)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: (v.to_json() if k in _SECTIONS else copy.deepcopy(v)) for k, v in data.items()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
@@ -76,7 +227,8 @@ class Plan:
         if missing:
             raise PlanFormatError(f"{source}: missing keys {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
-        plan = cls(**{k: v for k, v in data.items() if k in known})
+        plan = cls(**{k: (_SECTIONS[k].parse(v, source) if k in _SECTIONS else v)
+                      for k, v in data.items() if k in known})
         plan.validate(source)
         return plan
 
@@ -124,21 +276,11 @@ class Plan:
         return self.checkpointing
 
     def _checked_mesh(self, source: str) -> list[int]:
-        shape, names = self.mesh.get("shape"), self.mesh.get("dim_names")
-        if not isinstance(shape, list) or not isinstance(names, list) or len(shape) != len(names) \
-                or not all(isinstance(s, int) and s > 0 for s in shape):
-            raise PlanFormatError(f"{source}: mesh needs 'shape' (positive ints) and 'dim_names' lists of equal length")
-        degrees = dict(self.degrees)
-        if not all(isinstance(v, int) and v > 0 for v in degrees.values()) or degrees.get("zero", 1) > 3:
-            raise PlanFormatError(f"{source}: degrees must be positive integers (zero: a ZeRO stage 1-3), "
-                                  f"got {degrees}")
-        devices = 1
-        for s in shape:
-            devices *= s
-        pp = degrees.get("pp", 1)
-        if devices * pp != self.cluster.get("devices", devices * pp):
-            raise PlanFormatError(f"{source}: mesh {shape} x pp={pp} does not cover {self.cluster.get('devices')} devices")
-        return shape
+        pp = self.degrees.pp
+        if self.mesh.devices * pp != self.cluster.get("devices", self.mesh.devices * pp):
+            raise PlanFormatError(f"{source}: mesh {self.mesh.shape} x pp={pp} does not cover "
+                                  f"{self.cluster.get('devices')} devices")
+        return self.mesh.shape
 
     # ---- views (rendered by autopar.inspect, which registers them: core imports no layer above it) ----
     def summary(self) -> str:
@@ -163,7 +305,7 @@ def register_view(name: str, view: Callable[..., str]) -> None:
 
 
 _SECTION_TYPES: dict[str, type] = {
-    "model": dict, "cluster": dict, "mesh": dict, "degrees": dict, "pipeline": dict, "checkpointing": str,
+    "model": dict, "cluster": dict, "checkpointing": str,
     "placements": dict, "ops": dict, "predicted": dict, "solver": dict, "inputs": dict, "buffers": dict,
     "candidates": list, "explanations": dict, "recomputed_layers": dict,
 }

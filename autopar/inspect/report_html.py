@@ -64,7 +64,7 @@ def _header(plan: Plan) -> str:
         ("cluster", c["spec"], f"{c.get('nodes', '?')} x {c.get('devices_per_node', '?')} {c.get('device', '')}"),
         ("devices", str(c["devices"]), _mesh_text(plan.mesh)),
         ("step time", fmt_seconds(p["step_time_s"]), f"checkpointing {checkpointing_text(plan)}"),
-        ("tokens/s", f"{p['tokens_per_s']:,.0f}", f"{plan.pipeline.get('microbatches', 1)} microbatch(es)"),
+        ("tokens/s", f"{p['tokens_per_s']:,.0f}", f"{plan.pipeline.microbatches} microbatch(es)"),
         ("MFU", f"{p['mfu'] * 100:.1f}%", "of peak, model FLOPs"),
         ("solver", s["status"], f"gap {s['gap'] * 100:.2f}%, {s['variables']} vars, {s['wall_s']:.2f} s"),
     ]
@@ -111,7 +111,7 @@ def mesh_links(shape: Sequence[int], devices_per_node: int) -> list[dict[str, An
 
 
 def _mesh_section(plan: Plan) -> str:
-    shape, names = plan.mesh["shape"], plan.mesh["dim_names"]
+    shape, names = plan.mesh.shape, plan.mesh.dim_names
     per_node = int(plan.cluster.get("devices_per_node") or plan.cluster["devices"])
     links = mesh_links(shape, per_node)
     rows = [[n, str(l["size"]), str(l["stride"]), l["link"], _link_note(l["link"], plan.cluster)]
@@ -203,7 +203,7 @@ def _group_color(i: int) -> str:
 
 # ---- (c) placements ----------------------------------------------------------------------------
 def _placement_section(plan: Plan) -> str:
-    names = plan.mesh["dim_names"]
+    names = plan.mesh.dim_names
     rows = collapsed_placements(plan.placements)
     if not rows:
         return "<p>No parameters.</p>"
@@ -211,7 +211,7 @@ def _placement_section(plan: Plan) -> str:
     label_w = max(len(t) for t in labels) * _CHAR_W + 16
     col_w, row_h, top = 84, 22, 26
     body = [_text(label_w + i * col_w + col_w / 2, 16, f"{n} ({s})", anchor="middle", cls="bold")
-            for i, (n, s) in enumerate(zip(names, plan.mesh["shape"]))]
+            for i, (n, s) in enumerate(zip(names, plan.mesh.shape))]
     for r, ((name, text, _), label) in enumerate(zip(rows, labels)):
         y = top + r * row_h
         if r % 2:
@@ -241,7 +241,7 @@ def _memory_section(plan: Plan) -> str:
     used = sum(v for _, v in parts)
     cap = float(p.get("memory_capacity_bytes") or plan.cluster.get("hbm_bytes") or used)
     hbm = float(plan.cluster.get("hbm_bytes") or cap)
-    who = f"each of {plan.cluster['devices']} devices" if plan.degrees.get("pp", 1) == 1 else "peak device"
+    who = f"each of {plan.cluster['devices']} devices" if plan.degrees.pp == 1 else "peak device"
     bars = [(who, parts, max(hbm, cap, used))]
     if used < 0.1 * cap:
         bars.append((f"{who}, zoomed", parts, used * 1.05))

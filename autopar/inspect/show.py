@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any, Sequence
+from typing import Sequence
 
 from autopar.inspect.collectives import KINDS, predicted_collectives
 from autopar.core.plan import CHECKPOINTING, MIXED, Plan
@@ -62,7 +62,7 @@ def _schedule_text(plan: Plan) -> str:
     """Pipeline stages, schedule and microbatching, and activation checkpointing, in one line."""
     pipe = plan.pipeline
     m, size = pipe.get("microbatches", 1), pipe.get("microbatch_size", "?")
-    stages = plan.degrees.get("pp", 1)
+    stages = plan.degrees.pp
     text = f"{m} microbatch{'es' if m > 1 else ''} of {size} per data-parallel rank"
     if stages > 1:
         chunks = pipe.get("virtual_stages", 1)
@@ -82,7 +82,7 @@ def checkpointing_text(plan: Plan) -> str:
 
 def summarize(plan: Plan) -> str:
     p = plan.predicted
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh["dim_names"], plan.mesh["shape"]))
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.dim_names, plan.mesh.shape))
     degrees = "  ".join(f"{k}={v}" for k, v in plan.degrees.items())
     lines = [
         f"autopar plan  {plan.model['name']}  ({fmt_count(plan.model['params'])} params, "
@@ -110,7 +110,7 @@ def summarize(plan: Plan) -> str:
     s = plan.solver
     lines.append(f"solver    {s['status']}, gap {s['gap'] * 100:.2f}%, {s['variables']} vars, "
                  f"{s['constraints']} constraints, {s['wall_s']:.2f} s (search {s.get('search_wall_s', 0):.2f} s)")
-    lines += ["", "placements (per mesh dim: " + ", ".join(plan.mesh["dim_names"]) + ")"]
+    lines += ["", "placements (per mesh dim: " + ", ".join(plan.mesh.dim_names) + ")"]
     rows = collapsed_placements(plan.placements)
     width = max((len(r[0]) for r in rows), default=10)
     lines += [f"  {name:<{width}}  {text}" + (f"  x{n}" if n > 1 else "") for name, text, n in rows]
@@ -144,7 +144,7 @@ def compare_plans(plans: Sequence[Plan]) -> str:
         raise ValueError("compare needs at least two plans")
     names = [f"[{i}] {p.model['name']}@{p.cluster['spec']}" for i, p in enumerate(plans)]
     rows: list[tuple[str, list[str]]] = [
-        ("mesh", [str(dict(zip(p.mesh["dim_names"], p.mesh["shape"]))) for p in plans]),
+        ("mesh", [str(dict(zip(p.mesh.dim_names, p.mesh.shape))) for p in plans]),
         ("degrees", [" ".join(f"{k}={v}" for k, v in p.degrees.items() if v != 1) or "single device" for p in plans]),
         ("step time", [fmt_seconds(p.predicted["step_time_s"]) for p in plans]),
         ("compute", [fmt_seconds(p.predicted["compute_s"]) for p in plans]),
@@ -168,8 +168,8 @@ def compare_plans(plans: Sequence[Plan]) -> str:
 def _differing_placements(plans: Sequence[Plan]) -> list[str]:
     if len({p.model.get("graph_fingerprint") for p in plans}) > 1:
         return ["", "placements: not comparable (plans are for different models or shapes)"]
-    if len({tuple(p.mesh["dim_names"]) for p in plans}) > 1:
-        note = "  (meshes differ: " + " vs ".join(",".join(p.mesh["dim_names"]) for p in plans) + ")"
+    if len({tuple(p.mesh.dim_names) for p in plans}) > 1:
+        note = "  (meshes differ: " + " vs ".join(",".join(p.mesh.dim_names) for p in plans) + ")"
     else:
         note = ""
     base = [dict((n, t) for n, t, _ in collapsed_placements(p.placements)) for p in plans]

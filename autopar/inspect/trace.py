@@ -46,7 +46,7 @@ class _Segment:
 
 def simulated_trace(plan: Plan) -> dict[str, Any]:
     """``{"traceEvents": [...], "displayTimeUnit": "ms"}`` for one simulated step of rank 0."""
-    m = max(1, int(plan.pipeline.get("microbatches", 1) or 1))
+    m = plan.pipeline.microbatches
     segments, level = _fitting_segments(plan.ops, m)
     events = _metadata(plan)
     t, sync_free = 0.0, 0.0

@@ -43,7 +43,7 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) 
     mesh = _plan_mesh(plan)
     (staging, layer_modes), dtype = _staging(plan, captured), plan.model["dtype"]
     constraints = _pricing_constraints(plan)
-    priced = _planner_problem(captured, target, mesh, staging, dtype, int(plan.pipeline["microbatches"]),
+    priced = _planner_problem(captured, target, mesh, staging, dtype, plan.pipeline.microbatches,
                               constraints).with_layer_modes(layer_modes)
     choice = plan_choice(plan, captured, priced)
     objective_s, _ = evaluate(priced, choice)
@@ -62,7 +62,7 @@ def check_same_model(plan: Plan, captured: CapturedGraph) -> None:
 def check_same_world(plan: Plan, cluster: Cluster) -> None:
     devices = int(plan.cluster["devices"])
     if cluster.world_size != devices:
-        raise BadInputError(f"the plan runs on {devices} devices (mesh {plan.mesh['shape']}) but {cluster.spec} "
+        raise BadInputError(f"the plan runs on {devices} devices (mesh {plan.mesh.shape}) but {cluster.spec} "
                             f"has {cluster.world_size}: re-pricing keeps the plan's mesh; to plan for another "
                             f"size, re-solve with `autopar plan --problem FILE --cluster {cluster.spec}`")
 
@@ -83,7 +83,7 @@ def plan_choice(plan: Plan, captured: CapturedGraph, problem: Problem) -> dict[s
 def _plan_strategies(plan: Plan, captured: CapturedGraph) -> dict[str, Strategy]:
     """Node name -> the strategy the plan gives it: ops from ``plan.ops``, placeholders from the
     placements of parameters, inputs and buffers; lifted constants are replicated (the runtime's rule)."""
-    ndim = len(plan.mesh["shape"])
+    ndim = plan.mesh.ndim
     out = {name: Strategy(tuple(strs_to_placements(p) for p in op["inputs"]),
                           tuple(strs_to_placements(p) if p is not None else None for p in op["outputs"]))
            for name, op in plan.ops.items()}
@@ -117,21 +117,20 @@ def _option_index(decision: Decision, strategy: Strategy | None, plan: Plan) -> 
 
 def _plan_mesh(plan: Plan) -> MeshChoice:
     axes = {axis.value: axis for axis in MeshAxis}
-    unknown = [name for name in plan.mesh["dim_names"] if name not in axes]
+    unknown = [name for name in plan.mesh.dim_names if name not in axes]
     if unknown:
         raise BadInputError(f"the plan's mesh has dims {', '.join(map(repr, unknown))}, which this autopar does not "
                             f"plan (it knows {', '.join(axes)}): was the plan made by another version?")
-    return MeshChoice(tuple((axes[name], size) for name, size in zip(plan.mesh["dim_names"], plan.mesh["shape"])),
-                      int(plan.degrees.get("pp", 1)))
+    return MeshChoice(tuple((axes[name], size) for name, size in zip(plan.mesh.dim_names, plan.mesh.shape)),
+                      plan.degrees.pp)
 
 
 def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, int]]:
     """The plan's pipeline schedule, and how many of a device's layers run in each checkpointing mode
     (those of the first stage, which pricing holds for every device)."""
     pipeline = plan.pipeline
-    staging = Staging(int(plan.degrees.get("pp", 1)), captured.layer_count(), pipeline.get("schedule", "none"),
-                      int(pipeline.get("virtual_stages", 1)))
-    first_stage = device_layers(captured, pipeline.get("stages"), staging.stages)[0]
+    staging = Staging(plan.degrees.pp, captured.layer_count(), pipeline.schedule, pipeline.virtual_stages or 1)
+    first_stage = device_layers(captured, pipeline.stages, staging.stages)[0]
     counts = count_layer_modes(first_stage, plan.checkpointing_of, staging.layers_per_stage)
     return replace(staging, checkpointing=tuple(counts) or ("none",)), counts
 
@@ -140,7 +139,7 @@ def _pricing_constraints(plan: Plan) -> Constraints:
     """What the planner's pricing needs beyond the placements: a ZeRO-1/2 stage (sharded optimizer
     state of replicated parameters). Nothing else is pinned, so every strategy the plan took, under
     whatever constraints it was made, is among the options."""
-    zero = int(plan.degrees.get("zero", 0))
+    zero = plan.degrees.zero or 0
     return Constraints(zero_stage=zero) if zero in (1, 2) else Constraints()
 
 

@@ -28,7 +28,7 @@ def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
 def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: bool) -> DTensor:
     """One microbatch of the input (or targets) ``name`` as a DTensor with the plan's placements."""
     spec = plan.inputs[name]
-    shape = microbatch_shape(spec["shape"], int(plan.pipeline.get("microbatches", 1)))
+    shape = microbatch_shape(spec["shape"], plan.pipeline.microbatches)
     if local:
         return DTensor.from_local(x, mesh, strs_to_placements(spec["placements"]), run_check=False,
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())

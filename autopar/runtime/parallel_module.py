@@ -11,7 +11,7 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting, in
   ``torch.utils.checkpoint``, as the plan priced them;
 * ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
   with the last microbatch's backward;
-* under ZeRO-1/2 (``plan.degrees["zero"]``) ``parameters()`` are dp-sharded copies the program's
+* under ZeRO-1/2 (``plan.degrees.zero``) ``parameters()`` are dp-sharded copies the program's
   replicated parameters are gathered from before each step, and gradients are reduce-scattered onto
   them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it.
 
@@ -42,13 +42,11 @@ def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     if not dist.is_initialized():
         raise BadInputError("autoparallelize needs an initialized process group: run under torchrun, "
                             "or call torch.distributed.init_process_group first")
-    shape = tuple(plan.mesh["shape"])
     world = dist.get_world_size()
-    if int(torch.tensor(shape).prod()) != world:
-        raise BadInputError(f"the plan's mesh {list(shape)} needs {int(torch.tensor(shape).prod())} ranks, "
-                            f"this job has {world}")
+    if plan.mesh.devices != world:
+        raise BadInputError(f"the plan's mesh {plan.mesh.shape} needs {plan.mesh.devices} ranks, this job has {world}")
     device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return init_device_mesh(device_type, shape, mesh_dim_names=tuple(plan.mesh["dim_names"]))
+    return init_device_mesh(device_type, tuple(plan.mesh.shape), mesh_dim_names=tuple(plan.mesh.dim_names))
 
 
 class ParallelModule(nn.Module):
@@ -71,7 +69,7 @@ class ParallelModule(nn.Module):
         (stage,) = built.stages
         self.program, self.redistributes = stage.module, built.redistributes
         self._placeholders = stage.program.placeholders
-        zero = int(plan.degrees.get("zero", 0))
+        zero = plan.degrees.zero or 0
         self._zero = ShardedOptimizerState(self._params, mesh, zero) if zero in (1, 2) else None
         self._grad_sync = GradientSync(self._zero.unsharded() if self._zero else self._params.values())
 
@@ -104,7 +102,7 @@ class ParallelModule(nn.Module):
 
     @property
     def microbatches(self) -> int:
-        return int(self.plan.pipeline.get("microbatches", 1))
+        return self.plan.pipeline.microbatches
 
     def step(self, *args: torch.Tensor, local: bool = False) -> torch.Tensor:
         """Forward, loss and backward on the global batch (or this rank's slice with ``local=True``).

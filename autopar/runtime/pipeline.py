@@ -3,7 +3,7 @@
 
 A plan with ``degrees["pp"] = p`` runs on ``p x (stage mesh)`` ranks, the stage dimension outermost
 (global rank = stage * stage_mesh_size + rank_in_stage); ``plan.mesh`` is one stage's submesh and
-``plan.pipeline["stages"]`` lists ``p v`` layer ranges (chunk ``i`` on stage ``i mod p``).
+``plan.pipeline.stages`` lists ``p v`` layer ranges (chunk ``i`` on stage ``i mod p``).
 
 Design (docs/architecture.md "Execution", "pipeline stages are slices of that graph"):
 
@@ -123,7 +123,7 @@ class PipelineParallelModule(nn.Module):
     # ---- running ------------------------------------------------------------------------------
     @property
     def microbatches(self) -> int:
-        return int(self.plan.pipeline["microbatches"])
+        return self.plan.pipeline.microbatches
 
     def step(self, *args: torch.Tensor, local: bool = False) -> torch.Tensor:
         """Forward, loss and backward of the global batch (or this rank's slice with ``local=True``)
@@ -172,7 +172,7 @@ class PipelineParallelModule(nn.Module):
         return user_input(self.plan, self.mesh, name, x, self._local_inputs)
 
     def _schedule(self, num_chunks: int) -> Any:
-        kind = self.plan.pipeline["schedule"]
+        kind = self.plan.pipeline.schedule
         if kind not in SCHEDULES:
             raise BadInputError(f"pipeline schedule {kind!r} is not one this runtime runs ({', '.join(SCHEDULES)})")
         device = torch.device(self.mesh.device_type)
@@ -200,11 +200,11 @@ def pipeline_meshes(plan: Plan, device_type: str | None = None) -> tuple[DeviceM
     if not dist.is_initialized():
         raise BadInputError("autoparallelize needs an initialized process group: run under torchrun, "
                             "or call torch.distributed.init_process_group first")
-    pp, names = int(plan.degrees["pp"]), tuple(plan.mesh["dim_names"])
-    shape = (pp, *plan.mesh["shape"])
+    pp, names = plan.degrees.pp, tuple(plan.mesh.dim_names)
+    shape = (pp, *plan.mesh.shape)
     world = dist.get_world_size()
     if int(torch.tensor(shape).prod()) != world:
-        raise BadInputError(f"the plan's pipeline of {pp} stages of mesh {list(plan.mesh['shape'])} needs "
+        raise BadInputError(f"the plan's pipeline of {pp} stages of mesh {list(plan.mesh.shape)} needs "
                             f"{int(torch.tensor(shape).prod())} ranks, this job has {world}")
     device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", *names))

@@ -34,7 +34,7 @@ LR = 0.1
 """SGD learning rate of parity runs. A gradient 1.25x too large on every parameter then moves the final
 parameters of mlp, tiny-gpt and tiny-llama by 1e-3 to 3e-3 after three steps, 100x ``PARAM_ATOL`` or
 more (``tests/test_parity.py`` checks 50x), while the rounding differences of another reduction order
-(about 1e-7 of a gradient) move them by about 1e-8."""
+(tiny-gpt under dp=2: gradients 1e-8 apart) leave them within 1e-8."""
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-5
@@ -78,11 +78,11 @@ class ParityResult:
                                    LOSS_RTOL, 0.0)]
         return [line for line in found if line]
 
-    def assert_matches(self, single: TrainResult) -> None:
-        """Raise an AssertionError listing ``mismatches(single)`` if there are any."""
+    def assert_matches(self, single: TrainResult, what: str = "the parallel run") -> None:
+        """Raise an AssertionError listing ``mismatches(single)``, if there are any, for ``what``."""
         found = self.mismatches(single)
         if found:
-            raise AssertionError("parallel training differs from single-process training:\n  " + "\n  ".join(found))
+            raise AssertionError(f"{what} differs from single-process training:\n  " + "\n  ".join(found))
 
 
 @dataclass
@@ -91,6 +91,11 @@ class AutoparResult(ParityResult):
 
     plan: dict[str, Any]
     redistributes: int
+
+    def assert_matches(self, single: TrainResult, what: str = "") -> None:
+        """As ``ParityResult.assert_matches``; the message names the plan's model and degrees."""
+        degrees = {k: v for k, v in self.plan["degrees"].items() if v > 1}
+        super().assert_matches(single, what or f"{self.plan['model']['name']} under {degrees}")
 
     @classmethod
     def from_ranks(cls, per_rank: list[Mapping[str, Any]]) -> AutoparResult:
@@ -193,27 +198,20 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
 
 
 def gathered_grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient, gathered to its full value, for every rank's parameters, on every rank.
+    """Each parameter's gradient at its full value, for every rank's parameters, on every rank.
 
     Collective: every rank calls it. ``module.named_parameters()`` are the tensors the optimizer updates:
     DTensors with the plan's placements, under ZeRO-1/2 the dp-sharded copies onto which the gradients
-    were reduce-scattered (``passes/zero.py``). A pipeline rank holds only its stages' parameters, so
-    after gathering on their meshes the ranks exchange what they hold.
+    were reduce-scattered (``passes/zero.py``).
     """
-    return _exchanged({name: _full(p.grad) for name, p in module.named_parameters() if p.grad is not None})
+    return gathered({name: p.grad for name, p in module.named_parameters() if p.grad is not None})
 
 
-def gathered_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's full value, for every rank's parameters, on every rank (collective, as
-    ``gathered_grads``); for modules without autopar's ``full_state_dict``."""
-    return _exchanged({name: _full(p.detach()) for name, p in module.named_parameters()})
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-
-def _exchanged(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gathered(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's named tensors (DTensors are gathered to their full value), and every other rank's, on
+    every rank. Collective: every rank calls it. A pipeline rank holds only its stages' parameters, so
+    after gathering on their stage meshes the ranks exchange what they hold."""
+    mine = {name: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone() for name, t in tensors.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {name: t for held in everyone for name, t in held.items()}
