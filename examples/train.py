@@ -61,7 +61,7 @@ def main() -> None:
 
     if rank == 0 and args.losses_out:
         with open(args.losses_out, "w") as f:
-            json.dump({"model": args.model, "world": dist.get_world_size(), "degrees": pm.plan.degrees,
+            json.dump({"model": args.model, "world": dist.get_world_size(), "degrees": dict(pm.plan.degrees),
                        "losses": losses}, f)
     dist.destroy_process_group()
 
