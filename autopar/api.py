@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir.capture import CapturedGraph, capture
+from autopar.ir.capture import TRACED_LAYERS, CapturedGraph, capture
 from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import Plan
 from autopar.planning import whatif
 from autopar.planning.assemble import fingerprint, model_dims
+from autopar.planning.progress import SearchProgress
 from autopar.planning.search import make_plan
 from autopar.ir.problem_file import SavedProblem, save_problem as write_problem_file
 from autopar.runtime.pipeline import PipelineParallelModule
@@ -39,6 +40,7 @@ def plan(
     example_targets: torch.Tensor | None = None,
     name: str | None = None,
     save_problem: str | Path | None = None,
+    progress: Callable[[SearchProgress], None] | None = None,
 ) -> Plan:
     """Plan the training step ``loss_fn(model(*example_inputs), example_targets)`` on ``cluster``.
 
@@ -48,16 +50,19 @@ def plan(
     inputs, targets and loss. ``save_problem`` writes the captured problem to that file (before
     solving) for re-solving and re-pricing later (``autopar.reprice``). ``constraints`` pin degrees and
     options (``{"dp": 2, "fsdp": 0}``; keys and values: ``autopar.core.constraints.Constraints``); they
-    and the cluster are checked before the capture.
+    and the cluster are checked before the capture. ``progress`` is called with the search's
+    ``SearchProgress`` at every step (phase, candidates solved and pruned, best plan so far).
     """
     pinned, target = as_constraints(constraints), resolve_cluster(cluster)
-    captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
+    search = SearchProgress(progress)
+    with search.phase("capture"):
+        captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
     model_name = name or default_name
     if save_problem is not None:
         write_problem_file(captured, save_problem, model_name=model_name)
     config = getattr(model, "config", None)
     return make_plan(captured, target, model_name=model_name, constraints=pinned,
-                     model_dims=model_dims(config) if config is not None else None)
+                     model_dims=model_dims(config) if config is not None else None, progress=search)
 
 
 def _captured_step(model: nn.Module | SavedProblem, example_inputs: Any, loss_fn: Any,
@@ -71,7 +76,8 @@ def _captured_step(model: nn.Module | SavedProblem, example_inputs: Any, loss_fn
     if example_inputs is None:
         raise BadInputError("plan(model, example_inputs, ...) needs example inputs (or a saved problem "
                             "from autopar.load_problem in place of the model)")
-    return capture(model, _as_tuple(example_inputs), example_targets, loss_fn), type(model).__name__
+    return (capture(model, _as_tuple(example_inputs), example_targets, loss_fn, traced_layers=TRACED_LAYERS),
+            type(model).__name__)
 
 
 def autoparallelize(

@@ -1,22 +1,26 @@
 """The ``autopar`` command line (docs/architecture.md "Command line"): plan, reprice, show, compare, demo.
 
 Exit codes: 0 success; 2 bad input (one line on stderr saying what and where); 3 no plan fits (with the
-reason). With ``--json`` the plan JSON is the only thing on stdout.
+reason). With ``--json`` the plan JSON is the only thing on stdout. On a terminal, ``plan`` keeps a live
+progress line on stderr (phase, meshes solved and pruned, best plan so far and its bound), erased
+when the plan is printed; it is silent under ``--json`` and when stderr is not a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, TextIO
 
 from autopar.core.constraints import KEYS as CONSTRAINT_KEYS, Constraints
 from autopar.core.errors import AutoparError, BadInputError
 
 if TYPE_CHECKING:
     from autopar.models import ModelBundle
+    from autopar.planning.progress import SearchProgress
     from autopar.ir.problem_file import SavedProblem
 
 EXIT_BAD_INPUT = 2
@@ -112,19 +116,43 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     constraints = Constraints.parse(args.fix)  # checked, like the cluster, before the model is built and captured
     cluster = resolve_cluster(args.cluster)
+    line = ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
     with warnings.catch_warnings():
         warnings.simplefilter("default" if not args.json else "ignore")
-        if args.problem:
-            result = plan(_saved_problem(args), cluster=cluster, constraints=constraints,
-                          save_problem=args.save_problem)
-        else:
-            bundle = _model_bundle(args)
-            result = plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn, constraints,
-                          example_targets=bundle.example_targets, name=bundle.name, save_problem=args.save_problem)
+        try:
+            if args.problem:
+                result = plan(_saved_problem(args), cluster=cluster, constraints=constraints,
+                              save_problem=args.save_problem, progress=line)
+            else:
+                bundle = _model_bundle(args)
+                result = plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn, constraints,
+                              example_targets=bundle.example_targets, name=bundle.name,
+                              save_problem=args.save_problem, progress=line)
+        finally:
+            if line is not None:
+                line.clear()
     if args.output:
         result.save(args.output)
     print(result.to_json() if args.json else result.summary())
     return 0
+
+
+class ProgressLine:
+    """The search's progress on one line of a terminal, rewritten in place (``SearchProgress.line``)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream, self.width = stream, 0
+
+    def __call__(self, progress: SearchProgress) -> None:
+        text = progress.line()[:shutil.get_terminal_size().columns - 1]
+        self.stream.write("\r" + text.ljust(self.width))
+        self.stream.flush()
+        self.width = len(text)
+
+    def clear(self) -> None:
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
 
 
 def _model_bundle(args: argparse.Namespace) -> ModelBundle:

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 
+from .bind import bind_ops
 from .checkpoint import checkpoint_layers
 from .insert_redistributes import insert_redistributes, produced_placements
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
@@ -54,6 +55,7 @@ class Program:
 def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Program:
     """The captured step rewritten by the graph passes, in order, for one rank of ``mesh`` (a pipeline
     plan's: one stage's submesh)."""
+    plan = bind_ops(plan, captured)
     program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
     redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), mesh)
     gathers = reshard_after_forward(program, parameter_values(captured))

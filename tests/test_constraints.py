@@ -23,7 +23,7 @@ GOOD = [  # key, value as given, field, value as held
     ("virtual_stages", 1, "virtual_stages", 1), ("virtual_stages", "3", "virtual_stages", 3),
     ("checkpointing", "Full", "checkpointing", "full"), ("checkpointing", "none", "checkpointing", "none"),
     ("memory_gb", "1.5", "memory_gb", 1.5), ("memory_gb", 80, "memory_gb", 80.0),
-    ("time_limit_s", "20", "time_limit_s", 20.0),
+    ("solver_nodes", "200", "solver_nodes", 200),
     ("dtype", "BF16", "dtype", "bf16"), ("dtype", "fp32", "dtype", "fp32"),
 ]
 
@@ -62,7 +62,7 @@ def test_good_value_is_held_typed(key, given, name, held):
     ({"memory_gb": "lots"}, "constraint memory_gb must be a positive number, got 'lots'"),
     ({"memory_gb": 0}, "constraint memory_gb must be a positive number, got 0"),
     ({"memory_gb": "nan"}, "got 'nan'"),
-    ({"time_limit_s": -1}, "constraint time_limit_s must be a positive number, got -1"),
+    ({"solver_nodes": 0}, "constraint solver_nodes must be a positive integer, got 0"),
     ({"cp": 2}, "constraint cp=2: this version plans cp=1 only (context and expert parallelism"),
     ({"ep": "4"}, "constraint ep=4: this version plans ep=1 only"),
     ({"bogus": 1, "tensor_parallel": 8}, "unknown constraint(s) bogus, tensor_parallel: known are checkpointing, cp"),

@@ -386,12 +386,11 @@ LAYERED_SEEDS = list(range(12))
 
 
 @pytest.mark.parametrize("seed", LAYERED_SEEDS)
-@pytest.mark.parametrize("backend", ["HIGHS", "SCIP"])
-def test_layer_modes_match_brute_force(seed, backend):
+def test_layer_modes_match_brute_force(seed):
     """Constraints (5)-(8) make the ILP exact: its optimum over placements and per-layer modes equals
     enumeration of both, and its objective is the settled problem's price of its own answer."""
     p = random_layered_problem(seed)
-    sol = solve(p, backend=backend)
+    sol = solve(p)
     best = brute_force(p)
     assert sum(sol.layer_modes.values()) == p.layer_modes.layers
     step, memory = evaluate(p, sol.choice, sol.layer_modes)

@@ -135,8 +135,9 @@ class Constraints:
     """Activation checkpointing of every repeated layer: none, selective or full (free: searched per layer)."""
     memory_gb: float | None = _pinned(_positive_number)
     """Memory per device the plan may use, in GB of 1e9 bytes (free: the device's usable memory)."""
-    time_limit_s: float | None = _pinned(_positive_number)
-    """Seconds the ILP solver may spend on each problem (free: the planner's default)."""
+    solver_nodes: int | None = _pinned(_positive_int)
+    """Branch-and-bound nodes the ILP solver may explore on each problem (free: ``solver.NODE_LIMIT``).
+    A limit on work, not time: the plan is the same on any machine (there is no time limit)."""
     dtype: str | None = _pinned(_one_of(DTYPES))
     """Compute dtype: fp32, bf16 or fp16 (free: fp32 on cpu, bf16 elsewhere)."""
 
@@ -156,6 +157,9 @@ class Constraints:
         """From the API's ``constraints=`` (``{"dp": 2, "fsdp": 0, "schedule": "1F1B"}``); values may be
         text, as ``--fix`` gives them."""
         unknown = set(constraints) - set(KEYS)
+        if "time_limit_s" in unknown:
+            raise BadInputError("constraint time_limit_s is gone: a time limit made plans depend on the machine's "
+                                "load; solver_nodes=N bounds the solver's work instead")
         if unknown:
             raise BadInputError(f"unknown constraint(s) {', '.join(sorted(unknown))}: "
                                 f"known are {', '.join(sorted(KEYS))}")

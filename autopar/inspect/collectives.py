@@ -49,12 +49,23 @@ def step_collectives(plan_data: Mapping[str, Any], bucket_bytes: float = BUCKET_
     """Every collective one step of the plan issues: per-op ones (times the microbatch count), then
     the bucketed gradient all_reduces."""
     microbatches = int(plan_data.get("pipeline", {}).get("microbatches", 1))
-    terms = [t for op in plan_data.get("ops", {}).values() for t in op.get("collectives", [])]
-    found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"], microbatches * t.get("share", 1.0))
-             for t in terms if not t["grad_sync"]]
-    syncs = [t for t in terms if t["grad_sync"]]
+    ops = plan_data.get("ops", {}).values()
+    found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"],
+                            microbatches * t.get("share", 1.0) * op.get("count", 1.0))
+             for op in ops for t in op.get("collectives", []) if not t["grad_sync"]]
+    syncs = [t for op in ops for t in _stood_for(op) if t["grad_sync"]]
     return (found + gradient_buckets([t for t in syncs if t["kind"] == "all_reduce"], bucket_bytes)
             + sharded_state_syncs([t for t in syncs if t["kind"] != "all_reduce"], microbatches))
+
+
+def _stood_for(op: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The op's collective terms, once per real op it stands for (``count``: an op of a traced layer;
+    its parameter gradients are other tensors in each layer, hence the tensor name's suffix)."""
+    terms = op.get("collectives", [])
+    times = round(op.get("count", 1.0))
+    if times == 1:
+        return terms
+    return [{**t, "tensor": f"{t.get('tensor')}#{i}"} for i in range(times) for t in terms]
 
 
 def sharded_state_syncs(terms: Iterable[Mapping[str, Any]], microbatches: int) -> list[StepCollective]:

@@ -7,6 +7,8 @@ per-op costs in ``plan.ops``, which are totals over the step:
 * each microbatch runs every op's forward in graph order (a third of its compute, split evenly over
   the microbatches), then every op's backward in reverse order (the other two thirds);
 * an op's communication is exposed: it runs on the communication track just before the op's forward;
+* an op of a traced layer that stands for ``count`` layers (``plan.ops[name]["count"]``, plans of
+  long stacks) is drawn once with ``count`` times its cost;
 * gradient sync runs once, in the last microbatch, on its own track: each op's bucketed all_reduce
   starts when that op's backward ends (or when the previous one finishes), overlapping the rest of
   backward.
@@ -142,10 +144,11 @@ def _event_count(segments: list[_Segment], m: int) -> int:
 def _per_op(ops: dict[str, dict[str, Any]]) -> list[_Segment]:
     out = []
     for name, op in ops.items():
-        cost = op.get("cost", {})
+        cost, times = op.get("cost", {}), op.get("count", 1.0)
         seg = _Segment(name=f"{name} ({_short(op.get('op', ''))})", module=op.get("module", ""),
-                       compute_s=cost.get("compute_s", 0.0), comm_s=dict(cost.get("comm_s", {})),
-                       grad_sync_s=cost.get("grad_sync_s", 0.0),
+                       compute_s=times * cost.get("compute_s", 0.0),
+                       comm_s={k: times * v for k, v in cost.get("comm_s", {}).items()},
+                       grad_sync_s=times * cost.get("grad_sync_s", 0.0),
                        args={"op": name, "target": op.get("op"), "module": op.get("module", ""),
                              "inputs": op.get("inputs"), "outputs": op.get("outputs")})
         if not seg.empty:
@@ -159,11 +162,11 @@ def _merged(ops: dict[str, dict[str, Any]], key: Callable[[str, dict], str]) -> 
         k = key(name, op)
         if not out or out[-1].args["module"] != k:
             out.append(_Segment(name=k or "(top level)", module=k, args={"module": k, "ops": 0, "first_op": name}))
-        seg, cost = out[-1], op.get("cost", {})
-        seg.compute_s += cost.get("compute_s", 0.0)
-        seg.grad_sync_s += cost.get("grad_sync_s", 0.0)
+        seg, cost, times = out[-1], op.get("cost", {}), op.get("count", 1.0)
+        seg.compute_s += times * cost.get("compute_s", 0.0)
+        seg.grad_sync_s += times * cost.get("grad_sync_s", 0.0)
         for kind, s in cost.get("comm_s", {}).items():
-            seg.comm_s[kind] = seg.comm_s.get(kind, 0.0) + s
+            seg.comm_s[kind] = seg.comm_s.get(kind, 0.0) + times * s
         seg.args["ops"] += 1
         seg.args["last_op"] = name
     return [s for s in out if not s.empty]

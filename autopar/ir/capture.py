@@ -9,6 +9,15 @@ time autograd derives the backward of the sharded program.
 Export runs on fake tensors, so a model built on the meta device (hundreds of billions of parameters) is
 captured without allocating it. This module is not for pricing or placing: it only records what the
 program is.
+
+Planning traces what differs, once: a model's stack of identical layers (the longest ``ModuleList`` or
+``Sequential`` whose children have the same class, parameter shapes and settings) is traced with
+only its first ``TRACED_LAYERS`` layers, and the ``CapturedGraph`` records how many real layers each
+traced one stands for (``LayerStack``; ``CapturedGraph.weight``). Capturing a 126-layer model then
+costs what a 2-layer one does, and everything priced per node is multiplied by its weight. The trace
+is kept only when its layers tie node for node (``_tie_repeated_layers``); otherwise the whole model
+is captured. The runtime always captures the whole model and finds each op's strategy by its tie key
+(``passes/bind.py``), which names the same op in both graphs.
 """
 
 from __future__ import annotations
@@ -16,8 +25,9 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -57,6 +67,7 @@ class CapturedGraph:
     user_inputs: list[str]  # placeholder names of example inputs, then targets (if any)
     loss_node: str  # name of the node whose value is the scalar loss
     tie_keys: dict[str, str] = field(default_factory=dict)  # node name -> key shared by repeated layers
+    stack: LayerStack | None = None  # the repeated layers, when only some of them were traced
 
     @property
     def graph(self) -> fx.Graph:
@@ -74,10 +85,34 @@ class CapturedGraph:
         return self._by_name
 
     def param_shapes(self) -> dict[str, torch.Size]:
-        return {fqn: self.node(name).meta["val"].shape for name, fqn in self.params.items()}
+        """Every parameter of the model (traced or stood for by a traced layer) and its shape."""
+        return {real: self.node(name).meta["val"].shape
+                for name, fqn in self.params.items() for real in self.real_fqns(fqn)}
 
     def num_params(self) -> int:
-        return sum(int(self.node(n).meta["val"].numel()) for n in self.params)
+        return sum(int(shape.numel()) for shape in self.param_shapes().values())
+
+    def weight(self, name: str) -> float:
+        """How many occurrences in the real model node ``name`` stands for: the stack's repeats for a
+        node of a traced repeated layer (its parameters included), else 1."""
+        if self.stack is None:
+            return 1.0
+        if not hasattr(self, "_repeated"):
+            self._repeated = {n.name for n in self.graph.nodes if self.stack.holds(self._path_of(n))}
+        return self.stack.repeats if name in self._repeated else 1.0
+
+    def _path_of(self, node: fx.Node) -> str:
+        if node.op == "placeholder":
+            return self.params.get(node.name) or self.buffers.get(node.name) or ""
+        return module_path(node)
+
+    def real_fqns(self, fqn: str) -> list[str]:
+        """The real model's names that a traced parameter or buffer ``fqn`` stands for: itself, or for
+        one of traced layer ``i``, that name in every real layer ``j`` with ``j % traced == i``."""
+        if self.stack is None or not self.stack.holds(fqn):
+            return [fqn]
+        index, rest = self.stack.split(fqn)
+        return [f"{self.stack.path}.{j}{rest}" for j in range(index, self.stack.layers, self.stack.traced)]
 
     def gradient_kinds(self) -> dict[str, str]:
         """Per node: ``param`` (a parameter, or a view of one: its gradient is a weight gradient),
@@ -114,9 +149,35 @@ class CapturedGraph:
         return any((reader.name, root.name) in kept for reader in through_views(consumer))
 
     def layer_count(self) -> int:
-        """How many repeated layers the tie keys found (0 when the model has none)."""
+        """How many repeated layers the model has (0 when the tie keys found none)."""
+        if self.stack is not None:
+            return self.stack.layers
         counts = Counter(self.tie_keys.values())
         return max(counts.values(), default=0) if counts else 0
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A stack of identical layers of which capture traced the first ``traced`` of ``layers``."""
+
+    path: str  # model-relative module path of the stack ("blocks", "model.layers")
+    layers: int
+    traced: int
+
+    @property
+    def repeats(self) -> float:
+        """Real layers per traced layer."""
+        return self.layers / self.traced
+
+    def holds(self, path: str) -> bool:
+        """Whether module or parameter path ``path`` lies inside a layer of the stack."""
+        head = self.path + "."
+        return path.startswith(head) and path[len(head):].split(".", 1)[0].isdigit()
+
+    def split(self, path: str) -> tuple[int, str]:
+        """(layer index, the rest of the path after it, with its leading dot) of a path it holds."""
+        index, _, rest = path[len(self.path) + 1:].partition(".")
+        return int(index), "." + rest if rest else ""
 
 
 def is_view(node: fx.Node) -> bool:
@@ -136,13 +197,40 @@ def through_views(node: fx.Node) -> list[fx.Node]:
     return [node] + ([n for user in node.users for n in through_views(user)] if is_view(node) else [])
 
 
+TRACED_LAYERS = 2
+"""Layers of a repeated stack that planning traces (two, so that their tie keys can be checked to
+match node for node)."""
+
+
 def capture(
     model: nn.Module,
     example_inputs: Sequence[torch.Tensor],
     example_targets: torch.Tensor | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    traced_layers: int | None = None,
 ) -> CapturedGraph:
-    """Export ``loss_fn(model(*example_inputs), example_targets)`` and decompose it to core aten."""
+    """Export ``loss_fn(model(*example_inputs), example_targets)`` and decompose it to core aten.
+
+    With ``traced_layers`` (planning), a stack of identical layers is traced that many layers deep and
+    the graph records the rest (``LayerStack``); the whole model is captured when it has no such stack,
+    or when the short trace does not tie node for node. Without it (the runtime), the whole model."""
+    stack = repeated_stack(model) if traced_layers else None
+    if stack is not None and stack[1] > traced_layers:
+        path, layers = stack
+        try:
+            with _shortened(model, path, traced_layers):
+                captured = _export(model, example_inputs, example_targets, loss_fn)
+        except UnsupportedModelError:
+            captured = None  # the model's forward needs all its layers: capture them all
+        if captured is not None and _ties_node_for_node(captured, path, traced_layers):
+            captured.stack = LayerStack(path, layers, traced_layers)
+            return captured
+    return _export(model, example_inputs, example_targets, loss_fn)
+
+
+def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_targets: torch.Tensor | None,
+            loss_fn: Callable[..., torch.Tensor] | None) -> CapturedGraph:
     step = TrainingStep(model, loss_fn)
     args = tuple(example_inputs) + ((example_targets,) if example_targets is not None else ())
     try:
@@ -155,6 +243,57 @@ def capture(
             f"could not capture {type(model).__name__} with torch.export: {first}"
         ) from exc
     return _describe(exported)
+
+
+def repeated_stack(model: nn.Module) -> tuple[str, int] | None:
+    """(module path, length) of the model's longest ``ModuleList``/``Sequential`` of at least three
+    alike layers (``_layer_signature``), or None."""
+    best: tuple[str, int] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 3:
+            continue
+        if best is not None and len(module) <= best[1]:
+            continue
+        if len(set(_layer_signatures(list(module)))) == 1:
+            best = (path, len(module))
+    return best
+
+
+def _layer_signatures(layers: list[nn.Module]) -> list[tuple]:
+    """What must match for layers to compute alike: each submodule's class and settings (plain
+    attributes, except one that counts the layers: ``layer_idx``), parameter and buffer shapes."""
+    settings = [{(sub_path, k): v for sub_path, sub in layer.named_modules() for k, v in vars(sub).items()
+                 if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple, type(None)))}
+                for layer in layers]
+    counters = {k for k in settings[0] if [s.get(k) for s in settings] == list(range(len(layers)))}
+    return [(tuple((p, type(m).__name__) for p, m in layer.named_modules()),
+             tuple((n, tuple(t.shape), t.dtype) for n, t in layer.named_parameters()),
+             tuple((n, tuple(t.shape), t.dtype) for n, t in layer.named_buffers()),
+             tuple(sorted((k, repr(v)) for k, v in s.items() if k not in counters)))
+            for layer, s in zip(layers, settings)]
+
+
+@contextmanager
+def _shortened(model: nn.Module, path: str, layers: int) -> Iterator[None]:
+    """The model with its stack at ``path`` cut to its first ``layers`` layers (restored after)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    whole = getattr(parent, name)
+    setattr(parent, name, type(whole)(*list(whole)[:layers]) if isinstance(whole, nn.Sequential)
+            else nn.ModuleList(list(whole)[:layers]))
+    try:
+        yield
+    finally:
+        setattr(parent, name, whole)
+
+
+def _ties_node_for_node(captured: CapturedGraph, path: str, traced: int) -> bool:
+    """Whether every node of the traced layers shares its tie key with one node of each other traced
+    layer (so one traced layer prices them all)."""
+    stack = LayerStack(path, traced, traced)
+    groups = Counter(captured.tie_keys[n.name] for n in captured.graph.nodes
+                     if n.op == "call_function" and stack.holds(module_path(n)))
+    return bool(groups) and all(count == traced for count in groups.values())
 
 
 FUSED_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
@@ -189,7 +328,7 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
     loss = outputs[0].arg.name
     _check_scalar_loss(gm, loss)
     captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss)
-    captured.tie_keys = _tie_repeated_layers(gm.graph, params)
+    captured.tie_keys = _tie_repeated_layers(gm.graph, params, buffers)
     return captured
 
 
@@ -216,27 +355,28 @@ def module_path(node: fx.Node) -> str:
     return path
 
 
-def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str]) -> dict[str, str]:
-    """Give nodes of repeated layers (``layers.0.*``, ``layers.1.*``...) one shared key.
+def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[str, str]) -> dict[str, str]:
+    """Give every node a structural key, shared by the nodes of repeated layers (``layers.0.*``,
+    ``layers.1.*``...).
 
-    A key is the module path with layer indices replaced by ``*``, the op, and the node's ordinal among
-    nodes of the same path and op. Nodes whose groups disagree on shapes or arguments keep their own
-    name as key, so tying never changes what a node computes, only how many decisions the solver makes.
+    An op's key is its module path with layer indices replaced by ``*``, the op, and the node's ordinal
+    among nodes of the same path and op; a parameter's or buffer's is its name with layer indices
+    replaced. Keys do not depend on node names, so a graph traced with fewer layers names its ops as
+    the whole model's graph does (``passes/bind.py``). Nodes whose groups disagree on shapes or
+    arguments keep their own name as key, so tying never changes what a node computes, only how many
+    decisions the solver makes.
     """
     keys: dict[str, str] = {}
     ordinal: Counter = Counter()
     for node in graph.nodes:
         if node.op == "placeholder":
-            fqn = params.get(node.name)
-            keys[node.name] = "param:" + _LAYER_INDEX.sub(".*", fqn) if fqn else node.name
+            fqn = params.get(node.name) or buffers.get(node.name)
+            kind = "param:" if node.name in params else "buffer:"
+            keys[node.name] = kind + _LAYER_INDEX.sub(".*", fqn) if fqn else node.name
         elif node.op == "call_function":
             path = module_path(node)
-            canonical = _LAYER_INDEX.sub(".*", path)
-            if canonical == path:
-                keys[node.name] = node.name
-                continue
             ordinal[(path, node.target)] += 1
-            keys[node.name] = f"{canonical}|{node.target}|{ordinal[(path, node.target)]}"
+            keys[node.name] = f"{_LAYER_INDEX.sub('.*', path)}|{node.target}|{ordinal[(path, node.target)]}"
         else:
             keys[node.name] = node.name
     return _untie_inconsistent(graph, keys)

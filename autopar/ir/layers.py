@@ -41,7 +41,10 @@ def layer_of(node: fx.Node) -> str | None:
 
 
 def layer_names(captured: CapturedGraph) -> list[str]:
-    """The repeated-layer instances of the graph, in graph order (``blocks.0``, ``blocks.1``, ...)."""
+    """The repeated-layer instances of the model, in graph order (``blocks.0``, ``blocks.1``, ...): a
+    traced stack's every real layer."""
+    if captured.stack is not None:
+        return [f"{captured.stack.path}.{i}" for i in range(captured.stack.layers)]
     return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
 
 

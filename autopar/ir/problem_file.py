@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.ir.capture import CapturedGraph
+from autopar.ir.capture import CapturedGraph, LayerStack
 from autopar.core.errors import BadInputError
 
 SCHEMA = "autopar.problem/1"
@@ -68,6 +68,8 @@ def problem_to_dict(captured: CapturedGraph, model_name: str) -> dict[str, Any]:
         "user_inputs": captured.user_inputs,
         "loss_node": captured.loss_node,
         "tie_keys": captured.tie_keys,
+        **({"stack": {"path": captured.stack.path, "layers": captured.stack.layers, "traced": captured.stack.traced}}
+           if captured.stack is not None else {}),
     }
 
 
@@ -183,10 +185,24 @@ def problem_from_dict(data: Any) -> SavedProblem:
         user_inputs=[str(n) for n in _typed(data, "user_inputs", list)],
         loss_node=str(data["loss_node"]),
         tie_keys=_names_to_names(data, "tie_keys"),
+        stack=_stack(data.get("stack")),
     )
     _check_references(captured)
     model = _typed(data, "model", dict)
     return SavedProblem(captured, str(model.get("name", "model")), list(model.get("inputs", [])))
+
+
+def _stack(data: Any) -> LayerStack | None:
+    """The traced stack of identical layers (``capture.LayerStack``), when the problem has one."""
+    if data is None:
+        return None
+    try:
+        stack = LayerStack(str(data["path"]), int(data["layers"]), int(data["traced"]))
+    except (TypeError, KeyError, ValueError):
+        raise _Malformed(f"'stack' must be {{\"path\": str, \"layers\": int, \"traced\": int}}, got {data!r}") from None
+    if not 0 < stack.traced <= stack.layers:
+        raise _Malformed(f"'stack' traces {stack.traced} of {stack.layers} layers")
+    return stack
 
 
 def _typed(data: dict, key: str, kind: type) -> Any:

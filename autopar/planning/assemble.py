@@ -91,7 +91,7 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
         val = captured.node(d.nodes[0]).meta["val"]
         if placements is None or not isinstance(val, torch.Tensor):
             continue
-        per_layer = len(d.nodes) / layers
+        per_layer = d.occurrences / layers
         copies = next((i for i in tp_dims if placements[i].is_replicate() and mesh.shape[i] > 1), None)
         out.append((pricer.local_bytes(val, placements) * per_layer, copies))
     return out
@@ -99,14 +99,14 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
 
 def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
              results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
-             constraints: Constraints) -> Plan:
+             constraints: Constraints, phases_s: dict[str, float] | None = None) -> Plan:
     mesh, solution, staging = best.mesh, best.solution, best.staging
     problem = best.problem.settled(solution.choice)  # prices as the chosen parameter placements make them
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
     pricer = pricer_for(cluster, mesh, dtype, constraints)
     placed = lambda name: placements_to_strs(by_node[name][1].strategy.outputs[0])  # noqa: E731
-    placements = {fqn: placed(name) for name, fqn in captured.params.items()}
+    placements = {real: placed(name) for name, fqn in captured.params.items() for real in captured.real_fqns(fqn)}
     return Plan(
         model={"name": model_name, "params": captured.num_params(), "layers": captured.layer_count(),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
@@ -122,11 +122,13 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
                        "shape": list(captured.node(name).meta["val"].shape),
                        "dtype": str(captured.node(name).meta["val"].dtype).replace("torch.", "")}
                 for name in captured.user_inputs},
-        buffers={fqn: placed(name) for name, fqn in captured.buffers.items()},
+        buffers={real: placed(name) for name, fqn in captured.buffers.items() for real in captured.real_fqns(fqn)},
         ops=_ops(captured, problem, solution, by_node, pricer),
         predicted=_predicted(captured, cluster, best, problem, chosen, pricer),
         solver={"status": solution.status, "objective": solution.objective_s, "bound": solution.bound_s,
                 "gap": solution.gap, "wall_s": solution.wall_s, "search_wall_s": search_wall_s,
+                "nodes": solution.nodes, "limit_hit": any(c.solution.limit_hit for c in results),
+                "phases_s": dict(phases_s or {}),
                 "variables": solution.variables, "constraints": solution.constraints,
                 "decisions": len(problem.decisions), "meshes_tried": len(results) + len(pruned),
                 "pruned_meshes": [m.describe() for m in pruned]},
@@ -183,6 +185,8 @@ def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node:
                                        "memory_bytes": int(c.memory_bytes)}}
             if str(node.target) in problem.unsupported_ops or node.target in LOCAL_RULES:
                 ops[node.name]["local"] = True
+            if captured.weight(node.name) != 1.0:  # a traced layer's op stands for the untraced layers' too
+                ops[node.name]["count"] = captured.weight(node.name)
             collectives = collective_terms(node, captured, strategy_of, pricer)
             if collectives:
                 ops[node.name]["collectives"] = collectives
@@ -221,7 +225,7 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
     fsdp = 1
     if mesh.dims_of(MeshAxis.DP_SHARD):
         shard_dim = mesh.names.index(MeshAxis.DP_SHARD)
-        numel = {n: captured.node(n).meta["val"].numel() for n in captured.params}
+        numel = {n: captured.node(n).meta["val"].numel() * captured.weight(n) for n in captured.params}
         sharded = sum(numel[n] for n in captured.params if by_node[n][1].strategy.outputs[0][shard_dim].is_shard())
         if sharded * 2 > sum(numel.values()):
             fsdp = mesh.size(MeshAxis.DP_SHARD)
@@ -310,7 +314,8 @@ def _tokens_per_step(captured: CapturedGraph) -> float:
 
 def model_flops(captured: CapturedGraph) -> float:
     """Matmul FLOPs of forward + backward (3x forward), the convention of MFU (PaLM, Megatron-LM)."""
-    return 3.0 * sum(global_flops(n) for n in captured.graph.nodes if n.op == "call_function" and is_matmul(n))
+    return 3.0 * sum(global_flops(n) * captured.weight(n.name) for n in captured.graph.nodes
+                     if n.op == "call_function" and is_matmul(n))
 
 
 def fingerprint(captured: CapturedGraph) -> str:

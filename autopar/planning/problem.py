@@ -58,11 +58,17 @@ class Decision:
     nodes: list[str]  # graph nodes that share this decision
     options: list[Option]
     scale: float = 1.0  # share of the nodes one device runs (a pipeline stage holds some of the layers)
+    weight: float = 1.0  # occurrences in the real model each node stands for (``CapturedGraph.weight``)
+
+    @property
+    def occurrences(self) -> float:
+        """Occurrences in the whole model: the nodes sharing the decision, times their weight."""
+        return len(self.nodes) * self.weight
 
     @property
     def count(self) -> float:
-        """Occurrences the solver pays for: the nodes sharing the decision, times ``scale``."""
-        return len(self.nodes) * self.scale
+        """Occurrences the solver pays for: those of the whole model, times ``scale``."""
+        return self.occurrences * self.scale
 
     def least_memory(self) -> float:
         """Its smallest memory over options (and checkpointing modes, each with its recompute working set)."""
@@ -252,7 +258,8 @@ def build_problem(
         if _is_decision(node):
             members[keys[node.name]].append(node)
     decisions = {
-        key: Decision(key, [n.name for n in nodes], _options(nodes[0], captured, finder, pricer, roles))
+        key: Decision(key, [n.name for n in nodes], _options(nodes[0], captured, finder, pricer, roles),
+                      weight=captured.weight(nodes[0].name))
         for key, nodes in members.items()
     }
     decisions[OUTPUT_KEY] = Decision(OUTPUT_KEY, [OUTPUT_KEY], [
@@ -331,7 +338,7 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
     widest = max(candidates, key=lambda n: _working_set_bytes(n, captured, pricer, None))
     decision = decisions[captured.tie_keys[widest.name]]
     for option in decision.options:
-        extra = _working_set_bytes(widest, captured, pricer, option.strategy) / len(decision.nodes)
+        extra = _working_set_bytes(widest, captured, pricer, option.strategy) / decision.occurrences
         option.cost = replace(option.cost, memory_bytes=option.cost.memory_bytes + extra)
 
 
@@ -423,10 +430,11 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
         for slot, arg in enumerate(args):
             src, out = source_of(arg)
             ekey = (keys[src.name], out, consumer, slot)
+            weight = captured.weight(node.name) if node.op != "output" else 1.0
             if ekey in grouped:
-                grouped[ekey].count += 1
+                grouped[ekey].count += weight
             else:
-                grouped[ekey] = Edge(*ekey, count=1)
+                grouped[ekey] = Edge(*ekey, count=weight)
                 first[ekey] = (node, arg)
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
     weights = {keys[name] for name, kind in kinds.items() if kind == "param"}

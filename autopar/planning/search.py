@@ -27,26 +27,24 @@ from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.planning.pricing import Pricer
+from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
-from autopar.planning.solver import Pruned, infeasible_reason, least_memory, solve
+from autopar.planning.solver import NODE_LIMIT, Pruned, infeasible_reason, least_memory, solve
 from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
 from autopar.planning.roles import pricer_for, problem_for
 
-TIME_LIMIT_S = 30.0
-"""Seconds the solver may spend on each problem unless constraint ``time_limit_s`` says otherwise."""
-
-
 def make_plan(
     captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Constraints = Constraints(),
-    model_dims: Mapping[str, int] | None = None,
+    model_dims: Mapping[str, int] | None = None, progress: SearchProgress | None = None,
 ) -> Plan:
     """The best plan of ``captured`` on ``cluster`` under ``constraints`` (checked when they were built).
     ``model_dims`` (named sizes such as ``h``, ``vocab``) are recorded in ``plan.model["dims"]`` so that
-    ``explain`` can write tensor sizes as formulas."""
+    ``explain`` can write tensor sizes as formulas. ``progress`` hears of each step of the search."""
+    progress = progress or SearchProgress()
     dtype = constraints.dtype or ("fp32" if cluster.device.name == "cpu" else "bf16")
     capacity = constraints.memory_gb * 1e9 if constraints.memory_gb is not None else usable_bytes(cluster.device)
     batch = global_batch(captured)
@@ -54,20 +52,26 @@ def make_plan(
     failures: list[str] = []
     pruned: list[MeshChoice] = []
     start = time.perf_counter()
-    search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints)
-    for mesh in _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch,
-                                                                       captured.layer_count())):
+    search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints, progress)
+    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, captured.layer_count()))
+    progress.candidates = len(meshes)
+    for mesh in meshes:
         best = min(results, key=lambda c: c.step_s, default=None)
         if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch):
             pruned.append(mesh)
+            progress.skipped()
             continue
         found = search.run(mesh, best.step_s if best else None)
         if isinstance(found, MeshChoice):
             pruned.append(found)
+            progress.skipped()
         elif isinstance(found, str):
             failures.append(found)
+            progress.skipped()
         else:
             results.append(found)
+            progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
+                           " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures))
     results.sort(key=lambda c: c.step_s)
@@ -75,7 +79,7 @@ def make_plan(
     if refined is not results[0]:
         results.insert(0, refined)
     plan = to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
-                    time.perf_counter() - start, constraints)
+                    time.perf_counter() - start, constraints, progress.phases_s)
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
 
 
@@ -118,10 +122,11 @@ class _MeshSearch:
     microbatch counts worth solving, each priced with its pipeline bubble."""
 
     def __init__(self, captured: CapturedGraph, cluster: Cluster, dtype: str, capacity: float,
-                 batch: int | None, constraints: Constraints):
+                 batch: int | None, constraints: Constraints, progress: SearchProgress):
         self.captured, self.cluster, self.dtype = captured, cluster, dtype
         self.capacity, self.batch, self.constraints = capacity, batch, constraints
-        self.time_limit_s = constraints.time_limit_s if constraints.time_limit_s is not None else TIME_LIMIT_S
+        self.progress = progress
+        self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
         """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
@@ -133,7 +138,9 @@ class _MeshSearch:
                                if k in ("microbatches", "microbatch_size"))
             return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
         pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
-        per_m = _MicrobatchProblems(problem_for(self.captured, mesh, pricer, self.capacity, self.constraints), pricer)
+        with self.progress.phase("build"):
+            whole = problem_for(self.captured, mesh, pricer, self.capacity, self.constraints)
+        per_m = _MicrobatchProblems(whole, pricer, self.progress)
         best: Candidate | None = None
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
@@ -165,10 +172,8 @@ class _MeshSearch:
         ILP (``solver.py`` (5)-(8)), on its mesh and microbatch count; the better of the two.
 
         The mesh search prices whole-model modes, which keeps each of its ILPs small and fast; the
-        per-layer ILP is larger and its memory row makes it a hard knapsack (HiGHS did not prove an
-        8-layer GPT's optimum in 120 s, where a uniform mode takes 1-2 s), so it runs once, on the
-        winner, under the search's time limit, with SCIP, which returns its best plan when the limit
-        stops it (OR-Tools' HiGHS interface returns none)."""
+        per-layer ILP is larger and its memory row makes it a hard knapsack, so it runs once, on the
+        winner, under the node limit; when the limit stops it, its best plan so far still counts."""
         if self.constraints.checkpointing is not None or best.checkpointing == "none" \
                 or best.staging.layers_per_stage < 2:
             return best
@@ -177,9 +182,10 @@ class _MeshSearch:
         whole = problem_for(self.captured, best.mesh, pricer, self.capacity, self.constraints)
         problem = self._staged(whole.with_microbatches(best.problem.microbatches, pricer), staging)
         try:
-            solution = solve(problem, self.time_limit_s, backend="SCIP")
+            with self.progress.phase("solve"):
+                solution = solve(problem, self.node_limit)
         except NoFeasiblePlanError:
-            return best  # the limit stopped the solver before it found a plan
+            return best  # the node limit stopped the solver before it found a plan
         found = with_pipeline_time(self.captured, best.mesh, staging, problem.with_layer_modes(solution.layer_modes),
                                     solution, pricer)
         return found if found.step_s < best.step_s else best
@@ -194,7 +200,8 @@ class _MeshSearch:
         return [Staging(mesh.stages, layers, schedule, chunks, (mode,)) for mode in modes]
 
     def _staged(self, problem: Problem, staging: Staging) -> Problem:
-        return stage_problem(problem, self.captured, staging)
+        with self.progress.phase("build"):
+            return stage_problem(problem, self.captured, staging)
 
     def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
@@ -204,7 +211,8 @@ class _MeshSearch:
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
             problem = self._staged(per_m[m], staging)
             try:
-                solution = solve(problem, self.time_limit_s, cutoff_s=cutoff_s)
+                with self.progress.phase("solve"):
+                    solution = solve(problem, self.node_limit, cutoff_s=cutoff_s)
             except Pruned:
                 break  # no count can beat the cutoff once the fewest that fit cannot
             except NoFeasiblePlanError as exc:
@@ -225,12 +233,13 @@ class _MicrobatchProblems(dict):
     """``problem.with_microbatches(m)`` per microbatch count, priced on first use (re-pricing every
     option of a large model is the costly part of trying a count)."""
 
-    def __init__(self, whole: Problem, pricer: Pricer):
+    def __init__(self, whole: Problem, pricer: Pricer, progress: SearchProgress):
         super().__init__()
-        self.whole, self.pricer = whole, pricer
+        self.whole, self.pricer, self.progress = whole, pricer, progress
 
     def __missing__(self, m: int) -> Problem:
-        self[m] = self.whole.with_microbatches(m, self.pricer)
+        with self.progress.phase("build"):
+            self[m] = self.whole.with_microbatches(m, self.pricer)
         return self[m]
 
 

@@ -1,4 +1,5 @@
-"""The ILP that picks one strategy per decision on one mesh, solved with OR-Tools (HiGHS MIP).
+"""The ILP that picks one strategy per decision on one mesh, solved with HiGHS's MIP through OR-Tools'
+MathOpt (its ``pywraplp`` HiGHS interface ignores every solver parameter: gap, cutoff, node limit).
 
 Notation: decisions ``d`` (a graph node, or a group of identical nodes of repeated layers, ``n_d``
 of them), options ``k`` of a decision with per-occurrence prices compute ``c_dk``, critical-path
@@ -66,37 +67,50 @@ continuous: once ``x`` is integral, (2) fixes ``y`` to the one pair the two endp
 objective is scaled to microseconds and memory to GiB to keep coefficients near 1 for the LP.
 ``evaluate`` computes the same objective for a given assignment; tests check the solver against
 brute force with it. (CP-SAT was tried first: on these problems the LP-based MIP is 10x faster.)
+
+The solve is deterministic: no wall-clock limit, only a limit on branch-and-bound nodes
+(``NODE_LIMIT``), so one problem gives one plan whatever the machine's load; the plan reports the
+solver's proven bound and whether the limit stopped it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, NamedTuple
 
-from ortools.linear_solver import pywraplp
+from ortools.math_opt.python import mathopt
 
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.planning.problem import Problem
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30
+RELATIVE_GAP = 1e-6
+"""The solver stops once its plan is proven within this share of the optimum (``Solution.gap``)."""
+NODE_LIMIT = 20_000
+"""Branch-and-bound nodes the solver may explore on one problem: a limit on work, not on time, so
+that the same problem gives the same plan on any machine under any load (``Solution.limit_hit``
+says when it stopped the search; the plan is then the best found, with its bound)."""
 
 
 @dataclass(frozen=True)
 class Solution:
     choice: dict[str, int]  # decision key -> option index
-    status: str
+    status: str  # optimal | feasible (the node limit stopped the search first)
     objective_s: float
-    bound_s: float
+    bound_s: float  # the solver's proven lower bound of the problem's optimum
     wall_s: float
     variables: int
     constraints: int
     layer_modes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> layers (n_m)
+    nodes: int = 0  # branch-and-bound nodes explored: the deterministic measure of the work done
+    limit_hit: bool = False  # NODE_LIMIT (or the caller's) stopped the search before it proved the gap
 
     @property
     def gap(self) -> float:
@@ -105,7 +119,7 @@ class Solution:
 
 @contextlib.contextmanager
 def _native_stdout_to_stderr() -> Iterator[None]:
-    """HiGHS can print diagnostics from C++ straight to file descriptor 1 despite ``output_flag=false``;
+    """HiGHS can print diagnostics from C++ straight to file descriptor 1 despite ``enable_output``;
     stdout belongs to ``--json``, so the solve writes to stderr."""
     sys.stdout.flush()
     saved = os.dup(1)
@@ -121,77 +135,75 @@ class Pruned(Exception):
     """The problem has no solution better than ``cutoff_s``: its lower bound is already worse."""
 
 
-def solve(problem: Problem, time_limit_s: float = 30.0, backend: str = "HIGHS",
-          cutoff_s: float | None = None) -> Solution:
-    """Optimal assignment of ``problem``. With ``cutoff_s`` (the best step time found elsewhere) the
-    search stops as soon as its bound shows nothing here can beat it, and raises ``Pruned``."""
+def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None = None) -> Solution:
+    """Optimal assignment of ``problem`` (HiGHS through OR-Tools' MathOpt). With ``cutoff_s`` (the best
+    step time found elsewhere) every branch whose bound reaches it is pruned, and ``Pruned`` is raised
+    when nothing here beats it. No wall-clock limit: the result depends on the problem alone."""
     if least_memory(problem) > problem.memory_capacity_bytes:
         raise NoFeasiblePlanError(infeasible_reason(problem))
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        raise RuntimeError(f"OR-Tools has no {backend} backend in this build")
-    solver.SetSolverSpecificParametersAsString(_backend_options(backend, cutoff_s))
-    solver.SetTimeLimit(int(time_limit_s * 1000))
-    x = add_choice_variables(solver, problem)
-    n, a = add_layer_mode_variables(solver, problem)
-    w, v = add_mode_choice_variables(solver, problem, x, n, a)
-    y = add_edge_variables(solver, problem, x)
-    u = add_recompute_edge_variables(solver, problem, y, n)
-    terms = priced_terms(problem, x, w) + add_root_sharding_variables(solver, problem, x)
-    z = add_overlap_constraint(solver, terms, problem.overlap_fraction)
-    add_memory_constraint(solver, problem, terms, v)
-    set_objective(solver, problem, terms, y, u, z)
+    model = mathopt.Model()
+    x = add_choice_variables(model, problem)
+    n, a = add_layer_mode_variables(model, problem)
+    w, v = add_mode_choice_variables(model, problem, x, n, a)
+    y = add_edge_variables(model, problem, x)
+    u = add_recompute_edge_variables(model, problem, y, n)
+    terms = priced_terms(problem, x, w) + add_root_sharding_variables(model, problem, x)
+    z = add_overlap_constraint(model, terms, problem.overlap_fraction)
+    add_memory_constraint(model, problem, terms, v)
+    set_objective(model, problem, terms, y, u, z)
     start = time.perf_counter()
     with _native_stdout_to_stderr():
-        status = solver.Solve()
+        result = mathopt.solve(model, mathopt.SolverType.HIGHS, params=_parameters(node_limit, cutoff_s))
     wall = time.perf_counter() - start
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        if cutoff_s is not None and status == pywraplp.Solver.INFEASIBLE:
+    reason = result.termination.reason
+    if not result.has_primal_feasible_solution():
+        stopped = reason == mathopt.TerminationReason.NO_SOLUTION_FOUND and result.termination.limit == mathopt.Limit.NODE
+        if cutoff_s is not None and not stopped:
             raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
-        raise NoFeasiblePlanError(infeasible_reason(problem, status))
-    choice = {key: max(range(len(vs)), key=lambda k: vs[k].solution_value()) for key, vs in x.items()}
-    objective = solver.Objective().Value() / _US
-    if cutoff_s is not None and objective > cutoff_s:  # HiGHS returns its incumbent once the bound prunes all
+        raise NoFeasiblePlanError(infeasible_reason(problem, reason))
+    objective = result.objective_value() / _US
+    if cutoff_s is not None and objective > cutoff_s:
         raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
-    bound = solver.Objective().BestBound() / _US if status == pywraplp.Solver.FEASIBLE else objective
+    values = result.variable_values()
+    choice = {key: max(range(len(vs)), key=lambda k: values[vs[k]]) for key, vs in x.items()}
+    optimal = reason == mathopt.TerminationReason.OPTIMAL
     return Solution(
         choice=choice,
-        status="optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+        status="optimal" if optimal else "feasible",
         objective_s=objective,
-        bound_s=min(bound, objective),
+        bound_s=min(result.termination.objective_bounds.dual_bound / _US, objective),
         wall_s=wall,
-        variables=solver.NumVariables(),
-        constraints=solver.NumConstraints(),
-        layer_modes={m: round(var.solution_value()) for m, var in n.items()},
+        variables=model.get_num_variables(),
+        constraints=model.get_num_linear_constraints(),
+        layer_modes={m: round(values[var]) for m, var in n.items()},
+        nodes=int(result.solve_stats.node_count),
+        limit_hit=not optimal,
     )
 
-def _backend_options(backend: str, cutoff_s: float | None) -> str:
-    """A tighter relative gap than the backends' default 1e-4; for HiGHS no banner on stdout (``--json``
-    prints only JSON) and the cutoff, with which it prunes every branch whose bound reaches it."""
-    if backend != "HIGHS":
-        if cutoff_s is not None:
-            raise ValueError(f"a cutoff is only passed to HiGHS, not {backend}")
-        return "limits/gap = 1e-6" if backend == "SCIP" else ""
-    options = "output_flag=false\nmip_rel_gap=1e-6"
+
+def _parameters(node_limit: int, cutoff_s: float | None) -> mathopt.SolveParameters:
+    """A relative gap tighter than HiGHS's default 1e-4, the node limit, no output (stdout belongs to
+    ``--json``) and the cutoff, with which HiGHS prunes every branch whose bound reaches it."""
+    params = mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit)
     if cutoff_s is not None:
-        options += f"\nobjective_bound={cutoff_s * _US}"
-    return options
+        params.highs.double_options["objective_bound"] = cutoff_s * _US
+    return params
 
 
-# The model is built with OR-Tools' low-level API (SetCoefficient on rows): its operator-overloading
-# API builds Python expression trees and costs more than the solve on problems of 10^5 variables.
+# The model is built row by row (``_row``) rather than from MathOpt's expression objects, which build
+# Python expression trees and cost more than the solve on problems of 10^5 variables.
 
 
-def add_choice_variables(solver: pywraplp.Solver, problem: Problem) -> dict[str, list]:
+def add_choice_variables(model: mathopt.Model, problem: Problem) -> dict[str, list]:
     """x_dk and constraint (1)."""
     x = {}
     for key, d in problem.decisions.items():
-        x[key] = [solver.BoolVar(f"x[{key}][{k}]") for k in range(len(d.options))]
-        _row(solver, 1.0, 1.0, [(v, 1.0) for v in x[key]])
+        x[key] = [model.add_binary_variable() for _ in d.options]
+        _row(model, 1.0, 1.0, [(v, 1.0) for v in x[key]])
     return x
 
 
-def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> dict[int, list]:
+def add_edge_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, list]) -> dict[int, list]:
     """y_epq and constraints (2), per edge a list in the order of its ``price`` pairs. y may be continuous:
     with x integral the marginals fix it.
 
@@ -200,7 +212,7 @@ def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str
     y = {}
     for e_idx, edge in enumerate(problem.edges):
         src, dst = problem.decisions[edge.src], problem.decisions[edge.dst]
-        pairs = [solver.NumVar(0.0, 1.0, "") for _ in edge.price]
+        pairs = [model.add_variable(lb=0.0, ub=1.0) for _ in edge.price]
         by_src: dict = {}
         by_dst: dict = {}
         for (p, q), var in zip(edge.price, pairs):
@@ -211,25 +223,25 @@ def add_edge_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str
         for k, o in enumerate(dst.options):
             by_dst.setdefault(o.edge_key(edge.slot), []).append((x[edge.dst][k], -1.0))
         for terms in (*by_src.values(), *by_dst.values()):
-            _row(solver, 0.0, 0.0, terms)
+            _row(model, 0.0, 0.0, terms)
         y[e_idx] = pairs
     return y
 
 
-def add_layer_mode_variables(solver: pywraplp.Solver, problem: Problem) -> tuple[dict, dict]:
+def add_layer_mode_variables(model: mathopt.Model, problem: Problem) -> tuple[dict, dict]:
     """n_m, a_m and constraint (5); none without ``layer_modes``."""
     modes = problem.layer_modes
     if modes is None:
         return {}, {}
-    n = {m: solver.IntVar(0.0, modes.layers, f"n[{m}]") for m in modes.modes}
-    a = {m: solver.BoolVar(f"a[{m}]") for m in modes.modes if m != "none"}
-    _row(solver, modes.layers, modes.layers, [(var, 1.0) for var in n.values()])
+    n = {m: model.add_integer_variable(lb=0.0, ub=modes.layers) for m in modes.modes}
+    a = {m: model.add_binary_variable() for m in modes.modes if m != "none"}
+    _row(model, modes.layers, modes.layers, [(var, 1.0) for var in n.values()])
     for m, used in a.items():
-        _row(solver, -solver.infinity(), 0.0, [(n[m], 1.0), (used, -float(modes.layers))])
+        _row(model, -math.inf, 0.0, [(n[m], 1.0), (used, -float(modes.layers))])
     return n, a
 
 
-def add_mode_choice_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list],
+def add_mode_choice_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, list],
                               n: Mapping[str, object], a: Mapping[str, object]) -> tuple[dict, dict]:
     """w_dkm, v_dkm and constraints (6), (7), for the decisions priced per mode."""
     w: dict[tuple[str, int], dict] = {}
@@ -241,19 +253,19 @@ def add_mode_choice_variables(solver: pywraplp.Solver, problem: Problem, x: Mapp
         if not d.options[0].by_mode:
             continue
         for k in range(len(d.options)):
-            w[key, k] = {m: solver.NumVar(0.0, layers, "") for m in n}
-            _row(solver, 0.0, 0.0, [*((var, 1.0) for var in w[key, k].values()), (x[key][k], -layers)])
-            v[key, k] = {m: solver.NumVar(0.0, 1.0, "") for m in a}
+            w[key, k] = {m: model.add_variable(lb=0.0, ub=layers) for m in n}
+            _row(model, 0.0, 0.0, [*((var, 1.0) for var in w[key, k].values()), (x[key][k], -layers)])
+            v[key, k] = {m: model.add_variable(lb=0.0, ub=1.0) for m in a}
             for var in v[key, k].values():
-                _row(solver, -solver.infinity(), 0.0, [(var, 1.0), (x[key][k], -1.0)])
+                _row(model, -math.inf, 0.0, [(var, 1.0), (x[key][k], -1.0)])
         for m in n:
-            _row(solver, 0.0, 0.0, [*((w[key, k][m], 1.0) for k in range(len(d.options))), (n[m], -1.0)])
+            _row(model, 0.0, 0.0, [*((w[key, k][m], 1.0) for k in range(len(d.options))), (n[m], -1.0)])
         for m in a:
-            _row(solver, 0.0, 0.0, [*((v[key, k][m], 1.0) for k in range(len(d.options))), (a[m], -1.0)])
+            _row(model, 0.0, 0.0, [*((v[key, k][m], 1.0) for k in range(len(d.options))), (a[m], -1.0)])
     return w, v
 
 
-def add_recompute_edge_variables(solver: pywraplp.Solver, problem: Problem, y: Mapping[int, dict],
+def add_recompute_edge_variables(model: mathopt.Model, problem: Problem, y: Mapping[int, dict],
                                  n: Mapping[str, object]) -> dict:
     """u_epqm and constraint (8), for the edge pairs into recomputed ops with forward collectives; keyed
     (edge, pair's position in the edge's ``price``, mode)."""
@@ -267,24 +279,24 @@ def add_recompute_edge_variables(solver: pywraplp.Solver, problem: Problem, y: M
             continue
         for m in edge.recomputed_under:
             for i in rerun:  # u <= L y
-                u[e_idx, i, m] = solver.NumVar(0.0, layers, "")
-                _row(solver, -solver.infinity(), 0.0, [(u[e_idx, i, m], 1.0), (y[e_idx][i], -layers)])
+                u[e_idx, i, m] = model.add_variable(lb=0.0, ub=layers)
+                _row(model, -math.inf, 0.0, [(u[e_idx, i, m], 1.0), (y[e_idx][i], -layers)])
             # sum_F u - n_m - L sum_F y >= -L
-            _row(solver, -layers, solver.infinity(), [*((u[e_idx, i, m], 1.0) for i in rerun), (n[m], -1.0),
+            _row(model, -layers, math.inf, [*((u[e_idx, i, m], 1.0) for i in rerun), (n[m], -1.0),
                                                       *((y[e_idx][i], -layers) for i in rerun)])
     return u
 
 
-def add_root_sharding_variables(solver: pywraplp.Solver, problem: Problem, x: Mapping[str, list]) -> list:
+def add_root_sharding_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, list]) -> list:
     """g_t and constraints (9); returns their priced terms (variable, price change, occurrences)."""
     terms = []
     for t in problem.root_terms:
-        g = solver.NumVar(0.0, 1.0, "")
+        g = model.add_variable(lb=0.0, ub=1.0)
         consumer = [(x[t.consumer][k], -1.0) for k in t.options]
         root = [(x[t.root][j], -1.0) for j in t.root_options]
-        _row(solver, -solver.infinity(), 0.0, [(g, 1.0), *consumer])
-        _row(solver, -solver.infinity(), 0.0, [(g, 1.0), *root])
-        _row(solver, -1.0, solver.infinity(), [(g, 1.0), *consumer, *root])
+        _row(model, -math.inf, 0.0, [(g, 1.0), *consumer])
+        _row(model, -math.inf, 0.0, [(g, 1.0), *root])
+        _row(model, -1.0, math.inf, [(g, 1.0), *consumer, *root])
         terms.append((g, t.delta, problem.decisions[t.consumer].count * t.share))
     return terms
 
@@ -303,45 +315,49 @@ def priced_terms(problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, 
     return terms
 
 
-def add_overlap_constraint(solver: pywraplp.Solver, terms: list, overlap_fraction: float):
+def add_overlap_constraint(model: mathopt.Model, terms: list, overlap_fraction: float):
     """z and constraint (3): z - sum(sync) + beta * sum(backward) >= 0."""
-    z = solver.NumVar(0.0, solver.infinity(), "z")
+    z = model.add_variable(lb=0.0, ub=math.inf)
     weighted = _weighted(terms, lambda c: (overlap_fraction * c.backward_compute_s - c.grad_sync_s) * _US)
-    _row(solver, 0.0, solver.infinity(), [(z, 1.0), *weighted])
+    _row(model, 0.0, math.inf, [(z, 1.0), *weighted])
     return z
 
 
-def add_memory_constraint(solver: pywraplp.Solver, problem: Problem, terms: list, v: Mapping) -> None:
+def add_memory_constraint(model: mathopt.Model, problem: Problem, terms: list, v: Mapping) -> None:
     """Constraint (4), with the working sets of (7)."""
     weighted = _weighted(terms, lambda c: c.memory_bytes / _GIB)
     for (key, k), held in v.items():
         recompute_bytes = problem.decisions[key].options[k].recompute_bytes
         weighted.extend((var, recompute_bytes[m] / _GIB) for m, var in held.items() if recompute_bytes.get(m))
-    _row(solver, -solver.infinity(), problem.memory_capacity_bytes / _GIB, weighted)
+    _row(model, -math.inf, problem.memory_capacity_bytes / _GIB, weighted)
 
 
-def set_objective(solver: pywraplp.Solver, problem: Problem, terms: list, y, u, z) -> None:
-    objective = solver.Objective()
+def set_objective(model: mathopt.Model, problem: Problem, terms: list, y, u, z) -> None:
+    objective = model.objective
     for var, coef in _weighted(terms, lambda c: c.exposed_s * _US):
-        objective.SetCoefficient(var, coef)
+        objective.set_linear_coefficient(var, coef)
     prices = [list(edge.price.values()) for edge in problem.edges]  # in the order of y's and u's pairs
     for e_idx, edge in enumerate(problem.edges):
         for var, cost in zip(y[e_idx], prices[e_idx]):
             if cost.exposed_s:
-                objective.SetCoefficient(var, edge.count * cost.exposed_s * _US)
+                objective.set_linear_coefficient(var, edge.count * cost.exposed_s * _US)
     for (e_idx, i, m), var in u.items():
         edge = problem.edges[e_idx]
         again = sum(prices[e_idx][i].forward_comm_s.values())
         if again:
-            objective.SetCoefficient(var, edge.count / problem.layer_modes.layers * again * _US)
-    objective.SetCoefficient(z, 1.0)
-    objective.SetMinimization()
+            objective.set_linear_coefficient(var, edge.count / problem.layer_modes.layers * again * _US)
+    objective.set_linear_coefficient(z, 1.0)
+    objective.is_maximize = False
 
 
-def _row(solver: pywraplp.Solver, lb: float, ub: float, terms) -> None:
-    row = solver.Constraint(lb, ub)
+def _row(model: mathopt.Model, lb: float, ub: float, terms) -> None:
+    """Row ``lb <= sum coef * var <= ub``, a variable's coefficients summed where it appears twice."""
+    coefs: dict = {}
     for var, coef in terms:
-        row.SetCoefficient(var, row.GetCoefficient(var) + coef)
+        coefs[var] = coefs.get(var, 0.0) + coef
+    row = model.add_linear_constraint(lb=lb, ub=ub)
+    for var, coef in coefs.items():
+        row.set_coefficient(var, coef)
 
 
 def _weighted(terms: list, price) -> list:
@@ -423,13 +439,16 @@ def least_memory(problem: Problem) -> float:
     return sum(d.least_memory() for d in problem.decisions.values())
 
 
-def infeasible_reason(problem: Problem, status: int = pywraplp.Solver.INFEASIBLE) -> str:
+def infeasible_reason(problem: Problem, reason: mathopt.TerminationReason = mathopt.TerminationReason.INFEASIBLE
+                      ) -> str:
     least = least_memory(problem)
-    if status == pywraplp.Solver.INFEASIBLE and least <= problem.memory_capacity_bytes:
+    infeasible = reason == mathopt.TerminationReason.INFEASIBLE
+    if infeasible and least <= problem.memory_capacity_bytes:
         return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es): the "
                 f"cheapest placements of each op fit memory together only in combinations the edges forbid; "
                 f"smallest per-op total {least / 2**30:.1f} GiB vs capacity {problem.memory_capacity_bytes / 2**30:.1f} GiB")
-    if status == pywraplp.Solver.INFEASIBLE:
+    if infeasible:
         return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es) fits: even the smallest placements need "
                 f"{least / 2**30:.1f} GiB per device, capacity is {problem.memory_capacity_bytes / 2**30:.1f} GiB")
-    return f"the solver stopped without a plan on mesh {problem.mesh_shape} (status {status})"
+    return (f"the solver stopped without a plan on mesh {problem.mesh_shape} ({reason.name.lower()}; "
+            f"node limit {NODE_LIMIT})")

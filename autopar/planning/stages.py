@@ -215,10 +215,10 @@ def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool]], in_
 
 
 def _is_layer_decision(key: str, roles: LayerRoles) -> bool:
-    """Ops of repeated layers, and the parameters of those layers (``param:layers.*.w``)."""
+    """Ops of repeated layers, and the parameters and buffers of those layers (``param:layers.*.w``)."""
     if key in roles.in_layer:
         return True
-    return key.startswith("param:") and ".*" in key
+    return key.startswith(("param:", "buffer:")) and ".*" in key
 
 
 def _recomputed(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
