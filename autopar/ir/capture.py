@@ -13,8 +13,11 @@ program is.
 Planning traces what differs, once: a model's stack of identical layers (the longest ``ModuleList`` or
 ``Sequential`` whose children have the same class, parameter shapes and settings) is traced with
 only its first ``TRACED_LAYERS`` layers, and the ``CapturedGraph`` records how many real layers each
-traced one stands for (``LayerStack``; ``CapturedGraph.weight``). Capturing a 126-layer model then
-costs what a 2-layer one does, and everything priced per node is multiplied by its weight. The trace
+traced one stands for (``LayerStack``; ``CapturedGraph.weight``): the first traced layer is the
+model's first (it reads what comes before the stack), the last is the model's last (what follows
+reads it), and the one between stands for all the others, which read their predecessor and feed
+their successor. Every op and every edge of the real graph then has its counterpart, counted as
+often as it occurs. Capturing a 126-layer model costs what a 3-layer one does. The trace
 is kept only when its layers tie node for node (``_tie_repeated_layers``); otherwise the whole model
 is captured. The runtime always captures the whole model and finds each op's strategy by its tie key
 (``passes/bind.py``), which names the same op in both graphs.
@@ -93,13 +96,19 @@ class CapturedGraph:
         return sum(int(shape.numel()) for shape in self.param_shapes().values())
 
     def weight(self, name: str) -> float:
-        """How many occurrences in the real model node ``name`` stands for: the stack's repeats for a
-        node of a traced repeated layer (its parameters included), else 1."""
+        """How many occurrences in the real model node ``name`` stands for (``LayerStack.weight`` for a
+        node of a traced layer, its parameters included; else 1)."""
+        index = self.traced_layer(name)
+        return 1.0 if index is None else self.stack.weight(index)
+
+    def traced_layer(self, name: str) -> int | None:
+        """The index of the traced layer node ``name`` belongs to (None: outside a traced stack)."""
         if self.stack is None:
-            return 1.0
-        if not hasattr(self, "_repeated"):
-            self._repeated = {n.name for n in self.graph.nodes if self.stack.holds(self._path_of(n))}
-        return self.stack.repeats if name in self._repeated else 1.0
+            return None
+        if not hasattr(self, "_traced_layer"):
+            self._traced_layer = {n.name: self.stack.split(path)[0] for n in self.graph.nodes
+                                  if self.stack.holds(path := self._path_of(n))}
+        return self._traced_layer.get(name)
 
     def _path_of(self, node: fx.Node) -> str:
         if node.op == "placeholder":
@@ -107,12 +116,12 @@ class CapturedGraph:
         return module_path(node)
 
     def real_fqns(self, fqn: str) -> list[str]:
-        """The real model's names that a traced parameter or buffer ``fqn`` stands for: itself, or for
-        one of traced layer ``i``, that name in every real layer ``j`` with ``j % traced == i``."""
+        """The real model's names that a traced parameter or buffer ``fqn`` stands for: itself, or that
+        name in every real layer its traced layer stands for (``LayerStack.real_layers``)."""
         if self.stack is None or not self.stack.holds(fqn):
             return [fqn]
         index, rest = self.stack.split(fqn)
-        return [f"{self.stack.path}.{j}{rest}" for j in range(index, self.stack.layers, self.stack.traced)]
+        return [f"{self.stack.path}.{j}{rest}" for j in self.stack.real_layers(index)]
 
     def gradient_kinds(self) -> dict[str, str]:
         """Per node: ``param`` (a parameter, or a view of one: its gradient is a weight gradient),
@@ -158,16 +167,26 @@ class CapturedGraph:
 
 @dataclass(frozen=True)
 class LayerStack:
-    """A stack of identical layers of which capture traced the first ``traced`` of ``layers``."""
+    """A stack of identical layers of which capture traced the first ``traced`` (at least 3) of ``layers``."""
 
     path: str  # model-relative module path of the stack ("blocks", "model.layers")
     layers: int
     traced: int
 
-    @property
-    def repeats(self) -> float:
-        """Real layers per traced layer."""
-        return self.layers / self.traced
+    def weight(self, index: int) -> float:
+        """Real layers traced layer ``index`` stands for: the first and the last one each, those between
+        share the rest."""
+        if index in (0, self.traced - 1):
+            return 1.0
+        return (self.layers - 2) / (self.traced - 2)
+
+    def real_layers(self, index: int) -> range:
+        """The real layers traced layer ``index`` stands for."""
+        if index == 0:
+            return range(0, 1)
+        if index == self.traced - 1:
+            return range(self.layers - 1, self.layers)
+        return range(index, self.layers - 1, self.traced - 2)
 
     def holds(self, path: str) -> bool:
         """Whether module or parameter path ``path`` lies inside a layer of the stack."""
@@ -197,9 +216,9 @@ def through_views(node: fx.Node) -> list[fx.Node]:
     return [node] + ([n for user in node.users for n in through_views(user)] if is_view(node) else [])
 
 
-TRACED_LAYERS = 2
-"""Layers of a repeated stack that planning traces (two, so that their tie keys can be checked to
-match node for node)."""
+TRACED_LAYERS = 3
+"""Layers of a repeated stack that planning traces: the first, one between and the last
+(``LayerStack.weight``), whose tie keys must match node for node."""
 
 
 def capture(

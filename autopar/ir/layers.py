@@ -8,6 +8,7 @@ One place for each: ``planning/stages.py`` prices by these rules and ``passes/ch
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -49,9 +50,20 @@ def layer_names(captured: CapturedGraph) -> list[str]:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor-valued arguments in the order DTensor flattens them (args, then kwargs)."""
+    """The node's tensor-valued arguments in the order DTensor flattens them (args, then kwargs).
+
+    Planning asks this of every node many times per mesh; the answer is kept per node for as long as
+    the node keeps the same argument objects (a pass that rewrites its arguments replaces them)."""
+    kept = _TENSOR_INPUTS.get(node)
+    if kept is not None and kept[0] is node.args and kept[1] is node.kwargs:
+        return kept[2]
     leaves = tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    found = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    _TENSOR_INPUTS[node] = (node.args, node.kwargs, found)
+    return found
+
+
+_TENSOR_INPUTS: "weakref.WeakKeyDictionary[fx.Node, tuple[Any, Any, list[fx.Node]]]" = weakref.WeakKeyDictionary()
 
 
 def output_vals(node: fx.Node) -> list[Any]:

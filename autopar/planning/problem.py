@@ -58,12 +58,11 @@ class Decision:
     nodes: list[str]  # graph nodes that share this decision
     options: list[Option]
     scale: float = 1.0  # share of the nodes one device runs (a pipeline stage holds some of the layers)
-    weight: float = 1.0  # occurrences in the real model each node stands for (``CapturedGraph.weight``)
+    occurrences: float | None = None  # in the real model (a traced stack's nodes stand for several); None: len(nodes)
 
-    @property
-    def occurrences(self) -> float:
-        """Occurrences in the whole model: the nodes sharing the decision, times their weight."""
-        return len(self.nodes) * self.weight
+    def __post_init__(self) -> None:
+        if self.occurrences is None:
+            self.occurrences = float(len(self.nodes))
 
     @property
     def count(self) -> float:
@@ -139,14 +138,20 @@ class Problem:
     root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
 
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
-        """The same problem priced for gradient accumulation over ``m`` microbatches."""
-        decisions = {
-            k: replace(d, options=[replace(o, cost=pricer.for_microbatches(o.cost, m)) for o in d.options])
-            for k, d in self.decisions.items()
-        }
-        edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count,
-                      {pq: pricer.for_microbatches(c, m) for pq, c in e.price.items()}) for e in self.edges]
-        root_terms = [replace(t, delta=pricer.for_microbatches(t.delta, m)) for t in self.root_terms]
+        """The same problem priced for gradient accumulation over ``m`` microbatches (each distinct
+        price once: edges share their ``Cost`` objects, ``Pricer.edge``)."""
+        repriced: dict[int, tuple[Cost, Cost]] = {}
+
+        def again(cost: Cost) -> Cost:
+            if id(cost) not in repriced:
+                repriced[id(cost)] = (cost, pricer.for_microbatches(cost, m))  # keeps ``cost`` alive: ids stay unique
+            return repriced[id(cost)][1]
+
+        decisions = {k: replace(d, options=[replace(o, cost=again(o.cost)) for o in d.options])
+                     for k, d in self.decisions.items()}
+        edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count, {pq: again(c) for pq, c in e.price.items()})
+                 for e in self.edges]
+        root_terms = [replace(t, delta=again(t.delta)) for t in self.root_terms]
         return replace(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms)
 
     def settled(self, choice: Mapping[str, int]) -> "Problem":
@@ -195,8 +200,12 @@ class Problem:
 def _settled(option: Option, share: dict[str, float], count: float) -> Option:
     if not option.by_mode:
         return option
-    cost = weighted_cost([(share[m], c) for m, c in option.by_mode.items() if share[m]])
-    cost.memory_bytes += sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
+    used = [(share[m], c) for m, c in option.by_mode.items() if share[m]]
+    working_set = sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
+    if len(used) == 1 and used[0][0] == 1.0 and not working_set:  # every layer in one mode: its price as it is
+        return replace(option, cost=used[0][1], by_mode={}, recompute_bytes={})
+    cost = weighted_cost(used)
+    cost.memory_bytes += working_set
     return replace(option, cost=cost, by_mode={}, recompute_bytes={})
 
 
@@ -259,7 +268,7 @@ def build_problem(
             members[keys[node.name]].append(node)
     decisions = {
         key: Decision(key, [n.name for n in nodes], _options(nodes[0], captured, finder, pricer, roles),
-                      weight=captured.weight(nodes[0].name))
+                      occurrences=sum(captured.weight(n.name) for n in nodes))
         for key, nodes in members.items()
     }
     decisions[OUTPUT_KEY] = Decision(OUTPUT_KEY, [OUTPUT_KEY], [
@@ -430,7 +439,7 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
         for slot, arg in enumerate(args):
             src, out = source_of(arg)
             ekey = (keys[src.name], out, consumer, slot)
-            weight = captured.weight(node.name) if node.op != "output" else 1.0
+            weight = _edge_weight(captured, src, node)
             if ekey in grouped:
                 grouped[ekey].count += weight
             else:
@@ -444,6 +453,14 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
         edge.price = _edge_prices(edge, decisions, arg.meta["val"], pricer, edge.src in weights, regathered,
                                   partial_gradient_share(arg))
     return list(grouped.values())
+
+
+def _edge_weight(captured: CapturedGraph, producer: fx.Node, consumer: fx.Node) -> float:
+    """Occurrences in the real model of an edge of the traced graph: its consumer's when that lies in a
+    traced layer, else its producer's (what follows the stack reads the last layer once, or each layer)."""
+    if consumer.op != "output" and captured.traced_layer(consumer.name) is not None:
+        return captured.weight(consumer.name)
+    return captured.weight(producer.name)
 
 
 def partial_gradient_share(arg: fx.Node) -> float:

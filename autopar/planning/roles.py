@@ -4,8 +4,9 @@ Each mesh dimension has a role that the placeholders' candidate placements and t
 encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp`` as ``MeshAxis.DP_SHARD``):
 
 * ``dp``: example inputs are split on their batch dimension (``S(0)``), buffers are replicated, and
-  every op downstream of the inputs keeps its output split (or partial) on this dim: each rank works
-  on its own share of the batch, never on a gathered copy. Parameters are replicated (DDP; ZeRO-1/2
+  every op downstream of the inputs keeps its output split on this dim along the dimension that
+  carries the batch (traced through DTensor's strategies, ``batch_dims``), or partial where it
+  reduces the batch away: each rank works on its own share of the batch, never on a gathered copy. Parameters are replicated (DDP; ZeRO-1/2
   with ``fsdp`` 1/2, which shard the optimizer state and gradients in ``pricing.py``), sharded
   (``fsdp=3``, FSDP) or left to the solver. The gradient all_reduce follows from the strategies.
 * ``dp_replicate`` (HSDP): a second data-parallel dim across nodes over which parameters stay
@@ -22,7 +23,7 @@ from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import tensor_inputs
+from autopar.ir.layers import output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates
@@ -62,16 +63,17 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     sharded_on_dp = shard_dims if zero_stage == 3 else []
     pins_inputs = {i: (Shard(0) if n in DATA_PARALLEL_AXES else Replicate()) for i, n in enumerate(mesh.names)}
     param_candidates = placeholder_candidates(shape, pins_params)
+    copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
+    finder = StrategyFinder(shape, copies)
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
-        allow=_all_of(_batch_stays_split(captured, dp_dims), _weights_stay_split(captured, tp_dims),
+        allow=_all_of(_batch_stays_split(captured, dp_dims, finder), _weights_stay_split(captured, tp_dims),
                       _replicas_act_as_shards(replica_dims, shard_dims),
                       sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
-    copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
-    return build_problem(captured, StrategyFinder(shape, copies), pricer, roles, capacity, OVERLAP_FRACTION)
+    return build_problem(captured, finder, pricer, roles, capacity, OVERLAP_FRACTION)
 
 
 def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
@@ -82,13 +84,15 @@ def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
     return split or cands
 
 
-def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
-    """Data-parallel role: ops that depend on the inputs read the data split on dp and keep their
-    (non-scalar) output split there: sharded, or partial where the op reduces (a sum over the batch).
-    Gathering the data on dp, or a partial output of an op that does not shrink its input, would be
-    tensor parallelism on the dp dim under the wrong name (each rank computing a slice or an addend of
-    the whole batch), which the role forbids."""
+def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int], finder: StrategyFinder):
+    """Data-parallel role: ops that depend on the inputs read the data split on dp along its batch
+    dimension and keep their output split there (``batch_dims``), or partial where the op reduces the
+    batch away (the loss): each rank works on its own share of the batch. Gathering the data on dp, or
+    splitting another dimension over it (heads, sequence), would be tensor or context parallelism on
+    the dp dim under the wrong name, which the role forbids. Where no strategy of an op keeps the
+    batch dimension traceable, its output only has to stay split (any dimension) or partial on dp."""
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
+    batch = batch_dims(captured, on_data, dp_dims[0], finder) if dp_dims else {}
 
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data or not dp_dims:
@@ -98,13 +102,60 @@ def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int]):
         if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
             return True
         args = tensor_inputs(node)
-        if any(a.name in on_data and a.meta["val"].ndim > 0 and placements[d].is_replicate()
-               for a, placements in zip(args, strategy.inputs) for d in dp_dims):
+        if not all(_keeps_batch(placements, batch.get((_source(a), _index(a))), a.meta["val"].ndim, dp_dims)
+                   for a, placements in zip(args, strategy.inputs) if a.name in on_data):
             return False
+        want = batch.get((node.name, 0))
+        if want is not None:
+            return all(out[d] == Shard(want) for d in dp_dims)
         reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
         return all(out[d].is_shard() or (reduces and out[d].is_partial()) for d in dp_dims)
 
     return allow
+
+
+def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: StrategyFinder
+               ) -> dict[tuple[str, int], int | None]:
+    """(node, output index) -> the dimension of that output that carries the batch, traced from the
+    user inputs' dim 0 through the strategies DTensor gives each op: the dim an output is split on
+    when every data input is split on its own batch dim (None: the op reduces the batch away, or the
+    strategies leave it ambiguous)."""
+    batch: dict[tuple[str, int], int | None] = {(name, 0): 0 for name in captured.user_inputs}
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or node.name not in on_data or _is_getitem(node):
+            continue
+        args = [(slot, batch.get((_source(a), _index(a)))) for slot, a in enumerate(tensor_inputs(node))
+                if a.name in on_data and a.meta["val"].ndim > 0]
+        kept = [s for s in finder.for_node(node)
+                if all(bd is not None and s.inputs[slot][dp_dim] == Shard(bd) for slot, bd in args)]
+        for i in range(len(output_vals(node))):
+            dims = {s.outputs[i][dp_dim].dim for s in kept
+                    if s.outputs[i] is not None and s.outputs[i][dp_dim].is_shard()}
+            batch[node.name, i] = dims.pop() if len(dims) == 1 else None
+    return batch
+
+
+def _keeps_batch(placements, batch_dim: int | None, ndim: int, dp_dims: list[int]) -> bool:
+    """Whether a data input read in ``placements`` stays split on dp along its batch dim (any split,
+    or partial, when that dim is unknown)."""
+    if ndim == 0:
+        return True
+    if batch_dim is not None:
+        return all(placements[d] == Shard(batch_dim) for d in dp_dims)
+    return not any(placements[d].is_replicate() for d in dp_dims)
+
+
+def _is_getitem(node: fx.Node) -> bool:
+    return getattr(node.target, "__name__", "") == "getitem"
+
+
+def _source(arg: fx.Node) -> str:
+    """The node whose output ``arg`` is (through ``getitem``)."""
+    return arg.args[0].name if _is_getitem(arg) else arg.name
+
+
+def _index(arg: fx.Node) -> int:
+    return int(arg.args[1]) if _is_getitem(arg) else 0
 
 
 def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):

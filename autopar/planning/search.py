@@ -126,6 +126,7 @@ class _MeshSearch:
         self.captured, self.cluster, self.dtype = captured, cluster, dtype
         self.capacity, self.batch, self.constraints = capacity, batch, constraints
         self.progress = progress
+        self._staged_problems: dict[tuple[int, Staging], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
@@ -138,6 +139,7 @@ class _MeshSearch:
                                if k in ("microbatches", "microbatch_size"))
             return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
         pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
+        self._staged_problems.clear()  # one mesh's at a time
         with self.progress.phase("build"):
             whole = problem_for(self.captured, mesh, pricer, self.capacity, self.constraints)
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
@@ -147,8 +149,7 @@ class _MeshSearch:
         for staging in self._stagings(mesh):
             # more recomputation only pays when it lets fewer microbatches fit than less did
             tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
-            first = next((i for i, m in enumerate(tried)
-                          if least_memory(self._staged(per_m[m], staging)) <= self.capacity), None)
+            first = self._first_fitting(tried, staging, per_m)
             if first is None:
                 if tried and not reason:
                     reason = infeasible_reason(self._staged(per_m[tried[-1]], staging))
@@ -199,9 +200,26 @@ class _MeshSearch:
         modes = [pinned] if pinned is not None else list(CHECKPOINTING)
         return [Staging(mesh.stages, layers, schedule, chunks, (mode,)) for mode in modes]
 
+    def _first_fitting(self, counts: list[int], staging: Staging, per_m: "_MicrobatchProblems") -> int | None:
+        """The index in ``counts`` (ascending) of the fewest microbatches whose smallest placements fit
+        memory, by bisection: activations shrink as the count grows, so what fits at ``m`` fits above."""
+        fits = lambda i: least_memory(self._staged(per_m[counts[i]], staging)) <= self.capacity  # noqa: E731
+        low, high = 0, len(counts)
+        while low < high:
+            middle = (low + high) // 2
+            if fits(middle):
+                high = middle
+            else:
+                low = middle + 1
+        return low if low < len(counts) else None
+
     def _staged(self, problem: Problem, staging: Staging) -> Problem:
-        with self.progress.phase("build"):
-            return stage_problem(problem, self.captured, staging)
+        """``stage_problem``, once per (problem, staging): the fitting search and the solves share it."""
+        key = (id(problem), staging)
+        if key not in self._staged_problems:
+            with self.progress.phase("build"):
+                self._staged_problems[key] = (problem, stage_problem(problem, self.captured, staging))
+        return self._staged_problems[key][1]
 
     def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,

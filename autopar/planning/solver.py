@@ -91,7 +91,7 @@ from autopar.planning.problem import Problem
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30
-RELATIVE_GAP = 1e-6
+RELATIVE_GAP = 1e-4
 """The solver stops once its plan is proven within this share of the optimum (``Solution.gap``)."""
 NODE_LIMIT = 20_000
 """Branch-and-bound nodes the solver may explore on one problem: a limit on work, not on time, so

@@ -1,0 +1,136 @@
+"""Planning at scale (issue 15): a stack of identical layers traced two layers deep plans exactly as the
+whole model does, the same input gives the same plan byte for byte, and nothing depends on time.
+
+* the reduced problem (a traced stack, ``capture.LayerStack``) has the full problem's optimum: same
+  step time, degrees, placements and per-op strategies (matched by their tie keys) on small models;
+* the plan of a traced stack runs: ``passes.bind_ops`` gives every op of the whole graph its entry,
+  and 3 SGD steps under it on 2 gloo ranks match single-process training;
+* ``autopar plan ... --json`` twice, under different hash seeds, prints the same JSON (timings aside);
+* a plan's predicted step time equals re-pricing it on the problem it was solved on (``autopar.reprice``);
+* the solver's limits are on work (``solver_nodes``), never on time, and the plan says when one was hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import autopar
+from autopar.core.constraints import Constraints
+from autopar.cost_models import parse_cluster
+from autopar.ir.capture import TRACED_LAYERS, capture
+from autopar.models import build_model
+from autopar.passes.bind import bind_ops
+from autopar.planning.search import make_plan
+from autopar.planning.solver import RELATIVE_GAP, solve
+from autopar.testing.parity import train_parallel, train_single
+
+TIMINGS = ("wall_s", "search_wall_s", "phases_s")
+
+
+def _bundle(name: str, layers: int, batch: int = 8, seq: int | None = None):
+    return build_model(name, overrides={"layers": layers}, global_batch=batch, seq=seq, device="meta")
+
+
+def _planned(bundle, cluster: str, traced: int | None, constraints: dict | None = None):
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn,
+                       traced_layers=traced)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return captured, make_plan(captured, parse_cluster(cluster), model_name="m",
+                                   constraints=Constraints.from_mapping(constraints or {}))
+
+
+def _strategies_by_key(plan) -> dict[str, tuple]:
+    return {op["decision"]: (op["op"], json.dumps(op["inputs"]), json.dumps(op["outputs"])) for op in plan.ops.values()}
+
+
+@pytest.mark.parametrize("name, layers, cluster, constraints", [
+    ("tiny-llama", 6, "2x4xH100", None),
+    ("tiny-gpt", 5, "1x8xH100", {"tp": 2}),
+    ("tiny-llama", 4, "4x2xH100", {"pp": 2, "checkpointing": "full"}),
+])
+def test_a_traced_stack_has_the_whole_models_optimum(name, layers, cluster, constraints):
+    bundle = _bundle(name, layers)
+    short, reduced = _planned(bundle, cluster, TRACED_LAYERS, constraints)
+    whole, full = _planned(bundle, cluster, None, constraints)
+    assert short.stack is not None and short.stack.layers == layers and whole.stack is None
+    assert len(short.graph.nodes) < len(whole.graph.nodes)
+    assert reduced.predicted["step_time_s"] == pytest.approx(full.predicted["step_time_s"], rel=RELATIVE_GAP)
+    assert reduced.predicted["peak_memory_bytes"] == pytest.approx(full.predicted["peak_memory_bytes"], rel=1e-6)
+    assert (reduced.model["params"], reduced.model["layers"], reduced.model["graph_fingerprint"]) == \
+        (full.model["params"], full.model["layers"], full.model["graph_fingerprint"])
+    assert reduced.model["flops_per_step"] == pytest.approx(full.model["flops_per_step"], rel=1e-9)
+    assert dict(reduced.degrees) == dict(full.degrees)
+    assert reduced.placements == full.placements
+    assert _strategies_by_key(reduced) == _strategies_by_key(full)
+
+
+def test_binding_gives_every_op_of_the_whole_graph_its_traced_strategy():
+    bundle = _bundle("tiny-llama", 5)
+    _, plan = _planned(bundle, "1x4xH100", TRACED_LAYERS, {"tp": 2})
+    whole = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    bound = bind_ops(plan, whole)
+    ops = [n for n in whole.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") != "getitem"]
+    assert set(bound.ops) == {n.name for n in ops}
+    assert all(bound.ops[n.name]["op"] == str(n.target) for n in ops)
+    assert len(plan.ops) < len(bound.ops)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_plan_of_a_traced_stack_trains_like_one_process():
+    layers, batch, steps = 4, 8, 3
+    bundle = _bundle("tiny-llama", layers, batch)
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"tp": 2},
+                        example_targets=bundle.example_targets)
+    assert any("count" in op for op in plan.ops.values()), "the plan should come from a traced stack"
+    result = train_parallel(2, "tiny-llama", {"layers": layers}, batch, None, steps, plan=plan.to_dict())
+    result.assert_matches(train_single("tiny-llama", {"layers": layers}, batch, None, steps))
+
+
+def _cli_plan(seed: str) -> dict:
+    args = [sys.executable, "-m", "autopar", "plan", "tiny-llama", "--set", "layers=6", "--cluster", "2x8xH100",
+            "--global-batch", "32", "--json"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=300,
+                         env={**os.environ, "PYTHONHASHSEED": seed})
+    plan = json.loads(out.stdout)
+    for key in TIMINGS:
+        plan["solver"].pop(key)
+    return plan
+
+
+@pytest.mark.slow
+def test_the_same_command_prints_the_same_plan():
+    first, second = _cli_plan("1"), _cli_plan("2")
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    assert first["solver"]["limit_hit"] is False
+
+
+def test_a_plan_reprices_to_its_own_prediction(tmp_path):
+    bundle = _bundle("tiny-llama", 6, batch=32)
+    problem_file = tmp_path / "p.json"
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,
+                        example_targets=bundle.example_targets, save_problem=problem_file)
+    again = autopar.reprice(plan, autopar.load_problem(problem_file), "2x8xH100")
+    assert again.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
+
+
+def test_a_time_limit_is_refused_with_what_to_use_instead():
+    with pytest.raises(autopar.BadInputError, match="solver_nodes"):
+        Constraints.from_mapping({"time_limit_s": 5})
+
+
+def test_the_node_limit_stops_the_search_and_the_solution_says_so():
+    from tests.test_solver import random_layered_problem
+
+    hard = next(p for p in map(random_layered_problem, range(40)) if solve(p).nodes > 1)
+    stopped = solve(hard, node_limit=1)
+    assert stopped.limit_hit and stopped.status == "feasible"
+    assert stopped.bound_s <= solve(hard).objective_s <= stopped.objective_s
+    assert not solve(hard).limit_hit
