@@ -9,7 +9,7 @@ world it runs in (or takes a given plan), then returns that rank's ``ParallelMod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,11 @@ from autopar.planning.assemble import fingerprint, model_dims
 from autopar.planning.progress import SearchProgress
 from autopar.planning.search import make_plan
 from autopar.ir.problem_file import SavedProblem, save_problem as write_problem_file
-from autopar.runtime.pipeline import PipelineParallelModule
 from autopar.cost_models.hardware import preset_for_cuda_name
 from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
+
+if TYPE_CHECKING:  # the pipeline runtime imports torch.distributed.pipelining: only autoparallelize needs it
+    from autopar.runtime.pipeline import PipelineParallelModule
 
 
 def plan(
@@ -114,6 +116,8 @@ def autoparallelize(
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
                            _first_rows(example_targets, m) if example_targets is not None else None, loss_fn)
     if the_plan.degrees.pp > 1:
+        from autopar.runtime.pipeline import PipelineParallelModule
+
         return PipelineParallelModule(model, captured, the_plan)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan))
 

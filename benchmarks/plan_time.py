@@ -175,7 +175,8 @@ def table_line(r: dict[str, Any]) -> str:
         d = r["degrees"]
         fsdp = f" fsdp{d['fsdp']}" if d["fsdp"] > 1 else ""
         plan = f"{d['pp']}x{d['dp']}x{d['tp']}{fsdp}, {r['microbatches']} mb, {r['checkpointing']}"
-        step = f"{r['step_time_s'] * 1e3:.4g}"
+        ms = r["step_time_s"] * 1e3
+        step = f"{ms:,.0f}" if ms >= 10 else f"{ms:.3g}"
     limit = {None: "-", True: "yes", False: "no"}[r.get("limit_hit")]
     meets = {None: "-", True: "yes", False: "no"}[r["meets_target"]]
     cells = [f"`{r['command']}`", _num(r["target_s"], ".0f"), wall, f"{r['peak_rss_mb']:.0f}", phase_text,

@@ -22,9 +22,9 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.plan import Plan
+from autopar.ir.bind import bind_ops
 from autopar.ir.capture import CapturedGraph
 
-from .bind import bind_ops
 from .checkpoint import checkpoint_layers
 from .insert_redistributes import insert_redistributes, produced_placements
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward

@@ -3,7 +3,7 @@ whole model does, the same input gives the same plan byte for byte, and nothing 
 
 * the reduced problem (a traced stack, ``capture.LayerStack``) has the full problem's optimum: same
   step time, degrees, placements and per-op strategies (matched by their tie keys) on small models;
-* the plan of a traced stack runs: ``passes.bind_ops`` gives every op of the whole graph its entry,
+* the plan of a traced stack runs: ``ir.bind.bind_ops`` gives every op of the whole graph its entry,
   and 3 SGD steps under it on 2 gloo ranks match single-process training;
 * ``autopar plan ... --json`` twice, under different hash seeds, prints the same JSON (timings aside);
 * a plan's predicted step time equals re-pricing it on the problem it was solved on (``autopar.reprice``);
@@ -25,7 +25,7 @@ from autopar.core.constraints import Constraints
 from autopar.cost_models import parse_cluster
 from autopar.ir.capture import TRACED_LAYERS, capture
 from autopar.models import build_model
-from autopar.passes.bind import bind_ops
+from autopar.ir.bind import bind_ops
 from autopar.planning.search import make_plan
 from autopar.planning.solver import RELATIVE_GAP, solve
 from autopar.testing.parity import train_parallel, train_single

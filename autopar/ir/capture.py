@@ -20,7 +20,7 @@ their successor. Every op and every edge of the real graph then has its counterp
 often as it occurs. Capturing a 126-layer model costs what a 3-layer one does. The trace
 is kept only when its layers tie node for node (``_tie_repeated_layers``); otherwise the whole model
 is captured. The runtime always captures the whole model and finds each op's strategy by its tie key
-(``passes/bind.py``), which names the same op in both graphs.
+(``ir/bind.py``), which names the same op in both graphs.
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
     An op's key is its module path with layer indices replaced by ``*``, the op, and the node's ordinal
     among nodes of the same path and op; a parameter's or buffer's is its name with layer indices
     replaced. Keys do not depend on node names, so a graph traced with fewer layers names its ops as
-    the whole model's graph does (``passes/bind.py``). Nodes whose groups disagree on shapes or
+    the whole model's graph does (``ir/bind.py``). Nodes whose groups disagree on shapes or
     arguments keep their own name as key, so tying never changes what a node computes, only how many
     decisions the solver makes.
     """

@@ -183,7 +183,7 @@ class _MeshSearch:
         whole = problem_for(self.captured, best.mesh, pricer, self.capacity, self.constraints)
         problem = self._staged(whole.with_microbatches(best.problem.microbatches, pricer), staging)
         try:
-            with self.progress.phase("solve"):
+            with self.progress.phase("refine"):
                 solution = solve(problem, self.node_limit)
         except NoFeasiblePlanError:
             return best  # the node limit stopped the solver before it found a plan
@@ -230,9 +230,10 @@ class _MeshSearch:
             problem = self._staged(per_m[m], staging)
             try:
                 with self.progress.phase("solve"):
-                    solution = solve(problem, self.node_limit, cutoff_s=cutoff_s)
+                    solution = solve(problem, self.node_limit, cutoff_s=cutoff_s,
+                                     bubble_fraction=staging.bubble_fraction(problem.microbatches))
             except Pruned:
-                break  # no count can beat the cutoff once the fewest that fit cannot
+                continue  # the cutoff counts this count's bubble; more microbatches shrink it
             except NoFeasiblePlanError as exc:
                 reason = str(exc)
                 continue

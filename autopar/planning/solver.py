@@ -38,6 +38,8 @@ Constraints::
     (8) u_epqm <= L y_epq;  sum_{pq in F_e} (u_epqm - L y_epq) >= n_m - L   forward collectives run again
     (9) g_t <= X_t;  g_t <= Y_t;  g_t >= X_t + Y_t - 1           a value gathered for an op that leaves its
                                                                  gradient partial
+    (10) (1 + f) (objective - z) + z <= cutoff                 with a cutoff: only plans that beat it
+                                                                 (f: the pipeline bubble's share, 0 without)
 
 In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
 (its price mixed over the layers' modes), memory (4) adds ``sum_dkm R_dkm v_dkm`` and the objective
@@ -84,6 +86,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, NamedTuple
 
+from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
 from autopar.core.errors import NoFeasiblePlanError
@@ -118,30 +121,35 @@ class Solution:
 
 
 @contextlib.contextmanager
-def _native_stdout_to_stderr() -> Iterator[None]:
-    """HiGHS can print diagnostics from C++ straight to file descriptor 1 despite ``enable_output``;
-    stdout belongs to ``--json``, so the solve writes to stderr."""
+def _native_output_dropped() -> Iterator[None]:
+    """HiGHS prints some debugging lines from C++ straight to file descriptor 1 despite
+    ``enable_output=False``; stdout belongs to ``--json`` and stderr to the progress line, so what the
+    solve prints goes nowhere."""
     sys.stdout.flush()
     saved = os.dup(1)
+    sink = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(sink, 1)
         yield
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(sink)
 
 
 class Pruned(Exception):
     """The problem has no solution better than ``cutoff_s``: its lower bound is already worse."""
 
 
-def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None = None) -> Solution:
+def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None = None,
+          bubble_fraction: float = 0.0) -> Solution:
     """Optimal assignment of ``problem`` (HiGHS through OR-Tools' MathOpt). With ``cutoff_s`` (the best
-    step time found elsewhere) every branch whose bound reaches it is pruned, and ``Pruned`` is raised
-    when nothing here beats it. No wall-clock limit: the result depends on the problem alone."""
+    step time found elsewhere) the objective is bounded by it (10), and ``Pruned`` is raised when
+    nothing here beats it; under a pipeline whose bubble is ``bubble_fraction`` of the work, by the
+    step time the bubble makes of it. No wall-clock limit: the result depends on the problem alone."""
     if least_memory(problem) > problem.memory_capacity_bytes:
         raise NoFeasiblePlanError(infeasible_reason(problem))
-    model = mathopt.Model()
+    model = Ilp()
     x = add_choice_variables(model, problem)
     n, a = add_layer_mode_variables(model, problem)
     w, v = add_mode_choice_variables(model, problem, x, n, a)
@@ -150,10 +158,13 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     terms = priced_terms(problem, x, w) + add_root_sharding_variables(model, problem, x)
     z = add_overlap_constraint(model, terms, problem.overlap_fraction)
     add_memory_constraint(model, problem, terms, v)
-    set_objective(model, problem, terms, y, u, z)
+    objective = set_objective(model, problem, terms, y, u, z)
+    if cutoff_s is not None:
+        add_cutoff(model, objective, z, cutoff_s, bubble_fraction)
     start = time.perf_counter()
-    with _native_stdout_to_stderr():
-        result = mathopt.solve(model, mathopt.SolverType.HIGHS, params=_parameters(node_limit, cutoff_s))
+    with _native_output_dropped():
+        result = mathopt.solve(mathopt.Model.from_model_proto(model.to_proto()), mathopt.SolverType.HIGHS,
+                               params=_parameters(node_limit))
     wall = time.perf_counter() - start
     reason = result.termination.reason
     if not result.has_primal_feasible_solution():
@@ -164,7 +175,7 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     objective = result.objective_value() / _US
     if cutoff_s is not None and objective > cutoff_s:
         raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
-    values = result.variable_values()
+    values = {var.id: value for var, value in result.variable_values().items()}
     choice = {key: max(range(len(vs)), key=lambda k: values[vs[k]]) for key, vs in x.items()}
     optimal = reason == mathopt.TerminationReason.OPTIMAL
     return Solution(
@@ -173,37 +184,85 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
         objective_s=objective,
         bound_s=min(result.termination.objective_bounds.dual_bound / _US, objective),
         wall_s=wall,
-        variables=model.get_num_variables(),
-        constraints=model.get_num_linear_constraints(),
+        variables=len(model.lower),
+        constraints=len(model.row_lower),
         layer_modes={m: round(values[var]) for m, var in n.items()},
         nodes=int(result.solve_stats.node_count),
         limit_hit=not optimal,
     )
 
 
-def _parameters(node_limit: int, cutoff_s: float | None) -> mathopt.SolveParameters:
-    """A relative gap tighter than HiGHS's default 1e-4, the node limit, no output (stdout belongs to
-    ``--json``) and the cutoff, with which HiGHS prunes every branch whose bound reaches it."""
-    params = mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit)
-    if cutoff_s is not None:
-        params.highs.double_options["objective_bound"] = cutoff_s * _US
-    return params
+def _parameters(node_limit: int) -> mathopt.SolveParameters:
+    """The relative gap, the node limit and no output (stdout belongs to ``--json``)."""
+    return mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit)
 
 
-# The model is built row by row (``_row``) rather than from MathOpt's expression objects, which build
-# Python expression trees and cost more than the solve on problems of 10^5 variables.
+class Ilp:
+    """The ILP as arrays, handed to MathOpt in one ``ModelProto``: a variable is its index. (MathOpt's
+    ``Model`` takes one Python call per coefficient and per bound, which cost several times the solve
+    on problems of 10^4 variables.)"""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.entries: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, column, coefficient
+        self.objective: dict[int, float] = {}
+
+    def var(self, lower: float, upper: float, integer: bool = False) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.lower) - 1
+
+    def binary(self) -> int:
+        return self.var(0.0, 1.0, integer=True)
+
+    def row(self, lower: float, upper: float, terms) -> None:
+        """Row ``lower <= sum coef * var <= upper``, a variable's coefficients summed where it appears twice."""
+        coefs: dict[int, float] = {}
+        for var, coef in terms:
+            coefs[var] = coefs.get(var, 0.0) + coef
+        index = len(self.row_lower)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        rows, columns, values = self.entries
+        for var in sorted(coefs):
+            rows.append(index)
+            columns.append(var)
+            values.append(coefs[var])
+
+    def to_proto(self) -> model_pb2.ModelProto:
+        proto = model_pb2.ModelProto()
+        proto.variables.ids.extend(range(len(self.lower)))
+        proto.variables.lower_bounds.extend(self.lower)
+        proto.variables.upper_bounds.extend(self.upper)
+        proto.variables.integers.extend(self.integer)
+        proto.linear_constraints.ids.extend(range(len(self.row_lower)))
+        proto.linear_constraints.lower_bounds.extend(self.row_lower)
+        proto.linear_constraints.upper_bounds.extend(self.row_upper)
+        rows, columns, values = self.entries
+        proto.linear_constraint_matrix.row_ids.extend(rows)
+        proto.linear_constraint_matrix.column_ids.extend(columns)
+        proto.linear_constraint_matrix.coefficients.extend(values)
+        ids = sorted(self.objective)
+        proto.objective.linear_coefficients.ids.extend(ids)
+        proto.objective.linear_coefficients.values.extend(self.objective[i] for i in ids)
+        return proto
 
 
-def add_choice_variables(model: mathopt.Model, problem: Problem) -> dict[str, list]:
+def add_choice_variables(model: Ilp, problem: Problem) -> dict[str, list]:
     """x_dk and constraint (1)."""
     x = {}
     for key, d in problem.decisions.items():
-        x[key] = [model.add_binary_variable() for _ in d.options]
-        _row(model, 1.0, 1.0, [(v, 1.0) for v in x[key]])
+        x[key] = [model.binary() for _ in d.options]
+        model.row(1.0, 1.0, [(v, 1.0) for v in x[key]])
     return x
 
 
-def add_edge_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, list]) -> dict[int, list]:
+def add_edge_variables(model: Ilp, problem: Problem, x: Mapping[str, list]) -> dict[int, list]:
     """y_epq and constraints (2), per edge a list in the order of its ``price`` pairs. y may be continuous:
     with x integral the marginals fix it.
 
@@ -212,7 +271,7 @@ def add_edge_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, l
     y = {}
     for e_idx, edge in enumerate(problem.edges):
         src, dst = problem.decisions[edge.src], problem.decisions[edge.dst]
-        pairs = [model.add_variable(lb=0.0, ub=1.0) for _ in edge.price]
+        pairs = [model.var(0.0, 1.0) for _ in edge.price]
         by_src: dict = {}
         by_dst: dict = {}
         for (p, q), var in zip(edge.price, pairs):
@@ -223,25 +282,25 @@ def add_edge_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, l
         for k, o in enumerate(dst.options):
             by_dst.setdefault(o.edge_key(edge.slot), []).append((x[edge.dst][k], -1.0))
         for terms in (*by_src.values(), *by_dst.values()):
-            _row(model, 0.0, 0.0, terms)
+            model.row(0.0, 0.0, terms)
         y[e_idx] = pairs
     return y
 
 
-def add_layer_mode_variables(model: mathopt.Model, problem: Problem) -> tuple[dict, dict]:
+def add_layer_mode_variables(model: Ilp, problem: Problem) -> tuple[dict, dict]:
     """n_m, a_m and constraint (5); none without ``layer_modes``."""
     modes = problem.layer_modes
     if modes is None:
         return {}, {}
-    n = {m: model.add_integer_variable(lb=0.0, ub=modes.layers) for m in modes.modes}
-    a = {m: model.add_binary_variable() for m in modes.modes if m != "none"}
-    _row(model, modes.layers, modes.layers, [(var, 1.0) for var in n.values()])
+    n = {m: model.var(0.0, modes.layers, integer=True) for m in modes.modes}
+    a = {m: model.binary() for m in modes.modes if m != "none"}
+    model.row(modes.layers, modes.layers, [(var, 1.0) for var in n.values()])
     for m, used in a.items():
-        _row(model, -math.inf, 0.0, [(n[m], 1.0), (used, -float(modes.layers))])
+        model.row(-math.inf, 0.0, [(n[m], 1.0), (used, -float(modes.layers))])
     return n, a
 
 
-def add_mode_choice_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, list],
+def add_mode_choice_variables(model: Ilp, problem: Problem, x: Mapping[str, list],
                               n: Mapping[str, object], a: Mapping[str, object]) -> tuple[dict, dict]:
     """w_dkm, v_dkm and constraints (6), (7), for the decisions priced per mode."""
     w: dict[tuple[str, int], dict] = {}
@@ -253,19 +312,19 @@ def add_mode_choice_variables(model: mathopt.Model, problem: Problem, x: Mapping
         if not d.options[0].by_mode:
             continue
         for k in range(len(d.options)):
-            w[key, k] = {m: model.add_variable(lb=0.0, ub=layers) for m in n}
-            _row(model, 0.0, 0.0, [*((var, 1.0) for var in w[key, k].values()), (x[key][k], -layers)])
-            v[key, k] = {m: model.add_variable(lb=0.0, ub=1.0) for m in a}
+            w[key, k] = {m: model.var(0.0, layers) for m in n}
+            model.row(0.0, 0.0, [*((var, 1.0) for var in w[key, k].values()), (x[key][k], -layers)])
+            v[key, k] = {m: model.var(0.0, 1.0) for m in a}
             for var in v[key, k].values():
-                _row(model, -math.inf, 0.0, [(var, 1.0), (x[key][k], -1.0)])
+                model.row(-math.inf, 0.0, [(var, 1.0), (x[key][k], -1.0)])
         for m in n:
-            _row(model, 0.0, 0.0, [*((w[key, k][m], 1.0) for k in range(len(d.options))), (n[m], -1.0)])
+            model.row(0.0, 0.0, [*((w[key, k][m], 1.0) for k in range(len(d.options))), (n[m], -1.0)])
         for m in a:
-            _row(model, 0.0, 0.0, [*((v[key, k][m], 1.0) for k in range(len(d.options))), (a[m], -1.0)])
+            model.row(0.0, 0.0, [*((v[key, k][m], 1.0) for k in range(len(d.options))), (a[m], -1.0)])
     return w, v
 
 
-def add_recompute_edge_variables(model: mathopt.Model, problem: Problem, y: Mapping[int, dict],
+def add_recompute_edge_variables(model: Ilp, problem: Problem, y: Mapping[int, dict],
                                  n: Mapping[str, object]) -> dict:
     """u_epqm and constraint (8), for the edge pairs into recomputed ops with forward collectives; keyed
     (edge, pair's position in the edge's ``price``, mode)."""
@@ -279,24 +338,24 @@ def add_recompute_edge_variables(model: mathopt.Model, problem: Problem, y: Mapp
             continue
         for m in edge.recomputed_under:
             for i in rerun:  # u <= L y
-                u[e_idx, i, m] = model.add_variable(lb=0.0, ub=layers)
-                _row(model, -math.inf, 0.0, [(u[e_idx, i, m], 1.0), (y[e_idx][i], -layers)])
+                u[e_idx, i, m] = model.var(0.0, layers)
+                model.row(-math.inf, 0.0, [(u[e_idx, i, m], 1.0), (y[e_idx][i], -layers)])
             # sum_F u - n_m - L sum_F y >= -L
-            _row(model, -layers, math.inf, [*((u[e_idx, i, m], 1.0) for i in rerun), (n[m], -1.0),
+            model.row(-layers, math.inf, [*((u[e_idx, i, m], 1.0) for i in rerun), (n[m], -1.0),
                                                       *((y[e_idx][i], -layers) for i in rerun)])
     return u
 
 
-def add_root_sharding_variables(model: mathopt.Model, problem: Problem, x: Mapping[str, list]) -> list:
+def add_root_sharding_variables(model: Ilp, problem: Problem, x: Mapping[str, list]) -> list:
     """g_t and constraints (9); returns their priced terms (variable, price change, occurrences)."""
     terms = []
     for t in problem.root_terms:
-        g = model.add_variable(lb=0.0, ub=1.0)
+        g = model.var(0.0, 1.0)
         consumer = [(x[t.consumer][k], -1.0) for k in t.options]
         root = [(x[t.root][j], -1.0) for j in t.root_options]
-        _row(model, -math.inf, 0.0, [(g, 1.0), *consumer])
-        _row(model, -math.inf, 0.0, [(g, 1.0), *root])
-        _row(model, -1.0, math.inf, [(g, 1.0), *consumer, *root])
+        model.row(-math.inf, 0.0, [(g, 1.0), *consumer])
+        model.row(-math.inf, 0.0, [(g, 1.0), *root])
+        model.row(-1.0, math.inf, [(g, 1.0), *consumer, *root])
         terms.append((g, t.delta, problem.decisions[t.consumer].count * t.share))
     return terms
 
@@ -315,49 +374,48 @@ def priced_terms(problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, 
     return terms
 
 
-def add_overlap_constraint(model: mathopt.Model, terms: list, overlap_fraction: float):
+def add_overlap_constraint(model: Ilp, terms: list, overlap_fraction: float):
     """z and constraint (3): z - sum(sync) + beta * sum(backward) >= 0."""
-    z = model.add_variable(lb=0.0, ub=math.inf)
+    z = model.var(0.0, math.inf)
     weighted = _weighted(terms, lambda c: (overlap_fraction * c.backward_compute_s - c.grad_sync_s) * _US)
-    _row(model, 0.0, math.inf, [(z, 1.0), *weighted])
+    model.row(0.0, math.inf, [(z, 1.0), *weighted])
     return z
 
 
-def add_memory_constraint(model: mathopt.Model, problem: Problem, terms: list, v: Mapping) -> None:
+def add_memory_constraint(model: Ilp, problem: Problem, terms: list, v: Mapping) -> None:
     """Constraint (4), with the working sets of (7)."""
     weighted = _weighted(terms, lambda c: c.memory_bytes / _GIB)
     for (key, k), held in v.items():
         recompute_bytes = problem.decisions[key].options[k].recompute_bytes
         weighted.extend((var, recompute_bytes[m] / _GIB) for m, var in held.items() if recompute_bytes.get(m))
-    _row(model, -math.inf, problem.memory_capacity_bytes / _GIB, weighted)
+    model.row(-math.inf, problem.memory_capacity_bytes / _GIB, weighted)
 
 
-def set_objective(model: mathopt.Model, problem: Problem, terms: list, y, u, z) -> None:
-    objective = model.objective
-    for var, coef in _weighted(terms, lambda c: c.exposed_s * _US):
-        objective.set_linear_coefficient(var, coef)
+def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z) -> list:
+    """The objective; returns its (variable, coefficient) terms."""
+    linear = _weighted(terms, lambda c: c.exposed_s * _US)
     prices = [list(edge.price.values()) for edge in problem.edges]  # in the order of y's and u's pairs
     for e_idx, edge in enumerate(problem.edges):
-        for var, cost in zip(y[e_idx], prices[e_idx]):
-            if cost.exposed_s:
-                objective.set_linear_coefficient(var, edge.count * cost.exposed_s * _US)
+        linear.extend((var, edge.count * cost.exposed_s * _US)
+                      for var, cost in zip(y[e_idx], prices[e_idx]) if cost.exposed_s)
     for (e_idx, i, m), var in u.items():
-        edge = problem.edges[e_idx]
         again = sum(prices[e_idx][i].forward_comm_s.values())
         if again:
-            objective.set_linear_coefficient(var, edge.count / problem.layer_modes.layers * again * _US)
-    objective.set_linear_coefficient(z, 1.0)
-    objective.is_maximize = False
+            linear.append((var, problem.edges[e_idx].count / problem.layer_modes.layers * again * _US))
+    linear.append((z, 1.0))
+    for var, coef in linear:
+        model.objective[var] = coef
+    return linear
 
 
-def _row(model: mathopt.Model, lb: float, ub: float, terms) -> None:
-    """Row ``lb <= sum coef * var <= ub``, a variable's coefficients summed where it appears twice."""
-    coefs: dict = {}
-    for var, coef in terms:
-        coefs[var] = coefs.get(var, 0.0) + coef
-    row = model.add_linear_constraint(lb=lb, ub=ub)
-    for var, coef in coefs.items():
-        row.set_coefficient(var, coef)
+def add_cutoff(model: Ilp, objective: list, z, cutoff_s: float, bubble_fraction: float) -> None:
+    """(10) only plans faster than the best found elsewhere: ``(1 + f) (objective - z) + z <= cutoff``,
+    a lower bound of the step time under a pipeline bubble of ``f`` of the work (every microbatch's
+    work but the exposed gradient sync ``z`` is stretched; stage transfers only add;
+    ``assemble.with_pipeline_time``). HiGHS's own ``objective_bound`` option proved unreliable through
+    MathOpt: it returned plans above it."""
+    stretched = [(var, coef if var == z else (1.0 + bubble_fraction) * coef) for var, coef in objective]
+    model.row(-math.inf, cutoff_s * _US, stretched)
 
 
 def _weighted(terms: list, price) -> list:

@@ -25,11 +25,12 @@ strategies give it; plan strings (``autopar.core.placement``) appear only where 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -37,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import FUSED_ATTENTION
@@ -122,6 +124,23 @@ had none). DTensor's rules depend on the number of mesh dims, not their sizes, s
 the search with the same ndim shares one enumeration (the expensive part of building a problem)."""
 
 
+@contextlib.contextmanager
+def _dtensor_costs_skipped() -> Iterator[None]:
+    """DTensor's strategy functions price every strategy's input redistributions with their own cost
+    model (``_ops.utils.generate_redistribute_costs``), four fifths of enumerating a mesh's strategies;
+    autopar prices them itself (``pricing.py``) and reads only the placements, so the enumeration runs
+    with that cost at zero. (A private name of DTensor: if it moves, enumeration is only slower.)"""
+    saved = getattr(_dtensor_op_utils, "redistribute_cost", None)
+    if saved is None:
+        yield
+        return
+    _dtensor_op_utils.redistribute_cost = lambda *args, **kwargs: 0.0
+    try:
+        yield
+    finally:
+        _dtensor_op_utils.redistribute_cost = saved
+
+
 class StrategyFinder:
     """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
 
@@ -175,7 +194,8 @@ class StrategyFinder:
         if op in LOCAL_RULES and len(inputs) == LOCAL_RULES[op].tensor_inputs:
             found = LOCAL_RULES[op].strategies(self._ndim)
         elif op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
-            found = self._from_dtensor(node, prop)
+            with _dtensor_costs_skipped():
+                found = self._from_dtensor(node, prop)
         if not found:
             return [_replicated(node, len(inputs), self._ndim)], True
         return found, False

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from autopar.core.axes import MeshAxis
 from autopar.core.constraints import Constraints
+from autopar.ir.bind import bind_ops
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError
@@ -84,6 +85,7 @@ def _plan_strategies(plan: Plan, captured: CapturedGraph) -> dict[str, Strategy]
     """Node name -> the strategy the plan gives it: ops from ``plan.ops``, placeholders from the
     placements of parameters, inputs and buffers; lifted constants are replicated (the runtime's rule)."""
     ndim = plan.mesh.ndim
+    plan = bind_ops(plan, captured)
     out = {name: Strategy(tuple(strs_to_placements(p) for p in op["inputs"]),
                           tuple(strs_to_placements(p) if p is not None else None for p in op["outputs"]))
            for name, op in plan.ops.items()}

@@ -1,8 +1,9 @@
-"""``bind_ops``: a plan's per-op strategies, named by the nodes of the graph the runtime captured.
+"""``bind_ops``: a plan's per-op strategies, named by the nodes of another capture of its model.
 
 The planner may have traced a stack of identical layers only a few layers deep
 (``autopar.ir.capture.LayerStack``), so ``plan.ops`` names the nodes of that shorter graph; the
-runtime captures the whole model. Both graphs give each op the same structural tie key (module path
+runtime (``passes.build_program``) and re-pricing (``planning/whatif.py``) may hold the whole model's
+graph. Both graphs give each op the same structural tie key (module path
 with layer indices as ``*``, op, ordinal; ``capture._tie_repeated_layers``), which the plan records as
 each op's ``decision``: every op of the runtime's graph takes the entry of its key. An op whose key
 the plan lacks, or whose entry is another op, keeps no entry and follows its inputs
