@@ -28,8 +28,9 @@ from autopar.models import build_model
 from autopar.core.plan import Plan
 from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
+from autopar.planning.solver import RELATIVE_GAP
 
-REL_TOL = 1e-6  # the ILP solves to a relative gap of 1e-6
+REL_TOL = RELATIVE_GAP  # the ILP solves to this relative gap
 
 
 def _capture(name: str, global_batch: int, seq: int | None = None,

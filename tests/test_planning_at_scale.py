@@ -7,11 +7,13 @@ whole model does, the same input gives the same plan byte for byte, and nothing 
   and 3 SGD steps under it on 2 gloo ranks match single-process training;
 * ``autopar plan ... --json`` twice, under different hash seeds, prints the same JSON (timings aside);
 * a plan's predicted step time equals re-pricing it on the problem it was solved on (``autopar.reprice``);
-* the solver's limits are on work (``solver_nodes``), never on time, and the plan says when one was hit.
+* the solver's limits are on work (``solver_nodes``), never on time, and the plan says when one was hit;
+* the search reports its progress (phase, meshes, best plan and bound), which the CLI draws on one line.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -134,3 +136,31 @@ def test_the_node_limit_stops_the_search_and_the_solution_says_so():
     assert stopped.limit_hit and stopped.status == "feasible"
     assert stopped.bound_s <= solve(hard).objective_s <= stopped.objective_s
     assert not solve(hard).limit_hit
+
+
+def test_the_search_reports_its_progress():
+    bundle = _bundle("tiny-llama", 4)
+    lines: list[str] = []
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,
+                        example_targets=bundle.example_targets, progress=lambda p: lines.append(p.line()))
+    assert lines[0].startswith("planning: capture")
+    assert any(line.startswith("planning: build") for line in lines)
+    assert any(line.startswith("planning: solve") for line in lines)
+    assert f"{plan.predicted['step_time_s'] * 1e3:.1f} ms/step" in lines[-1] and "meshes" in lines[-1]
+    assert set(plan.solver["phases_s"]) >= {"capture", "build", "solve"}
+
+
+def test_the_progress_line_is_rewritten_in_place_and_erased():
+    from autopar.cli import ProgressLine
+    from autopar.planning.progress import SearchProgress
+
+    out = io.StringIO()
+    line = ProgressLine(out)
+    progress = SearchProgress(line, candidates=3)
+    with progress.phase("build"):
+        progress.found(0.5, 0.49, "dp=8")
+    line.clear()
+    text = out.getvalue()
+    assert "\rplanning: build  0/3 meshes (0 pruned)\r" in text
+    assert "\rplanning: build  1/3 meshes (0 pruned)  best dp=8 500.0 ms/step (bound 490" in text  # cut to 79 columns
+    assert text.endswith("\r") and "\n" not in text

@@ -25,7 +25,7 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
     if entry is None:
         return "\n".join([f"{name}: decision {key!r} had a single option (nothing to choose)",
                           *collective_lines(plan_data, name)])
-    lines = [f"{name}  (decision {key}, shared by {len(entry['nodes'])} node(s))",
+    lines = [f"{name}  (decision {key}, shared by {entry.get('occurrences', len(entry['nodes'])):g} place(s) in the model)",
              f"  {'strategy':<48} {'step change':>12} {'memory change':>14}  {'own compute':>11}  own comm"]
     for row in entry["alternatives"]:
         mark = "*" if row["chosen"] else " "

@@ -211,7 +211,7 @@ def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, s
         for name in d.nodes:
             index[name] = key
             if name in captured.params:
-                index[captured.params[name]] = key
+                index.update(dict.fromkeys(captured.real_fqns(captured.params[name]), key))
     return index
 
 

@@ -111,7 +111,7 @@ def explanations(problem: Problem, choice: Mapping[str, int], index: Mapping[str
         by_root.setdefault(t.root, []).append(t)
     settled = problem.settled(choice)
     return {
-        "decisions": {key: {"nodes": d.nodes,
+        "decisions": {key: {"nodes": d.nodes, "occurrences": d.occurrences,
                             "alternatives": decision_alternatives(settled, choice, key, by_root.get(key, ()))}
                       for key, d in settled.decisions.items() if len(d.options) > 1},
         "index": dict(index),
