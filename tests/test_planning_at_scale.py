@@ -164,3 +164,17 @@ def test_the_progress_line_is_rewritten_in_place_and_erased():
     assert "\rplanning: build  0/3 meshes (0 pruned)\r" in text
     assert "\rplanning: build  1/3 meshes (0 pruned)  best dp=8 500.0 ms/step (bound 490" in text  # cut to 79 columns
     assert text.endswith("\r") and "\n" not in text
+
+
+def test_the_cheap_bound_is_below_the_optimum_and_prunes_before_the_model_is_built(monkeypatch):
+    from autopar.planning import solver
+    from tests.test_solver import random_problem
+
+    for seed in range(20):
+        p = random_problem(seed)
+        best = solve(p)
+        assert solver.least_time(p) <= best.objective_s * (1 + 1e-9)
+    p = random_problem(0)
+    monkeypatch.setattr(solver, "Ilp", None)  # pruned by the bound alone: no model is built
+    with pytest.raises(solver.Pruned):
+        solve(p, cutoff_s=solver.least_time(p) * 0.999)

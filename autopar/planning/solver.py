@@ -149,6 +149,8 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     step time the bubble makes of it. No wall-clock limit: the result depends on the problem alone."""
     if least_memory(problem) > problem.memory_capacity_bytes:
         raise NoFeasiblePlanError(infeasible_reason(problem))
+    if cutoff_s is not None and (1.0 + bubble_fraction) * least_time(problem) >= cutoff_s:
+        raise Pruned(f"mesh {problem.mesh_shape}: its least step time cannot beat {cutoff_s:.6g} s")
     model = Ilp()
     x = add_choice_variables(model, problem)
     n, a = add_layer_mode_variables(model, problem)
@@ -495,6 +497,18 @@ def least_memory(problem: Problem) -> float:
     """A lower bound of any plan's memory per device: every decision at its smallest option (and
     checkpointing mode)."""
     return sum(d.least_memory() for d in problem.decisions.values())
+
+
+def least_time(problem: Problem) -> float:
+    """A lower bound of the objective without building the ILP: every decision and every edge at its
+    cheapest, every root-sharding term that lowers a price at its most (and the exposed sync at 0).
+    With the cutoff row (10) it prunes a problem before its model is built."""
+    if problem.layer_modes is not None:
+        return 0.0  # prices per mode: the ILP's own bound is needed
+    options = sum(d.count * min(o.cost.exposed_s for o in d.options) for d in problem.decisions.values())
+    edges = sum(e.count * min((c.exposed_s for c in e.price.values()), default=0.0) for e in problem.edges)
+    roots = sum(min(0.0, problem.decisions[t.consumer].count * t.share * t.delta.exposed_s) for t in problem.root_terms)
+    return options + edges + roots
 
 
 def infeasible_reason(problem: Problem, reason: mathopt.TerminationReason = mathopt.TerminationReason.INFEASIBLE
