@@ -144,13 +144,10 @@ def _event_count(segments: list[_Segment], m: int) -> int:
 def _per_op(ops: dict[str, dict[str, Any]]) -> list[_Segment]:
     out = []
     for name, op in ops.items():
-        cost, times = op.get("cost", {}), op.get("count", 1.0)
         seg = _Segment(name=f"{name} ({_short(op.get('op', ''))})", module=op.get("module", ""),
-                       compute_s=times * cost.get("compute_s", 0.0),
-                       comm_s={k: times * v for k, v in cost.get("comm_s", {}).items()},
-                       grad_sync_s=times * cost.get("grad_sync_s", 0.0),
                        args={"op": name, "target": op.get("op"), "module": op.get("module", ""),
                              "inputs": op.get("inputs"), "outputs": op.get("outputs")})
+        _add_cost(seg, op)
         if not seg.empty:
             out.append(seg)
     return out
@@ -162,14 +159,20 @@ def _merged(ops: dict[str, dict[str, Any]], key: Callable[[str, dict], str]) -> 
         k = key(name, op)
         if not out or out[-1].args["module"] != k:
             out.append(_Segment(name=k or "(top level)", module=k, args={"module": k, "ops": 0, "first_op": name}))
-        seg, cost, times = out[-1], op.get("cost", {}), op.get("count", 1.0)
-        seg.compute_s += times * cost.get("compute_s", 0.0)
-        seg.grad_sync_s += times * cost.get("grad_sync_s", 0.0)
-        for kind, s in cost.get("comm_s", {}).items():
-            seg.comm_s[kind] = seg.comm_s.get(kind, 0.0) + times * s
+        seg = out[-1]
+        _add_cost(seg, op)
         seg.args["ops"] += 1
         seg.args["last_op"] = name
     return [s for s in out if not s.empty]
+
+
+def _add_cost(seg: _Segment, op: dict[str, Any]) -> None:
+    """Add ``op``'s step cost to ``seg``: its cost per occurrence times the real ops it stands for."""
+    cost, times = op.get("cost", {}), op.get("count", 1.0)
+    seg.compute_s += times * cost.get("compute_s", 0.0)
+    seg.grad_sync_s += times * cost.get("grad_sync_s", 0.0)
+    for kind, seconds in cost.get("comm_s", {}).items():
+        seg.comm_s[kind] = seg.comm_s.get(kind, 0.0) + times * seconds
 
 
 def _short(target: str) -> str:

@@ -49,6 +49,11 @@ def layer_names(captured: CapturedGraph) -> list[str]:
     return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
 
 
+def is_getitem(node: fx.Node) -> bool:
+    """Whether ``node`` selects one output of a multi-output op (``operator.getitem``)."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem"
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's tensor-valued arguments in the order DTensor flattens them (args, then kwargs).
 

@@ -33,7 +33,7 @@ from autopar.core.placement import Placements
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
-from autopar.ir.layers import output_vals, tensor_inputs
+from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 
 
 @dataclass
@@ -283,11 +283,7 @@ def build_problem(
 def _is_decision(node: fx.Node) -> bool:
     if node.op == "placeholder":
         return True
-    return node.op == "call_function" and not _is_getitem(node)
-
-
-def _is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target.__name__ == "getitem" if callable(node.target) else False
+    return node.op == "call_function" and not is_getitem(node)
 
 
 def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer,
@@ -419,7 +415,7 @@ def _price_key(cost: Cost) -> tuple:
 
 def source_of(arg: fx.Node) -> tuple[fx.Node, int]:
     """(producer, output index) of a tensor argument, looking through ``getitem``."""
-    if _is_getitem(arg):
+    if is_getitem(arg):
         return arg.args[0], int(arg.args[1])
     return arg, 0
 

@@ -23,10 +23,10 @@ from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import output_vals, tensor_inputs
+from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.pricing import Pricer
-from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates
+from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
 from autopar.planning.strategies import StrategyFinder
 from torch import fx
@@ -102,7 +102,7 @@ def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int], finder: Stra
         if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
             return True
         args = tensor_inputs(node)
-        if not all(_keeps_batch(placements, batch.get((_source(a), _index(a))), a.meta["val"].ndim, dp_dims)
+        if not all(_keeps_batch(placements, batch.get(_value_of(a)), a.meta["val"].ndim, dp_dims)
                    for a, placements in zip(args, strategy.inputs) if a.name in on_data):
             return False
         want = batch.get((node.name, 0))
@@ -122,9 +122,9 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
     strategies leave it ambiguous)."""
     batch: dict[tuple[str, int], int | None] = {(name, 0): 0 for name in captured.user_inputs}
     for node in captured.graph.nodes:
-        if node.op != "call_function" or node.name not in on_data or _is_getitem(node):
+        if node.op != "call_function" or node.name not in on_data or is_getitem(node):
             continue
-        args = [(slot, batch.get((_source(a), _index(a)))) for slot, a in enumerate(tensor_inputs(node))
+        args = [(slot, batch.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
         kept = [s for s in finder.for_node(node)
                 if all(bd is not None and s.inputs[slot][dp_dim] == Shard(bd) for slot, bd in args)]
@@ -145,17 +145,10 @@ def _keeps_batch(placements, batch_dim: int | None, ndim: int, dp_dims: list[int
     return not any(placements[d].is_replicate() for d in dp_dims)
 
 
-def _is_getitem(node: fx.Node) -> bool:
-    return getattr(node.target, "__name__", "") == "getitem"
-
-
-def _source(arg: fx.Node) -> str:
-    """The node whose output ``arg`` is (through ``getitem``)."""
-    return arg.args[0].name if _is_getitem(arg) else arg.name
-
-
-def _index(arg: fx.Node) -> int:
-    return int(arg.args[1]) if _is_getitem(arg) else 0
+def _value_of(arg: fx.Node) -> tuple[str, int]:
+    """(producer name, output index) of the value ``arg`` is (``problem.source_of``)."""
+    producer, out = source_of(arg)
+    return producer.name, out
 
 
 def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):

@@ -143,7 +143,8 @@ class _MeshSearch:
         with self.progress.phase("build"):
             whole = problem_for(self.captured, mesh, pricer, self.capacity, self.constraints)
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
-        memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[]), pricer, self.progress)  # see _first_fitting
+        # the problems without edges: memory reads only decisions (``least_memory``), and they are cheap to stage
+        memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[]), pricer, self.progress)
         best: Candidate | None = None
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
@@ -153,7 +154,7 @@ class _MeshSearch:
             first = self._first_fitting(tried, staging, memory)
             if first is None:
                 if tried and not reason:
-                    reason = infeasible_reason(self._staged(per_m[tried[-1]], staging))
+                    reason = infeasible_reason(self._staged(memory[tried[-1]], staging))  # reads only memory
                 continue
             fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
             fewest_fitting = fitting[0]
@@ -203,8 +204,7 @@ class _MeshSearch:
 
     def _first_fitting(self, counts: list[int], staging: Staging, per_m: "_MicrobatchProblems") -> int | None:
         """The index in ``counts`` (ascending) of the fewest microbatches whose smallest placements fit
-        memory, by bisection: activations shrink as the count grows, so what fits at ``m`` fits above.
-        ``per_m`` may hold the problems without their edges: ``least_memory`` reads only decisions."""
+        memory, by bisection: activations shrink as the count grows, so what fits at ``m`` fits above."""
         fits = lambda i: least_memory(self._staged(per_m[counts[i]], staging)) <= self.capacity  # noqa: E731
         low, high = 0, len(counts)
         while low < high:

@@ -34,6 +34,7 @@ from torch import fx
 from torch.distributed.tensor import Shard
 
 from autopar.ir.capture import CapturedGraph
+from autopar.ir.layers import is_getitem
 from autopar.planning.strategies import Strategy
 
 _NORM_MODULE = re.compile(r"(layernorm|rmsnorm)$", re.IGNORECASE)
@@ -145,7 +146,7 @@ def _norm_module_path(node: fx.Node) -> str | None:
 
 
 def _site(run: list[fx.Node]) -> NormSite | None:
-    ops = [n for n in run if not _is_getitem(n)]
+    ops = [n for n in run if not is_getitem(n)]
     if not ops:
         return None
     output = ops[-1]
@@ -196,10 +197,6 @@ def _residual_stream(captured: CapturedGraph, site: NormSite) -> list[str]:
 def _is_pointwise(node: fx.Node) -> bool:
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and torch.Tag.pointwise in node.target.tags)
-
-
-def _is_getitem(node: fx.Node) -> bool:
-    return getattr(node.target, "__name__", "") == "getitem"
 
 
 def _first_output(node: fx.Node) -> Any:

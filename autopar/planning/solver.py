@@ -344,7 +344,7 @@ def add_recompute_edge_variables(model: Ilp, problem: Problem, y: Mapping[int, d
                 model.row(-math.inf, 0.0, [(u[e_idx, i, m], 1.0), (y[e_idx][i], -layers)])
             # sum_F u - n_m - L sum_F y >= -L
             model.row(-layers, math.inf, [*((u[e_idx, i, m], 1.0) for i in rerun), (n[m], -1.0),
-                                                      *((y[e_idx][i], -layers) for i in rerun)])
+                                          *((y[e_idx][i], -layers) for i in rerun)])
     return u
 
 
