@@ -19,6 +19,7 @@ from autopar.ir.capture import TRACED_LAYERS, CapturedGraph, capture
 from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
+from autopar.core.files import check_writable
 from autopar.core.plan import Plan
 from autopar.planning import whatif
 from autopar.planning.assemble import fingerprint, model_dims
@@ -26,6 +27,7 @@ from autopar.planning.progress import SearchProgress
 from autopar.planning.search import make_plan
 from autopar.ir.problem_file import SavedProblem, save_problem as write_problem_file
 from autopar.cost_models.hardware import preset_for_cuda_name
+from autopar.runtime.fits import device_memory_bytes
 from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
 
 if TYPE_CHECKING:  # the pipeline runtime imports torch.distributed.pipelining: only autoparallelize needs it
@@ -46,8 +48,10 @@ def plan(
 ) -> Plan:
     """Plan the training step ``loss_fn(model(*example_inputs), example_targets)`` on ``cluster``.
 
-    ``example_inputs`` carry the global batch's shapes (meta tensors are fine). Without ``loss_fn``
-    the model itself must return the scalar loss. ``model`` may instead be a saved planning problem
+    ``example_inputs`` carry the global batch's shapes (meta tensors are fine). Without
+    ``example_targets`` the step is ``loss_fn(model(*example_inputs))`` (a one-argument loss); without
+    ``loss_fn`` the model itself must return the scalar loss (``model(*example_inputs, example_targets)``
+    when targets are given). A model or loss that cannot take these arguments raises BadInputError. ``model`` may instead be a saved planning problem
     (``autopar.load_problem(path)``): planning then skips the capture, and the problem already fixes
     inputs, targets and loss. ``save_problem`` writes the captured problem to that file (before
     solving) for re-solving and re-pricing later (``autopar.reprice``). ``constraints`` pin degrees and
@@ -56,6 +60,8 @@ def plan(
     ``SearchProgress`` at every step (phase, candidates solved and pruned, best plan so far).
     """
     pinned, target = as_constraints(constraints), resolve_cluster(cluster)
+    if save_problem is not None:
+        check_writable(save_problem, "save_problem")
     search = SearchProgress(progress)
     with search.phase("capture"):
         captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
@@ -91,11 +97,17 @@ def autoparallelize(
     constraints: Constraints | Mapping[str, Any] | None = None,
     *,
     example_targets: torch.Tensor | None = None,
+    check_memory: bool = True,
 ) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
 
     ``plan`` may be a Plan or a plan file; without one, rank 0 plans for ``cluster`` (default: the
-    world this job runs in) under ``constraints`` and every rank receives the same plan.
+    world this job runs in) under ``constraints`` and every rank receives the same plan. A plan whose
+    predicted per-device peak memory exceeds this rank's device (a GPU's memory; on CPU the host's
+    memory divided among its ranks) is refused with ``NoFeasiblePlanError`` before anything is built
+    (``runtime/fits.py``); ``check_memory=False`` runs it anyway. The step is
+    ``loss_fn(model(*example_inputs), example_targets)``, or ``loss_fn(model(*example_inputs))`` without
+    targets, as in ``plan``; ``step`` takes the inputs, then the targets if any.
     """
     pinned = as_constraints(constraints)
     if not dist.is_initialized():
@@ -107,10 +119,7 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
-    if the_plan.degrees.zero in (1, 2) and the_plan.degrees.pp > 1:
-        raise BadInputError(f"the plan shards optimizer state (ZeRO-{the_plan.degrees.zero}) inside pipeline "
-                            "stages: such plans can be planned, compared and exported, but the pipeline runtime "
-                            "keeps the optimizer unsharded; re-plan with fsdp=0 or fsdp=3 to run it")
+    check_runnable(the_plan)
     m = the_plan.pipeline.microbatches
     if m > 1:  # the program runs one microbatch at a time: capture it at that shape
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
@@ -118,8 +127,8 @@ def autoparallelize(
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 
-        return PipelineParallelModule(model, captured, the_plan)
-    return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan))
+        return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory)
+    return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory)
 
 
 def compare(*plans: Plan) -> str:
@@ -142,26 +151,36 @@ def as_constraints(constraints: Constraints | Mapping[str, Any] | None) -> Const
     return Constraints.from_mapping(constraints or {})
 
 
+def check_runnable(plan_: Plan) -> None:
+    """Raise ``BadInputError`` for a plan the runtime cannot run, though it can be planned, compared and
+    exported: ZeRO-1/2 inside pipeline stages."""
+    if plan_.degrees.zero in (1, 2) and plan_.degrees.pp > 1:
+        raise BadInputError(f"the plan shards optimizer state (ZeRO-{plan_.degrees.zero}) inside pipeline "
+                            "stages: such plans can be planned, compared and exported, but the pipeline runtime "
+                            "keeps the optimizer unsharded; re-plan with fsdp=0 or fsdp=3 to run it")
+
+
 def resolve_cluster(cluster: str | Cluster | None) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
-    if cluster is None:
-        return parse_cluster(local_cluster_spec())
     try:
-        return parse_cluster(cluster)
-    except ClusterSpecError as exc:
+        return parse_cluster(local_cluster_spec() if cluster is None else cluster)
+    except ClusterSpecError as exc:  # cost_models imports nothing of autopar: its error becomes autopar's here
         raise BadInputError(str(exc)) from None
 
 
 def local_cluster_spec() -> str:
-    """``1xWxTYPE`` for the job this process belongs to (the whole world on one node's links)."""
+    """``1xWxTYPE`` for the job this process belongs to (the whole world on one node's links); on CPU with
+    ``mem=`` this rank's share of the host's memory (``runtime/fits.py``), the memory the runtime checks
+    the plan against, so a plan made here is one the runtime accepts."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         device = preset_for_cuda_name(name)
         per_node = min(world, torch.cuda.device_count())
         return f"{world // per_node}x{per_node}x{device}"
-    return f"1x{world}xcpu"
+    share, _ = device_memory_bytes("cpu")
+    return f"1x{world}xcpu,mem={share // 10**6 / 1000}GB"  # rounded down to a megabyte
 
 
 def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: Any,

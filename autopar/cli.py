@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from autopar.planning.progress import SearchProgress
     from autopar.ir.problem_file import SavedProblem
 
-EXIT_BAD_INPUT = 2
 DEFAULT_GLOBAL_BATCH = 8
 
 
@@ -32,12 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except AutoparError as exc:
+    except AutoparError as exc:  # anything else is a bug in autopar: its traceback is kept (exit 1)
         print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except ValueError as exc:  # models' and cost models' input errors are ValueErrors with clear text
-        print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +112,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     constraints = Constraints.parse(args.fix)  # checked, like the cluster, before the model is built and captured
     cluster = resolve_cluster(args.cluster)
+    _check_outputs(args, "output", "save_problem")
     line = ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
     with warnings.catch_warnings():
         warnings.simplefilter("default" if not args.json else "ignore")
@@ -135,6 +132,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         result.save(args.output)
     print(result.to_json() if args.json else result.summary())
     return 0
+
+
+def _check_outputs(args: argparse.Namespace, *names: str) -> None:
+    """Refuse unusable output paths of the options ``names`` before any work (``core/files.py``)."""
+    from autopar.core.files import check_writable
+
+    for name in names:
+        if getattr(args, name) is not None:
+            check_writable(getattr(args, name), "--" + name.replace("_", "-"))
 
 
 class ProgressLine:
@@ -185,11 +191,12 @@ def _cmd_reprice(args: argparse.Namespace) -> int:
     from autopar.api import compare, resolve_cluster
     from autopar.core.plan import Plan
     from autopar.ir.problem_file import load_problem
-    from autopar.inspect.show import fmt_bytes
+    from autopar.core.units import fmt_bytes
     from autopar.api import reprice
 
     old = Plan.load(args.plan)
     cluster = resolve_cluster(args.cluster)
+    _check_outputs(args, "output")
     with warnings.catch_warnings():
         warnings.simplefilter("default" if not args.json else "ignore")
         new = reprice(old, load_problem(args.problem), cluster)
@@ -235,28 +242,28 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from autopar.core.files import write_atomically
     from autopar.core.plan import Plan
     from autopar.inspect.report_html import render_report
     from autopar.inspect.trace import simulated_trace
 
+    _check_outputs(args, "output", "trace")
     plan = Plan.load(args.plan)
-    Path(args.output).write_text(render_report(plan))
+    write_atomically(args.output, render_report(plan))
     if args.trace:
-        Path(args.trace).write_text(json.dumps(simulated_trace(plan)))
+        write_atomically(args.trace, json.dumps(simulated_trace(plan)))
     print(f"wrote {args.output}" + (f" and {args.trace}" if args.trace else ""))
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from autopar.core.files import write_atomically
     from autopar.inspect.export import export_plan
     from autopar.core.plan import Plan
 
+    _check_outputs(args, "output")
     source, notes = export_plan(Plan.load(args.plan))
-    Path(args.output).write_text(source)
+    write_atomically(args.output, source)
     print(f"wrote {args.output}")
     for note in notes:
         print(f"note: {note}")
@@ -266,6 +273,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from autopar.demo import run_demo
 
+    if args.world < 1 or args.steps < 1:
+        raise BadInputError(f"--world and --steps must be positive, got --world {args.world} --steps {args.steps}")
     print(run_demo(world=args.world, steps=args.steps))
     return 0
 
@@ -274,15 +283,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     import os
 
     from autopar.cost_models.calibrate import (build_profile, measure_in_job, measure_spawned_rank, profile_source,
-                                        profile_summary, write_profile)
+                                        profile_summary, profile_text)
+    from autopar.core.files import write_atomically
     from autopar.testing.launch import run_on_ranks
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.ranks is not None and (args.ranks < 1 or under_torchrun):
         raise BadInputError(f"--ranks must be a positive number of local ranks to spawn, and is not used under "
                             f"torchrun (which gives the ranks); got {args.ranks}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise BadInputError(f"cannot write {args.output!r}: its directory does not exist")
+    _check_outputs(args, "output")
     if under_torchrun:
         measured = measure_in_job(args.quick)
     else:
@@ -290,7 +299,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if measured is None:  # ranks other than 0 of a torchrun job
         return 0
     profile = build_profile(measured, profile_source())
-    write_profile(profile, args.output)
+    write_atomically(args.output, profile_text(profile))
     print(profile_summary(profile))
     print(f"wrote {args.output} (plan with --cluster {args.output})")
     return 0

@@ -4,6 +4,8 @@ The demo plans the built-in ``tiny-gpt`` for ``1xWxcpu`` (W local ranks), trains
 under that plan on W spawned gloo processes and, beside it, in a single process with the same seed and
 global batches (``autopar.testing.parity``), then prints the plan, both loss curves, and the largest
 differences of the losses, of the gradients after the first backward and of the final parameters.
+A rank that raises or dies stops the others and ends the demo with one ``DistributedRunError`` naming it
+(``autopar.testing.launch``), which the CLI prints as ``autopar demo: error: ...`` (exit 1).
 """
 
 from __future__ import annotations

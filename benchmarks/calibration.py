@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from autopar.api import plan
-from autopar.cost_models.calibrate import build_profile, measure_spawned_rank, profile_source, write_profile
+from autopar.core.files import write_atomically
+from autopar.cost_models.calibrate import build_profile, measure_spawned_rank, profile_source, profile_text
 from autopar.testing.launch import run_on_ranks
 from autopar.models import build_model
 from autopar.testing.parity import batches, build
@@ -50,7 +51,7 @@ def calibrate(world: int, quick: bool, directory: Path) -> tuple[dict[str, Any],
     measured = run_on_ranks(measure_spawned_rank, world, quick)[0]
     profile = build_profile(measured, profile_source())
     path = str(directory / f"calibrated-{world}.json")
-    write_profile(profile, path)
+    write_atomically(path, profile_text(profile))
     return profile, path
 
 

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.cost_models.calibrate import build_profile, measure_in_job, profile_source, write_profile
+from autopar.core.files import write_atomically
+from autopar.cost_models.calibrate import build_profile, measure_in_job, profile_source, profile_text
 from autopar.testing.launch import free_port
 from autopar.models import build_model
 
@@ -219,7 +220,7 @@ def calibrate(out_dir: Path, quick: bool) -> tuple[str, dict[str, Any] | None]:
     profile = None
     if measured is not None:
         profile = build_profile(measured, profile_source())
-        write_profile(profile, path)
+        write_atomically(path, profile_text(profile))
     dist.barrier()
     return path, profile
 

@@ -732,7 +732,6 @@ def profile_source() -> str:
     return f"autopar calibrate {now} on {socket.gethostname()}"
 
 
-def write_profile(profile: Mapping[str, Any], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(profile, handle, indent=2)
-        handle.write("\n")
+def profile_text(profile: Mapping[str, Any]) -> str:
+    """The profile as the JSON text of a cluster file (the CLI writes it atomically: ``core/files.py``)."""
+    return json.dumps(profile, indent=2) + "\n"

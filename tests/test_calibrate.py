@@ -22,7 +22,7 @@ from autopar.cost_models import (ClusterSpecError, DeviceSpec, GroupTopology, ad
                                  compute_time, dispatched_time, get_device, parse_cluster)
 from autopar.cost_models.calibrate import (CollectiveSample, LinkFit, build_profile, fit_link, fit_rate,
                                            host_dispatch_s, nonnegative_least_squares, profile_summary,
-                                           redistribute_overhead_s, write_profile)
+                                           redistribute_overhead_s, profile_text)
 from autopar.cost_models.compute import (ADAMW_KERNELS_PER_TENSOR, MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY,
                                          adamw_bytes_per_element)
 
@@ -121,7 +121,7 @@ def synthetic_measurement(world: int = 2) -> dict:
 @pytest.fixture
 def profile_path(tmp_path):
     path = tmp_path / "profile.json"
-    write_profile(build_profile(synthetic_measurement(), "autopar calibrate (test) on nowhere"), str(path))
+    path.write_text(profile_text(build_profile(synthetic_measurement(), "autopar calibrate (test) on nowhere")))
     return path
 
 

@@ -1,7 +1,8 @@
 """Errors a user can hit, each with a message that says what went wrong and where.
 
 The CLI maps ``AutoparError`` subclasses to exit codes (docs/architecture.md "Command line"): bad input is 2, a model that fits
-no plan is 3. Everything else is a bug and keeps its traceback.
+no plan is 3, a spawned distributed run whose rank failed is 1 (with that rank's traceback tail in the message).
+Everything else is a bug and keeps its traceback.
 """
 
 
@@ -27,3 +28,12 @@ class NoFeasiblePlanError(AutoparError):
     """No parallelization of the model fits the devices' memory (or the constraints)."""
 
     exit_code = 3
+
+
+class DistributedRunError(AutoparError):
+    """A rank of a spawned gloo run raised, died or outlived the run's timeout; the others were stopped.
+
+    Exit code 1: the run failed, not its input; the message carries the failed rank's own traceback tail.
+    """
+
+    exit_code = 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar
 
 from autopar.core.errors import PlanFormatError
+from autopar.core.files import read_text, write_atomically
 from autopar.core.placement import str_to_placement
 
 SCHEMA = "autopar.plan/1"
@@ -215,7 +216,8 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the plan JSON to ``path`` atomically (``core/files.py``)."""
+        write_atomically(path, self.to_json())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "plan") -> "Plan":
@@ -234,10 +236,9 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        text = read_text(path, "plan", PlanFormatError)
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PlanFormatError(f"{path}: no such plan file") from None
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data, source=str(path))
@@ -256,6 +257,14 @@ class Plan:
             _check_placements(source, f"placement of {fqn!r}", pls, len(shape))
         for fqn, pls in self.buffers.items():
             _check_placements(source, f"placement of buffer {fqn!r}", pls, len(shape))
+        for name, spec in _CONTENTS.items():
+            _check_value(source, name, getattr(self, name), spec)
+        for node, op in self.ops.items():
+            for i, pls in enumerate([*op["inputs"], *op["outputs"]]):
+                if pls is not None:
+                    _check_placements(source, f"ops[{node!r}] placement {i}", pls, len(shape))
+        for name, spec in self.inputs.items():
+            _check_placements(source, f"placement of input {name!r}", spec["placements"], len(shape))
         self._check_checkpointing(source)
 
     def _check_checkpointing(self, source: str) -> None:
@@ -322,3 +331,119 @@ def _check_placements(source: str, what: str, pls: Any, ndim: int) -> None:
             str_to_placement(p) if isinstance(p, str) else str_to_placement(repr(p))
         except PlanFormatError as exc:
             raise PlanFormatError(f"{source}: {what}: {exc}") from None
+
+
+# ---- what the readers of a plan (show, explain, report, export, the runtime) rely on in its sections --------
+@dataclass(frozen=True)
+class _Record:
+    """A JSON object with these keys (each value to its spec) and possibly these optional ones; others pass."""
+
+    required: Mapping[str, Any]
+    optional: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _ListOf:
+    item: Any
+
+
+@dataclass(frozen=True)
+class _MapOf:
+    value: Any
+
+
+@dataclass(frozen=True)
+class _OrNull:
+    spec: Any
+
+
+_NUMBER, _INTEGER, _TEXT, _FLAG, _ANY_OBJECT, _ANY_LIST = "number", "integer", "string", "boolean", "object", "array"
+_LARGEST = 2**63  # a number a plan holds fits a float and an int64
+_PLACEMENTS = _OrNull(_ListOf(_TEXT))  # checked against the mesh by ``_check_placements``
+_SECONDS_BY_KIND = _MapOf(_NUMBER)
+_COLLECTIVE = _Record(
+    {"kind": _TEXT, "phase": _TEXT, "tensor": _TEXT, "mesh_dim": _INTEGER, "nbytes": _NUMBER, "seconds": _NUMBER},
+    {"why": _TEXT, "shape": _ListOf(_INTEGER), "element_bytes": _NUMBER, "sharded_on": _ANY_LIST,
+     "group": _ListOf(_INTEGER), "grad_sync": _FLAG, "per_microbatch": _FLAG, "share": _NUMBER})
+_OP = _Record(
+    {"op": _TEXT, "module": _TEXT, "inputs": _ListOf(_PLACEMENTS), "outputs": _ListOf(_PLACEMENTS)},
+    {"decision": _TEXT, "collectives": _ListOf(_COLLECTIVE), "count": _NUMBER, "local": _FLAG,
+     "cost": _Record({}, {"compute_s": _NUMBER, "comm_s": _SECONDS_BY_KIND, "grad_sync_s": _NUMBER,
+                          "memory_bytes": _NUMBER})})
+_ALTERNATIVE = _Record({"strategy": _TEXT, "chosen": _FLAG, "delta_s": _NUMBER, "delta_memory_bytes": _NUMBER},
+                       {"compute_s": _NUMBER, "comm_s": _SECONDS_BY_KIND})
+_CONTENTS: dict[str, Any] = {
+    "model": _Record({"name": _TEXT, "params": _INTEGER},
+                     {"layers": _INTEGER, "flops_per_step": _NUMBER, "graph_fingerprint": _TEXT, "dtype": _TEXT,
+                      "dims": _ANY_OBJECT}),
+    "cluster": _Record({}, {"spec": _TEXT, "nodes": _INTEGER, "devices_per_node": _INTEGER, "devices": _INTEGER,
+                            "device": _TEXT, "intra_bw": _NUMBER, "inter_bw": _NUMBER, "hbm_bytes": _NUMBER,
+                            "device_spec": _ANY_OBJECT}),
+    "ops": _MapOf(_OP),
+    "predicted": _Record({key: _NUMBER for key in _PREDICTED_KEYS if key not in ("comm_s", "memory_bytes")}
+                         | {"comm_s": _SECONDS_BY_KIND, "memory_bytes": _MapOf(_NUMBER)},
+                         {"grad_sync_s": _NUMBER, "memory_capacity_bytes": _NUMBER, "optimizer_s": _NUMBER}),
+    "solver": _Record({"status": _TEXT, "gap": _NUMBER, "wall_s": _NUMBER, "variables": _INTEGER,
+                       "constraints": _INTEGER},
+                      {"objective": _NUMBER, "bound": _NUMBER, "search_wall_s": _NUMBER, "nodes": _INTEGER,
+                       "limit_hit": _FLAG, "phases_s": _MapOf(_NUMBER), "decisions": _INTEGER,
+                       "meshes_tried": _INTEGER, "pruned_meshes": _ListOf(_MapOf(_INTEGER))}),
+    "inputs": _MapOf(_Record({"placements": _ANY_LIST, "shape": _ListOf(_INTEGER), "dtype": _TEXT})),
+    "candidates": _ListOf(_Record({"mesh": _Record({"shape": _ListOf(_INTEGER), "dim_names": _ListOf(_TEXT)}),
+                                   "step_time_s": _NUMBER, "status": _TEXT},
+                                  {"degrees": _MapOf(_INTEGER), "microbatches": _INTEGER, "schedule": _TEXT,
+                                   "checkpointing": _TEXT, "layer_modes": _MapOf(_INTEGER)})),
+    "explanations": _Record({}, {"decisions": _MapOf(_Record({"nodes": _ListOf(_TEXT), "alternatives": _ListOf(_ALTERNATIVE)},
+                                                             {"occurrences": _NUMBER})),
+                                 "index": _MapOf(_TEXT)}),
+}
+
+
+def _check_value(source: str, where: str, value: Any, spec: Any) -> None:
+    """Raise ``PlanFormatError`` naming the first place (``ops['mm'].cost.compute_s``) in ``value`` that does not
+    hold what ``spec`` says: numbers are finite and below 2**63, integers are not booleans."""
+    if isinstance(spec, _OrNull):
+        if value is None:
+            return
+        spec = spec.spec
+    if not _holds(value, spec):
+        raise PlanFormatError(f"{source}: {where}: expected {_described(spec)}, got {_short(value)}")
+    if isinstance(spec, _ListOf):
+        for i, item in enumerate(value):
+            _check_value(source, f"{where}[{i}]", item, spec.item)
+    elif isinstance(spec, _MapOf):
+        for key, item in value.items():
+            _check_value(source, f"{where}[{key!r}]", item, spec.value)
+    elif isinstance(spec, _Record):
+        missing = [key for key in spec.required if key not in value]
+        if missing:
+            raise PlanFormatError(f"{source}: {where}: missing {', '.join(missing)}")
+        for key, item_spec in (*spec.required.items(), *spec.optional.items()):
+            if key in value:
+                _check_value(source, f"{where}.{key}", value[key], item_spec)
+
+
+def _holds(value: Any, spec: Any) -> bool:
+    if spec == _NUMBER:
+        return (isinstance(value, int) and not isinstance(value, bool) and abs(value) < _LARGEST) or \
+            (isinstance(value, float) and math.isfinite(value) and abs(value) < _LARGEST)
+    if spec == _INTEGER:
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < _LARGEST
+    if isinstance(spec, _ListOf) or spec == _ANY_LIST:
+        return isinstance(value, list)
+    if isinstance(spec, (_MapOf, _Record)) or spec == _ANY_OBJECT:
+        return isinstance(value, dict)
+    return isinstance(value, {_TEXT: str, _FLAG: bool}[spec])
+
+
+def _described(spec: Any) -> str:
+    if isinstance(spec, _ListOf) or spec == _ANY_LIST:
+        return "an array"
+    if isinstance(spec, (_MapOf, _Record)) or spec == _ANY_OBJECT:
+        return "an object"
+    return {_NUMBER: "a finite number", _INTEGER: "an integer"}.get(spec, f"a {spec}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

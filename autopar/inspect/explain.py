@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 from autopar.cost_models import GroupTopology, collective_time
 from autopar.cost_models.symbolic import render_collective, tensor_bytes_text
-from autopar.inspect.show import fmt_bytes, fmt_seconds
+from autopar.core.units import fmt_bytes
+from autopar.inspect.show import fmt_seconds
 
 def render(plan_data: Mapping[str, Any], name: str) -> str:
     """Text for ``autopar explain``: the alternatives of the decision behind ``name``."""

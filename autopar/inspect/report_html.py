@@ -18,7 +18,8 @@ import re
 from typing import Any, Iterable, Sequence
 
 from autopar.core.plan import Plan
-from autopar.inspect.show import checkpointing_text, collapsed_placements, fmt_bytes, fmt_count, fmt_seconds
+from autopar.core.units import fmt_bytes
+from autopar.inspect.show import checkpointing_text, collapsed_placements, fmt_count, fmt_seconds
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _INDEX = re.compile(r"(^|\.)\d+(?=\.|$)")

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from autopar.inspect.collectives import KINDS, predicted_collectives
 from autopar.core.plan import CHECKPOINTING, MIXED, Plan
+from autopar.core.units import fmt_bytes
 
 _LAYER = re.compile(r"\.\d+\.")
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -24,13 +25,6 @@ def fmt_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
-
-
-def fmt_bytes(b: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b:.0f} B"
 
 
 def fmt_count(n: float) -> str:

@@ -25,7 +25,12 @@ is captured. The runtime always captures the whole model and finds each op's str
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
+import sys
+import sysconfig
+import traceback
 import warnings
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -36,7 +41,7 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
-from autopar.core.errors import UnsupportedModelError
+from autopar.core.errors import BadInputError, UnsupportedModelError
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
@@ -44,19 +49,23 @@ _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 class TrainingStep(nn.Module):
-    """``loss = loss_fn(model(*inputs), targets)``: the forward half of one training step."""
+    """The forward half of one training step, the one place its form is decided: ``loss_fn(model(*inputs),
+    targets)`` with targets, ``loss_fn(model(*inputs))`` without, and ``model(*inputs, targets)`` (or
+    ``model(*inputs)``) without a ``loss_fn``, the model then returning the loss itself."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None):
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, has_targets: bool):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.has_targets = has_targets
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
             return self.model(*args)
+        if not self.has_targets:
+            return self.loss_fn(self.model(*args))
         *inputs, targets = args
-        out = self.model(*inputs)
-        return self.loss_fn(out, targets) if targets is not None else self.loss_fn(out)
+        return self.loss_fn(self.model(*inputs), targets)
 
 
 @dataclass
@@ -233,7 +242,11 @@ def capture(
 
     With ``traced_layers`` (planning), a stack of identical layers is traced that many layers deep and
     the graph records the rest (``LayerStack``); the whole model is captured when it has no such stack,
-    or when the short trace does not tie node for node. Without it (the runtime), the whole model."""
+    or when the short trace does not tie node for node. Without it (the runtime), the whole model.
+
+    A model or ``loss_fn`` that cannot be called with these arguments raises BadInputError; an error
+    the model raises while torch traces it, UnsupportedModelError naming the source line."""
+    _check_arguments(model, len(example_inputs), example_targets is not None, loss_fn)
     stack = repeated_stack(model) if traced_layers else None
     if stack is not None and stack[1] > traced_layers:
         path, layers = stack
@@ -250,18 +263,69 @@ def capture(
 
 def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_targets: torch.Tensor | None,
             loss_fn: Callable[..., torch.Tensor] | None) -> CapturedGraph:
-    step = TrainingStep(model, loss_fn)
+    step = TrainingStep(model, loss_fn, example_targets is not None)
     args = tuple(example_inputs) + ((example_targets,) if example_targets is not None else ())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             exported = torch.export.export(step, args, strict=False).run_decompositions(_decompositions())
-    except Exception as exc:  # export's own errors are long; keep the first line and the cause
+    except Exception as exc:
+        where = _raised_in(exc)
+        if where is not None and _is_autopar_code(where.filename):
+            raise  # autopar's own code failed while torch traced the step: a bug, keep its traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        at = f" (raised at {where.filename}:{where.lineno} in {where.name})" if where is not None else ""
         raise UnsupportedModelError(
-            f"could not capture {type(model).__name__} with torch.export: {first}"
+            f"could not capture {type(model).__name__} with torch.export: {first}{at}"
         ) from exc
     return _describe(exported)
+
+
+def _check_arguments(model: nn.Module, inputs: int, has_targets: bool,
+                     loss_fn: Callable[..., torch.Tensor] | None) -> None:
+    """Refuse a model or loss that cannot take the training step's arguments (``TrainingStep``)."""
+    model_args = inputs + (1 if has_targets and loss_fn is None else 0)
+    what = f"{inputs} example input(s)" + (" and the targets (no loss_fn: the model gets them last)"
+                                           if model_args > inputs else "")
+    _check_callable(model.forward, model_args, f"{type(model).__name__}.forward cannot take {what}")
+    if loss_fn is not None:
+        fn = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
+        form = "loss_fn(output, targets)" if has_targets else "loss_fn(output), as no example_targets were given"
+        _check_callable(fn, 1 + has_targets, f"loss_fn {getattr(fn, '__qualname__', fn)} cannot be called as {form}")
+
+
+def _check_callable(fn: Callable[..., Any], positional: int, what: str) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the trace will tell
+    try:
+        signature.bind(*range(positional))
+    except TypeError as exc:
+        raise BadInputError(f"{what}: {exc}") from None
+
+
+def _raised_in(exc: BaseException | None) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch, the standard library and ``_export`` itself in which ``exc``
+    (or, first, the error it wraps) was raised: the model's (or autopar's) line that failed."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    skipped = (os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, "<")
+    for error in reversed(chain):  # the original error first
+        for frame in reversed(traceback.extract_tb(error.__traceback__)):
+            if not frame.filename.startswith(skipped) and (frame.filename, frame.name) != (__file__, "_export"):
+                return frame
+    return None
+
+
+def _is_autopar_code(filename: str) -> bool:
+    """Whether ``filename`` is autopar's own code; its model zoo is not: a built-in model is the user's
+    model here, traced with the user's inputs."""
+    own = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep  # loaded by ``import autopar``: ir
+                for name in ("autopar", "autopar.cost_models", "autopar.passes"))  # imports none of them
+    return filename.startswith(own) and not filename.startswith(os.path.join(own[0], "models") + os.sep)
 
 
 def repeated_stack(model: nn.Module) -> tuple[str, int] | None:

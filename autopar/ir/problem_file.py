@@ -19,6 +19,7 @@ A loaded problem plans, re-solves and re-prices exactly like the capture it came
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import operator
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ from torch import fx
 
 from autopar.ir.capture import CapturedGraph, LayerStack
 from autopar.core.errors import BadInputError
+from autopar.core.files import read_text, write_atomically
 
 SCHEMA = "autopar.problem/1"
 _PYTHON_TARGETS = {"operator": operator, "math": math}  # the only non-aten callables a target may name
 _TORCH_ENUMS = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
+_SIZE_BITS = 48  # a tensor dim or stride in a problem file is below 2**48 (a product of a few stays in int64)
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,8 @@ class _Malformed(Exception):
 # ---- saving ---------------------------------------------------------------------------------------
 
 def save_problem(captured: CapturedGraph, path: str | Path, *, model_name: str) -> None:
-    """Write ``captured`` as ``autopar.problem/1`` JSON to ``path``."""
-    Path(path).write_text(json.dumps(problem_to_dict(captured, model_name), separators=(",", ":")))
+    """Write ``captured`` as ``autopar.problem/1`` JSON to ``path`` atomically (``core/files.py``)."""
+    write_atomically(path, json.dumps(problem_to_dict(captured, model_name), separators=(",", ":")))
 
 
 def problem_to_dict(captured: CapturedGraph, model_name: str) -> dict[str, Any]:
@@ -152,12 +155,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def load_problem(path: str | Path) -> SavedProblem:
     """Read a problem file; a missing, malformed or wrong-schema file raises BadInputError naming it."""
+    text = read_text(path, "problem")
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: no such problem file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read the problem file ({exc})") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadInputError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     try:
@@ -188,19 +188,23 @@ def problem_from_dict(data: Any) -> SavedProblem:
         stack=_stack(data.get("stack")),
     )
     _check_references(captured)
+    _check_values(captured.graph)
     model = _typed(data, "model", dict)
-    return SavedProblem(captured, str(model.get("name", "model")), list(model.get("inputs", [])))
+    inputs = model.get("inputs", [])
+    if not isinstance(inputs, list):
+        raise _Malformed(f"'model.inputs' must be a JSON array, got {type(inputs).__name__}")
+    return SavedProblem(captured, str(model.get("name", "model")), inputs)
 
 
 def _stack(data: Any) -> LayerStack | None:
     """The traced stack of identical layers (``capture.LayerStack``), when the problem has one."""
     if data is None:
         return None
-    try:
-        stack = LayerStack(str(data["path"]), int(data["layers"]), int(data["traced"]))
-    except (TypeError, KeyError, ValueError):
-        raise _Malformed(f"'stack' must be {{\"path\": str, \"layers\": int, \"traced\": int}}, got {data!r}") from None
-    if not 0 < stack.traced <= stack.layers:
+    if not isinstance(data, dict) or not isinstance(data.get("path"), str) \
+            or not all(isinstance(data.get(k), int) and not isinstance(data.get(k), bool) for k in ("layers", "traced")):
+        raise _Malformed(f"'stack' must be {{\"path\": str, \"layers\": int, \"traced\": int}}, got {data!r}")
+    stack = LayerStack(data["path"], data["layers"], data["traced"])
+    if not 0 < stack.traced <= stack.layers < 2**_SIZE_BITS:
         raise _Malformed(f"'stack' traces {stack.traced} of {stack.layers} layers")
     return stack
 
@@ -242,17 +246,33 @@ def _node_from_record(graph: fx.Graph, record: dict, env: dict[str, fx.Node]) ->
     name, op = record["name"], record["op"]
     if op not in ("placeholder", "call_function", "output"):
         raise _Malformed(f"op {op!r} is not placeholder, call_function or output")
-    target = _resolve_target(record["target"]) if op == "call_function" else str(record["target"])
+    target = _resolve_target(record["target"]) if op == "call_function" else _identifier(record["target"], "target")
     args = _decode(record.get("args", {"tuple": []}), env)
-    kwargs = {k: _decode(v, env) for k, v in record.get("kwargs", {}).items()}
+    kwargs = {_identifier(k, "keyword"): _decode(v, env) for k, v in record.get("kwargs", {}).items()}
     node = graph.create_node(op, target, tuple(args), kwargs, name=name)
     if node.name != name:
         raise _Malformed(f"duplicate or invalid node name {name!r}")
     if "val" in record:
         node.meta["val"] = _decode_val(record["val"], "value")
     if record.get("module_stack"):
-        node.meta["nn_module_stack"] = {key: (path, kind) for key, path, kind in record["module_stack"]}
+        node.meta["nn_module_stack"] = _module_stack(record["module_stack"])
     return node
+
+
+def _module_stack(entries: Any) -> dict[str, tuple[str, str]]:
+    """``nn_module_stack`` from its ``[[key, module path, module class], ...]`` form."""
+    if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(part, str) for part in e) for e in entries):
+        raise _Malformed(f"module_stack must list [key, module path, module class] strings, got {entries!r}")
+    return {key: (path, kind) for key, path, kind in entries}
+
+
+def _identifier(name: Any, what: str) -> str:
+    """A placeholder's target or a keyword argument's name: torch.fx writes them into the Python source
+    of the graph it compiles, so anything but a plain identifier (``x=print(...)``) would run as code."""
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise _Malformed(f"{what} {name!r} is not a Python identifier")
+    return name
 
 
 def _resolve_target(name: Any) -> Any:
@@ -313,15 +333,48 @@ def _decode_val(value: Any, what: str) -> Any:
     if not isinstance(value, dict) or len(value) != 1:
         raise _Malformed(f"{what} {value!r} is not a tensor, tuple, list or scalar")
     (tag, body), = value.items()
-    if tag in ("tuple", "list"):
+    if tag in ("tuple", "list") and isinstance(body, list):
         items = [_decode_val(v, what) for v in body]
         return tuple(items) if tag == "tuple" else items
-    if tag != "tensor":
-        raise _Malformed(f"{what}: unknown tag {tag!r}")
-    shape, stride = [int(s) for s in body["shape"]], [int(s) for s in body["stride"]]
-    if len(shape) != len(stride) or any(s < 0 for s in shape):
-        raise _Malformed(f"{what}: shape {shape} and stride {stride} do not describe a tensor")
-    return torch.empty_strided(shape, stride, dtype=_torch_enum("dtype", body["dtype"]), device="meta")
+    if tag != "tensor" or not isinstance(body, dict):
+        raise _Malformed(f"{what}: {tag!r} of {body!r} is not a tensor, tuple or list")
+    shape, stride = body.get("shape"), body.get("stride")
+    if not _sizes(shape) or not _sizes(stride) or len(shape) != len(stride):
+        raise _Malformed(f"{what}: shape {shape!r} and stride {stride!r} do not describe a tensor (lists of "
+                         f"as many non-negative integers below 2**{_SIZE_BITS})")
+    return torch.empty_strided(shape, stride, dtype=_torch_enum("dtype", body.get("dtype")), device="meta")
+
+
+def _sizes(value: Any) -> bool:
+    """``value`` is a list of sizes or strides a tensor can have."""
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**_SIZE_BITS for v in value)
+
+
+def _check_values(graph: fx.Graph) -> None:
+    """Every op, run on meta tensors of its arguments' recorded values, gives the value the file records
+    (shapes and dtypes): the graph is one torch can run, with the arguments its op schemas take."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        try:
+            value = node.target(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as exc:
+            raise _Malformed(f"node {node.name!r}: {node.target} does not run on its arguments "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if _shapes(value) != _shapes(node.meta.get("val")):
+            raise _Malformed(f"node {node.name!r}: {node.target} gives {_shapes(value)}, the file records "
+                             f"{_shapes(node.meta.get('val'))}")
+
+
+def _shapes(value: Any) -> Any:
+    """A value's tensors as (shape, dtype), in its tuple and list structure; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, (list, tuple)):
+        return [_shapes(v) for v in value]
+    return value
 
 
 def _check_references(captured: CapturedGraph) -> None:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.core.errors import BadInputError
+
 __all__ = [
     "RMSNorm",
     "check_positive",
@@ -62,10 +64,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: st
 
 
 def check_positive(cfg: object, names: tuple[str, ...]) -> None:
-    """Raise ValueError if any of the named integer config fields is < 1."""
+    """Raise BadInputError if any of the named integer config fields is < 1."""
     for name in names:
         if getattr(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+            raise BadInputError(f"{name} must be >= 1, got {getattr(cfg, name)}")
 
 
 class RMSNorm(nn.Module):

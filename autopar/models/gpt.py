@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.core.errors import BadInputError
+
 from .common import (
     ATTENTION_KINDS,
     causal_attention,
@@ -43,9 +45,9 @@ class GPTConfig:
     def __post_init__(self) -> None:
         check_positive(self, ("layers", "hidden", "heads", "vocab", "seq", "mlp_ratio"))
         if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention={self.attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
+            raise BadInputError(f"attention={self.attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
         if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+            raise BadInputError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
 
 class GPTAttention(nn.Module):

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.core.errors import BadInputError
+
 from .common import (
     RMSNorm,
     causal_attention,
@@ -52,11 +54,11 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         check_positive(self, ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden"))
         if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+            raise BadInputError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+            raise BadInputError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head dim hidden/heads ({self.head_dim}) must be even for rotary embeddings")
+            raise BadInputError(f"head dim hidden/heads ({self.head_dim}) must be even for rotary embeddings")
 
     @property
     def head_dim(self) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar.core.errors import BadInputError
+
 from .common import check_positive, init_weights
 
 __all__ = ["MLP", "MLPConfig"]
@@ -41,7 +43,7 @@ class MLP(nn.Module):
         super().__init__()
         dims = list(dims)
         if len(dims) < 2:
-            raise ValueError(f"MLP needs at least two dims, got {dims}")
+            raise BadInputError(f"MLP needs at least two dims, got {dims}")
         self.dims = dims
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.reset_parameters()

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from autopar.core.constraints import split_pairs
+from autopar.core.errors import BadInputError
 
 from .common import lm_loss, mse_loss
 from .gpt import GPT, GPTConfig
@@ -52,7 +53,7 @@ __all__ = [
 OverrideValue = int | float | bool
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(BadInputError):
     """Raised for a model name that is neither a preset nor a loadable factory."""
 
 
@@ -150,7 +151,7 @@ _FAMILIES: dict[str, _Family] = {
 # --------------------------------------------------------------------------- overrides
 
 def _parse_value(key: str, text: str) -> OverrideValue:
-    """``true/false`` -> bool, then int, then float; a ValueError naming the item otherwise."""
+    """``true/false`` -> bool, then int, then float; a BadInputError naming the item otherwise."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -160,14 +161,14 @@ def _parse_value(key: str, text: str) -> OverrideValue:
         except ValueError:
             pass
     item = f"{key}={text}"
-    raise ValueError(f"bad override item {item!r}: value must be an int, float, true or false")
+    raise BadInputError(f"bad override item {item!r}: value must be an int, float, true or false")
 
 
 def parse_overrides(text: str | None) -> dict[str, OverrideValue]:
     """Parse ``"layers=2,hidden=64,bias=false"`` into a dict of typed values.
 
     Values are ``true``/``false`` (bool), ints, or floats (``1e-6``). Empty or
-    None text gives ``{}``. A malformed or repeated item raises ValueError naming it
+    None text gives ``{}``. A malformed or repeated item raises BadInputError naming it
     (the ``key=value,...`` text of ``--set`` is that of ``--fix``: ``split_pairs``).
     """
     return {key: _parse_value(key, raw) for key, raw in split_pairs(text, "override").items()}
@@ -188,7 +189,7 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             return float(value)
     else:
         return value
-    raise ValueError(f"override {key}={value!r}: expected {kind.__name__}")
+    raise BadInputError(f"override {key}={value!r}: expected {kind.__name__}")
 
 
 def _make_config(
@@ -199,7 +200,7 @@ def _make_config(
     names = [f.name for f in fields(family.config_cls)]
     unknown = sorted(set(overrides) - set(names))
     if unknown:
-        raise ValueError(
+        raise BadInputError(
             f"unknown override(s) {', '.join(unknown)} for model {name!r}: "
             f"valid keys are {', '.join(names)}"
         )
@@ -208,7 +209,7 @@ def _make_config(
     required = [f.name for f in fields(family.config_cls) if _is_required(f)]
     missing = [k for k in required if k not in kwargs]
     if missing:
-        raise ValueError(
+        raise BadInputError(
             f"model {name!r} needs overrides for: {', '.join(missing)} (e.g. --set layers=24,...)"
         )
     return family.config_cls(**kwargs)
@@ -242,9 +243,9 @@ def _resolve_seq(name: str, cfg: Any, seq: int | None) -> int:
     if seq is None:
         return max_seq if max_seq is not None else 1
     if seq < 1:
-        raise ValueError(f"seq must be >= 1, got {seq}")
+        raise BadInputError(f"seq must be >= 1, got {seq}")
     if max_seq is not None and seq > max_seq:
-        raise ValueError(
+        raise BadInputError(
             f"seq {seq} exceeds the maximum sequence length {max_seq} of {name!r}; "
             f"raise it with the override seq={seq}"
         )
@@ -327,7 +328,7 @@ def _to_device(x: Tensor | None, device: torch.device) -> Tensor | None:
 def _bundle_from_result(spec: str, result: Any, device: torch.device) -> ModelBundle:
     """Normalise a factory's 3- or 4-tuple into a ModelBundle on ``device``."""
     if not isinstance(result, (tuple, list)) or len(result) not in (3, 4):
-        raise TypeError(
+        raise BadInputError(
             f"model factory {spec!r} must return (model, inputs, targets, loss_fn) "
             f"or (model, inputs, loss_fn), got {type(result).__name__}"
         )
@@ -379,7 +380,7 @@ def build_model(
     first so equal seeds give identical weights and data.
     """
     if global_batch < 1:
-        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+        raise BadInputError(f"global_batch must be >= 1, got {global_batch}")
     device = torch.device(device)
     overrides = dict(overrides or {})
     if ":" in name:

@@ -17,8 +17,9 @@ soon as its bound shows it cannot win, and the plan lists it under ``solver.prun
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from autopar.core.axes import MeshAxis
@@ -26,6 +27,7 @@ from autopar.core.constraints import Constraints
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
+from autopar.core.units import fmt_bytes
 from autopar.planning.pricing import Pricer
 from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
@@ -73,7 +75,8 @@ def make_plan(
             progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
                            " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
     if not results:
-        raise NoFeasiblePlanError(_shortfall(failures))
+        raise NoFeasiblePlanError(_shortfall(failures, search.closest if not search.solver_failed else None,
+                                             constraints))
     results.sort(key=lambda c: c.step_s)
     refined = search.refine_layer_modes(results[0])
     if refined is not results[0]:
@@ -128,6 +131,8 @@ class _MeshSearch:
         self.progress = progress
         self._staged_problems: dict[tuple[int, Staging], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
+        self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
+        self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
         """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
@@ -153,6 +158,8 @@ class _MeshSearch:
             tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
             first = self._first_fitting(tried, staging, memory)
             if first is None:
+                if tried:
+                    self._note_shortfall(mesh, staging, self._staged(memory[tried[-1]], staging))
                 if tried and not reason:
                     reason = infeasible_reason(self._staged(memory[tried[-1]], staging))  # reads only memory
                 continue
@@ -163,12 +170,19 @@ class _MeshSearch:
             if isinstance(found, Candidate):
                 best = found
             elif isinstance(found, str):
-                reason = found
+                reason, self.solver_failed = found, True
             else:
                 was_pruned = True
         if best is not None:
             return best
         return mesh if was_pruned or not reason else reason
+
+    def _note_shortfall(self, mesh: MeshChoice, staging: Staging, problem: Problem) -> None:
+        """Keep the configuration that came closest to fitting memory (its most microbatches)."""
+        need = least_memory(problem)
+        if self.closest is None or need < self.closest.need_bytes:
+            self.closest = MemoryShortfall(need, self.capacity, mesh.describe(), problem.microbatches,
+                                           "/".join(staging.checkpointing))
 
     def refine_layer_modes(self, best: Candidate) -> Candidate:
         """``best`` (one checkpointing mode for every layer) re-solved with each layer's mode left to the
@@ -279,11 +293,46 @@ def _pipeline_microbatch_counts(fitting: list[int], stages: int) -> list[int]:
     return picked[:MAX_PIPELINE_MICROBATCH_TRIES]
 
 
-def _shortfall(failures: list[str]) -> str:
+@dataclass(frozen=True)
+class MemoryShortfall:
+    """The configuration that came closest to fitting memory, and the least its devices need."""
+
+    need_bytes: float  # ``least_memory``: a lower bound of any plan's memory per device there
+    capacity_bytes: float
+    mesh: Mapping[str, int]
+    microbatches: int
+    checkpointing: str
+
+    def message(self, constraints: Constraints) -> str:
+        """What falls short per device, and what could make a plan fit (what the search did not try)."""
+        memory = (f"memory_gb={_rounded_up(self.need_bytes / 1e9)} or more" if constraints.memory_gb is not None
+                  else f"devices with {fmt_bytes(self.need_bytes)} or more of usable memory")
+        remedies = [memory, "more devices"]
+        pinned = [f"{k}={v}" for k, v in constraints.to_dict().items() if k in ("microbatches", "microbatch_size")]
+        if pinned:
+            remedies.append(f"more microbatches (drop {', '.join(pinned)})")
+        if constraints.checkpointing not in (None, "full"):
+            remedies.append("checkpointing=full")
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        return (f"no plan fits memory: the closest, {mesh} with {self.microbatches} microbatch(es) and "
+                f"checkpointing {self.checkpointing}, needs at least {fmt_bytes(self.need_bytes)} per device, "
+                f"{fmt_bytes(self.need_bytes - self.capacity_bytes)} more than the {fmt_bytes(self.capacity_bytes)} "
+                f"there is; try {', or '.join(remedies)}")
+
+
+def _rounded_up(x: float) -> str:
+    """``x`` rounded up to three significant digits."""
+    scale = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return f"{math.ceil(x / scale) * scale:.3g}"
+
+
+def _shortfall(failures: list[str], closest: MemoryShortfall | None, constraints: Constraints) -> str:
     if not failures:
         return "no mesh shape satisfies the constraints"
     if all("cannot be cut into" in f for f in failures):
         raise BadInputError(failures[0])
+    if closest is not None:
+        return closest.message(constraints)
     return "no plan fits any mesh; closest: " + min((f for f in failures if "cannot be cut" not in f), key=len)
 
 

@@ -90,6 +90,7 @@ from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
 from autopar.core.errors import NoFeasiblePlanError
+from autopar.core.units import fmt_bytes
 from autopar.planning.problem import Problem
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
@@ -513,14 +514,15 @@ def least_time(problem: Problem) -> float:
 
 def infeasible_reason(problem: Problem, reason: mathopt.TerminationReason = mathopt.TerminationReason.INFEASIBLE
                       ) -> str:
-    least = least_memory(problem)
+    least, capacity = least_memory(problem), problem.memory_capacity_bytes
     infeasible = reason == mathopt.TerminationReason.INFEASIBLE
-    if infeasible and least <= problem.memory_capacity_bytes:
+    if infeasible and least <= capacity:
         return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es): the "
                 f"cheapest placements of each op fit memory together only in combinations the edges forbid; "
-                f"smallest per-op total {least / 2**30:.1f} GiB vs capacity {problem.memory_capacity_bytes / 2**30:.1f} GiB")
+                f"smallest per-op total {fmt_bytes(least)} vs capacity {fmt_bytes(capacity)}")
     if infeasible:
-        return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es) fits: even the smallest placements need "
-                f"{least / 2**30:.1f} GiB per device, capacity is {problem.memory_capacity_bytes / 2**30:.1f} GiB")
+        return (f"no plan on mesh {problem.mesh_shape} with {problem.microbatches} microbatch(es) fits: even the "
+                f"smallest placements need {fmt_bytes(least)} per device, {fmt_bytes(least - capacity)} more than "
+                f"the capacity of {fmt_bytes(capacity)}")
     return (f"the solver stopped without a plan on mesh {problem.mesh_shape} ({reason.name.lower()}; "
             f"node limit {NODE_LIMIT})")

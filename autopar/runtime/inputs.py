@@ -2,16 +2,18 @@
 
 Both runtimes run the program at the microbatch shape (it was captured at that shape) and take each
 input either as the global microbatch, of which every rank keeps its shard, or with ``local=True`` as
-this rank's slice of it already.
+this rank's slice of it already. What a step is given is checked first (``check_user_inputs``): as many
+tensors as the plan has inputs, each of the planned dtype and shape (global, or this rank's slice).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.core.errors import BadInputError
 from autopar.core.placement import strs_to_placements
@@ -25,14 +27,50 @@ def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
     return [shape[0] // microbatches] + shape[1:] if shape else shape
 
 
+def check_user_inputs(plan: Plan, mesh: DeviceMesh, names: Sequence[str], tensors: Sequence[Any], local: bool,
+                      microbatches: int, call: str) -> None:
+    """Refuse what ``call`` (``step()``: the plan's ``microbatches``; ``forward()``: one) was given unless it
+    is one tensor per planned input (the inputs, then the targets) of the planned dtype and shape."""
+    if len(tensors) != len(names):
+        raise BadInputError(f"{call} takes {len(names)} tensors (the inputs, then the targets if the step has "
+                            f"any), got {len(tensors)}")
+    for i, (name, x) in enumerate(zip(names, tensors), 1):
+        what = f"{call} argument {i} ({name})"
+        if not isinstance(x, torch.Tensor):
+            raise BadInputError(f"{what} must be a tensor, got {type(x).__name__}")
+        dtype = plan.inputs[name].get("dtype")
+        if dtype is not None and str(x.dtype).removeprefix("torch.") != dtype:
+            raise BadInputError(f"{what} has dtype {str(x.dtype).removeprefix('torch.')}, the plan was made for "
+                                f"{dtype}")
+        expected, whole = _expected_shape(plan, mesh, name, local, microbatches)
+        if list(x.shape) != expected:
+            scope = (f"this rank's slice with local=True (of the global shape {whole})" if local
+                     else "the global shape (pass local=True to give this rank's slice)")
+            raise BadInputError(f"{what} has shape {list(x.shape)}, expected {expected}: {scope}")
+
+
+def _expected_shape(plan: Plan, mesh: DeviceMesh, name: str, local: bool, microbatches: int
+                    ) -> tuple[list[int], list[int]]:
+    """(the shape ``name`` must have, its global shape) for ``microbatches`` microbatches."""
+    spec = plan.inputs[name]
+    one = microbatch_shape(spec["shape"], plan.pipeline.microbatches)
+    whole = _rows_times(one, microbatches)
+    if not local:
+        return whole, whole
+    mine, _ = compute_local_shape_and_global_offset(one, mesh, strs_to_placements(spec["placements"]))
+    return _rows_times(list(mine), microbatches), whole
+
+
+def _rows_times(shape: list[int], factor: int) -> list[int]:
+    return [shape[0] * factor] + shape[1:] if shape else shape
+
+
 def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: bool) -> DTensor:
-    """One microbatch of the input (or targets) ``name`` as a DTensor with the plan's placements."""
+    """One microbatch of the input (or targets) ``name`` as a DTensor with the plan's placements (``x``
+    was checked by ``check_user_inputs``)."""
     spec = plan.inputs[name]
     shape = microbatch_shape(spec["shape"], plan.pipeline.microbatches)
     if local:
         return DTensor.from_local(x, mesh, strs_to_placements(spec["placements"]), run_check=False,
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-    if list(x.shape) != shape:
-        raise BadInputError(f"input {name} has shape {list(x.shape)} per microbatch, the plan was made for "
-                            f"{shape} (pass local=True for per-rank slices)")
     return shard_tensor(x, mesh, spec["placements"])

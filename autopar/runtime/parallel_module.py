@@ -27,14 +27,16 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import GradientSync, ShardedOptimizerState, build_program, shard_parameters, shard_tensor
-from autopar.runtime.inputs import user_input
+from autopar.runtime.fits import check_plan_fits
+from autopar.runtime.inputs import check_user_inputs, user_input
+from autopar.runtime.mesh import init_job_mesh
 
 
 def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
@@ -46,14 +48,17 @@ def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     if plan.mesh.devices != world:
         raise BadInputError(f"the plan's mesh {plan.mesh.shape} needs {plan.mesh.devices} ranks, this job has {world}")
     device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return init_device_mesh(device_type, tuple(plan.mesh.shape), mesh_dim_names=tuple(plan.mesh.dim_names))
+    return init_job_mesh(device_type, tuple(plan.mesh.shape), tuple(plan.mesh.dim_names))
 
 
 class ParallelModule(nn.Module):
     """The parallelized training step of one rank. Hand ``parameters()`` to any torch optimizer."""
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh):
+    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh,
+                 check_memory: bool = True):
         super().__init__()
+        if check_memory:  # before anything is sharded: a plan too large for this device is refused (fits.py)
+            check_plan_fits(plan, mesh.device_type)
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
@@ -91,6 +96,7 @@ class ParallelModule(nn.Module):
     # ---- running ------------------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
+        check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
         if self._zero:
             self._zero.gather()
         return self._run_program(inputs, local)
@@ -112,6 +118,7 @@ class ParallelModule(nn.Module):
         Gradients are left on ``parameters()``, synchronized; returns the global mean loss.
         """
         m = self.microbatches
+        check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         total = torch.zeros(())
         if self._zero:
             self._zero.gather()
@@ -128,9 +135,6 @@ class ParallelModule(nn.Module):
 
     def _placeholder_values(self, inputs: Sequence[torch.Tensor], local: bool) -> list[Any]:
         cg = self.captured
-        if len(inputs) != len(cg.user_inputs):
-            raise BadInputError(f"step() takes {len(cg.user_inputs)} tensors (inputs then targets), "
-                                f"got {len(inputs)}")
         user = {n: user_input(self.plan, self.mesh, n, x, local) for n, x in zip(cg.user_inputs, inputs)}
         values = []
         for name in self._placeholders:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
@@ -44,7 +44,9 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import GradientSync, Stage, build_program, shard_parameters, shard_tensor
-from autopar.runtime.inputs import microbatch_shape, user_input
+from autopar.runtime.fits import check_plan_fits
+from autopar.runtime.inputs import check_user_inputs, microbatch_shape, user_input
+from autopar.runtime.mesh import init_job_mesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -87,10 +89,13 @@ class PipelineParallelModule(nn.Module):
     the stage's gradients, and returns the global mean loss on every rank.
     """
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, device_type: str | None = None):
+    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, device_type: str | None = None,
+                 check_memory: bool = True):
         super().__init__()
         self.plan, self.captured = plan, captured
         self.world_mesh, self.mesh = pipeline_meshes(plan, device_type)
+        if check_memory:  # before any stage is built: a plan too large for this device is refused (fits.py)
+            check_plan_fits(plan, self.mesh.device_type)
         self.pp_group = self.world_mesh.get_group("pp")
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
         built = build_program(plan, captured, self.mesh)
@@ -129,8 +134,7 @@ class PipelineParallelModule(nn.Module):
         """Forward, loss and backward of the global batch (or this rank's slice with ``local=True``)
         through the pipeline; gradients are left on ``parameters()``, synchronized within the stage."""
         names = self.captured.user_inputs
-        if len(args) != len(names):
-            raise BadInputError(f"step() takes {len(names)} tensors (inputs then targets), got {len(args)}")
+        check_user_inputs(self.plan, self.mesh, names, args, local, self.microbatches, "step()")
         by_name = dict(zip(names, args))
         self._local_inputs = local
         first = args if self.chunks[0].index == 0 else ()
@@ -207,5 +211,5 @@ def pipeline_meshes(plan: Plan, device_type: str | None = None) -> tuple[DeviceM
         raise BadInputError(f"the plan's pipeline of {pp} stages of mesh {list(plan.mesh.shape)} needs "
                             f"{int(torch.tensor(shape).prod())} ranks, this job has {world}")
     device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-    world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", *names))
+    world_mesh = init_job_mesh(device_type, shape, ("pp", *names))
     return world_mesh, world_mesh[names if len(names) > 1 else names[0]]

@@ -1,20 +1,35 @@
-"""Run a function on W local ranks with the gloo backend (tests, ``autopar demo``).
+"""Run a function on W local ranks with the gloo backend (tests, ``autopar demo``, ``autopar calibrate``).
 
-Each rank is a spawned process with its own free TCP port rendezvous and a timeout, so a hung
-collective fails the run instead of hanging it. ``torchrun`` users do not need this module.
+Each rank is a spawned process with its own pipe back to the parent. The parent waits on the pipes and
+on the processes together, under one deadline: when a rank raises, dies without reporting (a signal,
+the out-of-memory killer) or the run outlives ``timeout_s``, it gives the other ranks ``GRACE_S`` to
+report, stops every process still alive and raises one ``DistributedRunError`` naming the rank that
+failed first and how. No process outlives ``run_on_ranks``, whatever happens (docs/architecture.md
+"Failing ranks"). ``torchrun`` users do not need this module.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
+import time
+import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from autopar.core.errors import DistributedRunError
+
+GRACE_S = 5.0
+"""How long, after the first failure, the other ranks get to report (or to exit after reporting) before being stopped."""
+TRACEBACK_LINES = 6
+"""How many last lines of the failed rank's traceback the error message quotes."""
 
 
 def free_port() -> int:
@@ -24,29 +39,138 @@ def free_port() -> int:
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks; returns each rank's result."""
+    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks; returns each rank's result.
+
+    Raises ``DistributedRunError`` when a rank raises, dies or the run takes longer than ``timeout_s``
+    (also the process group's collective timeout); every spawned process is stopped before returning.
+    """
     port = free_port()
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, timeout_s, args))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    for _ in procs:
-        rank, ok, value = queue.get()
-        if ok:
-            results[rank] = _from_bytes(value)
-        else:
-            errors.append(f"rank {rank}: {value}")
-    for p in procs:
-        p.join(timeout=timeout_s)
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    ranks = [_Rank.spawn(ctx, fn, r, world_size, port, timeout_s, args) for r in range(world_size)]
+    try:
+        timed_out = _wait_for_outcomes(ranks, time.monotonic() + timeout_s)
+    finally:
+        _stop(ranks)
+    if timed_out or any(r.failed for r in ranks):
+        raise DistributedRunError(_failure_message(ranks, timeout_s))
+    return [_from_bytes(r.outcome[1]) for r in ranks]
+
+
+class _Rank:
+    """One spawned rank: its process, the read end of its pipe, and what became of it."""
+
+    def __init__(self, rank: int, process: Any, reader: Connection):
+        self.rank = rank
+        self.process = process
+        self.reader = reader
+        self.outcome: tuple[str, Any] | None = None  # ("result", bytes) | ("raised", text) | ("died", text)
+        self.order = 0  # when the outcome arrived, counting from 1, among all ranks
+        self.stopped = False
+
+    @classmethod
+    def spawn(cls, ctx: Any, fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
+              args: tuple) -> "_Rank":
+        reader, writer = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_worker, args=(fn, rank, world_size, port, writer, timeout_s, args))
+        process.start()
+        writer.close()  # the child holds the only write end: its death reads as EOF
+        return cls(rank, process, reader)
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome is not None and self.outcome[0] != "result"
+
+    def update(self, ready: list[Any]) -> None:
+        """Read this rank's report, or note its death."""
+        if self.reader in ready:
+            self.outcome = self._report()
+        if self.outcome is None and not self.process.is_alive():
+            self.outcome = self._report() or ("died", _describe_exit(self.process.exitcode))
+
+    def _report(self) -> tuple[str, Any] | None:
+        """The report in the pipe, if any; None at end of file (the rank died first), once its exit code is in."""
+        try:
+            return self.reader.recv() if self.reader.poll() else None
+        except EOFError:
+            self.process.join(timeout=GRACE_S)
+            return None
+
+
+def _wait_for_outcomes(ranks: list[_Rank], deadline: float) -> bool:
+    """Collect every rank's outcome, ending ``GRACE_S`` after the first failure; True if the deadline hit first."""
+    order = 0
+    grace_end = float("inf")
+    while any(r.outcome is None for r in ranks):
+        now = time.monotonic()
+        if now >= min(deadline, grace_end):
+            return now >= deadline and grace_end == float("inf")
+        waiting = [r for r in ranks if r.outcome is None]
+        ready = wait([r.reader for r in waiting] + [r.process.sentinel for r in waiting], min(deadline, grace_end) - now)
+        for r in waiting:
+            r.update(ready)
+            if r.outcome is not None:
+                order += 1
+                r.order = order
+        if grace_end == float("inf") and any(r.failed for r in ranks):
+            grace_end = time.monotonic() + GRACE_S
+    return False
+
+
+def _stop(ranks: list[_Rank]) -> None:
+    """Give ranks that reported ``GRACE_S`` to exit on their own, then terminate, then kill what is left."""
+    end = time.monotonic() + GRACE_S
+    for r in ranks:
+        if r.outcome is not None and r.outcome[0] != "died":
+            r.process.join(timeout=max(0.0, end - time.monotonic()))
+    for r in ranks:
+        if r.process.is_alive():
+            r.stopped = True
+            r.process.terminate()
+    for r in ranks:
+        r.process.join(timeout=1.0)
+        if r.process.is_alive():
+            r.process.kill()
+            r.process.join()
+        r.reader.close()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        hint = ", as the out-of-memory killer does," if -exitcode == signal.SIGKILL else ""
+        return f"was killed by signal {-exitcode} ({signal.strsignal(-exitcode)}){hint} before reporting a result"
+    return f"exited with code {exitcode} without reporting a result"
+
+
+def _failure_message(ranks: list[_Rank], timeout_s: float) -> str:
+    """One message: the rank that failed first and how (or, on a timeout, the ranks still running), then the others."""
+    first = _first_failure(ranks)
+    if first is None:
+        running = ", ".join(str(r.rank) for r in ranks if r.outcome is None)
+        head = (f"distributed run on {len(ranks)} ranks timed out after {timeout_s:g} s with rank(s) {running} still "
+                f"running: raise timeout_s if the run needs longer, or find what those ranks wait for")
+        others = [r for r in ranks if r.outcome is not None]
+    else:
+        head = f"distributed run on {len(ranks)} ranks failed: rank {first.rank} {_how(first, TRACEBACK_LINES)}"
+        others = [r for r in ranks if r is not first]
+    return "\n".join([head] + [f"  rank {r.rank}: {_how(r, 1)}" for r in others])
+
+
+def _first_failure(ranks: list[_Rank]) -> _Rank | None:
+    """The rank to blame: one that died without reporting (its peers then fail on closed connections), else the first to raise."""
+    failed = sorted((r for r in ranks if r.failed), key=lambda r: (r.outcome[0] != "died", r.order))
+    return failed[0] if failed else None
+
+
+def _how(r: _Rank, lines: int) -> str:
+    if r.outcome is None:
+        return "was still running; stopped"
+    kind, value = r.outcome
+    if kind == "result":
+        return "finished" + ("" if not r.stopped else ", then was stopped while exiting")
+    if kind == "died":
+        return value
+    tail = [line for line in value.strip().splitlines() if line.strip(" ^~")][-lines:]  # no caret markers
+    return "raised:\n" + "\n".join("    " + line for line in tail) if lines > 1 else f"raised {tail[0].strip()[:300]}"
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -60,17 +184,16 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(fn, rank, world_size, port, queue, timeout_s, args) -> None:
+def _worker(fn, rank, world_size, port, writer, timeout_s, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        queue.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
+        writer.send(("result", _to_bytes(fn(rank, world_size, *args))))
     except BaseException as exc:  # report every failure to the parent instead of dying silently
-        import traceback
-
-        queue.put((rank, False, "".join(traceback.format_exception(exc))[-4000:]))
+        writer.send(("raised", "".join(traceback.format_exception(exc))[-4000:]))
     finally:
+        writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()

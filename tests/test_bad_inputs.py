@@ -1,0 +1,245 @@
+"""Every bad input a user could type gets one clear line and exit 2 (3: no plan fits), never a traceback.
+
+``CASES`` is the table of commands tried (in a folder holding a small plan, its problem, and broken files);
+each runs through ``autopar.cli.main`` in process, and a few through a real ``python -m autopar``. The
+table with the message each gets is docs/bad_inputs.md, which this test keeps up to date
+(``AUTOPAR_REGEN_DOCS=1`` rewrites it). The API's bad inputs (a loss without targets, a model or loss
+that cannot take the arguments, ``step`` given the wrong tensors) follow. About 15 s in all, one gloo spawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+import autopar.api
+from autopar.cli import main
+from autopar.core.errors import BadInputError
+from autopar.core.files import write_atomically
+from autopar.testing.launch import run_on_ranks
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
+REGENERATE = "regenerate with AUTOPAR_REGEN_DOCS=1 python -m pytest tests/test_bad_inputs.py"
+
+
+class Case(NamedTuple):
+    command: str  # what follows `autopar`, run in the folder of ``workdir``
+    exit_code: int
+    fragment: str  # a part of the message it must get
+
+
+CASES = [
+    # files to read
+    Case("show adir", 2, "is a directory, not a plan file"),
+    Case("show nosuch.json", 2, "no such plan file"),
+    Case("show notjson.txt", 2, "not JSON"),
+    Case("show binary.json", 2, "not UTF-8 text"),
+    Case("show oldplan.json", 2, "expected 'autopar.plan/1'"),
+    Case("compare plan.json", 2, "at least two plan files"),
+    Case("explain plan.json nosuch_op", 2, "not an op or parameter"),
+    Case("plan --problem plan.json --cluster 1x2xcpu", 2, "expected 'autopar.problem/1'"),
+    Case("plan --problem nosuch.json --cluster 1x2xcpu", 2, "no such problem file"),
+    Case("reprice plan.json --problem adir --cluster 1x2xcpu", 2, "is a directory, not a problem file"),
+    Case("plan mlp --cluster badcluster.json", 2, "bad cluster file"),
+    Case("plan mlp --cluster binary.json", 2, "bad cluster file 'binary.json'"),
+    # files to write: refused before any work
+    Case("plan mlp --cluster 1x2xcpu -o missing/plan.json", 2, "does not exist"),
+    Case("plan mlp --cluster 1x2xcpu --save-problem missing/problem.json", 2, "does not exist"),
+    Case("plan mlp --cluster 1x2xcpu -o adir", 2, "is a directory"),
+    Case("report plan.json -o missing/report.html", 2, "does not exist"),
+    Case("report plan.json -o report.html --trace missing/trace.json", 2, "does not exist"),
+    Case("export plan.json -o missing/apply.py", 2, "does not exist"),
+    Case("reprice plan.json --problem problem.json --cluster 1x2xcpu -o missing/plan.json", 2, "does not exist"),
+    Case("calibrate -o missing/cluster.json", 2, "does not exist"),
+    # models, clusters, options
+    Case("plan nosuchmodel --cluster 1x2xcpu", 2, "unknown model 'nosuchmodel'"),
+    Case("plan --cluster 1x2xcpu", 2, "give a MODEL"),
+    Case("plan mlp --problem problem.json --cluster 1x2xcpu", 2, "not both"),
+    Case("plan mlp --cluster 0x8xH100", 2, "N and G must be positive"),
+    Case("plan mlp --cluster 2x8xFOO", 2, "unknown device type 'FOO'"),
+    Case("plan tiny-gpt --cluster 1x2xcpu --seq -5", 2, "seq must be >= 1"),
+    Case("plan mlp --cluster 1x2xcpu --global-batch 0", 2, "--global-batch must be positive"),
+    Case("plan mlp --cluster 1x2xcpu --set layers=abc", 2, "bad override item 'layers=abc'"),
+    Case("plan mlp --cluster 1x2xcpu --set layers=0", 2, "layers must be >= 1"),
+    Case("plan mlp --cluster 1x2xcpu --set foo=3", 2, "unknown override(s) foo"),
+    Case("plan mlp --cluster 1x2xcpu --fix foo=3", 2, "unknown constraint(s) foo"),
+    Case("plan mlp --cluster 1x2xcpu --fix cp=abc", 2, "cp must be a positive integer"),
+    Case("reprice plan.json --problem problem.json --cluster 1x4xcpu", 2, "the plan runs on 2 devices"),
+    Case("demo --world 0", 2, "--world and --steps must be positive"),
+    # no plan fits
+    Case("plan mlp --cluster 1x2xcpu --fix memory_gb=0.000001", 3, "KiB more than the 1000 B there is"),
+]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A folder with a plan and problem of a 2-layer MLP on 1x2xcpu, and broken files beside them."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    code, err = run_main(["plan", "mlp", "--set", "layers=2,hidden=32", "--cluster", "1x2xcpu",
+                          "-o", str(root / "plan.json"), "--save-problem", str(root / "problem.json")])
+    assert code == 0, err
+    (root / "adir").mkdir()
+    (root / "notjson.txt").write_text("hello\n")
+    (root / "binary.json").write_bytes(b"\xff\xfe\x00")
+    (root / "badcluster.json").write_text('{"nodes": 1,')
+    old = json.loads((root / "plan.json").read_text())
+    (root / "oldplan.json").write_text(json.dumps({**old, "schema": "autopar.plan/0"}))
+    return root
+
+
+@pytest.fixture
+def in_workdir(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(workdir)
+    return workdir
+
+
+def run_main(argv: list[str]) -> tuple[int, str]:
+    """``autopar.cli.main(argv)`` in process: (exit code, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def refuse_capture(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the model was captured before the bad input was refused")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.command for c in CASES])
+def test_bad_input_gets_one_line_and_its_exit_code(case: Case, in_workdir: Path, monkeypatch: pytest.MonkeyPatch):
+    if case.exit_code == 2:  # bad input is refused before the (slow) capture
+        monkeypatch.setattr(autopar.api, "_captured_step", refuse_capture)
+    before = set(in_workdir.iterdir())
+    code, err = run_main(shlex.split(case.command))
+    command = case.command.split()[0]
+    assert (code, err.count("\n")) == (case.exit_code, 1), err
+    assert err.startswith(f"autopar {command}: error: ") and "Traceback" not in err, err
+    assert case.fragment in err, err
+    assert set(in_workdir.iterdir()) == before  # nothing written, not even a temporary file
+
+
+@pytest.mark.parametrize("command", ["show adir", "plan mlp --cluster 1x2xcpu -o missing/plan.json"])
+def test_no_traceback_reaches_the_terminal(command: str, workdir: Path):
+    run = subprocess.run([sys.executable, "-m", "autopar", *shlex.split(command)], capture_output=True, text=True,
+                         cwd=workdir, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith(f"autopar {command.split()[0]}: error: ") and run.stderr.count("\n") == 1
+
+
+def test_docs_table_is_the_tested_one(in_workdir: Path):
+    """docs/bad_inputs.md lists every case and the message it gets now."""
+    rows = []
+    for case in CASES:
+        code, err = run_main(shlex.split(case.command))
+        message = err.strip().replace("|", "\\|")
+        rows.append(f"| `autopar {case.command}` | {code} | {message} |")
+    text = DOC_HEADER + "\n".join(rows) + "\n"
+    if os.environ.get("AUTOPAR_REGEN_DOCS") == "1":
+        DOC.write_text(text)
+    assert DOC.exists() and DOC.read_text() == text, f"docs/bad_inputs.md is out of date: {REGENERATE}"
+
+
+DOC_HEADER = """# Bad inputs and the answers they get
+
+Generated by `tests/test_bad_inputs.py` (which fails when this table is out of date; regenerate with
+`AUTOPAR_REGEN_DOCS=1 python -m pytest tests/test_bad_inputs.py`). Each command ran in a folder holding
+`plan.json` and `problem.json` (a 2-layer MLP planned for `1x2xcpu`), a folder `adir`, and broken files:
+`notjson.txt`, `binary.json` (not UTF-8), `badcluster.json` (cut short), `oldplan.json` (another schema).
+`missing/` does not exist.
+
+Exit codes: 2 for bad input, 3 when no plan fits; a bug in autopar keeps its traceback (exit 1). Output
+paths are checked before any work, and files are written whole or not at all (`autopar/core/files.py`).
+
+| command | exit | message (stderr) |
+|---|---|---|
+"""
+
+
+# ---- files --------------------------------------------------------------------------------------
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path):
+    target = tmp_path / "plan.json"
+    write_atomically(target, "old\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_atomically(target, "new \ud800")  # a lone surrogate cannot be encoded: the write fails midway
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["plan.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # the usual mode, not mkstemp's 0600
+
+
+# ---- the API ------------------------------------------------------------------------------------
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_loss_without_targets_takes_the_output_alone():
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with_targets = autopar.plan(TwoLayers(), (x,), "1x2xcpu", nn.functional.mse_loss, example_targets=y)
+    without = autopar.plan(TwoLayers(), (x,), "1x2xcpu", lambda out: out.pow(2).mean())
+    assert list(with_targets.inputs) == ["args_0", "args_1"] and list(without.inputs) == ["args_0"]
+    with pytest.raises(BadInputError, match=r"cannot be called as loss_fn\(output\), as no example_targets"):
+        autopar.plan(TwoLayers(), (x,), "1x2xcpu", nn.functional.mse_loss)
+    with pytest.raises(BadInputError, match="TwoLayers.forward cannot take 2 example input"):
+        autopar.plan(TwoLayers(), (x, x), "1x2xcpu", nn.functional.mse_loss, example_targets=y)
+
+
+def _step_refusals(rank: int, world: int) -> dict[str, str]:
+    """What ``step`` says, on one of two dp ranks, to each wrong call; "ok" where it trains."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pm = autopar.autoparallelize(TwoLayers(), (x,), nn.functional.mse_loss, cluster="1x2xcpu",
+                                 constraints={"dp": 2}, example_targets=y)
+    calls = {"global": ((x, y), False), "local": ((x.chunk(2)[rank], y.chunk(2)[rank]), True),
+             "rows": ((x[:6], y[:6]), False), "dtype": ((x.double(), y), False), "count": ((x,), False),
+             "whole batch as local": ((x, y), True)}
+    said = {}
+    for name, (args, local) in calls.items():
+        try:
+            pm.step(*args, local=local)
+            said[name] = "ok"
+        except BadInputError as exc:
+            said[name] = str(exc)
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_step_refuses_tensors_the_plan_was_not_made_for():
+    said = run_on_ranks(_step_refusals, 2)[1]
+    assert said["global"] == said["local"] == "ok"
+    assert "step() argument 1 (args_0) has shape [6, 16], expected [8, 16]: the global shape" in said["rows"]
+    assert "has dtype float64, the plan was made for float32" in said["dtype"]
+    assert "step() takes 2 tensors" in said["count"]
+    assert ("has shape [8, 16], expected [4, 16]: this rank's slice with local=True (of the global shape "
+            "[8, 16])") in said["whole batch as local"]
+
+
+def test_an_error_in_autopars_own_code_while_tracing_keeps_its_traceback():
+    """Only the model's (and loss's) own errors become UnsupportedModelError; one raised in autopar's code is a bug."""
+    from autopar.core.units import fmt_bytes  # autopar code that cannot take a traced tensor (``if b >= scale``)
+
+    with pytest.raises(Exception) as info:
+        autopar.plan(TwoLayers(), (torch.randn(8, 16),), "1x2xcpu", fmt_bytes)
+    assert not isinstance(info.value, autopar.AutoparError), info.value
+    with pytest.raises(autopar.UnsupportedModelError, match=r"raised at .*test_bad_inputs.py:\d+ in <lambda>"):
+        autopar.plan(TwoLayers(), (torch.randn(8, 16),), "1x2xcpu", lambda out: out.view(3, 7).sum())
