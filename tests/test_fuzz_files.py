@@ -77,14 +77,7 @@ def replaced(doc: Any, path: tuple, value: Any) -> Any:
     if not path:
         return None if value is DELETE else value
     head, rest = path[0], path[1:]
-    if isinstance(doc, dict):
-        copy = dict(doc)
-        if rest or value is not DELETE:
-            copy[head] = replaced(doc[head], rest, value)
-        else:
-            del copy[head]
-        return copy
-    copy = list(doc)
+    copy = dict(doc) if isinstance(doc, dict) else list(doc)
     if rest or value is not DELETE:
         copy[head] = replaced(doc[head], rest, value)
     else:

@@ -166,13 +166,6 @@ class CapturedGraph:
         kept = self.saved_for_backward().parameters_kept
         return any((reader.name, root.name) in kept for reader in through_views(consumer))
 
-    def layer_count(self) -> int:
-        """How many repeated layers the model has (0 when the tie keys found none)."""
-        if self.stack is not None:
-            return self.stack.layers
-        counts = Counter(self.tie_keys.values())
-        return max(counts.values(), default=0) if counts else 0
-
 
 @dataclass(frozen=True)
 class LayerStack:

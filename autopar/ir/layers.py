@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections import Counter
 from typing import Any
 
 import torch
@@ -47,6 +48,24 @@ def layer_names(captured: CapturedGraph) -> list[str]:
     if captured.stack is not None:
         return [f"{captured.stack.path}.{i}" for i in range(captured.stack.layers)]
     return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
+
+
+def layer_count(captured: CapturedGraph) -> int:
+    """How many repeated layers pipeline stages may be cut between: every layer of ``layer_names`` when
+    the layers are alike (each one's ops share their tie keys with every other's: same ops, shapes and
+    arguments), else 1, the model taken as one layer. Stage prices scale one layer's cost by the layers
+    a stage holds (``planning/stages.py``), which holds only for alike layers; the runtime cuts the
+    program at the same ``layer_names``."""
+    names = layer_names(captured)
+    if captured.stack is not None:
+        return len(names)
+    keys_by_layer: dict[str, Counter] = {name: Counter() for name in names}
+    for node in captured.graph.nodes:
+        layer = layer_of(node)
+        if layer in keys_by_layer and node.op == "call_function":
+            keys_by_layer[layer][captured.tie_keys[node.name]] += 1
+    alike = len({frozenset(keys.items()) for keys in keys_by_layer.values()}) == 1
+    return len(names) if alike else 1
 
 
 def is_getitem(node: fx.Node) -> bool:

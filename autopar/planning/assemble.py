@@ -12,6 +12,7 @@ from autopar.core.constraints import Constraints
 from autopar.core.placement import placements_to_strs
 from autopar.core.plan import MIXED, Plan
 from autopar.cost_models import Cluster, adamw_step_time
+from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
@@ -83,7 +84,7 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
     every rank of it holds the same copy, else None), as the solution places it."""
     roles = layer_roles(captured, problem)
     tp_dims = [i for i, n in enumerate(mesh.names) if n == MeshAxis.TP]
-    layers = max(1, captured.layer_count())
+    layers = max(1, layer_count(captured))
     out = []
     for key in sorted(roles.boundary):
         d = problem.decisions[key]
@@ -108,7 +109,7 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
     placed = lambda name: placements_to_strs(by_node[name][1].strategy.outputs[0])  # noqa: E731
     placements = {real: placed(name) for name, fqn in captured.params.items() for real in captured.real_fqns(fqn)}
     return Plan(
-        model={"name": model_name, "params": captured.num_params(), "layers": captured.layer_count(),
+        model={"name": model_name, "params": captured.num_params(), "layers": layer_count(captured),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
                "dtype": dtype},
         cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
@@ -145,7 +146,7 @@ def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any
     """Stages as layer ranges ``[first, last + 1)``: ``p`` of them, or ``p v`` model chunks (chunk
     ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range."""
     staging, m = best.staging, best.problem.microbatches
-    layers = captured.layer_count()
+    layers = layer_count(captured)
     chunks = staging.stages * staging.chunks
     per_chunk = math.ceil(layers / chunks) if layers else 0
     ranges = [[min(i * per_chunk, layers), min((i + 1) * per_chunk, layers)] for i in range(chunks)]
@@ -220,7 +221,8 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
     ``sp`` is the tp degree when a norm's result is split on its sequence dim over tp
     (``sequence_parallel.norm_sites``); ``fsdp`` the size of the shard dim when most parameter bytes are
     sharded on it; ``zero``, when anything is sharded over data parallelism, the ZeRO stage (1-2
-    optimizer state and gradients sharded, 3 parameters too), absent for DDP."""
+    optimizer state and gradients sharded, 3 parameters too), absent for DDP and when data parallelism
+    is 1 (ZeRO-1/2 pinned there shard nothing: a pipeline runs such a plan as it is)."""
     tp = mesh.size(MeshAxis.TP)
     fsdp = 1
     if mesh.dims_of(MeshAxis.DP_SHARD):
@@ -231,7 +233,7 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
             fsdp = mesh.size(MeshAxis.DP_SHARD)
     outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
     sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index(MeshAxis.TP)) else 1
-    zero = 3 if fsdp > 1 else zero_stage
+    zero = 3 if fsdp > 1 else zero_stage if mesh.data_parallel_size > 1 else 0
     return {"dp": mesh.data_parallel_size, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
             "dp_replicate": mesh.size(MeshAxis.DP_REPLICATE), **({"zero": zero} if zero else {})}
 

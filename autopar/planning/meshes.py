@@ -140,7 +140,8 @@ def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers:
     if pp > 1 and layers == 0:
         raise BadInputError(f"pp={pp}: the model has no repeated layers to split into pipeline stages")
     if pp > layers > 0:
-        raise BadInputError(f"pp={pp}: the model has only {layers} repeated layers to split into stages")
+        raise BadInputError(f"pp={pp}: the model has only {layers} repeated layer{'s' * (layers > 1)} to split "
+                            "into stages (stages are cut between alike layers: same ops and shapes)")
 
 
 def _divisors(n: int) -> list[int]:

@@ -24,6 +24,7 @@ from typing import Mapping
 
 from autopar.core.axes import MeshAxis
 from autopar.core.constraints import Constraints
+from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
@@ -55,7 +56,7 @@ def make_plan(
     pruned: list[MeshChoice] = []
     start = time.perf_counter()
     search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints, progress)
-    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, captured.layer_count()))
+    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, layer_count(captured)))
     progress.candidates = len(meshes)
     for mesh in meshes:
         best = min(results, key=lambda c: c.step_s, default=None)
@@ -208,7 +209,7 @@ class _MeshSearch:
         return found if found.step_s < best.step_s else best
 
     def _stagings(self, mesh: MeshChoice) -> list[Staging]:
-        layers = self.captured.layer_count()
+        layers = layer_count(self.captured)
         schedule, chunks = "none", 1
         if mesh.stages > 1:
             schedule, chunks = self.constraints.pipeline_schedule, self.constraints.model_chunks

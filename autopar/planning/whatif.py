@@ -20,6 +20,7 @@ from dataclasses import replace
 from autopar.core.axes import MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.ir.bind import bind_ops
+from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError
@@ -131,7 +132,7 @@ def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, in
     """The plan's pipeline schedule, and how many of a device's layers run in each checkpointing mode
     (those of the first stage, which pricing holds for every device)."""
     pipeline = plan.pipeline
-    staging = Staging(plan.degrees.pp, captured.layer_count(), pipeline.schedule, pipeline.virtual_stages or 1)
+    staging = Staging(plan.degrees.pp, layer_count(captured), pipeline.schedule, pipeline.virtual_stages or 1)
     first_stage = device_layers(captured, pipeline.stages, staging.stages)[0]
     counts = count_layer_modes(first_stage, plan.checkpointing_of, staging.layers_per_stage)
     return replace(staging, checkpointing=tuple(counts) or ("none",)), counts
