@@ -234,10 +234,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from autopar.core.plan import Plan
 
     plan = Plan.load(args.plan)
-    try:
-        print(plan.explain(args.name))
-    except KeyError as exc:
-        raise BadInputError(str(exc.args[0])) from None
+    print(plan.explain(args.name))
     return 0
 
 

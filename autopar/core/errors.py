@@ -16,6 +16,13 @@ class BadInputError(AutoparError, ValueError):
     """A model name, option, constraint or argument that autopar cannot use."""
 
 
+class UnknownNameError(BadInputError, KeyError):
+    """An op or parameter name a plan does not have (``explain``); a ``KeyError`` too, as a lookup."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class UnsupportedModelError(AutoparError):
     """The model could not be captured as a training-step graph."""
 

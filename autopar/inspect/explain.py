@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from autopar.cost_models import GroupTopology, collective_time
 from autopar.cost_models.symbolic import render_collective, tensor_bytes_text
+from autopar.core.errors import UnknownNameError
 from autopar.core.units import fmt_bytes
 from autopar.inspect.show import fmt_seconds
 
@@ -21,7 +22,7 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
     if key is None:
         close = sorted(k for k in section.get("index", {}) if name in k)[:8]
         hint = f"; names containing it: {', '.join(close)}" if close else ""
-        raise KeyError(f"{name!r} is not an op or parameter of this plan{hint}")
+        raise UnknownNameError(f"{name!r} is not an op or parameter of this plan{hint}")
     entry = section["decisions"].get(key)
     if entry is None:
         return "\n".join([f"{name}: decision {key!r} had a single option (nothing to choose)",

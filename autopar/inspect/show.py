@@ -11,6 +11,7 @@ import re
 from collections import Counter
 from typing import Sequence
 
+from autopar.core.errors import BadInputError
 from autopar.inspect.collectives import KINDS, predicted_collectives
 from autopar.core.plan import CHECKPOINTING, MIXED, Plan
 from autopar.core.units import fmt_bytes
@@ -135,7 +136,7 @@ def _collective_count_line(plan: Plan) -> list[str]:
 
 def compare_plans(plans: Sequence[Plan]) -> str:
     if len(plans) < 2:
-        raise ValueError("compare needs at least two plans")
+        raise BadInputError("compare needs at least two plans")
     names = [f"[{i}] {p.model['name']}@{p.cluster['spec']}" for i, p in enumerate(plans)]
     rows: list[tuple[str, list[str]]] = [
         ("mesh", [str(dict(zip(p.mesh.dim_names, p.mesh.shape))) for p in plans]),

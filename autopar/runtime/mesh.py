@@ -19,11 +19,14 @@ def init_job_mesh(device_type: str, shape: tuple[int, ...], dim_names: tuple[str
     """``init_device_mesh`` whose per-dim groups time out after the default process group's timeout."""
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=dim_names)
     timeout = job_collective_timeout(device_type)
-    for dim in range(mesh.ndim):
-        mesh.get_group(dim).set_timeout(timeout)
+    if timeout is not None:
+        for dim in range(mesh.ndim):
+            mesh.get_group(dim).set_timeout(timeout)
     return mesh
 
 
-def job_collective_timeout(device_type: str) -> timedelta:
-    """The timeout the job's default process group was initialized with (torch has no public getter)."""
-    return dist.group.WORLD._get_backend(torch.device(device_type)).options._timeout
+def job_collective_timeout(device_type: str) -> timedelta | None:
+    """The timeout the job's default process group was initialized with (torch has no public getter);
+    None for a backend without options (the ``fake`` group that plans large worlds runs no collective)."""
+    options = getattr(dist.group.WORLD._get_backend(torch.device(device_type)), "options", None)
+    return getattr(options, "_timeout", None)
