@@ -119,7 +119,6 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
-    check_runnable(the_plan)
     m = the_plan.pipeline.microbatches
     if m > 1:  # the program runs one microbatch at a time: capture it at that shape
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
@@ -149,15 +148,6 @@ def as_constraints(constraints: Constraints | Mapping[str, Any] | None) -> Const
     if isinstance(constraints, Constraints):
         return constraints
     return Constraints.from_mapping(constraints or {})
-
-
-def check_runnable(plan_: Plan) -> None:
-    """Raise ``BadInputError`` for a plan the runtime cannot run, though it can be planned, compared and
-    exported: ZeRO-1/2 inside pipeline stages."""
-    if plan_.degrees.zero in (1, 2) and plan_.degrees.pp > 1:
-        raise BadInputError(f"the plan shards optimizer state (ZeRO-{plan_.degrees.zero}) inside pipeline "
-                            "stages: such plans can be planned, compared and exported, but the pipeline runtime "
-                            "keeps the optimizer unsharded; re-plan with fsdp=0 or fsdp=3 to run it")
 
 
 def resolve_cluster(cluster: str | Cluster | None) -> Cluster:

@@ -16,8 +16,18 @@ figures with their sources). Nothing here is fitted to the rows.
 It also runs the paper's (PP, TP) sweep for a 162B model on 64 GPUs (its Figure 13: the best split is
 (8, 8), bad splits lose up to 2x), pricing each split with the planner.
 
+``--set modern`` prices instead the published runs on H100, H200 and B200 of ``modern_runs.py`` (NeMo /
+Megatron-Core, MaxText, torchtitan, the Llama 3 paper), each with its published degrees pinned the same
+way (``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``microbatch_size``, recomputation, schedule and chunks, the
+ZeRO stage of its data parallelism, sequence parallelism), on ``Nx8x<device>`` with the catalog's constants
+for that device. A row the planner refuses (context or expert parallelism, no plan fits) is recorded with
+autopar's own message; MoE and FP8 rows are recorded without pricing (no MoE model; autopar prices BF16).
+Where the published configuration is refused, the closest accepted one is priced (the next lower ZeRO
+stage; full recomputation for selective) and the row lists the refusals.
+
     python benchmarks/cost_model_validation.py            # every row (about 10 minutes on 2 cores)
     python benchmarks/cost_model_validation.py --rows 3   # the first 3 rows
+    python benchmarks/cost_model_validation.py --set modern [--only NAME ...]   # about 2 minutes
 """
 
 from __future__ import annotations
@@ -30,9 +40,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import autopar
-from autopar.models import build_model
+from autopar.core.errors import BadInputError, NoFeasiblePlanError
+from autopar.cost_models.hardware import DEVICES
+from autopar.models import ModelBundle, build_model
+from modern_runs import GATED_MLPS, MODERN_RUNS, ModernRun, model_flops_per_sequence
 
 SEQ, VOCAB = 2048, 51200
+RESULTS = Path(__file__).parent / "results"
 
 
 @dataclass(frozen=True)
@@ -137,12 +151,184 @@ def free_search_162b() -> dict:
             "mfu": plan.predicted["mfu"], "plan_wall_s": time.perf_counter() - start}
 
 
+# ---- the modern set (issue 20) -----------------------------------------------------------------------
+
+#: ZeRO stages to try for each kind of data parallelism, the published one first, then the next lower.
+ZERO_STAGES = {"fsdp": (3, 2, 1), "distributed-optimizer": (1, 0), "ddp": (0,)}
+
+
+def modern_bundle(run: ModernRun) -> ModelBundle:
+    """The built-in model closest to ``run``: Llama (RMSNorm, RoPE, GQA, gated MLP) or GPT (LayerNorm,
+    GELU MLP, fused attention). A two-matrix squared-ReLU MLP (Nemotron-4) is priced as Llama's gated MLP
+    of 2/3 the width, which has the same weights and matmul FLOPs."""
+    if run.mlp == "gelu":
+        if run.kv_heads != run.heads:
+            raise ValueError(f"run {run.name}: the built-in GPT has no grouped-query attention")
+        overrides = {"layers": run.layers, "hidden": run.hidden, "heads": run.heads, "vocab": run.vocab,
+                     "seq": run.seq, "mlp_ratio": run.ffn_hidden // run.hidden}
+        return build_model("gpt3-175b", global_batch=run.global_batch, overrides=overrides)
+    ffn = run.ffn_hidden if run.mlp in GATED_MLPS else run.ffn_hidden * 2 // 3
+    overrides = {"layers": run.layers, "hidden": run.hidden, "heads": run.heads, "kv_heads": run.kv_heads,
+                 "vocab": run.vocab, "ffn_hidden": ffn, "seq": run.seq}
+    return build_model("llama3-8b", global_batch=run.global_batch, overrides=overrides)
+
+
+def modern_cluster(run: ModernRun) -> str:
+    """``Nx8x<device>``, with the published HBM capacity where it differs from the catalog's."""
+    memory = f",mem={run.device_memory_gb:g}GB" if run.device_memory_gb else ""
+    return f"{run.gpus // 8}x8x{run.device}{memory}"
+
+
+def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> dict[str, object]:
+    """The run's published configuration as planner constraints; what the source leaves out stays free."""
+    fixed: dict[str, object] = {"tp": run.tp, "pp": run.pp, "dp": run.dp, "cp": run.cp, "ep": run.ep,
+                                "fsdp": zero_stage, "dtype": "bf16"}
+    if run.micro_batch:
+        fixed["microbatch_size"] = run.micro_batch
+    if checkpointing:
+        fixed["checkpointing"] = checkpointing
+    if run.tp > 1:
+        fixed["sp"] = int(run.sequence_parallel)
+    if run.pp > 1 and run.vp > 1:
+        fixed["virtual_stages"] = run.vp
+    return fixed
+
+
+def configurations(run: ModernRun) -> list[dict[str, object]]:
+    """The published configuration first, then the closest ones to fall back on where it is refused: the
+    next lower ZeRO stage, and full recomputation where autopar's selective policy (every linear output
+    saved) keeps more than the run's did."""
+    recompute = [run.recompute] + (["full"] if run.recompute == "selective" else [])
+    return [modern_constraints(run, stage, checkpointing)
+            for stage in ZERO_STAGES[run.data_parallel] for checkpointing in recompute]
+
+
+def why_not_priced(run: ModernRun) -> str:
+    """Why a row is recorded without pricing ("" when it is priced)."""
+    if run.moe:
+        return f"MoE ({run.moe}): autopar has no MoE model yet"
+    if run.precision != "bf16":
+        return f"{run.precision.upper()} run: not comparable with autopar's BF16 price"
+    return ""
+
+
+def price_modern(run: ModernRun) -> dict:
+    """Price ``run`` with its degrees pinned; where autopar refuses, the next of ``configurations``."""
+    start, refusals = time.perf_counter(), []
+    for constraints in configurations(run):
+        try:
+            bundle = modern_bundle(run)
+            plan = autopar.plan(bundle.model, bundle.example_inputs, modern_cluster(run), bundle.loss_fn,
+                                example_targets=bundle.example_targets, constraints=constraints)
+        except (BadInputError, NoFeasiblePlanError) as err:
+            refusals.append(f"{_fix_text(constraints)}: {type(err).__name__}: {err}")
+            if "not implemented" in str(err):  # cp/ep: no fallback changes that
+                break
+            continue
+        return {"status": "priced", "fix": _fix_text(constraints), "refusals": refusals,
+                "plan_wall_s": time.perf_counter() - start, **plan_terms(plan, run)}
+    return {"status": "refused", "reason": refusals[0], "refusals": refusals,
+            "plan_wall_s": time.perf_counter() - start}
+
+
+def _fix_text(constraints: dict[str, object]) -> str:
+    """The constraints as ``--fix`` text, so a row can be re-priced from the command line."""
+    return ",".join(f"{key}={value}" for key, value in constraints.items())
+
+
+def plan_terms(plan: autopar.Plan, run: ModernRun) -> dict:
+    """The predicted step and its parts, and what the planner chose where the row left it free."""
+    p = plan.predicted
+    step_flops = run.global_batch * model_flops_per_sequence(run)
+    return {"predicted_step_s": p["step_time_s"], "error": p["step_time_s"] / run.measured_step_s - 1,
+            "compute_term_tflops_per_gpu": step_flops / (p["compute_s"] * run.gpus) / 1e12,
+            "predicted_mfu": p["mfu"], "compute_s": p["compute_s"], "exposed_comm_s": p["exposed_comm_s"],
+            "grad_sync_s": p["grad_sync_s"], "bubble_s": p["bubble_s"], "optimizer_s": p["optimizer_s"],
+            "comm_s": p["comm_s"], "peak_memory_gb": p["peak_memory_bytes"] / 1e9,
+            "memory_gb": {part: size / 1e9 for part, size in p["memory_bytes"].items()},
+            "degrees": dict(plan.degrees), "schedule": plan.pipeline.schedule,
+            "microbatches": plan.pipeline.microbatches, "checkpointing": plan.checkpointing}
+
+
+def modern_row(run: ModernRun) -> dict:
+    """One row of the modern table: the run as published, and autopar's price or why there is none."""
+    row = {"name": run.name, "model": run.model, "device": run.device, "device_variant": run.device_variant,
+           "gpus": run.gpus, "tp": run.tp, "pp": run.pp, "vp": run.vp, "cp": run.cp, "ep": run.ep, "dp": run.dp,
+           "data_parallel": run.data_parallel, "micro_batch": run.micro_batch, "global_batch": run.global_batch,
+           "seq": run.seq, "recompute": run.recompute or "(not published)", "precision": run.precision,
+           "published": run.published, "metric": run.metric, "measured_step_s": run.measured_step_s,
+           "measured_tflops_per_gpu": run.implied_tflops_per_gpu(),
+           "peak_tflops": DEVICES[run.device].peak("bf16") / 1e12,
+           "source": run.source, "notes": run.notes}
+    reason = why_not_priced(run)
+    row.update({"status": "not priced", "reason": reason} if reason else price_modern(run))
+    _print_modern_row(row)
+    return row
+
+
+def _print_modern_row(r: dict) -> None:
+    head = f"{r['name']:<42} {r['gpus']:>6} {r['measured_step_s']:>9.2f}"
+    if r["status"] != "priced":
+        print(f"{head}  {r['status']}: {r.get('reason', '')[:150]}", flush=True)
+        return
+    fallback = "  (fallback: " + r["fix"] + ")" if r["refusals"] else ""
+    print(f"{head} {r['predicted_step_s']:>10.2f} {r['error'] * 100:>+7.1f}% {r['compute_s']:>8.2f} "
+          f"{r['exposed_comm_s']:>7.2f} {r['bubble_s']:>7.2f} {r['peak_memory_gb']:>6.1f} "
+          f"{r['plan_wall_s']:>6.1f}{fallback}", flush=True)
+
+
+def modern_summary(rows: list[dict]) -> dict:
+    """Median and max |error| over the priced rows on catalog devices, and apart over device variants."""
+    priced = [r for r in rows if r["status"] == "priced"]
+    return {"catalog_devices": _error_stats([r for r in priced if not r["device_variant"]]),
+            "device_variants": _error_stats([r for r in priced if r["device_variant"]]),
+            "all_priced": _error_stats(priced),
+            "not_priced": {r["name"]: r["reason"] for r in rows if r["status"] != "priced"}}
+
+
+def _error_stats(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {"rows": len(errors), "median_abs_error": statistics.median(errors) if errors else None,
+            "max_abs_error": max(errors) if errors else None}
+
+
+def run_modern(only: list[str], output: Path | None) -> None:
+    """Price the modern set (or the runs named in ``only``) and write the rows and summary to ``output``."""
+    unknown = sorted(set(only) - {run.name for run in MODERN_RUNS})
+    if unknown:
+        raise SystemExit(f"unknown run(s) {', '.join(unknown)}; names are in benchmarks/modern_runs.py")
+    runs = [run for run in MODERN_RUNS if not only or run.name in only]
+    print("Modern published runs (modern_runs.py), published degrees pinned; step times in seconds")
+    print(f"{'run':<42} {'GPUs':>6} {'measured':>9} {'predicted':>10} {'error':>8} {'compute':>8} {'comm':>7} "
+          f"{'bubble':>7} {'GB':>6} {'plan s':>6}")
+    rows = [modern_row(run) for run in runs]
+    summary = modern_summary(rows)
+    for group in ("catalog_devices", "device_variants"):
+        s = summary[group]
+        if s["rows"]:
+            print(f"{group}: {s['rows']} priced, median |error| {s['median_abs_error'] * 100:.1f}%, "
+                  f"max |error| {s['max_abs_error'] * 100:.1f}%")
+    if output is not None:
+        output.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+        print(f"wrote {output}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=("sc21", "modern"), default="sc21", dest="which",
+                        help="sc21: Megatron-LM SC21 Table 1 (default); modern: modern_runs.py")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="with --set modern: price only these runs (by name); nothing is written without -o")
     parser.add_argument("--rows", type=int, default=len(MEGATRON_SC21_TABLE1))
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("-o", "--output", default=str(Path(__file__).parent / "results" / "cost_model_validation.json"))
+    parser.add_argument("-o", "--output", help="JSON to write (default: results/cost_model_validation.json, "
+                        "or results/cost_model_validation_modern.json with --set modern)")
     args = parser.parse_args()
+    if args.which == "modern":
+        default = None if args.only else RESULTS / "cost_model_validation_modern.json"
+        run_modern(args.only, Path(args.output) if args.output else default)
+        return
+    args.output = args.output or str(RESULTS / "cost_model_validation.json")
     print("Megatron-LM SC21 Table 1, published degrees pinned; step times in seconds")
     print(f"{'model':>8} {'GPUs':>5} {'TP':>3} {'PP':>3} {'DP':>3} {'measured':>9} {'predicted':>10} {'error':>8} "
           f"{'compute':>8} {'comm':>7} {'bubble':>7} {'GB':>6} {'plan s':>6}")

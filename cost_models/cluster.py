@@ -253,6 +253,11 @@ OVERRIDES: Mapping[str, Callable[[dict[str, Any], str], None]] = {
 }
 
 
+MAX_DEVICES = 2**20
+"""The largest cluster a spec may describe: 64 times the largest published training run (16,384 GPUs,
+Llama 3 405B), beyond which a spec is a typo, not a cluster."""
+
+
 def parse_cluster(spec: str) -> Cluster:
     """Parse ``NxGxTYPE[,key=value...]`` or a JSON/YAML file path into a Cluster."""
     if not isinstance(spec, str):
@@ -297,6 +302,9 @@ def _build(spec: str, nodes: int, devices_per_node: int, device: DeviceSpec,
     """Apply overrides to the preset's figures and validate."""
     if nodes < 1 or devices_per_node < 1:
         raise ClusterSpecError(f"bad cluster spec {spec!r}: N and G must be positive ints; {EXPECTED_FORM}")
+    if nodes * devices_per_node > MAX_DEVICES:
+        raise ClusterSpecError(f"bad cluster spec {spec!r}: {nodes * devices_per_node:,} devices; autopar plans "
+                               f"clusters of up to {MAX_DEVICES:,}")
     fields: dict[str, Any] = {"spec": spec, "nodes": nodes, "devices_per_node": devices_per_node,
                               "device": device, "intra_bw": device.nvlink_bw, "inter_bw": device.net_bw}
     for key, value in overrides.items():

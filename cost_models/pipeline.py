@@ -1,7 +1,7 @@
 """Pipeline schedules in numbers: the bubble and the microbatches in flight on a stage.
 
 This module evaluates the pipeline formulas of ``symbolic.py`` (``BUBBLE_FRACTION``,
-``MICROBATCHES_IN_FLIGHT``; Narayanan et al., SC21, §2.2; Korthikanti et al. 2022, §4.2.3) for
+``MICROBATCHES_IN_FLIGHT``, ``LAST_CHUNK_IN_FLIGHT``; Narayanan et al., SC21, §2.2; Korthikanti et al. 2022, §4.2.3) for
 one schedule. It is not for choosing stages or pricing their sends (the planner does that, with
 ``comm.collective_time("send_recv", ...)``).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from .symbolic import BUBBLE_FRACTION, MICROBATCHES_IN_FLIGHT, compile_expr, m, p, v
+from .symbolic import BUBBLE_FRACTION, LAST_CHUNK_IN_FLIGHT, MICROBATCHES_IN_FLIGHT, compile_expr, m, p, v
 
 SCHEDULES = tuple(BUBBLE_FRACTION)
 
@@ -35,9 +35,18 @@ def microbatches_in_flight(schedule: str, stages: int, microbatches: int, chunks
     return float(_compiled("in_flight", schedule)(stages, microbatches, chunks))
 
 
+def last_chunk_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Microbatches whose activations the model's last chunk (final norm, head, loss) holds at once:
+    ``m`` (GPipe), 1 (1F1B, interleaved: its backward follows its forward); 1 with a single stage."""
+    if _checked(schedule, stages, microbatches, chunks) == 1:
+        return 1.0
+    return float(_compiled("last_in_flight", schedule)(stages, microbatches, chunks))
+
+
 @functools.cache
 def _compiled(quantity: str, schedule: str) -> Callable[[int, int, int], float]:
-    formulas = {"bubble": BUBBLE_FRACTION, "in_flight": MICROBATCHES_IN_FLIGHT}[quantity]
+    formulas = {"bubble": BUBBLE_FRACTION, "in_flight": MICROBATCHES_IN_FLIGHT,
+                "last_in_flight": LAST_CHUNK_IN_FLIGHT}[quantity]
     return compile_expr((p, m, v), formulas[schedule])
 
 

@@ -235,6 +235,15 @@ MICROBATCHES_IN_FLIGHT: Mapping[str, Expr] = {
 }
 """Microbatches whose saved activations the first stage holds at once (p >= 2)."""
 
+LAST_CHUNK_IN_FLIGHT: Mapping[str, Expr] = {
+    "gpipe": m,
+    "1f1b": Integer(1),
+    "interleaved": Integer(1),
+}
+"""Microbatches whose saved activations the model's last chunk (final norm, head, loss) holds at once
+(p >= 2): every one under GPipe; one under 1F1B and interleaved 1F1B, whose last chunk runs each
+microbatch's backward right after its forward."""
+
 MATMUL_FLOPS: Expr = 2 * Symbol("m") * Symbol("k") * Symbol("n")
 """FLOPs of an (m x k) @ (k x n) matmul: one multiply and one add per output element per k."""
 

@@ -4,8 +4,14 @@
     autopar plan tiny-gpt --cluster 1x4xcpu -o plan.json
     torchrun --nproc-per-node 4 examples/train.py --plan plan.json
 
+    # checkpoint every 10 steps; after a restart on any number of ranks, go on from the last one
+    torchrun --nproc-per-node 4 examples/train.py --steps 100 --checkpoint-dir ckpt --save-every 10
+    torchrun --nproc-per-node 2 examples/train.py --steps 100 --checkpoint-dir ckpt --resume
+
 gloo on CPU, NCCL (one GPU per rank) when CUDA is present. Every rank builds the same model from the
-same seed and feeds the same global batches; autopar gives each rank its slice.
+same seed and feeds the same global batches; autopar gives each rank its slice. A checkpoint
+(``autopar.save_checkpoint``) loads under the plan made for whatever world the job restarts in, so an
+elastic job (``torchrun --nnodes=MIN:MAX --max-restarts=N ... --resume``) re-plans and continues.
 """
 
 import argparse
@@ -22,7 +28,8 @@ from autopar.testing.parity import batches
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-gpt", help="built-in model (tiny-gpt, gpt2, llama3-8b, ...)")
+    parser.add_argument("--model", default="tiny-gpt", help="built-in model (tiny-gpt, gpt2, llama3-8b, ...) or "
+                        "package.module:factory (autopar.models.hf:gpt2, ...)")
     parser.add_argument("--set", dest="overrides", default=None, help="model dims, e.g. layers=2,hidden=64")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, over all ranks")
     parser.add_argument("--steps", type=int, default=5)
@@ -30,7 +37,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plan", default=None, help="a plan file from `autopar plan` (default: plan here)")
     parser.add_argument("--losses-out", default=None, help="write the per-step losses here (JSON)")
+    parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (one folder per step)")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in --checkpoint-dir, whatever world size wrote it")
     args = parser.parse_args()
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        parser.error("--resume and --save-every need --checkpoint-dir")
 
     if torch.cuda.is_available():
         backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -49,8 +62,9 @@ def main() -> None:
         print(pm.plan.summary(), flush=True)
 
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+    first = resume(pm, optimizer, args.checkpoint_dir, rank) if args.resume else 0
     losses = []
-    for step, batch in enumerate(batches(bundle, args.steps, args.seed)):
+    for step, batch in enumerate(batches(bundle, args.steps, args.seed)[first:], start=first):
         batch = [t.to(device) for t in batch]  # the same global batch on every rank
         optimizer.zero_grad()
         loss = pm.step(*batch)  # forward + loss + backward; returns the global mean loss
@@ -58,12 +72,27 @@ def main() -> None:
         losses.append(loss.item())
         if rank == 0:
             print(f"step {step}  loss {losses[-1]:.6f}", flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0:  # collective: every rank writes its shards
+            autopar.save_checkpoint(pm, optimizer, autopar.checkpoint_path(args.checkpoint_dir, step + 1), step + 1)
 
     if rank == 0 and args.losses_out:
         with open(args.losses_out, "w") as f:
             json.dump({"model": args.model, "world": dist.get_world_size(), "degrees": dict(pm.plan.degrees),
-                       "losses": losses}, f)
+                       "first_step": first, "losses": losses}, f)
     dist.destroy_process_group()
+
+
+def resume(pm: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, rank: int) -> int:
+    """Load the last checkpoint under ``checkpoint_dir`` into this plan (resharded); the step to go on from."""
+    path = autopar.latest_checkpoint(checkpoint_dir)
+    if path is None:
+        if rank == 0:
+            print(f"no checkpoint in {checkpoint_dir}: starting at step 0", flush=True)
+        return 0
+    step = autopar.load_checkpoint(pm, optimizer, path)
+    if rank == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ list of graph passes; every runtime runs the stage programs it returns:
    run under ``torch.utils.checkpoint`` (full or selective recomputation, per layer); when step 2
    rewrote a gather, the stage program runs under ``reshard.ResavedParameters``' saved-tensor hooks.
 
-Three passes act outside the graph, on the runtime's parameters and gradients; a runtime applies them
+Four passes act outside the graph, on the runtime's parameters and gradients; a runtime applies them
 in this order:
 
 a. ``shard_parameters`` (building): every parameter and buffer becomes a DTensor with the plan's
@@ -25,10 +25,13 @@ b. ``zero`` (ZeRO-1/2 plans, ``ParallelModule``; building): ``ShardedOptimizerSt
    optimizer dp-sharded copies of the parameters, and before a step's first forward gathers the
    program's parameters from them;
 c. ``gradient_sync`` (after backward): partial gradients of the parameters ZeRO leaves whole are
-   all-reduced in buckets (``ParallelModule`` arms it before the last microbatch's backward, to
-   overlap; the pipeline runtime runs it after the schedule);
+   all-reduced in buckets (``ParallelModule`` arms it before the last microbatch's backward, the
+   pipeline runtime for ``m`` accumulations before its schedule: either way each bucket's all_reduce
+   overlaps the last microbatch's backward);
 d. ``zero`` again (after backward): gradients are reduce-scattered onto the optimizer's shards (ZeRO-2
-   during backward already, ZeRO-1 here).
+   during backward already, ZeRO-1 here);
+e. ``tied_parameters`` (pipeline plans, after backward): a weight read by several stages (a tied
+   embedding) has a copy on each, whose gradients are all-reduced between those stages' ranks.
 
 Passes read a Plan, never the solver.
 """

@@ -50,12 +50,15 @@ def buckets(sizes: Sequence[float], bucket_bytes: float = BUCKET_BYTES) -> list[
 class GradientSync:
     """Bucketed reduction of partial gradients, overlapped with backward when armed.
 
-    ``arm()`` before the last microbatch's backward: each gradient then joins its group's open bucket
-    as autograd finishes it (a post-accumulate-grad hook), and a bucket that reaches ``bucket_bytes``
-    starts its all_reduce at once, asynchronously, while backward goes on (DDP's overlap). Calling
-    the object after backward launches what is left, waits for every reduction and stores each
-    gradient with its parameter's placements. Unarmed (the pipeline runtime, whose schedule runs
-    the microbatches' backwards itself), everything happens in that call, after backward.
+    ``arm(accumulations)`` before the backward passes of a step: each gradient joins its group's open
+    bucket as soon as autograd has accumulated it ``accumulations`` times since (a post-accumulate-grad
+    hook counts), and a bucket that reaches ``bucket_bytes`` starts its all_reduce at once,
+    asynchronously, while backward goes on (DDP's overlap). ``ParallelModule`` arms it with 1 before
+    the last microbatch's backward; the pipeline runtime, whose schedule runs every microbatch's
+    backward itself, with ``m`` before the schedule, so that each stage's gradients are reduced during
+    the last microbatch's backward there. Calling the object after backward files what is left,
+    launches it, waits for every reduction and stores each gradient with its parameter's placements.
+    Unarmed, everything happens in that call, after backward.
 
     Per reduced gradient the host makes ``cost_models.GRADIENT_SYNC_HOST_OPS`` DTensor dispatches
     (``to_local``, ``DTensor.from_local``), which pricing charges: keep that count in step with this
@@ -67,23 +70,29 @@ class GradientSync:
         self.bucket_bytes = bucket_bytes
         self.collectives = 0  # all_reduce calls issued by the last sync (for tests and reports)
         self._armed = False
+        self._pending: dict[int, int] = {}  # id(param) -> accumulations left before it is filed (armed)
+        self._filed: set[int] = set()  # id(param) of the gradients filed since the last sync
         self._open: dict[tuple[tuple[int, str], ...], list[tuple[nn.Parameter, torch.Tensor]]] = defaultdict(list)
         self._open_bytes: dict[tuple[tuple[int, str], ...], int] = defaultdict(int)
         self._launched: list[_Reduction] = []
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
-    def arm(self) -> None:
-        """Reduce gradients as the next backward produces them."""
+    def arm(self, accumulations: int = 1) -> None:
+        """Reduce each gradient as soon as the coming backward passes have accumulated it
+        ``accumulations`` times (1: as the next backward produces it)."""
         self._armed = True
         self.collectives = 0
+        self._pending = {id(p): accumulations for p in self.params}
 
     def __call__(self) -> None:
         if not self._armed:
             self.collectives = 0
-            for p in self.params:
+        for p in self.params:
+            if id(p) not in self._filed:
                 self._add(p)
         self._armed = False
+        self._filed.clear()
         for partial in list(self._open):
             self._launch(partial)
         for reduction in self._launched:
@@ -91,12 +100,15 @@ class GradientSync:
         self._launched = []
 
     def _on_gradient(self, p: nn.Parameter) -> None:
-        if self._armed:
-            self._add(p)
+        if self._armed and id(p) not in self._filed:
+            self._pending[id(p)] -= 1
+            if self._pending[id(p)] == 0:
+                self._add(p)
 
     def _add(self, p: nn.Parameter) -> None:
         """File ``p``'s gradient: partial ones into their group's bucket (launched when full), the rest
         straight to the parameter's placements."""
+        self._filed.add(id(p))
         if not isinstance(p.grad, DTensor):
             return
         partial = tuple((d, pl.reduce_op) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Partial))

@@ -13,7 +13,8 @@ Nodes that depend on no parameter (masks, positions, rotary tables: functions of
 constants alone) get no chunk: each chunk that needs one computes it itself, so only tensors that
 carry gradients cross a boundary. A value crosses from chunk ``a`` to chunk ``b > a`` through every
 chunk in between (each chunk's outputs are all values made so far and read later). A parameter read
-by two chunks (weights tied across stages) is refused.
+by several chunks (weights tied across stages) is a placeholder of each: the runtime gives every
+stage a copy and sums their gradients (``tied_parameters.py``).
 
 A value crossing a boundary travels as a plain local tensor (``torch.distributed.pipelining`` sends
 tensors, not DTensors): ``Boundary`` is where the plan puts it on the stage mesh, with partial sums
@@ -69,7 +70,6 @@ def split_program(program: fx.GraphModule, ranges: Sequence[Sequence[int]], para
     last = len(ranges) - 1
     chunk = _assign_chunks(graph, _layer_chunks(graph, ranges), set(params), set(user_inputs), last)
     _check_forward_only(chunk)
-    _check_parameters_owned_once(graph, chunk, params)
     loss = _loss_node(graph)
     if chunk.get(loss) != last:
         raise BadInputError("the loss is not computed after the last pipeline stage's layers; "
@@ -157,15 +157,6 @@ def _check_forward_only(chunk: Mapping[fx.Node, int]) -> None:
             if chunk.get(i, s) > s:
                 raise BadInputError(f"{node.name} (pipeline stage chunk {s}) reads {i.name} from a later chunk "
                                     f"({chunk[i]}): the model's layers do not run in order")
-
-
-def _check_parameters_owned_once(graph: fx.Graph, chunk: Mapping[fx.Node, int], params: Mapping[str, str]) -> None:
-    for node in graph.nodes:
-        if node.op == "placeholder" and node.name in params:
-            readers = sorted({chunk[u] for u in node.users if u in chunk})
-            if len(readers) > 1:
-                raise BadInputError(f"parameter {params[node.name]} is used by pipeline chunks {readers} (weights "
-                                    "tied across stages): not supported; untie it or re-plan with pp=1")
 
 
 def _loss_node(graph: fx.Graph) -> fx.Node:

@@ -12,9 +12,11 @@ but prices each rank with only its share of the optimizer state, and under ZeRO-
 * **gather** before a step's first forward: each replicated parameter the program reads is refreshed
   from its shard (an all_gather on ``dp``: the "parameter all_gather after the update" of ZeRO);
 * **reduce** its gradient onto the shard: DTensor's ``Partial -> Shard`` redistribute, a
-  reduce_scatter. ZeRO-2 does it from a post-accumulate-grad hook, every microbatch, so the whole
-  gradient is freed as soon as it is reduced and never accumulates across microbatches; ZeRO-1 does
-  it once, after the last microbatch's backward.
+  reduce_scatter, from a post-accumulate-grad hook as backward finishes the gradient. ZeRO-2 does it
+  every microbatch, so the whole gradient is freed as soon as it is reduced and never accumulates
+  across microbatches; ZeRO-1 once, during the last microbatch's backward (``arm``, as
+  ``GradientSync``: the runtime says how many accumulations a step makes), overlapping what backward
+  is left; what an unarmed step leaves is reduced by ``reduce_gradients`` after backward.
 
 Parameters it cannot split keep the plan's placement and are synchronized like DDP's
 (``passes/gradient_sync.py``). Where we diverge from ``torch.distributed.optim.ZeroRedundancyOptimizer``
@@ -52,9 +54,9 @@ class ShardedOptimizerState:
         self.full = dict(params)
         self.shards = {key: nn.Parameter(_shard_of(p, dim, mesh)) for key, p in self.full.items()
                        if (dim := _shard_dim(p, mesh)) is not None}
-        if stage == 2:
-            for key in self.shards:
-                self.full[key].register_post_accumulate_grad_hook(lambda p, key=key: self._reduce(key))
+        self._pending: dict[str, int] = {}  # ZeRO-1, armed: accumulations left before a gradient is reduced
+        for key in self.shards:
+            self.full[key].register_post_accumulate_grad_hook(lambda p, key=key: self._on_gradient(key))
 
     def unsharded(self) -> list[nn.Parameter]:
         """The program's parameters this pass leaves whole (their gradients need DDP's sync)."""
@@ -67,11 +69,26 @@ class ShardedOptimizerState:
             full = self.full[key]
             full.copy_(shard.redistribute(self.mesh, full.placements))
 
+    def arm(self, accumulations: int = 1) -> None:
+        """ZeRO-1: reduce-scatter each gradient as soon as the coming backward passes have accumulated
+        it ``accumulations`` times (1: during the next backward)."""
+        self._pending = {key: accumulations for key in self.shards}
+
+    def _on_gradient(self, key: str) -> None:
+        if self.stage == 2:
+            self._reduce(key)
+        elif key in self._pending:
+            self._pending[key] -= 1
+            if self._pending[key] == 0:
+                del self._pending[key]
+                self._reduce(key)
+
     def reduce_gradients(self) -> None:
-        """After backward: ZeRO-1 reduce-scatters every gradient now (ZeRO-2 did it in backward)."""
+        """After backward: ZeRO-1 reduce-scatters what backward has not (ZeRO-2 did it all in backward)."""
         if self.stage == 1:
             for key in self.shards:
                 self._reduce(key)
+        self._pending = {}
 
     def _reduce(self, key: str) -> None:
         full, shard = self.full[key], self.shards[key]

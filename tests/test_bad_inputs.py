@@ -70,6 +70,7 @@ CASES = [
     Case("plan mlp --problem problem.json --cluster 1x2xcpu", 2, "not both"),
     Case("plan mlp --cluster 0x8xH100", 2, "N and G must be positive"),
     Case("plan mlp --cluster 2x8xFOO", 2, "unknown device type 'FOO'"),
+    Case("plan mlp --cluster 1000000000x8xH100", 2, "autopar plans clusters of up to"),
     Case("plan tiny-gpt --cluster 1x2xcpu --seq -5", 2, "seq must be >= 1"),
     Case("plan mlp --cluster 1x2xcpu --global-batch 0", 2, "--global-batch must be positive"),
     Case("plan mlp --cluster 1x2xcpu --set layers=abc", 2, "bad override item 'layers=abc'"),

@@ -37,10 +37,10 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
-def torchrun_train(cwd: Path, *extra: str) -> tuple[dict, str]:
+def torchrun_train(cwd: Path, *extra: str, ranks: int = 2, steps: int = STEPS) -> tuple[dict, str]:
     out = cwd / "losses.json"
-    result = run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                  str(TRAIN), "--model", "tiny-gpt", "--global-batch", str(GLOBAL_BATCH), "--steps", str(STEPS),
+    result = run(["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
+                  str(TRAIN), "--model", "tiny-gpt", "--global-batch", str(GLOBAL_BATCH), "--steps", str(steps),
                   "--lr", repr(LR), "--seed", "0", "--losses-out", str(out), *extra], cwd)
     return json.loads(out.read_text()), result.stdout
 
@@ -71,3 +71,14 @@ def test_train_example_applies_a_saved_plan(tmp_path, reference):
     result, _ = torchrun_train(tmp_path, "--plan", "plan.json")
     assert result["degrees"] == saved["degrees"]
     assert result["losses"] == pytest.approx(reference, rel=1e-4)
+
+
+def test_train_example_resumes_from_a_checkpoint_on_another_world_size(tmp_path, reference):
+    # 4 ranks train 2 steps and checkpoint; a job of 2 ranks (a lost node, under torchrun elastic) re-plans
+    # for its world, loads the checkpoint resharded and trains the last step: the losses go on unbroken
+    saved, _ = torchrun_train(tmp_path, "--checkpoint-dir", "ckpt", "--save-every", "2", ranks=4, steps=2)
+    assert (tmp_path / "ckpt" / "step-00000002" / ".metadata").is_file()
+    resumed, stdout = torchrun_train(tmp_path, "--checkpoint-dir", "ckpt", "--resume", ranks=2)
+    assert (saved["world"], resumed["world"]) == (4, 2)
+    assert "resumed from" in stdout and resumed["first_step"] == 2
+    assert saved["losses"] + resumed["losses"] == pytest.approx(reference, rel=1e-4)

@@ -168,3 +168,27 @@ def test_stage_programs_run_in_turn_give_the_eager_loss(pipeline, gpt: ModelBund
         carried = stage.module(*carried, *(values[n] for n in stage.program.placeholders))
     (loss,) = carried
     torch.testing.assert_close(loss.full_tensor(), gpt.loss_fn(gpt.model(*inputs), targets), rtol=1e-6, atol=0)
+
+
+def test_armed_gradient_sync_files_each_gradient_after_its_last_accumulation(two_fake_ranks: None) -> None:
+    """The pipeline runtime arms the sync for its m microbatches: a gradient joins its bucket (whose
+    all_reduce starts once full, overlapping what backward is left) during the m-th backward that
+    accumulates it, not before, and not only after backward; the sync then hands back gradients with the
+    parameter's placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from autopar.passes import GradientSync
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    weight = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Replicate()]))
+    sync = GradientSync([weight])
+    sync.arm(3)
+    filed = []
+    for _ in range(3):
+        x = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # the batch split on dp
+        (x @ weight).sum().backward()  # the weight's gradient is partial on dp
+        filed.append(sum(len(bucket) for bucket in sync._open.values()))
+    assert filed == [0, 0, 1]
+    sync()
+    assert weight.grad.placements == (Replicate(),) and sync.collectives == 1

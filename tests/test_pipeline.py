@@ -14,7 +14,10 @@ from autopar.cost_models import parse_cluster
 from autopar.models import build_model
 from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
-from autopar.planning.stages import Staging
+from autopar.core.axes import MeshAxis
+from autopar.planning.meshes import MeshChoice
+from autopar.planning.roles import pricer_for, problem_for
+from autopar.planning.stages import Staging, layer_roles, stage_problem
 from autopar.api import reprice
 
 CLUSTER = "4x8xA100-80GB"
@@ -29,6 +32,11 @@ def test_in_flight_microbatches_per_schedule():
     assert Staging(4, 8, "1f1b").in_flight(2) == 2
     # interleaved: p (1 + (p - 1) / (p v)) (Korthikanti et al. 2022)
     assert Staging(4, 8, "interleaved", chunks=2).in_flight(16) == pytest.approx(4 * (1 + 3 / 8))
+    # the last chunk (head, loss): every microbatch under GPipe, one under 1F1B and interleaved
+    assert Staging(4, 8, "gpipe").last_chunk_in_flight(16) == 16
+    assert Staging(4, 8, "1f1b").last_chunk_in_flight(16) == 1
+    assert Staging(4, 8, "interleaved", chunks=2).last_chunk_in_flight(16) == 1
+    assert Staging(1, 8).last_chunk_in_flight(16) == 1
 
 
 def test_bubble_fraction_is_p_minus_1_over_v_m():
@@ -110,6 +118,27 @@ def test_gpipe_holds_more_activations_than_1f1b(gpt8, pp2):
     ofob = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "1f1b", "checkpointing": "none"})
     act = lambda plan: plan.predicted["memory_bytes"]["activations"]  # noqa: E731
     assert act(gpipe) > 3 * act(ofob)  # m = 8 microbatches in flight vs p = 2
+
+
+def test_head_and_loss_activations_are_held_for_the_last_chunks_microbatches(gpt8):
+    """Under 1F1B the first stage holds p microbatches of its layers' and the embedding's activations,
+    the last chunk one of the head's and the loss's: the logits are not charged p times."""
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 8)), stages=2)
+    pricer = pricer_for(parse_cluster(CLUSTER), mesh, "bf16", Constraints())
+    problem = problem_for(gpt8, mesh, pricer, 80e9, Constraints()).with_microbatches(8, pricer)
+    staged = stage_problem(problem, gpt8, Staging(2, 8, "1f1b"))
+    roles = layer_roles(gpt8, problem)
+    outside = [k for k in problem.decisions if k not in roles.in_layer and problem.decisions[k].options[0].cost.batch_memory
+               and problem.decisions[k].options[0].cost.memory_bytes > 0]
+    held = {k: staged.decisions[k].options[0].cost.memory_bytes / problem.decisions[k].options[0].cost.memory_bytes
+            for k in outside}
+    after = [k for k in outside if k in roles.after_layers]
+    before = [k for k in outside if k not in roles.after_layers]
+    assert after and before
+    assert all(held[k] == pytest.approx(1.0) for k in after)  # head, loss: one microbatch in flight
+    assert all(held[k] == pytest.approx(2.0) for k in before)  # embedding: min(p, m) = 2
+    assert {"lm_head|aten.mm.default|1", "|aten._log_softmax.default|1"} <= roles.after_layers
+    assert "tok_emb|aten.embedding.default|1" not in roles.after_layers
 
 
 @pytest.fixture(scope="module")

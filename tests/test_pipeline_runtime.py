@@ -7,7 +7,8 @@
   checkpointing, interleaved 1F1B, tiny-llama on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4) against
   single-process training of the same seed and batches: every gradient after the first backward (all
   stages, gathered) within rtol 1e-4 / atol 1e-5, per-step loss within rtol 1e-4 on every rank,
-  gathered final parameters (all stages) within atol 1e-5.
+  gathered final parameters (all stages) within atol 1e-5; and pp=2 x dp=2 with the data-parallel
+  dim sharding the optimizer state (ZeRO-1), also the gradients (ZeRO-2), or the parameters (FSDP).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from torch import fx
 
 from autopar.ir.capture import CapturedGraph, capture
-from autopar.core.errors import BadInputError
 from autopar.testing.parity import build, train_parallel_many, train_single
 from autopar.passes.program import copy_graph
 from autopar.passes.split_stages import StageProgram, split_program
@@ -43,8 +43,9 @@ def _captured(name: str, tie_embeddings: bool = False) -> tuple[CapturedGraph, f
 
 
 @torch.no_grad()
-def _whole_and_chained_loss(name: str, ranges: list[list[int]]) -> tuple[float, float, list[StageProgram]]:
-    cg, program, values = _captured(name)
+def _whole_and_chained_loss(name: str, ranges: list[list[int]], tie_embeddings: bool = False
+                            ) -> tuple[float, float, list[StageProgram]]:
+    cg, program, values = _captured(name, tie_embeddings)
     (whole,) = program(*(values[n.name] for n in program.graph.nodes if n.op == "placeholder"))
     stages = split_program(program, ranges, cg.params, cg.user_inputs)
     carried: tuple = ()
@@ -73,10 +74,15 @@ def test_split_puts_embedding_first_and_head_last_around_empty_chunks() -> None:
     assert "tok_emb.weight" in fqns[0] and "lm_head.weight" in fqns[3]
 
 
-def test_weights_tied_across_stages_are_refused() -> None:
-    cg, program, _ = _captured("tiny-gpt", tie_embeddings=True)
-    with pytest.raises(BadInputError, match="tied across stages"):
-        split_program(program, [[0, 1], [1, 2]], cg.params, cg.user_inputs)
+def test_a_weight_tied_across_stages_is_read_by_the_first_and_last_chunk() -> None:
+    """The tied embedding is one placeholder, of both chunks (each stage holds a copy; the runtime sums
+    their gradients: ``passes/tied_parameters.py``, parity in ``tests/test_hf_models.py``)."""
+    whole, chained, stages = _whole_and_chained_loss("tiny-gpt", [[0, 1], [1, 2]], tie_embeddings=True)
+    assert chained == pytest.approx(whole, rel=1e-6)
+    cg = _captured("tiny-gpt", True)[0]
+    assert cg.aliases == {"lm_head.weight": "tok_emb.weight"}
+    (tied,) = [n for n, fqn in cg.params.items() if fqn == "tok_emb.weight"]
+    assert all(tied in stage.placeholders for stage in stages)
 
 
 def _runs(name: str, constraint_sets: list[dict], overrides: dict | None = None) -> list[dict]:
@@ -122,3 +128,15 @@ def test_llama_pp2_and_interleaved_match_single_process() -> None:
     assert interleaved.plan["pipeline"]["virtual_stages"] == 2
     assert len(interleaved.plan["pipeline"]["stages"]) == 4
     interleaved.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_zero_and_fsdp_inside_pipeline_stages_match_single_process() -> None:
+    """Megatron-LM's distributed optimizer with pipelines (ZeRO-1), ZeRO-2 and FSDP inside the stages."""
+    stages = [{"pp": 2, "dp": 2, "microbatches": 2, "fsdp": zero} for zero in (1, 2, 3)]
+    results = train_parallel_many(4, _runs("tiny-gpt", stages))
+    reference = train_single("tiny-gpt", None, BATCH, None, STEPS)
+    for constraints, result in zip(stages, results):
+        assert result.plan["degrees"]["pp"] == 2 and result.plan["degrees"]["zero"] == constraints["fsdp"]
+        result.assert_matches(reference)

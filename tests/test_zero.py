@@ -57,6 +57,23 @@ def test_zero_sync_costs_more_latency_but_less_memory_than_ddp(llama):
     assert zero2.predicted["memory_bytes"]["optimizer"] < ddp.predicted["memory_bytes"]["optimizer"] / 3
 
 
+def test_free_search_shards_optimizer_state_when_memory_binds() -> None:
+    """With room, data parallelism keeps whole optimizer state (DDP's all_reduce is cheapest); when it does
+    not fit, the free search takes ZeRO-1 (Megatron-LM's distributed optimizer), faster than FSDP's
+    per-layer gathers, rather than sharding parameters."""
+    b = build_model("llama3-8b", overrides={"layers": 2}, global_batch=8, seq=1024, device="meta")
+    captured = capture(b.model, b.example_inputs, b.example_targets, b.loss_fn)
+    plan = lambda c: make_plan(captured, parse_cluster("1x8xH100"), model_name="llama3-8b",  # noqa: E731
+                               constraints=Constraints.from_mapping(c))
+    roomy, tight, fsdp = plan({"dp": 8}), plan({"dp": 8, "memory_gb": 15}), plan({"dp": 8, "memory_gb": 15, "fsdp": 3})
+    assert not roomy.degrees.zero and roomy.degrees.fsdp == 1
+    assert roomy.predicted["peak_memory_bytes"] > 15e9  # so the tight plan could not be DDP
+    assert tight.degrees.zero == 1 and tight.degrees.fsdp == 1 and tight.predicted["peak_memory_bytes"] <= 15e9
+    assert tight.predicted["step_time_s"] < fsdp.predicted["step_time_s"]
+    assert tight.predicted["memory_bytes"]["optimizer"] * 4 < roomy.predicted["memory_bytes"]["optimizer"]
+    assert tight.candidates[0]["degrees"]["zero"] == 1
+
+
 RUNS = [("tiny-llama", {"dp": 4, "fsdp": 1}), ("tiny-llama", {"dp": 4, "fsdp": 2, "microbatches": 2}),
         ("tiny-gpt", {"dp": 2, "tp": 2, "fsdp": 1})]
 FSDP_TP_RUNS = [("tiny-gpt", {"dp": 2, "tp": 2, "fsdp": 3}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3})]

@@ -46,19 +46,19 @@ def check_writable(path: str | Path, option: str) -> None:
         raise BadInputError(f"{option} {path}: directory {str(folder)!r} is not writable")
 
 
-def write_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and ``os.replace``: the
-    file is either written whole or left as it was. The new file gets the usual permissions (0666 less
-    the umask), not the temporary file's private ones."""
+def write_atomically(path: str | Path, text: str | bytes) -> None:
+    """Write ``text`` (UTF-8, or ``bytes`` as they are) to ``path`` through a temporary file in the same
+    directory and ``os.replace``: the file is either written whole or left as it was. The new file gets
+    the usual permissions (0666 less the umask), not the temporary file's private ones."""
     target = Path(path)
     try:
         fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as exc:
         raise BadInputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        with os.fdopen(fd, "wb") as handle:
             os.fchmod(handle.fileno(), 0o666 & ~_umask())
-            handle.write(text)
+            handle.write(text.encode("utf-8") if isinstance(text, str) else text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, target)

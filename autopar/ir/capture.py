@@ -7,8 +7,10 @@ design (docs/architecture.md "Execution"), so the cost model prices each forward
 time autograd derives the backward of the sharded program.
 
 Export runs on fake tensors, so a model built on the meta device (hundreds of billions of parameters) is
-captured without allocating it. This module is not for pricing or placing: it only records what the
-program is.
+captured without allocating it. A tensor the model holds under several names (a tied embedding) becomes
+one placeholder under the name ``named_parameters`` keeps (``CapturedGraph.aliases`` records the others),
+and the checks export records as ops that return nothing are dropped (``_drop_assertions``). This
+module is not for pricing or placing: it only records what the program is.
 
 Planning traces what differs, once: a model's stack of identical layers (the longest ``ModuleList`` or
 ``Sequential`` whose children have the same class, parameter shapes and settings) is traced with
@@ -80,6 +82,7 @@ class CapturedGraph:
     loss_node: str  # name of the node whose value is the scalar loss
     tie_keys: dict[str, str] = field(default_factory=dict)  # node name -> key shared by repeated layers
     stack: LayerStack | None = None  # the repeated layers, when only some of them were traced
+    aliases: dict[str, str] = field(default_factory=dict)  # tied fqn -> the fqn whose placeholder stands for both
 
     @property
     def graph(self) -> fx.Graph:
@@ -267,11 +270,55 @@ def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_ta
         if where is not None and _is_autopar_code(where.filename):
             raise  # autopar's own code failed while torch traced the step: a bug, keep its traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        at = f" (raised at {where.filename}:{where.lineno} in {where.name})" if where is not None else ""
+        at = f" (raised at {where.filename}:{where.lineno} in {where.name}{_module_at(exc, where, model)})" \
+            if where is not None else ""
         raise UnsupportedModelError(
-            f"could not capture {type(model).__name__} with torch.export: {first}{at}"
+            f"could not capture {type(model).__name__} with torch.export: {first}{at}{_what_to_change(exc)}"
         ) from exc
+    _check_static_shapes(exported.graph_module.graph)
     return _describe(exported)
+
+
+DATA_DEPENDENT = ("the step branches on, or sizes a tensor by, the values of a tensor (data-dependent control flow): "
+                  "compute both branches and pick with torch.where, keep masks at a fixed shape instead of "
+                  "boolean indexing or nonzero, or branch on shapes and settings, which capture sees")
+"""What to change where a model's control flow or shapes depend on tensor values, which planning on fake
+tensors cannot know."""
+
+
+def _what_to_change(exc: BaseException) -> str:
+    """A hint for the errors torch.export raises on data-dependent control flow; else nothing."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    chain = [exc, exc.__cause__, exc.__context__]
+    return f"; {DATA_DEPENDENT}" if any(isinstance(e, GuardOnDataDependentSymNode) for e in chain) else ""
+
+
+def _module_at(exc: BaseException, where: traceback.FrameSummary, model: nn.Module) -> str:
+    """`` of module PATH (Class)`` for the model's submodule whose method raised at ``where``, or ''."""
+    error: BaseException | None = exc
+    while error is not None:
+        for frame, lineno in traceback.walk_tb(error.__traceback__):
+            if (frame.f_code.co_filename, lineno) == (where.filename, where.lineno):
+                owner = frame.f_locals.get("self")
+                path = next((p for p, m in model.named_modules() if m is owner), None)
+                if path is not None:
+                    return f" of {'module ' + path if path else 'the model'} ({type(owner).__name__})"
+        error = error.__cause__ or error.__context__
+    return ""
+
+
+def _check_static_shapes(graph: fx.Graph) -> None:
+    """Refuse a step whose tensors' shapes depend on tensor values (boolean indexing, ``nonzero``): the
+    planner prices and shards shapes it knows. Names the model's source line that made the first one."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+            line = (node.meta.get("stack_trace") or "").strip().splitlines()
+            at = f" at {line[-2].strip()}: {line[-1].strip()}" if len(line) >= 2 else ""
+            module = f" in module {module_path(node)}" if module_path(node) else ""
+            raise UnsupportedModelError(f"{node.target}{module} makes a tensor of shape {list(val.shape)}, known only "
+                                        f"at run time{at}; {DATA_DEPENDENT}")
 
 
 def _check_arguments(model: nn.Module, inputs: int, has_targets: bool,
@@ -389,8 +436,12 @@ def _decompositions() -> dict:
 
 def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
     gm = exported.graph_module
+    _drop_assertions(gm.graph)
+    aliases = _merge_tied(exported)
     params, buffers, constants, user_inputs = {}, {}, {}, []
     for spec in exported.graph_signature.input_specs:
+        if _strip_prefix(spec.target or "") in aliases:
+            continue  # a tied name: its placeholder is gone, its uses read the kept one's
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             params[name] = _strip_prefix(spec.target)
@@ -403,9 +454,58 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
     outputs = exported.graph_signature.output_specs
     loss = outputs[0].arg.name
     _check_scalar_loss(gm, loss)
-    captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss)
+    captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss, aliases=aliases)
     captured.tie_keys = _tie_repeated_layers(gm.graph, params, buffers)
     return captured
+
+
+def _returns_nothing(target: Any) -> bool:
+    """Whether ``target`` is an aten op whose schema returns nothing."""
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.returns
+
+
+def _drop_assertions(graph: fx.Graph) -> None:
+    """Erase the ops that return nothing and that nothing reads: the checks torch.export records
+    (``aten._assert_tensor_metadata`` of a ``.to(dtype)``, ``_assert_async``, ``_assert_scalar``,
+    ``sym_constrain_range``). They held on the fake tensors of the trace; in the runtime's program their
+    arguments are DTensors, whose global metadata such a check was not written for, and an op with no
+    output has no placement to plan. A data-dependent assertion of the model's is dropped with them: it
+    is the model's check of its inputs, which single-process training of the same batches runs."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and not node.users and _returns_nothing(node.target):
+            graph.erase_node(node)
+    graph.owning_module.recompile()
+
+
+def _merge_tied(exported: torch.export.ExportedProgram) -> dict[str, str]:
+    """Make each tied parameter or buffer (one tensor under several names, as GPT-2's ``lm_head.weight``
+    is its ``wte.weight``) one placeholder, and return the names dropped -> the name kept.
+
+    torch.export lifts a tied tensor once per name, each use reading one of the placeholders, where
+    ``nn.Module.named_parameters`` keeps the first name only. Keeping that name's placeholder for every
+    use gives planning one parameter to place and the runtime one tensor to shard, whose gradient
+    autograd sums over both uses, as in the unsharded model."""
+    kept: dict[int, fx.Node] = {}
+    aliases: dict[str, str] = {}
+    nodes = {n.name: n for n in exported.graph_module.graph.nodes if n.op == "placeholder"}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            continue
+        tensor = exported.state_dict.get(spec.target, exported.constants.get(spec.target))
+        if tensor is None:
+            continue
+        node = nodes[spec.arg.name]
+        first = kept.setdefault(id(tensor), node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            exported.graph_module.graph.erase_node(node)
+            aliases[_strip_prefix(spec.target)] = _strip_prefix(_target_of(exported, first.name))
+    exported.graph_module.recompile()
+    return aliases
+
+
+def _target_of(exported: torch.export.ExportedProgram, placeholder: str) -> str:
+    return next(s.target for s in exported.graph_signature.input_specs if s.arg.name == placeholder)
 
 
 def _check_scalar_loss(gm: fx.GraphModule, loss: str) -> None:

@@ -8,7 +8,6 @@ predictions, the solver's figures and the explanations.
 
 from __future__ import annotations
 from autopar.core.axes import MeshAxis
-from autopar.core.constraints import Constraints
 from autopar.core.placement import placements_to_strs
 from autopar.core.plan import MIXED, Plan
 from autopar.cost_models import Cluster, adamw_step_time
@@ -18,7 +17,6 @@ from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
 from autopar.planning.pricing import Pricer, global_flops, is_matmul
 from autopar.planning.problem import Problem
-from autopar.planning.roles import pricer_for
 from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
 from autopar.planning.solver import Solution, exposed_grad_sync
 from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
@@ -39,6 +37,7 @@ class Candidate:
     staging: Staging
     problem: Problem
     solution: Solution
+    pricer: Pricer  # what priced ``problem``: the plan's ops and predictions are priced by it (ZeRO stage included)
     step_s: float  # solution.objective_s plus pipeline bubble and stage-to-stage transfers
     bubble_s: float = 0.0
     p2p_s: float = 0.0
@@ -68,14 +67,14 @@ def with_pipeline_time(captured: CapturedGraph, mesh: MeshChoice, staging: Stagi
     exposed after the last microbatch, plus its transfers between stages) runs ``m + (p - 1) / v``
     times on the critical path (the bubble is ``(p - 1) / (v m)`` of the ideal time)."""
     if staging.stages == 1:
-        return Candidate(mesh, staging, problem, solution, solution.objective_s)
+        return Candidate(mesh, staging, problem, solution, pricer, solution.objective_s)
     m = problem.microbatches
     transfer = sum(pricer.stage_transfer(nbytes / m, copies_dim)
                    for nbytes, copies_dim in _boundary_tensors(captured, problem, solution, pricer, mesh))
     p2p = 2 * staging.chunks * m * transfer  # activations forward, their gradients backward
     per_microbatch = (solution.objective_s - exposed_grad_sync(problem, solution.choice) + p2p) / m
     bubble = per_microbatch * m * staging.bubble_fraction(m)
-    return Candidate(mesh, staging, problem, solution, solution.objective_s + p2p + bubble, bubble, p2p)
+    return Candidate(mesh, staging, problem, solution, pricer, solution.objective_s + p2p + bubble, bubble, p2p)
 
 
 def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer,
@@ -100,12 +99,11 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
 
 def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
              results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
-             constraints: Constraints, phases_s: dict[str, float] | None = None) -> Plan:
-    mesh, solution, staging = best.mesh, best.solution, best.staging
+             phases_s: dict[str, float] | None = None) -> Plan:
+    mesh, solution, staging, pricer = best.mesh, best.solution, best.staging, best.pricer
     problem = best.problem.settled(solution.choice)  # prices as the chosen parameter placements make them
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
-    pricer = pricer_for(cluster, mesh, dtype, constraints)
     placed = lambda name: placements_to_strs(by_node[name][1].strategy.outputs[0])  # noqa: E731
     placements = {real: placed(name) for name, fqn in captured.params.items() for real in captured.real_fqns(fqn)}
     return Plan(
@@ -135,7 +133,8 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
                 "pruned_meshes": [m.describe() for m in pruned]},
         explanations=explanations(best.problem, solution.choice, _explanation_index(captured, problem)),
         candidates=[{"mesh": c.mesh.to_dict(),
-                     "degrees": {"pp": c.mesh.stages, "dp": c.mesh.data_parallel_size, "tp": c.mesh.size(MeshAxis.TP)},
+                     "degrees": {"pp": c.mesh.stages, "dp": c.mesh.data_parallel_size, "tp": c.mesh.size(MeshAxis.TP),
+                                 **({"zero": c.pricer.zero_stage} if c.pricer.zero_stage else {})},
                      "microbatches": c.problem.microbatches, "schedule": c.staging.schedule,
                      "checkpointing": c.checkpointing, "layer_modes": c.layer_modes,
                      "step_time_s": c.step_s, "status": c.solution.status} for c in results],

@@ -10,6 +10,7 @@ number of stages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.core.axes import MeshAxis
@@ -145,7 +146,9 @@ def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (trial division up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def microbatch_counts(batch: int | None, dp: int, constraints: Constraints) -> list[int]:

@@ -255,9 +255,12 @@ class Pricer:
         return ins + outs
 
     def _charge_gradient_collectives(self, collectives: Sequence["Collective"], cost: Cost) -> None:
+        """Critical-path collectives into ``comm_s``; a gradient sync into ``grad_sync_s``, which hides
+        behind the last microbatch's backward, except ZeRO's parameter all_gather: ``passes/zero.py``
+        runs it before the next step's first forward, with nothing to hide behind (no prefetch)."""
         for c in collectives:
             seconds = self.collective_seconds(c)
-            if not c.grad_sync:
+            if not c.grad_sync or c.kind == "all_gather":
                 cost.add_comm(c.kind, seconds)
                 continue
             cost.grad_sync_s += seconds
@@ -310,10 +313,11 @@ class Pricer:
 
         Under ZeRO-1/2 a parameter whose state is sharded on a data-parallel dim
         (``optimizer_shard_dim``) syncs as ``passes/zero.py`` runs it: its gradient is
-        reduce-scattered onto the shards (ZeRO-2: every microbatch, so full gradients never
-        accumulate; ZeRO-1: once, after the last) and, after the optimizer updates the shards, the
-        parameter is all-gathered: the same bytes as DDP's all_reduce (Rajbhandari et al., SC20, §7),
-        per parameter rather than bucketed. (A parameter whose gradient is not partial on that dim
+        reduce-scattered onto the shards as backward finishes it (ZeRO-2: every microbatch, so full
+        gradients never accumulate; ZeRO-1: in the last microbatch's backward), which hides behind
+        backward like DDP's all_reduce, and, after the optimizer updates the shards, the parameter is
+        all-gathered before the next forward, on the critical path: the same bytes as DDP's all_reduce
+        (Rajbhandari et al., SC20, §7), per parameter rather than bucketed. (A parameter whose gradient is not partial on that dim
         is still gathered at run time; pricing charges the gather with the reduce-scatter.)
 
         ``roots``, per tensor input: the placement of the parameter it reads (through views), where

@@ -333,8 +333,9 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
     logits, their log-softmax and its gradient), which we charge to the op that has it, at the
     placements each of its strategies gives those tensors, divided among the nodes that share the
     decision so that it counts once. It is per microbatch (``batch_memory``); under a pipeline,
-    ``stages.py`` holds it for every microbatch in flight, which overstates it (only one is in
-    backward at a time) on the side of caution.
+    ``stages.py`` holds it for every microbatch in flight where that op runs (for the loss, the last
+    chunk's: one under 1F1B), which overstates it elsewhere (only one is in backward at a time) on the
+    side of caution.
     """
     candidates = [n for n in captured.graph.nodes if _is_decision(n) and n.op == "call_function"
                   and not getattr(n.target, "is_view", False)]

@@ -10,6 +10,11 @@ microbatch counts (without a pipeline the fewest that fit; with one, larger coun
 shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
 the pipeline. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
 a decision of the ILP: recomputing some layers, not all, often fits at less cost.
+Unless the ZeRO stage is pinned, a data-parallel mesh whose plan had to recompute or shard parameters
+to fit (or where nothing fit) is searched again with the optimizer state sharded over data parallelism
+(ZeRO-1, Megatron-LM's distributed optimizer): it frees 12 bytes of state per parameter for a
+reduce_scatter and an all_gather per parameter in place of the gradient all_reduce, which often costs
+less than the gathers of FSDP or the recomputation it replaces (``_distributed_optimizer_may_help``).
 Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
 in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
 soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
@@ -22,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from autopar.core.axes import MeshAxis
+from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
@@ -65,6 +70,8 @@ def make_plan(
             progress.skipped()
             continue
         found = search.run(mesh, best.step_s if best else None)
+        if _distributed_optimizer_may_help(search, mesh, found):
+            found = _better(found, search.run(mesh, _cutoff(best, found), zero_stage=1))
         if isinstance(found, MeshChoice):
             pruned.append(found)
             progress.skipped()
@@ -83,8 +90,36 @@ def make_plan(
     if refined is not results[0]:
         results.insert(0, refined)
     plan = to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
-                    time.perf_counter() - start, constraints, progress.phases_s)
+                    time.perf_counter() - start, progress.phases_s)
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
+
+
+def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
+                                    found: "Candidate | MeshChoice | str") -> bool:
+    """Whether ``mesh`` is searched again under ZeRO-1: the ZeRO stage is free, the mesh has data
+    parallelism without HSDP's replica dim (which shards parameters anyway), and memory was what shaped
+    the plan there: nothing fit, or the plan recomputes or shards parameters over data parallelism.
+    (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
+    if search.constraints.zero_stage is not None or mesh.data_parallel_size == 1 \
+            or mesh.size(MeshAxis.DP_REPLICATE) > 1 or isinstance(found, MeshChoice):
+        return False
+    return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
+
+
+def _cutoff(best: Candidate | None, found: "Candidate | MeshChoice | str") -> float | None:
+    """The step time a second search of a mesh must beat: the best so far, and the mesh's first plan."""
+    times = [c.step_s for c in (best, found) if isinstance(c, Candidate)]
+    return min(times) if times else None
+
+
+def _better(first: "Candidate | MeshChoice | str", second: "Candidate | MeshChoice | str"
+            ) -> "Candidate | MeshChoice | str":
+    """Of two searches of one mesh: the faster plan; else a pruning (the mesh cannot win) over a failure."""
+    if isinstance(second, Candidate):
+        return second if not isinstance(first, Candidate) or second.step_s < first.step_s else first
+    if isinstance(first, Candidate):
+        return first
+    return second if isinstance(second, MeshChoice) else first
 
 
 def _sequence_splits(captured: CapturedGraph, constraints: Constraints, meshes: list[MeshChoice]
@@ -135,19 +170,22 @@ class _MeshSearch:
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
 
-    def run(self, mesh: MeshChoice, cutoff_s: float | None) -> Candidate | MeshChoice | str:
+    def run(self, mesh: MeshChoice, cutoff_s: float | None, zero_stage: int | None = None
+            ) -> Candidate | MeshChoice | str:
         """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
-        shows it cannot beat ``cutoff_s`` (the best step time of the meshes solved before it)."""
+        shows it cannot beat ``cutoff_s`` (the best step time of the meshes solved before it).
+        ``zero_stage`` overrides the constraints' ZeRO stage."""
+        constraints = self._constraints(zero_stage)
         dp = mesh.data_parallel_size
         counts = microbatch_counts(self.batch, dp, self.constraints)
         if not counts:
             pinned = ", ".join(f"{k}={v}" for k, v in self.constraints.to_dict().items()
                                if k in ("microbatches", "microbatch_size"))
             return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
-        pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
+        pricer = pricer_for(self.cluster, mesh, self.dtype, constraints)
         self._staged_problems.clear()  # one mesh's at a time
         with self.progress.phase("build"):
-            whole = problem_for(self.captured, mesh, pricer, self.capacity, self.constraints)
+            whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints)
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
         # the problems without edges: memory reads only decisions (``least_memory``), and they are cheap to stage
         memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[]), pricer, self.progress)
@@ -178,6 +216,21 @@ class _MeshSearch:
             return best
         return mesh if was_pruned or not reason else reason
 
+    def _constraints(self, zero_stage: int | None) -> Constraints:
+        """The constraints, with ``zero_stage`` (when given) as the ZeRO stage."""
+        return self.constraints if zero_stage is None else replace(self.constraints, zero_stage=zero_stage)
+
+    def shards_parameters_over_dp(self, candidate: Candidate) -> bool:
+        """Whether ``candidate`` splits any parameter over a data-parallel mesh dim (FSDP)."""
+        dp_dims = candidate.mesh.dims_of(*DATA_PARALLEL_AXES)
+        params = set(self.captured.params)
+        for key, decision in candidate.problem.decisions.items():
+            if params.intersection(decision.nodes):
+                placements = decision.options[candidate.solution.choice[key]].strategy.outputs[0]
+                if any(not placements[i].is_replicate() for i in dp_dims):
+                    return True
+        return False
+
     def _note_shortfall(self, mesh: MeshChoice, staging: Staging, problem: Problem) -> None:
         """Keep the configuration that came closest to fitting memory (its most microbatches)."""
         need = least_memory(problem)
@@ -196,8 +249,9 @@ class _MeshSearch:
                 or best.staging.layers_per_stage < 2:
             return best
         staging = replace(best.staging, checkpointing=CHECKPOINTING)
-        pricer = pricer_for(self.cluster, best.mesh, self.dtype, self.constraints)
-        whole = problem_for(self.captured, best.mesh, pricer, self.capacity, self.constraints)
+        pricer = best.pricer
+        whole = problem_for(self.captured, best.mesh, pricer, self.capacity,
+                            self._constraints(pricer.zero_stage or None))
         problem = self._staged(whole.with_microbatches(best.problem.microbatches, pricer), staging)
         try:
             with self.progress.phase("refine"):

@@ -15,7 +15,11 @@ layers.
 
 Activations kept for backward are held for every microbatch in flight on the first stage: ``m`` for
 GPipe, ``min(p, m)`` for 1F1B, ``min(p, m) (1 + (p - 1) / (p v))`` interleaved (Korthikanti et al.
-2022, §4.2.3), 1 without a pipeline.
+2022, §4.2.3), 1 without a pipeline. The ops after the last layer (final norm, head, loss: the last
+chunk's) are held for the microbatches in flight there instead: ``m`` for GPipe, 1 for 1F1B and
+interleaved, whose last chunk runs each backward right after its forward. A large vocabulary's logits
+are then charged once, not ``p`` times; the sum stays a bound of every stage's memory (the first holds
+its layers and the embedding at ``min(p, m)``, the last its layers at fewer and the head at one).
 
 Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per repeated layer:
 
@@ -55,7 +59,7 @@ from torch import fx
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import kept_under_selective, layer_names, layer_of
 from autopar.core.plan import MIXED
-from autopar.cost_models.pipeline import SCHEDULES, microbatches_in_flight, pipeline_bubble_fraction
+from autopar.cost_models.pipeline import SCHEDULES, last_chunk_in_flight, microbatches_in_flight, pipeline_bubble_fraction
 from autopar.planning.pricing import Cost
 from autopar.planning.problem import LayerModes, Option, Problem
 
@@ -85,6 +89,12 @@ class Staging:
         if self.stages == 1:
             return 1.0
         return microbatches_in_flight(self.schedule, self.stages, microbatches, self.chunks)
+
+    def last_chunk_in_flight(self, microbatches: int) -> float:
+        """Microbatches whose saved activations the model's last chunk (head and loss) holds at once."""
+        if self.stages == 1:
+            return 1.0
+        return last_chunk_in_flight(self.schedule, self.stages, microbatches, self.chunks)
 
     def bubble_fraction(self, microbatches: int) -> float:
         """Idle share of the ideal time: ``(p - 1) / (v m)``."""
@@ -135,23 +145,29 @@ class LayerRoles:
     in_layer: frozenset[str]  # keys whose nodes belong to a repeated layer
     boundary: frozenset[str]  # ... and whose output leaves its layer (the next layer's input)
     expensive: frozenset[str]  # ... and that are matmuls or attention (kept under selective)
+    after_layers: frozenset[str]  # keys of ops after the last layer's (final norm, head, loss)
 
 
 def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
     key_of = {n: key for key, d in problem.decisions.items() for n in d.nodes}
-    in_layer, boundary, expensive = set(), set(), set()
+    in_layer, boundary, expensive, after_layers = set(), set(), set(), set()
     for node in captured.graph.nodes:
         key = key_of.get(node.name)
         layer = layer_of(node)
-        if key is None or layer is None:
+        if key is None:
             continue
+        if layer is None:
+            if node.op == "call_function" and in_layer:
+                after_layers.add(key)  # cleared again if a layer's op follows it
+            continue
+        after_layers.clear()
         in_layer.add(key)
         if node.op == "call_function":
             if any(layer_of(user) != layer for user in _users_through_getitem(node)):
                 boundary.add(key)
             if kept_under_selective(node.target):
                 expensive.add(key)
-    return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive))
+    return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive), frozenset(after_layers))
 
 
 def _users_through_getitem(node: fx.Node) -> list[fx.Node]:
@@ -176,6 +192,7 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     recomputed = {m: _recomputed(roles, m) for m in modes}
     kept_whole = {m: _kept_whole(roles, m) for m in modes}
     in_flight = staging.in_flight(problem.microbatches)
+    last_in_flight = staging.last_chunk_in_flight(problem.microbatches)
     decisions = {}
     for key, d in problem.decisions.items():
         staged = replace(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
@@ -183,7 +200,8 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
             options = [_priced_by_mode(o, {m: (key in recomputed[m], key in kept_whole[m]) for m in modes},
                                        in_flight, staged.count / layers, problem.microbatches) for o in d.options]
         else:
-            options = [replace(o, cost=_held(o.cost, in_flight)) for o in d.options]
+            held = last_in_flight if key in roles.after_layers else in_flight
+            options = [replace(o, cost=_held(o.cost, held)) for o in d.options]
         decisions[key] = replace(staged, options=options)
     edges = [replace(e, count=e.count * decisions[e.dst].scale,
                      recomputed_under=tuple(m for m in modes if e.dst in recomputed[m]))

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
@@ -101,20 +101,31 @@ def _divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: 
 
 @dataclass(frozen=True)
 class LocalRule:
-    """An op that is exact on shards split on any one of ``independent_dims`` (same dim on all inputs)."""
+    """An op that is exact on shards split on any one of ``independent_dims`` (same dim on all inputs;
+    an input that broadcasts on that dim, of size 1 there or without it, stays whole)."""
 
     independent_dims: tuple[int, ...]
-    tensor_inputs: int
+    tensor_inputs: tuple[int, ...]  # the numbers of tensor inputs it takes
 
-    def strategies(self, mesh_ndim: int) -> list[Strategy]:
+    def strategies(self, mesh_ndim: int, shapes: Sequence[tuple[int, ...]]) -> list[Strategy]:
+        """Every split of the output (``shapes[0]``'s shape) on the independent dims, per mesh dim."""
         one = [Replicate()] + [Shard(d) for d in self.independent_dims]
-        return [Strategy(tuple([combo] * self.tensor_inputs), (combo,))
+        return [Strategy(tuple(_broadcast(combo, shape, shapes[0]) for shape in shapes), (combo,))
                 for combo in itertools.product(one, repeat=mesh_ndim)]
 
 
+def _broadcast(placements: tuple[Placement, ...], shape: tuple[int, ...], full: tuple[int, ...]) -> Placements:
+    """``placements`` of a tensor of shape ``full`` for an input of ``shape`` broadcast to it (trailing
+    dims aligned): whole on a dim it broadcasts on."""
+    lead = len(full) - len(shape)
+    return tuple(Shard(p.dim - lead) if p.is_shard() and p.dim >= lead and shape[p.dim - lead] == full[p.dim]
+                 else Replicate() for p in placements)
+
+
 LOCAL_RULES: dict[Any, LocalRule] = {
-    # q, k, v: [batch, heads, seq, head_dim]; attention mixes seq and head_dim, never batch or heads.
-    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=3),
+    # q, k, v: [batch, heads, seq, head_dim], and an optional attention mask [batch|1, heads|1, seq, seq]
+    # broadcast to the scores: attention mixes seq and head_dim, never batch or heads.
+    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4)),
 }
 
 
@@ -191,8 +202,8 @@ class StrategyFinder:
         prop = DTensor._op_dispatcher.sharding_propagator
         op = node.target
         found: list[Strategy] = []
-        if op in LOCAL_RULES and len(inputs) == LOCAL_RULES[op].tensor_inputs:
-            found = LOCAL_RULES[op].strategies(self._ndim)
+        if op in LOCAL_RULES and len(inputs) in LOCAL_RULES[op].tensor_inputs:
+            found = LOCAL_RULES[op].strategies(self._ndim, [tuple(i.meta["val"].shape) for i in inputs])
         elif op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
             with _dtensor_costs_skipped():
                 found = self._from_dtensor(node, prop)

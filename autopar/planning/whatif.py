@@ -160,4 +160,4 @@ def _planner_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dt
     """The planner's Plan of this one priced candidate (with its pipeline bubble and transfers)."""
     pricer = pricer_for(cluster, mesh, dtype, constraints)
     best = with_pipeline_time(captured, mesh, staging, problem, solution, pricer)
-    return to_plan(captured, cluster, model_name, dtype, best, [best], [], wall_s, constraints)
+    return to_plan(captured, cluster, model_name, dtype, best, [best], [], wall_s)

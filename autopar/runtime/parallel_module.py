@@ -22,7 +22,7 @@ global shapes and one set of rules stays in one place.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import GradientSync, ShardedOptimizerState, build_program, shard_parameters, shard_tensor
+from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import check_user_inputs, user_input
 from autopar.runtime.mesh import init_job_mesh
@@ -69,6 +70,7 @@ class ParallelModule(nn.Module):
         self._fqns = {_key(fqn): fqn for fqn in plan.placements}  # ParameterDict keys cannot hold dots
         named_buffers = dict(model.named_buffers())
         self._buffers_dt = {fqn: shard_tensor(named_buffers[fqn], mesh, pl) for fqn, pl in plan.buffers.items()}
+        self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
         built = build_program(plan, captured, mesh)
         (stage,) = built.stages
@@ -126,6 +128,8 @@ class ParallelModule(nn.Module):
             loss = self._run_program(piece, local).to_local()
             if i == m - 1:
                 self._grad_sync.arm()  # reduce gradients as the last backward produces them
+                if self._zero:
+                    self._zero.arm()  # ZeRO-1: reduce-scatter them so too
             (loss / m).backward()
             total = total + loss.detach() / m
         self._grad_sync()
@@ -147,6 +151,16 @@ class ParallelModule(nn.Module):
             else:
                 values.append(user[name])
         return values
+
+    # ---- checkpoints (runtime/checkpoint.py) ---------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, DTensor]:
+        """The model's FQN -> DTensor of global shape (parameters as ``named_parameters()``, persistent
+        buffers), sharing storage: ``dcp.save`` / ``dcp.load`` of it reshards between plans."""
+        return module_state_dict([*self.named_parameters(), *self._buffers_dt.items()], self._state_names)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy FQN -> full tensor or DTensor (any placement) into this rank's shards."""
+        load_module_state_dict(self.state_dict(), state_dict, self._state_names, strict)
 
 
 def _key(fqn: str) -> str:

@@ -17,8 +17,14 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
    ``Partial`` placement and sent as local shards (``split_stages.Boundary``).
    ``torch.distributed.pipelining`` ``PipelineStage`` (with static shapes, so no shape-inference
    round) and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run the microbatches
-   over the pipeline process group; afterwards the stage's gradients are synchronized in buckets over
-   the stage mesh (``GradientSync``), as ``ParallelModule`` does.
+   over the pipeline process group; the stage's gradients are synchronized in buckets over the stage
+   mesh (``GradientSync``, armed for ``m`` accumulations: each bucket's all_reduce starts during the
+   last microbatch's backward on that stage, as ``ParallelModule`` overlaps it and as pricing assumes).
+3. **ZeRO-1/2 inside a stage** (``plan.degrees.zero`` 1 or 2, Megatron-LM's distributed optimizer with
+   pipelines): the stage's parameters get ``passes/zero.py``'s dp-sharded copies, which
+   ``parameters()`` hands to the optimizer; before the schedule runs they refresh the stage's whole
+   parameters (all_gather), and gradients are reduce-scattered onto them (ZeRO-2 as each microbatch's
+   backward accumulates them, ZeRO-1 after the schedule), exactly as in ``ParallelModule``.
 
 Where we diverge from pipelining's usual use: the loss is part of the last chunk's graph (it was
 captured with the model), so the schedule's ``loss_fn`` only scales it by ``1 / m``, the schedule's
@@ -43,10 +49,12 @@ from torch.distributed.tensor import DTensor
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
-from autopar.passes import GradientSync, Stage, build_program, shard_parameters, shard_tensor
+from autopar.passes import GradientSync, ShardedOptimizerState, Stage, build_program, shard_parameters, shard_tensor
+from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
+from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import check_user_inputs, microbatch_shape, user_input
-from autopar.runtime.mesh import init_job_mesh
+from autopar.runtime.mesh import init_job_mesh, job_collective_timeout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -93,6 +101,7 @@ class PipelineParallelModule(nn.Module):
                  check_memory: bool = True):
         super().__init__()
         self.plan, self.captured = plan, captured
+        self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
         self.world_mesh, self.mesh = pipeline_meshes(plan, device_type)
         if check_memory:  # before any stage is built: a plan too large for this device is refused (fits.py)
             check_plan_fits(plan, self.mesh.device_type)
@@ -101,19 +110,30 @@ class PipelineParallelModule(nn.Module):
         built = build_program(plan, captured, self.mesh)
         self.redistributes = built.redistributes
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
+        self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
         self.chunks = nn.ModuleList(self._stage_module(stage, model) for stage in mine)
         self._local_inputs = False
         self.schedule = self._schedule(len(built.stages))
-        self._grad_sync = GradientSync(self.parameters())
+        zero = plan.degrees.zero or 0
+        stage_params = dict(self._stage_parameters())
+        self._zero = ShardedOptimizerState(stage_params, self.mesh, zero) if zero in (1, 2) else None
+        self._grad_sync = GradientSync(self._zero.unsharded() if self._zero else stage_params.values())
+        self._tied_sync = TiedGradientSync(stages_reading(built.stages, captured.params, self.pp_size), self.world_mesh,
+                                           dict(self.named_parameters()), job_collective_timeout(self.mesh.device_type))
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters to optimize: this rank's stages' shards (under ZeRO-1/2, the dp-sharded copies)."""
+        shards = self._zero.shards if self._zero else {}
+        for fqn, p in self._stage_parameters():
+            yield prefix + fqn, shards.get(fqn, p)
+
+    def _stage_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters this rank's chunks compute with, by fully qualified name (each once)."""
         fqn = self.captured.params
-        for chunk in self.chunks:
-            for name in chunk.placeholders:
-                if name in fqn:
-                    yield prefix + fqn[name], chunk.values[name]
+        found = {fqn[name]: chunk.values[name] for chunk in self.chunks for name in chunk.placeholders if name in fqn}
+        yield from found.items()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters())
@@ -140,9 +160,17 @@ class PipelineParallelModule(nn.Module):
         first = args if self.chunks[0].index == 0 else ()
         later = {n: by_name[n] for chunk in self.chunks if chunk.index > 0 for n in chunk.reads}
         losses: list[torch.Tensor] = []
+        if self._zero:
+            self._zero.gather()
+        self._grad_sync.arm(self.microbatches)  # reduce each gradient during its last microbatch's backward
+        if self._zero:
+            self._zero.arm(self.microbatches)
         self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                            **later)
         self._grad_sync()
+        if self._zero:
+            self._zero.reduce_gradients()
+        self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
         return self._broadcast_loss(sum(l.detach() for l in losses) if losses else torch.zeros(()))
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -164,7 +192,10 @@ class PipelineParallelModule(nn.Module):
         for name in stage.program.placeholders:
             if name in cg.params:
                 fqn = cg.params[name]
-                values[name] = shard_parameters({fqn: named_params[fqn]}, {fqn: plan.placements[fqn]}, self.mesh)[fqn]
+                if fqn not in self._sharded:
+                    self._sharded.update(shard_parameters({fqn: named_params[fqn]}, {fqn: plan.placements[fqn]},
+                                                          self.mesh))
+                values[name] = self._sharded[fqn]
             elif name in cg.buffers:
                 values[name] = shard_tensor(named_buffers[cg.buffers[name]], self.mesh, plan.buffers[cg.buffers[name]])
             elif name in cg.constants:
@@ -197,6 +228,21 @@ class PipelineParallelModule(nn.Module):
         return tuple(torch.empty(microbatch_shape(self.plan.inputs[n]["shape"], self.microbatches),
                                  dtype=getattr(torch, self.plan.inputs[n]["dtype"]), device="meta")
                      for n in self.captured.user_inputs)
+
+    # ---- checkpoints (runtime/checkpoint.py) ---------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, DTensor]:
+        """This rank's stages' FQN -> DTensor of global shape (parameters as ``named_parameters()``,
+        persistent buffers), sharing storage: ``dcp.save`` writes each key once, and any plan's
+        ``dcp.load`` finds every key it holds."""
+        buffers = [(self.captured.buffers[n], v) for chunk in self.chunks for n, v in chunk.values.items()
+                   if n in self.captured.buffers]
+        return module_state_dict([*self.named_parameters(), *buffers], self._state_names)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
+                        ) -> None:
+        """Copy FQN -> full tensor or DTensor (any placement) into this rank's stages' shards; other
+        stages' keys are skipped (``strict`` refuses only keys the model does not have)."""
+        load_module_state_dict(self.state_dict(), state_dict, self._state_names, strict)
 
 
 def pipeline_meshes(plan: Plan, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh]:

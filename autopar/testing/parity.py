@@ -1,4 +1,4 @@
-"""Numerical parity: train a built-in model k steps under a plan on gloo ranks and, beside it, in one process.
+"""Numerical parity: train a model k steps under a plan on gloo ranks and, beside it, in one process.
 
 This is how autopar proves a plan numerically faithful (docs/architecture.md "Correctness"). Both runs
 build the model from the same seed and feed the same global batches to plain SGD at ``LR``; the parallel
@@ -158,13 +158,16 @@ def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -
 
 # ---- the runs ---------------------------------------------------------------------------------------
 def batches(bundle: ModelBundle, steps: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    """``steps`` global batches shaped like the bundle's example batch, from a seeded generator."""
+    """``steps`` global batches shaped like the bundle's example batch, from a seeded generator: drawn by
+    the model's ``random_batch(generator, example_batch)`` where it has one (``models/hf.py``'s
+    ``HFModel``, whose inputs include attention masks and class ids of its own range), else floats from
+    a standard normal and integers below the config's ``vocab``."""
     g = torch.Generator().manual_seed(seed + 1)
-    out = []
-    for _ in range(steps):
-        out.append(tuple(_like(t, g, bundle) for t in (*bundle.example_inputs, bundle.example_targets)
-                         if t is not None))
-    return out
+    like = tuple(t for t in (*bundle.example_inputs, bundle.example_targets) if t is not None)
+    draw = getattr(bundle.model, "random_batch", None)
+    if draw is not None:
+        return [draw(g, like) for _ in range(steps)]
+    return [tuple(_like(t, g, bundle) for t in like) for _ in range(steps)]
 
 
 def _like(t: torch.Tensor, g: torch.Generator, bundle: ModelBundle) -> torch.Tensor:
@@ -186,8 +189,9 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     model, loss_fn = bundle.model, bundle.loss_fn
     opt = optimizer(model.parameters())
     losses, grads = [], {}
-    for i, (*inputs, targets) in enumerate(batches(bundle, steps, seed)):
+    for i, batch in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
+        inputs, targets = (batch[:-1], batch[-1]) if bundle.example_targets is not None else (batch, None)
         loss = loss_fn(model(*inputs), targets)
         loss.backward()
         if i == 0:

@@ -1,0 +1,219 @@
+"""Hugging Face ``transformers`` models as autopar plans and runs them.
+
+``transformers`` is an optional extra (``pip install autopar[hf]``), imported only inside the functions
+that build a model, so importing this module needs nothing but torch. Nothing is downloaded: every
+model is built from a config object with random weights.
+
+``HFModel`` wraps a model so that its forward takes plain positional tensors, in the order of
+``input_names`` (keyword arguments such as ``attention_mask`` and ``labels`` become positions: autopar
+captures and shards positional inputs), and returns one tensor: the logits (``output="logits"``, the
+loss then an ordinary ``loss_fn(logits, targets)``) or the loss the model computes itself from
+``labels=`` (``output="loss"``, the labels then the last input and the loss function ``model_loss``).
+
+The factories (``gpt2``, ``llama``, ``mistral``, ``mixtral``, ``qwen2``, ``bert``, ``t5``, ``vit``) build tiny
+configurations and return what ``autopar.models.registry`` expects of ``package.module:factory``, so
+``autopar plan autopar.models.hf:gpt2 --cluster 1x8xH100`` plans one. Each takes ``global_batch`` and
+``seq``, ``layers``/``hidden``/``heads``/``vocab`` to size it, ``mask`` (pass an attention mask,
+padding the end of each sequence) and ``own_loss`` (the model's loss from ``labels=``); ViT takes
+``image``, ``patch`` and ``classes`` in place of ``seq``, ``vocab`` and ``mask``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autopar.core.errors import BadInputError
+
+__all__ = ["HFModel", "model_loss", "padding_mask", "token_loss",
+           "gpt2", "llama", "mistral", "mixtral", "qwen2", "bert", "t5", "vit"]
+
+Factory = tuple[Any, ...]
+"""What a factory returns (``models/registry.py``): ``(model, inputs, targets, loss_fn)``, or
+``(model, inputs, loss_fn)`` when the model returns its own loss."""
+
+
+class HFModel(nn.Module):
+    """A ``transformers`` model called with positional tensors named ``input_names``, returning its
+    ``output`` (``"logits"`` or ``"loss"``) as one tensor. ``classes`` is the range of its class ids
+    (token ids, labels): ``random_batch`` draws batches like the example one."""
+
+    def __init__(self, model: nn.Module, input_names: Sequence[str], output: str, classes: int):
+        super().__init__()
+        if output not in ("logits", "loss"):
+            raise BadInputError(f"HFModel output={output!r}: expected 'logits' or 'loss'")
+        self.hf = model
+        self.input_names = tuple(input_names)
+        self.output = output
+        self.classes = classes
+        self.config = model.config
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        outputs = self.hf(**dict(zip(self.input_names, inputs)), **_no_cache(self.hf), return_dict=True)
+        return getattr(outputs, self.output)
+
+    def random_batch(self, generator: torch.Generator, like: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """A batch shaped as ``like`` (the inputs, then the targets if any) drawn from ``generator``:
+        class ids in ``[0, classes)``, attention masks padding each sequence to a random length
+        (``padding_mask``), floats from a standard normal."""
+        names = self.input_names + ("targets",) * (len(like) - len(self.input_names))
+        return tuple(self._draw(name, t, generator) for name, t in zip(names, like))
+
+    def _draw(self, name: str, like: Tensor, generator: torch.Generator) -> Tensor:
+        if like.dtype.is_floating_point:
+            return torch.randn(like.shape, generator=generator, dtype=like.dtype)
+        if name.endswith("attention_mask"):
+            return padding_mask(*like.shape, generator=generator).to(like.dtype)
+        return torch.randint(0, self.classes, like.shape, generator=generator, dtype=like.dtype)
+
+
+def _no_cache(model: nn.Module) -> dict[str, bool]:
+    """``use_cache=False`` for a model that keeps a KV cache (training runs no generation)."""
+    return {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+
+
+def model_loss(loss: Tensor) -> Tensor:
+    """The loss function of a model that returns its own loss: the loss as it is."""
+    return loss
+
+
+def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy over every position: ``logits [..., C]``, ``targets [...]`` class ids."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def padding_mask(batch: int, seq: int, generator: torch.Generator | None = None) -> Tensor:
+    """An attention mask ``[batch, seq]`` (1 attend, 0 padding) padding each sequence at its end to a
+    random length in ``[1, seq]``, so that every position can attend to the first."""
+    lengths = torch.randint(1, seq + 1, (batch, 1), generator=generator)
+    return (torch.arange(seq) < lengths).long()
+
+
+def _transformers() -> Any:
+    """``transformers``, kept off the Hub (every model here is built from a config)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise BadInputError("the Hugging Face models need transformers: pip install 'autopar[hf]'") from None
+    return transformers
+
+
+def _ids(classes: int, *shape: int) -> Tensor:
+    return torch.randint(0, classes, shape)
+
+
+def _result(model: nn.Module, inputs: dict[str, Tensor], targets: Tensor, classes: int, own_loss: bool) -> Factory:
+    """What a factory returns: the wrapped model, its positional inputs, and the targets with
+    ``token_loss``; with ``own_loss`` the targets are the last input, ``labels``, and the loss the model's."""
+    if own_loss:
+        inputs = {**inputs, "labels": targets}
+        return HFModel(model, list(inputs), "loss", classes), tuple(inputs.values()), model_loss
+    return HFModel(model, list(inputs), "logits", classes), tuple(inputs.values()), targets, token_loss
+
+
+def _token_inputs(vocab: int, global_batch: int, seq: int, mask: bool) -> dict[str, Tensor]:
+    inputs = {"input_ids": _ids(vocab, global_batch, seq)}
+    if mask:
+        inputs["attention_mask"] = padding_mask(global_batch, seq)
+    return inputs
+
+
+def _language_model(auto_class: str, config: Any, global_batch: int, seq: int, mask: bool,
+                    own_loss: bool) -> Factory:
+    """A model of ``transformers.<auto_class>`` from ``config`` on ``(input_ids[, attention_mask])``, its
+    targets one token id per position."""
+    model = getattr(_transformers(), auto_class).from_config(config, attn_implementation="sdpa")
+    vocab = config.vocab_size
+    return _result(model, _token_inputs(vocab, global_batch, seq, mask), _ids(vocab, global_batch, seq), vocab,
+                   own_loss)
+
+
+def _decoder_config(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int, **extra: Any) -> Any:
+    """A Llama-style decoder config ``transformers.<name>`` (grouped-query attention with half the heads)."""
+    return getattr(_transformers(), name)(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), intermediate_size=2 * hidden, vocab_size=vocab,
+        max_position_embeddings=max(seq, 16), bos_token_id=0, eos_token_id=1, pad_token_id=None, **extra)
+
+
+def gpt2(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+         vocab: int = 128, mask: bool = False, own_loss: bool = False) -> Factory:
+    """GPT-2, its ``lm_head`` tied to the token embedding ``wte``."""
+    config = _transformers().GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=max(seq, 16),
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+
+
+def llama(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+          vocab: int = 128, mask: bool = False, own_loss: bool = False) -> Factory:
+    """Llama with its output layer tied to the input embedding, as the small Llama 3.2 models."""
+    config = _decoder_config("LlamaConfig", layers, hidden, heads, vocab, seq, tie_word_embeddings=True)
+    return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+
+
+def mistral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+            vocab: int = 128, mask: bool = False, own_loss: bool = False) -> Factory:
+    """Mistral (untied output layer)."""
+    config = _decoder_config("MistralConfig", layers, hidden, heads, vocab, seq, sliding_window=None)
+    return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+
+
+def mixtral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+            vocab: int = 128, experts: int = 4, mask: bool = False, own_loss: bool = False) -> Factory:
+    """Mixtral: Mistral with a mixture of ``experts`` MLPs, two per token (expert parallelism is not
+    planned: the experts are placed as any other weights)."""
+    config = _decoder_config("MixtralConfig", layers, hidden, heads, vocab, seq, num_local_experts=experts,
+                             num_experts_per_tok=2, sliding_window=None)
+    return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+
+
+def qwen2(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+          vocab: int = 128, mask: bool = False, own_loss: bool = False) -> Factory:
+    """Qwen2 (biases on q, k and v), its output layer tied to the input embedding as in Qwen2-0.5B."""
+    config = _decoder_config("Qwen2Config", layers, hidden, heads, vocab, seq, tie_word_embeddings=True)
+    return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+
+
+def bert(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+         vocab: int = 128, mask: bool = False, own_loss: bool = False) -> Factory:
+    """BERT as a masked language model, its decoder tied to the word embedding; targets at every
+    position."""
+    config = _transformers().BertConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=2 * hidden,
+        vocab_size=vocab, max_position_embeddings=max(seq, 16), hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return _language_model("AutoModelForMaskedLM", config, global_batch, seq, mask, own_loss)
+
+
+def t5(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+       vocab: int = 128, mask: bool = False, own_loss: bool = False) -> Factory:
+    """T5, encoder-decoder: inputs ``(input_ids[, attention_mask], decoder_input_ids)``; the encoder's,
+    the decoder's and the output embedding are one tied matrix. With ``own_loss`` the model makes its
+    decoder inputs from the labels (shifted right), so ``decoder_input_ids`` is not an input."""
+    config = _transformers().T5Config(
+        num_layers=layers, num_decoder_layers=layers, d_model=hidden, num_heads=heads, d_kv=hidden // heads,
+        d_ff=2 * hidden, vocab_size=vocab, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1)
+    model = _transformers().AutoModelForSeq2SeqLM.from_config(config, attn_implementation="sdpa")
+    inputs = _token_inputs(vocab, global_batch, seq, mask)
+    if not own_loss:
+        inputs["decoder_input_ids"] = _ids(vocab, global_batch, seq)
+    return _result(model, inputs, _ids(vocab, global_batch, seq), vocab, own_loss)
+
+
+def vit(global_batch: int = 4, image: int = 16, patch: int = 4, layers: int = 2, hidden: int = 64,
+        heads: int = 4, classes: int = 10, own_loss: bool = False) -> Factory:
+    """ViT classifying ``image`` x ``image`` RGB images into ``classes``: inputs ``(pixel_values,)``."""
+    config = _transformers().ViTConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=2 * hidden,
+        image_size=image, patch_size=patch, num_channels=3, num_labels=classes, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+    model = _transformers().AutoModelForImageClassification.from_config(config, attn_implementation="sdpa")
+    pixels = {"pixel_values": torch.randn(global_batch, 3, image, image)}
+    return _result(model, pixels, _ids(classes, global_batch), classes, own_loss)
