@@ -242,3 +242,19 @@ def test_pinned_checkpointing_keeps_one_mode_for_every_layer(gpt4_uniform):
     _, _, uniform = gpt4_uniform
     for mode, plan in uniform.items():
         assert plan.checkpointing == mode and plan.recomputed_layers == {}
+
+
+def test_a_weight_tied_across_stages_pays_the_sum_of_its_gradients():
+    """The embedding tied to the head sits on the first and the last stage; the runtime sums the two
+    copies' gradients after the schedule (``passes/tied_parameters.py``), and the plan prices it."""
+    def plan(tie: bool):
+        b = build_model("tiny-gpt", global_batch=8, overrides={"tie_embeddings": tie}, device="meta")
+        return autopar.plan(b.model, b.example_inputs, "2x1xH100", b.loss_fn, {"pp": 2, "microbatches": 2},
+                            example_targets=b.example_targets)
+    tied, untied = plan(True), plan(False)
+    extra = tied.predicted["comm_s"]["all_reduce"] - untied.predicted["comm_s"]["all_reduce"]
+    pair = parse_cluster("2x1xH100").group((2, 1), 0)  # the two stages' ranks, across the nodes
+    embedding = 256 * 64 * 2  # tiny-gpt's vocabulary x hidden, bf16
+    from autopar.cost_models import collective_time
+    assert extra == pytest.approx(collective_time("all_reduce", embedding, pair), rel=1e-6)
+    assert tied.predicted["step_time_s"] > untied.predicted["step_time_s"]

@@ -41,6 +41,7 @@ class Candidate:
     step_s: float  # solution.objective_s plus pipeline bubble and stage-to-stage transfers
     bubble_s: float = 0.0
     p2p_s: float = 0.0
+    tied_s: float = 0.0  # gradient sum of weights tied across the first and last stage, after the schedule
 
     @property
     def layer_modes(self) -> dict[str, int]:
@@ -74,7 +75,26 @@ def with_pipeline_time(captured: CapturedGraph, mesh: MeshChoice, staging: Stagi
     p2p = 2 * staging.chunks * m * transfer  # activations forward, their gradients backward
     per_microbatch = (solution.objective_s - exposed_grad_sync(problem, solution.choice) + p2p) / m
     bubble = per_microbatch * m * staging.bubble_fraction(m)
-    return Candidate(mesh, staging, problem, solution, pricer, solution.objective_s + p2p + bubble, bubble, p2p)
+    tied = sum(pricer.tied_gradient_sum(nbytes) for nbytes in _tied_across_stages(captured, problem, solution, pricer))
+    return Candidate(mesh, staging, problem, solution, pricer, solution.objective_s + p2p + bubble + tied, bubble, p2p,
+                     tied)
+
+
+def _tied_across_stages(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer) -> list[float]:
+    """Bytes per device of each parameter read both before the repeated layers and after them (an input
+    embedding tied to the output layer): under a pipeline the first and the last stage each hold a copy,
+    whose gradients are summed after the schedule."""
+    roles = layer_roles(captured, problem)
+    key_of = {n: key for key, d in problem.decisions.items() for n in d.nodes}
+    out = []
+    for name in captured.params:
+        sides = {"after" if key_of.get(u.name) in roles.after_layers else
+                 "layer" if key_of.get(u.name) in roles.in_layer else "before" for u in captured.node(name).users}
+        if {"before", "after"} <= sides:
+            d = problem.decisions[key_of[name]]
+            placements = d.options[solution.choice[key_of[name]]].strategy.outputs[0]
+            out.append(pricer.local_bytes(captured.node(name).meta["val"], placements))
+    return out
 
 
 def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer,
@@ -257,6 +277,7 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         for kind, s in edge.price[(p, q)].comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + edge.count * s
     comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s
+    comm["all_reduce"] = comm.get("all_reduce", 0.0) + best.tied_s
     exposed = sum(comm.values()) + max(0.0, sync - hide)
     comm["all_reduce"] = comm.get("all_reduce", 0.0) + sync
     step = best.step_s

@@ -416,12 +416,22 @@ class Pricer:
         if self.stages == 1:
             return 0.0
         group = self.groups[copies_dim] if copies_dim is not None else None
-        crosses_nodes = self.stage_group.nodes > 1
-        pair = replace(self.stage_group, size=2, per_node=1 if crosses_nodes else 2, nodes=2 if crosses_nodes else 1)
-        seconds = collective_time("send_recv", nbytes / (group.size if group else 1), pair)
+        seconds = collective_time("send_recv", nbytes / (group.size if group else 1), self._stage_pair())
         if group is not None:
             seconds += collective_time("all_gather", nbytes, group)
         return seconds
+
+    def tied_gradient_sum(self, nbytes: float) -> float:
+        """Seconds to sum the gradient (``nbytes`` per device) of a weight tied across the first and the
+        last stage (``passes/tied_parameters.py``): an all_reduce between the two copies' ranks after
+        the schedule, on the critical path (Megatron-LM's embedding all_reduce)."""
+        return collective_time("all_reduce", nbytes, self._stage_pair()) if self.stages > 1 else 0.0
+
+    def _stage_pair(self):
+        """The group of two ranks at the same place of two stages' meshes (across nodes when stages span
+        nodes)."""
+        crosses_nodes = self.stage_group.nodes > 1
+        return replace(self.stage_group, size=2, per_node=1 if crosses_nodes else 2, nodes=2 if crosses_nodes else 1)
 
     # ---- placeholders ------------------------------------------------------------------------
     def gradient_accumulation(self) -> Cost:
