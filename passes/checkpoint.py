@@ -11,7 +11,10 @@ one mode for every layer, or each layer's own under ``mixed`` checkpointing, as 
 * ``selective``: the same, with torch's selective activation checkpointing
   (``create_selective_checkpoint_contexts``): linear-layer (``mm``/``addmm``) and fused-attention
   outputs are ``MUST_SAVE``, everything else, an unfused attention's ``s x s`` scores included,
-  ``PREFER_RECOMPUTE`` (Korthikanti et al. 2022).
+  ``PREFER_RECOMPUTE`` (Korthikanti et al. 2022); except a matmul the plan leaves ``Partial`` (a
+  row-parallel linear layer before its reduction): its output is as large as the unsharded
+  activation and no backward needs it, so it is recomputed rather than kept, which keeps selective
+  below no recomputation in memory under tensor parallelism.
 
 How: ``torch.fx.passes.split_module`` cuts the program into submodules, one per contiguous run of
 nodes of the same layer (``autopar.ir.layers.layer_of``) or of nodes outside any layer; every layer
@@ -31,13 +34,18 @@ partition graph acyclic even where layer membership is not contiguous.
 
 The kept op set is ``autopar.ir.layers.KEPT_UNDER_SELECTIVE``, the list pricing uses. The policy sees
 the op as dispatched at run time (after composite ops are decomposed), not the captured node, which is
-why the list names the fused attention kernels as well as the composite.
+why the list names the fused attention kernels as well as the composite. Which of a layer's kept-list
+ops to save is decided per node from the plan (``keeps_output``); the policy sees no node, so it reads
+those decisions in order, one per kept-list op dispatched (each such node dispatches one: DTensor runs
+an ``mm`` node as one local ``mm``, ``run_locally`` a fused attention node as one kernel), counting the
+forward and the recomputation apart. Were the count off, a different op would be saved: memory, never
+numerics, would differ, since the recomputation replays the same decisions.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
@@ -47,29 +55,40 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from autopar.core.plan import CHECKPOINTING
 from autopar.ir.layers import kept_under_selective, layer_of
 
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep linear-layer and fused-attention outputs, recompute everything else."""
-    if kept_under_selective(op):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+from .run_locally import run_local_op
+
+def selective_contexts(saves: Sequence[bool]) -> Any:
+    """``checkpoint``'s ``context_fn`` for one call of a selectively recomputed layer: the ``i``-th op of
+    the kept list it dispatches is ``MUST_SAVE`` when ``saves[i]``, every other op ``PREFER_RECOMPUTE``."""
+    seen = {False: 0, True: 0}  # kept-list ops dispatched so far, in the forward and in the recomputation
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if not kept_under_selective(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        i = seen[ctx.is_recompute]
+        seen[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if i < len(saves) and saves[i] else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
-def recompute_contexts(checkpointing: str) -> Callable[[], Any]:
-    """``checkpoint``'s ``context_fn``: selective's policy, or torch's default (recompute everything)."""
+def recompute_contexts(checkpointing: str, saves: Sequence[bool] = ()) -> Callable[[], Any]:
+    """``checkpoint``'s ``context_fn``: selective's policy (``saves``: per kept-list op of the layer, in
+    order, whether to keep its output), or torch's default (recompute everything)."""
     if checkpointing == "selective":
-        return functools.partial(create_selective_checkpoint_contexts, selective_policy)
+        return functools.partial(selective_contexts, tuple(saves))
     return noop_context_fn
 
 
 class CheckpointedLayer(nn.Module):
     """One repeated layer's subgraph, run under ``torch.utils.checkpoint`` (non-reentrant)."""
 
-    def __init__(self, layer: fx.GraphModule, name: str, checkpointing: str):
+    def __init__(self, layer: fx.GraphModule, name: str, checkpointing: str, saves: Sequence[bool] = ()):
         super().__init__()
         self.layer = layer
         self.layer_name = name
         self.checkpointing = checkpointing
-        self._context_fn = recompute_contexts(checkpointing)
+        self._context_fn = recompute_contexts(checkpointing, saves)
 
     def forward(self, *args: Any) -> Any:
         return checkpoint(self.layer, *args, use_reentrant=False, context_fn=self._context_fn)
@@ -78,9 +97,11 @@ class CheckpointedLayer(nn.Module):
         return f"{self.layer_name}, checkpointing={self.checkpointing}"
 
 
-def checkpoint_layers(gm: fx.GraphModule, mode_of: Callable[[str], str]) -> fx.GraphModule:
+def checkpoint_layers(gm: fx.GraphModule, mode_of: Callable[[str], str],
+                      keeps_output: Callable[[fx.Node], bool] = lambda node: True) -> fx.GraphModule:
     """``gm`` with each repeated layer run in its activation checkpointing mode ``mode_of(layer)``
-    (``gm`` itself when every layer's is "none")."""
+    (``gm`` itself when every layer's is "none"); under selective, ``keeps_output(node)`` says whether
+    a kept-list op's output is saved."""
     layers = program_layers(gm.graph)
     modes = {layer: mode_of(layer) for layer in set(layers.values()) if layer is not None}
     unknown = {layer: mode for layer, mode in modes.items() if mode not in CHECKPOINTING}
@@ -94,8 +115,16 @@ def checkpoint_layers(gm: fx.GraphModule, mode_of: Callable[[str], str]) -> fx.G
     for run, layer in _layer_of_run(gm.graph, runs, layers).items():
         if layer is not None and modes[layer] != "none":
             name = f"submod_{run}"
-            setattr(split, name, CheckpointedLayer(getattr(split, name), layer, modes[layer]))
+            submodule = getattr(split, name)
+            saves = [keeps_output(node) for node in submodule.graph.nodes
+                     if node.op == "call_function" and kept_under_selective(dispatched_op(node))]
+            setattr(split, name, CheckpointedLayer(submodule, layer, modes[layer], saves))
     return split
+
+
+def dispatched_op(node: fx.Node) -> Any:
+    """The aten op a program node dispatches: its target, or the op ``run_locally`` runs on local shards."""
+    return node.args[0] if node.target is run_local_op else node.target
 
 
 def program_layers(graph: fx.Graph) -> dict[fx.Node, str | None]:

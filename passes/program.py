@@ -74,6 +74,13 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
+def _whole_output(node: fx.Node, plan: Plan) -> bool:
+    """Whether the plan leaves no output of ``node`` partial (selective checkpointing keeps only such
+    outputs of the ops it keeps: ``checkpoint.py``)."""
+    outputs = plan.ops.get(node.name, {}).get("outputs") or []
+    return not any(p is not None and any(str(x).startswith("P") for x in p) for p in outputs)
+
+
 def _pipelined(plan: Plan) -> bool:
     """Whether the plan cuts the program into pipeline stages."""
     return plan.degrees.pp > 1
@@ -82,7 +89,7 @@ def _pipelined(plan: Plan) -> bool:
 def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, regathers: bool) -> Stage:
     """``piece`` with its layers checkpointed as planned, under ``ResavedParameters`` when the program
     gathers parameters, and the placements of the values it receives and sends."""
-    module = checkpoint_layers(piece.graph_module, plan.checkpointing_of)
+    module = checkpoint_layers(piece.graph_module, plan.checkpointing_of, lambda node: _whole_output(node, plan))
     nodes = {node.name: node for node in program.graph.nodes}
     return Stage(piece, ResavedParameters(module) if regathers else module,
                  tuple(boundary_of(nodes[name], plan) for name in piece.inputs),

@@ -203,15 +203,16 @@ class _MeshSearch:
                     reason = infeasible_reason(self._staged(memory[tried[-1]], staging))  # reads only memory
                 continue
             fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
-            fewest_fitting = fitting[0]
             found = self._best_microbatching(mesh, staging, per_m, fitting, pricer,
                                              min(cutoff_s or float("inf"), best.step_s if best else float("inf")))
             if isinstance(found, Candidate):
                 best = found
             elif isinstance(found, str):
                 reason, self.solver_failed = found, True
+                continue  # its bound without edges fit, the problem did not: let more recomputation try these counts
             else:
                 was_pruned = True
+            fewest_fitting = fitting[0]
         if best is not None:
             return best
         return mesh if was_pruned or not reason else reason

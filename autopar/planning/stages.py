@@ -29,7 +29,8 @@ Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per 
   expensive and whose outputs are small, stay saved (``KEPT_UNDER_SELECTIVE``). Batched matmuls of
   two activations (an unfused attention's ``q k^T`` and ``p v``) are recomputed with the softmax
   between them: their outputs are the ``s x s`` scores, the memory Korthikanti et al.'s selective
-  recomputation exists to drop;
+  recomputation exists to drop. A matmul left partial (row-parallel, before its reduction) is
+  recomputed too: keeping its full-size output would cost more than no recomputation (``_treatment``);
 * ``full``: every op of the layer is recomputed except the layer's output, which the next layer
   reads (Megatron-LM's full recomputation keeps only each layer's input).
 
@@ -197,7 +198,7 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     for key, d in problem.decisions.items():
         staged = replace(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
         if key in roles.in_layer - roles.boundary:
-            options = [_priced_by_mode(o, {m: (key in recomputed[m], key in kept_whole[m]) for m in modes},
+            options = [_priced_by_mode(o, {m: _treatment(key, o, m, recomputed[m], kept_whole[m]) for m in modes},
                                        in_flight, staged.count / layers, problem.microbatches) for o in d.options]
         else:
             held = last_in_flight if key in roles.after_layers else in_flight
@@ -208,6 +209,22 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
              for e in problem.edges]
     staged_problem = replace(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
     return staged_problem.with_layer_modes({modes[0]: layers}) if len(modes) == 1 else staged_problem
+
+
+def _treatment(key: str, option: Option, mode: str, recomputed: frozenset[str], kept_whole: frozenset[str]
+               ) -> tuple[bool, bool]:
+    """(recomputed, kept whole) of a layer op's option in ``mode``. Selective keeps the outputs of
+    linear layers and attention, but not one the option leaves partial (a row-parallel matmul before its
+    reduction: as large as the unsharded output and needed by no backward), which it recomputes, as
+    ``passes/checkpoint.py`` runs it. (The edges into such a matmul are not priced as re-run: its input
+    arrives sharded as it reads it, with no collective to repeat.)"""
+    if key in kept_whole and _leaves_partial(option):
+        return True, False
+    return key in recomputed, key in kept_whole
+
+
+def _leaves_partial(option: Option) -> bool:
+    return any(p is not None and any(x.is_partial() for x in p) for p in option.strategy.outputs)
 
 
 def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool]], in_flight: float,
