@@ -227,9 +227,16 @@ def parse_size(text: str) -> int:
     return int(_positive(text, float(match.group(1)) * _SIZE_UNITS[unit]))
 
 
+LARGEST_AMOUNT = 2.0**53
+"""The largest byte count or bytes per second a cluster may state (9 PB, 9 PB/s): beyond it a figure is a
+typo, and a plan, which records the cluster, keeps numbers below 2**63."""
+
+
 def _positive(text: str, value: float) -> float:
     if not value > 0 or math.isinf(value):
         raise ValueError(f"bad value {text!r}: expected a positive amount")
+    if value > LARGEST_AMOUNT:
+        raise ValueError(f"bad value {text!r}: {value:.3g} is more than any device has (at most {LARGEST_AMOUNT:.3g})")
     return value
 
 

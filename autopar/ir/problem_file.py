@@ -249,6 +249,10 @@ def _node_from_record(graph: fx.Graph, record: dict, env: dict[str, fx.Node]) ->
     target = _resolve_target(record["target"]) if op == "call_function" else _identifier(record["target"], "target")
     args = _decode(record.get("args", {"tuple": []}), env)
     kwargs = {_identifier(k, "keyword"): _decode(v, env) for k, v in record.get("kwargs", {}).items()}
+    if not isinstance(args, (tuple, list)):
+        raise _Malformed(f"args must be a list, got {type(args).__name__}")
+    if op == "placeholder" and (args or kwargs):
+        raise _Malformed(f"placeholder {name!r} takes no arguments")  # fx would write them as defaults
     node = graph.create_node(op, target, tuple(args), kwargs, name=name)
     if node.name != name:
         raise _Malformed(f"duplicate or invalid node name {name!r}")
