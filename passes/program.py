@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.ir.bind import bind_ops
 from autopar.ir.capture import CapturedGraph
@@ -78,7 +79,7 @@ def _whole_output(node: fx.Node, plan: Plan) -> bool:
     """Whether the plan leaves no output of ``node`` partial (selective checkpointing keeps only such
     outputs of the ops it keeps: ``checkpoint.py``)."""
     outputs = plan.ops.get(node.name, {}).get("outputs") or []
-    return not any(p is not None and any(str(x).startswith("P") for x in p) for p in outputs)
+    return not any(p is not None and any(x.is_partial() for x in strs_to_placements(p)) for p in outputs)
 
 
 def _pipelined(plan: Plan) -> bool:
