@@ -29,6 +29,7 @@ from autopar.ir.problem_file import SavedProblem, save_problem as write_problem_
 from autopar.cost_models.hardware import preset_for_cuda_name
 from autopar.runtime.fits import device_memory_bytes
 from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
+from autopar.passes.mixed_precision import compute_dtype
 
 if TYPE_CHECKING:  # the pipeline runtime imports torch.distributed.pipelining: only autoparallelize needs it
     from autopar.runtime.pipeline import PipelineParallelModule
@@ -119,10 +120,11 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
-    m = the_plan.pipeline.microbatches
-    if m > 1:  # the program runs one microbatch at a time: capture it at that shape
+    m, dtype = the_plan.pipeline.microbatches, compute_dtype(the_plan.precision)
+    if m > 1 or dtype is not None:  # the program runs one microbatch at a time, in the compute dtype: capture that
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
-                           _first_rows(example_targets, m) if example_targets is not None else None, loss_fn)
+                           _first_rows(example_targets, m) if example_targets is not None else None, loss_fn,
+                           dtype=dtype)
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 

@@ -86,8 +86,10 @@ MEGATRON_SC21_TABLE1 = [
 
 
 def constraints_for(run: PublishedRun) -> dict[str, object]:
+    # the 2021 runs: plain data parallelism, fp16 mixed precision with fp16 gradient all_reduces (Megatron-LM
+    # reduced in fp32 only under bf16, its accumulate_allreduce_grads_in_fp32)
     fixed: dict[str, object] = {"tp": run.tp, "pp": run.pp, "dp": run.dp, "microbatch_size": run.microbatch,
-                                "checkpointing": "full", "fsdp": 0}  # the 2021 runs: plain data parallelism
+                                "checkpointing": "full", "fsdp": 0, "dtype": "fp16", "reduce_dtype": "fp16"}
     if run.pp > 1:
         fixed["schedule"] = "interleaved" if run.chunks > 1 else "1f1b"
     if run.chunks > 1:

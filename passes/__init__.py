@@ -8,19 +8,22 @@ list of graph passes; every runtime runs the stage programs it returns:
    falls out of autograd);
 2. ``reshard``: parameters gathered for an op are gathered again in backward instead of held from
    forward to backward (FSDP's reshard after forward);
-3. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
+3. ``mixed_precision``: under a mixed-precision plan, every op reading a parameter reads it cast to the
+   compute dtype, and a gathered parameter is cast before it is gathered (``cast_parameters``);
+4. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
    local rules such as fused attention split on heads) run on local shards;
-4. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
+5. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
    plan's is one stage program, the whole program;
-5. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule
+6. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule
    run under ``torch.utils.checkpoint`` (full or selective recomputation, per layer); when step 2
    rewrote a gather, the stage program runs under ``reshard.ResavedParameters``' saved-tensor hooks.
 
-Four passes act outside the graph, on the runtime's parameters and gradients; a runtime applies them
-in this order:
+Passes acting outside the graph, on the runtime's parameters and gradients, are applied by
+``mixed_precision.ProgramParameters`` (both runtimes use it) in this order:
 
 a. ``shard_parameters`` (building): every parameter and buffer becomes a DTensor with the plan's
-   placements (the pipeline runtime shards only its own stages');
+   placements (the pipeline runtime shards only its own stages'), in fp32 under mixed precision (the
+   optimizer's master weights);
 b. ``zero`` (ZeRO-1/2 plans, ``ParallelModule``; building): ``ShardedOptimizerState`` gives the
    optimizer dp-sharded copies of the parameters, and before a step's first forward gathers the
    program's parameters from them;
@@ -37,9 +40,10 @@ Passes read a Plan, never the solver.
 """
 
 from .gradient_sync import GradientSync
+from .mixed_precision import ProgramParameters
 from .program import Program, Stage, build_program
 from .shard_parameters import shard_parameters, shard_tensor
 from .zero import ShardedOptimizerState
 
-__all__ = ["GradientSync", "Program", "ShardedOptimizerState", "Stage", "build_program", "shard_parameters",
+__all__ = ["GradientSync", "Program", "ProgramParameters", "ShardedOptimizerState", "Stage", "build_program", "shard_parameters",
            "shard_tensor"]

@@ -5,7 +5,8 @@ with a *partial* gradient on that dim: each rank holds its batch shard's contrib
 in flat buckets (PyTorch DDP's idea: few large collectives beat many small ones, and a bucket's
 all_reduce runs while backward computes the next gradients), one bucket list per set of mesh dims,
 then store each gradient with its parameter's placements so the optimizer sees plain replicated or
-sharded DTensors.
+sharded DTensors. A bucket is reduced in ``reduce_dtype`` when one is given (the plan's
+``precision.reduce``: fp32 gradients summed in bf16 move half the bytes) and cast back after.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ class GradientSync:
     code.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES,
+                 reduce_dtype: torch.dtype | None = None):
         self.params = list(params)
         self.bucket_bytes = bucket_bytes
+        self.reduce_dtype = reduce_dtype
         self.collectives = 0  # all_reduce calls issued by the last sync (for tests and reports)
         self._armed = False
         self._pending: dict[int, int] = {}  # id(param) -> accumulations left before it is filed (armed)
@@ -117,7 +120,7 @@ class GradientSync:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             return
         local = p.grad.to_local()
-        nbytes = local.numel() * local.element_size()
+        nbytes = local.numel() * (self.reduce_dtype or local.dtype).itemsize
         if closes_bucket(self._open_bytes[partial], nbytes, self.bucket_bytes):
             self._launch(partial)
         self._open[partial].append((p, local))
@@ -127,7 +130,7 @@ class GradientSync:
         bucket = self._open.pop(partial, [])
         self._open_bytes.pop(partial, None)
         if bucket:
-            self._launched.append(_Reduction(bucket, partial))
+            self._launched.append(_Reduction(bucket, partial, self.reduce_dtype))
             self.collectives += len(partial)
 
 
@@ -135,11 +138,12 @@ class _Reduction:
     """One bucket's all_reduces: the first mesh dim's starts now (asynchronously); ``finish`` waits,
     reduces over any further partial dim and hands each parameter its reduced gradient."""
 
-    def __init__(self, bucket: list[tuple[nn.Parameter, torch.Tensor]], partial: tuple[tuple[int, str], ...]):
+    def __init__(self, bucket: list[tuple[nn.Parameter, torch.Tensor]], partial: tuple[tuple[int, str], ...],
+                 reduce_dtype: torch.dtype | None):
         self.params = [p for p, _ in bucket]
         self.locals = [t for _, t in bucket]
         self.partial = partial
-        self.flat = torch.cat([t.reshape(-1) for t in self.locals])
+        self.flat = torch.cat([t.reshape(-1).to(reduce_dtype or t.dtype) for t in self.locals])
         self.mesh = self.params[0].device_mesh
         dim, _ = partial[0]
         self.work = dist.all_reduce(self.flat, group=self.mesh.get_group(dim), async_op=True)
@@ -153,7 +157,7 @@ class _Reduction:
                 self.flat /= self.mesh.size(dim)
         pieces = torch.split(self.flat, [t.numel() for t in self.locals])
         for p, t, piece in zip(self.params, self.locals, pieces):
-            grad = DTensor.from_local(piece.view(t.shape), self.mesh, _without_partial(p.grad.placements),
+            grad = DTensor.from_local(piece.view(t.shape).to(t.dtype), self.mesh, _without_partial(p.grad.placements),
                                       run_check=False)
             p.grad = grad if grad.placements == p.placements else grad.redistribute(self.mesh, p.placements)
 

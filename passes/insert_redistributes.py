@@ -4,8 +4,21 @@ The plan gives each op the placements its tensor inputs must have (its strategy)
 producer's planned output differs, the pass inserts ``redistribute(x, placements)``: DTensor runs the
 collective (all_gather, all_reduce, reduce_scatter, all_to_all, or a local slice) and its backward is
 the dual collective. Ops whose inputs already match get no node, so the printed program shows exactly
-where communication happens. Factory ops (no tensor inputs) produce plain tensors; the pass wraps them
-as replicated DTensors so every value in the program is a DTensor.
+where communication happens.
+
+One redistribute per (value, placements, region): the readers of a value that need it in the same
+placements within one region (``autopar.ir.layers.reader_regions``: a repeated layer, or the code
+before or after the layers) read one redistribute node, inserted before the first of them. Under
+sequence parallelism q, k and v read the sequence-split normed input through one all_gather, and
+autograd sums their gradients before its one backward reduce_scatter (Megatron-LM's one "g" / "g-bar"
+pair per attention); pricing charges such a move once (``autopar.planning.problem.SharedResharding``).
+Readers in different regions get their own node, so a shared redistribute is recomputed with the
+checkpointed layer that reads it (``checkpoint.py``) and never joins two pipeline stages
+(``split_stages.py``: a region lies in one stage). A parameter gathered once for several readers is
+still gathered again in backward for each reader that saved it (``reshard.py``).
+
+Factory ops (no tensor inputs) produce plain tensors; the pass wraps them as replicated DTensors so
+every value in the program is a DTensor.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import tensor_inputs
+from autopar.ir.layers import reader_regions, tensor_inputs
 
 from .layout import in_memory_order, memory_order
 
@@ -64,8 +77,9 @@ def insert_redistributes(
     placements the plan says it has.
     """
     graph = gm.graph
-    inserted = 0
     mesh_node = mesh_attr(gm, mesh)
+    regions = reader_regions(graph)
+    moves: dict[tuple[fx.Node, tuple[str, ...], str], fx.Node] = {}  # one per (value, placements, region)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in ops:
             continue
@@ -76,13 +90,14 @@ def insert_redistributes(
         for arg, placements in zip(tensor_inputs(node), wanted):
             if tuple(produced.get(_value_name(arg), ())) == placements:
                 continue
-            with graph.inserting_before(node):
-                moved = graph.call_function(redistribute, (arg, placements))
-            node.replace_input_with(arg, moved)
-            inserted += 1
+            key = (arg, placements, regions[node])
+            if key not in moves:
+                with graph.inserting_before(node):
+                    moves[key] = graph.call_function(redistribute, (arg, placements))
+            node.replace_input_with(arg, moves[key])
     graph.lint()
     gm.recompile()
-    return inserted
+    return len(moves)
 
 
 def produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:

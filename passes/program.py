@@ -28,6 +28,7 @@ from autopar.ir.capture import CapturedGraph
 
 from .checkpoint import checkpoint_layers
 from .insert_redistributes import insert_redistributes, produced_placements
+from .mixed_precision import cast_parameters
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
 from .run_locally import run_locally
 from .split_stages import Boundary, StageProgram, boundary_of, split_program, whole_program
@@ -60,6 +61,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
     redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), mesh)
     gathers = reshard_after_forward(program, parameter_values(captured))
+    cast_parameters(program, parameter_values(captured), plan.precision)
     run_locally(program, plan.ops, mesh)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
               if _pipelined(plan) else [whole_program(program)])

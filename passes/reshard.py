@@ -60,6 +60,7 @@ class _Gathered:
     local: "weakref.ref[torch.Tensor]"
     source: DTensor
     placements: tuple[str, ...]
+    dtype: torch.dtype  # of the gathered copy (a mixed-precision program gathers a master's shard cast to it)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class _Regather:
 
     source: DTensor
     placements: tuple[str, ...]
+    dtype: torch.dtype
     local_geometry: tuple[torch.Size, tuple[int, ...], int]  # size, stride, storage offset of the local view
     mesh: DeviceMesh
     saved_placements: tuple[Placement, ...]
@@ -86,7 +88,7 @@ class ParameterRegather:
 
     def remember(self, gathered: DTensor, source: DTensor, placements: tuple[str, ...]) -> None:
         local = _local(gathered)
-        self._gathered[_address(local)] = _Gathered(weakref.ref(local), source, placements)
+        self._gathered[_address(local)] = _Gathered(weakref.ref(local), source, placements, gathered.dtype)
 
     def held(self) -> int:
         """How many of the parameters gathered in this forward are still alive (0 once it has returned:
@@ -98,7 +100,8 @@ class ParameterRegather:
         entry = self._gathered_entry(local) if local is not None else None
         if entry is None:
             return self._outer[0](tensor) if self._outer else tensor
-        return _Regather(entry.source, entry.placements, (local.size(), local.stride(), local.storage_offset()),
+        return _Regather(entry.source, entry.placements, entry.dtype,
+                         (local.size(), local.stride(), local.storage_offset()),
                          tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
 
     def _gathered_entry(self, local: torch.Tensor) -> _Gathered | None:
@@ -111,7 +114,7 @@ class ParameterRegather:
         if not isinstance(saved, _Regather):
             return self._outer[1](saved) if self._outer else saved
         with torch.no_grad():
-            whole = _local(redistribute(saved.source, saved.placements))
+            whole = _local(redistribute(saved.source.to(saved.dtype), saved.placements))
         self.regathered += 1
         view = whole.as_strided(*saved.local_geometry)
         return DTensor.from_local(view, saved.mesh, saved.saved_placements, run_check=False,
@@ -122,13 +125,40 @@ class ParameterRegather:
         return _ACTIVE[-1] if _ACTIVE else None
 
 
-def gather_parameter(x: DTensor, placements: tuple[str, ...]) -> DTensor:
-    """``redistribute`` for a parameter: the same move, recorded so that a saved copy is made again in backward."""
-    moved = redistribute(x, placements)
+def gather_parameter(x: DTensor, placements: tuple[str, ...], compute_dtype: torch.dtype | None = None,
+                     reduce_dtype: torch.dtype | None = None) -> DTensor:
+    """``redistribute`` for a parameter: the same move, recorded so that a saved copy is made again in backward.
+
+    With ``compute_dtype`` (mixed precision, ``passes/mixed_precision.py``: ``x`` is, or is a view of, an
+    fp32 master) the shard is cast before it moves, so the gather carries compute-dtype bytes, and the
+    gradient goes back reduced in ``reduce_dtype`` onto the fp32 shard (``_CastThenMove``)."""
+    if compute_dtype is not None and x.dtype != compute_dtype:
+        moved = _CastThenMove.apply(x, placements, compute_dtype, reduce_dtype or x.dtype)
+    else:
+        moved = redistribute(x, placements)
     hooks = ParameterRegather.active()
     if hooks is not None and moved is not x:
         hooks.remember(moved, x, placements)
     return moved
+
+
+class _CastThenMove(torch.autograd.Function):
+    """Forward: the shard cast to the compute dtype, then moved (gathered). Backward: the gradient, in
+    ``reduce_dtype``, moved back to the shard's placements (reduce-scattered where it is partial over
+    the ranks that gathered, as DTensor's own redistribute backward does) and handed back in the
+    shard's dtype. FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` makes the same pair of
+    collectives; a plain cast followed by ``redistribute`` would reduce in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, placements: tuple[str, ...], compute_dtype: torch.dtype,
+                reduce_dtype: torch.dtype) -> DTensor:
+        ctx.source_placements, ctx.source_dtype, ctx.reduce_dtype = x.placements, x.dtype, reduce_dtype
+        return redistribute(x.to(compute_dtype), placements)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
+        moved = grad.to(ctx.reduce_dtype).redistribute(grad.device_mesh, ctx.source_placements)
+        return moved.to(ctx.source_dtype), None, None, None
 
 
 class ResavedParameters(nn.Module):

@@ -5,7 +5,12 @@ Two kinds of nodes get this treatment, both marked ``"local": true`` in the plan
 * ops with no DTensor strategy, planned all-``R`` (the planner warned): every rank runs the whole op;
 * ops planned with one of autopar's own *local rules* (``autopar.planning.strategies.LOCAL_RULES``), e.g.
   fused attention split on batch or heads: each rank runs the op on its shards, which is exact
-  because the split dims are independent.
+  because the split dims are independent;
+* context parallelism (``planning/strategies.py``, ``_sequence_split``): fused attention with its
+  queries split on the sequence against the gathered keys and values, whose causal mask is built for
+  the rank's chunk (``attend_locally``: SDPA's ``is_causal`` aligns the mask top-left, which is wrong
+  for a chunk of queries that starts at a global offset), and the views that flatten a sequence split
+  into the rows of ``[batch * seq, ...]`` or back, run on local shards at their local shape.
 
 The node's DTensor inputs become local tensors, the op runs, and its outputs are wrapped back with the
 planned placements. ``to_local``/``from_local`` are differentiable, so autograd reaches every input.
@@ -18,11 +23,19 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils._pytree import tree_map
+
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from autopar.core.placement import strs_to_placements
+from autopar.ir.capture import FUSED_ATTENTION
 
 from .insert_redistributes import mesh_attr
 from .layout import memory_order, wrap_with_layout
+
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+QUERY_DIM = 2  # fused attention's sequence dim of the queries, [batch, heads, seq, head_dim]
 
 
 def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
@@ -35,6 +48,54 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
         wrap_with_layout(t, mesh, p, order) if isinstance(t, torch.Tensor) and p is not None else t
         for t, p, order in zip(out, out_placements, layouts)
     )
+
+
+def attend_locally(offset: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+    """Fused attention of this rank's shards. Causal attention whose queries are the chunk of the sequence
+    from ``offset`` on (not None: split on dim 2) while the keys are whole gets an explicit mask for the
+    chunk's global positions: query ``i`` of the chunk is position ``offset + i`` and sees keys
+    ``0 .. offset + i``."""
+    if is_causal and offset is not None:
+        rows = torch.arange(q.shape[QUERY_DIM], device=q.device) + offset
+        attn_mask = rows[:, None] >= torch.arange(k.shape[QUERY_DIM], device=q.device)[None, :]
+        is_causal = False
+    return FUSED_ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, **kwargs)
+
+
+def run_local_attention(mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
+                        layouts: Sequence[tuple[int, ...] | None], offset: int | None, q: Any, k: Any, v: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+    """``run_local_op`` of ``attend_locally``. The keys and values whole on a dim where the output is
+    split (context parallelism) get a partial gradient there: each rank's queries add their share."""
+    k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))
+    return run_local_op(attend_locally, mesh, out_placements, layouts, offset, q, k, v, *args, **kwargs)
+
+
+def _partial_gradient(t: Any, out: Sequence[str]) -> Any:
+    """``t``'s local tensor, whose gradient is partial on each mesh dim where ``t`` is whole and the
+    output ``out`` is split (a DTensor's ``to_local`` would call it replicated: no reduction)."""
+    if not isinstance(t, DTensor):
+        return t
+    grads = [Partial() if p.is_replicate() and o.startswith("S(") else p for p, o in zip(t.placements, out)]
+    return t.to_local(grad_placements=grads)
+
+
+def _query_offset(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh) -> int | None:
+    """Where this rank's chunk of fused attention's queries starts in the sequence when ``placements``
+    split them on it; None when they are whole there."""
+    if not any(p == f"S({QUERY_DIM})" for p in placements):
+        return None
+    q = node.args[0].meta["val"]
+    _, offset = compute_local_shape_and_global_offset(tuple(q.shape), mesh, strs_to_placements(placements))
+    return int(offset[QUERY_DIM])
+
+
+def _local_shape(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh) -> list[int]:
+    """The shape of this rank's shard of ``node``'s output under ``placements`` (plans keep shards even)."""
+    shape, _ = compute_local_shape_and_global_offset(tuple(node.meta["val"].shape), mesh,
+                                                      strs_to_placements(placements))
+    return list(shape)
 
 
 def _layouts(node: fx.Node) -> tuple[tuple[int, ...] | None, ...]:
@@ -52,7 +113,13 @@ def run_locally(gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], mesh: 
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.name in local:
             outs = tuple(tuple(p) if p is not None else None for p in ops[node.name]["outputs"])
-            node.args = (node.target, mesh_node, outs, _layouts(node), *node.args)
+            if node.target is FUSED_ATTENTION:
+                offset = _query_offset(node, ops[node.name]["inputs"][0], mesh)
+                node.args = (mesh_node, outs, _layouts(node), offset, *node.args)
+                node.target = run_local_attention
+                continue
+            args = (node.args[0], _local_shape(node, outs[0], mesh)) if node.target in VIEWS else node.args
+            node.args = (node.target, mesh_node, outs, _layouts(node), *args)
             node.target = run_local_op
     gm.recompile()
     return len(local)

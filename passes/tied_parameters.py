@@ -18,6 +18,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,14 +40,17 @@ def stages_reading(chunks: Sequence[Stage], params: Mapping[str, str], pp: int) 
 
 class TiedGradientSync:
     """Sums, after backward, the gradients of this rank's copies of parameters tied across stages
-    (``parameters``: fqn -> the tensor the optimizer steps).
+    (``parameters``: fqn -> the tensor the optimizer steps), in ``reduce_dtype`` when one is given (the
+    plan's ``precision.reduce``).
 
     Building it is collective: every rank of ``world_mesh`` (``pp x stage mesh``) creates the same
     process groups, one per set of stages sharing parameters and position in the stage mesh."""
 
     def __init__(self, tied: Mapping[str, tuple[int, ...]], world_mesh: DeviceMesh,
-                 parameters: Mapping[str, nn.Parameter], timeout: timedelta | None):
+                 parameters: Mapping[str, nn.Parameter], timeout: timedelta | None,
+                 reduce_dtype: torch.dtype | None = None):
         self._parameters = parameters
+        self._reduce_dtype = reduce_dtype
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         me = dist.get_rank()
         for stages in sorted(set(tied.values())):
@@ -62,7 +66,7 @@ class TiedGradientSync:
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             # reduce in row-major order: the copies' gradients may lie in memory differently (one made by
             # an embedding's backward, the other by a matmul's, transposed), and a collective adds storage
-            summed = local.contiguous()
+            summed = local.contiguous().to(self._reduce_dtype or local.dtype)
             dist.all_reduce(summed, group=group)
             if summed is not local:
                 local.copy_(summed)

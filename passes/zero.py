@@ -18,6 +18,12 @@ but prices each rank with only its share of the optimizer state, and under ZeRO-
   ``GradientSync``: the runtime says how many accumulations a step makes), overlapping what backward
   is left; what an unarmed step leaves is reduced by ``reduce_gradients`` after backward.
 
+Under mixed precision (``passes/mixed_precision.py``) the shards are the fp32 master weights and
+the whole parameters the program computes with are leaves in the compute dtype (``compute_dtype``), as
+in Megatron-LM's distributed optimizer: the gather casts the updated shard first, so it moves
+compute-dtype bytes, and the gradient, accumulated in the compute dtype, is reduce-scattered in
+``reduce_dtype`` and lands on the shard in fp32.
+
 Parameters it cannot split keep the plan's placement and are synchronized like DDP's
 (``passes/gradient_sync.py``). Where we diverge from ``torch.distributed.optim.ZeroRedundancyOptimizer``
 (which gives each rank whole parameters and broadcasts them after the step): that class owns the
@@ -43,17 +49,22 @@ DATA_PARALLEL_DIM = "dp"
 
 
 class ShardedOptimizerState:
-    """The shard parameters of ZeRO-1 (``stage`` 1) or ZeRO-2 (``stage`` 2) for ``params`` (key ->
-    the program's replicated parameter) on ``mesh``."""
+    """The shard parameters of ZeRO-1 (``stage`` 1) or ZeRO-2 (``stage`` 2) for ``params`` (key -> the
+    parameter as the plan places it, replicated on dp, in the optimizer's dtype) on ``mesh``. With
+    ``compute_dtype`` the program's whole copy of each split parameter is a new leaf in that dtype
+    (``full``); without, ``params`` themselves."""
 
-    def __init__(self, params: Mapping[str, nn.Parameter], mesh: DeviceMesh, stage: int):
+    def __init__(self, params: Mapping[str, nn.Parameter], mesh: DeviceMesh, stage: int,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage {stage}: this pass runs stages 1 and 2 (3 is a sharded plan)")
         self.stage = stage
         self.mesh = mesh
-        self.full = dict(params)
-        self.shards = {key: nn.Parameter(_shard_of(p, dim, mesh)) for key, p in self.full.items()
+        self.reduce_dtype = reduce_dtype
+        self.shards = {key: nn.Parameter(_shard_of(p, dim, mesh)) for key, p in params.items()
                        if (dim := _shard_dim(p, mesh)) is not None}
+        self.full = {key: nn.Parameter(p.detach().to(compute_dtype)) if compute_dtype and key in self.shards else p
+                     for key, p in params.items()}
         self._pending: dict[str, int] = {}  # ZeRO-1, armed: accumulations left before a gradient is reduced
         for key in self.shards:
             self.full[key].register_post_accumulate_grad_hook(lambda p, key=key: self._on_gradient(key))
@@ -67,7 +78,7 @@ class ShardedOptimizerState:
         """Refresh every replicated parameter from its (possibly updated) shard: one all_gather each."""
         for key, shard in self.shards.items():
             full = self.full[key]
-            full.copy_(shard.redistribute(self.mesh, full.placements))
+            full.copy_(shard.to(full.dtype).redistribute(self.mesh, full.placements))
 
     def arm(self, accumulations: int = 1) -> None:
         """ZeRO-1: reduce-scatter each gradient as soon as the coming backward passes have accumulated
@@ -94,7 +105,8 @@ class ShardedOptimizerState:
         full, shard = self.full[key], self.shards[key]
         if full.grad is None:
             return
-        grad = full.grad.redistribute(self.mesh, shard.placements)
+        grad = full.grad.to(self.reduce_dtype or full.grad.dtype).redistribute(self.mesh, shard.placements)
+        grad = grad.to(shard.dtype)
         full.grad = None
         shard.grad = grad if shard.grad is None else shard.grad + grad
 

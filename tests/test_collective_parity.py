@@ -144,9 +144,10 @@ def test_tensor_parallel_backward_reduces_each_partial_gradient_once_as_predicte
 
 
 def test_sequence_parallel_backward_reduce_scatters_each_gathered_input_as_predicted(counted) -> None:
-    """Under sequence parallelism q, k and v each gather the sequence-split normed input through their
-    own view, and each gather's backward reduce-scatters that reader's gradient (3 per attention, 1 per
-    MLP, 1 for the head), where tensor parallelism alone all-reduces the summed gradient once."""
+    """Under sequence parallelism q, k and v gather the sequence-split normed input once (one
+    redistribute they share, ``passes/insert_redistributes.py``), and its backward reduce-scatters their
+    summed gradient once (1 per attention, 1 per MLP, 1 for the head), as Megatron-LM does, where tensor
+    parallelism alone all-reduces the summed gradient once."""
     index = CONFIGS.index(("tiny-gpt", {"tp": 4, "sp": 1}))
     result = counted[0][index]
     assert result["plan"]["degrees"]["sp"] == 4

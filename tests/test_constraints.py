@@ -17,7 +17,7 @@ GOOD = [  # key, value as given, field, value as held
     ("dp", 2, "dp", 2), ("dp", " 8", "dp", 8), ("tp", "4", "tp", 4), ("pp", 2, "pp", 2),
     ("sp", 1, "sp", 1), ("sp", 0, "sp", 0), ("sp", "true", "sp", 1), ("sp", "False", "sp", 0), ("sp", True, "sp", 1),
     ("fsdp", 0, "zero_stage", 0), ("fsdp", "2", "zero_stage", 2), ("fsdp", 3, "zero_stage", 3),
-    ("dp_shard", "4", "dp_shard", 4), ("cp", 1, "cp", 1), ("ep", "1", "ep", 1),
+    ("dp_shard", "4", "dp_shard", 4), ("cp", 1, "cp", 1), ("ep", "4", "ep", 4),
     ("microbatches", "4", "microbatches", 4), ("microbatch_size", 1, "microbatch_size", 1),
     ("schedule", "1F1B", "schedule", "1f1b"), ("schedule", "gpipe", "schedule", "gpipe"),
     ("virtual_stages", 1, "virtual_stages", 1), ("virtual_stages", "3", "virtual_stages", 3),
@@ -25,6 +25,7 @@ GOOD = [  # key, value as given, field, value as held
     ("memory_gb", "1.5", "memory_gb", 1.5), ("memory_gb", 80, "memory_gb", 80.0),
     ("solver_nodes", "200", "solver_nodes", 200),
     ("dtype", "BF16", "dtype", "bf16"), ("dtype", "fp32", "dtype", "fp32"),
+    ("reduce_dtype", "bf16", "reduce_dtype", "bf16"), ("reduce_dtype", "FP32", "reduce_dtype", "fp32"),
 ]
 
 
@@ -63,8 +64,9 @@ def test_good_value_is_held_typed(key, given, name, held):
     ({"memory_gb": 0}, "constraint memory_gb must be a positive number, got 0"),
     ({"memory_gb": "nan"}, "got 'nan'"),
     ({"solver_nodes": 0}, "constraint solver_nodes must be a positive integer, got 0"),
-    ({"cp": 2}, "constraint cp=2: this version plans cp=1 only (context and expert parallelism"),
-    ({"ep": "4"}, "constraint ep=4: this version plans ep=1 only"),
+    ({"cp": 2}, "constraint cp=2: this version plans cp=1 only (context parallelism"),
+    ({"ep": 0}, "constraint ep must be a positive integer, got 0"),
+    ({"ep": 2, "dp_shard": 2}, "HSDP is not combined with expert parallelism"),
     ({"bogus": 1, "tensor_parallel": 8}, "unknown constraint(s) bogus, tensor_parallel: known are checkpointing, cp"),
     ({"zero_stage": 1}, "unknown constraint(s) zero_stage"),  # the field's name; users write fsdp
 ])

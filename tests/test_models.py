@@ -141,7 +141,7 @@ def test_meta_param_counts(name: str, expected: float, tol: float) -> None:
 
 def test_all_presets_resolve() -> None:
     for name, (family, _) in MODEL_PRESETS.items():
-        assert family in {"gpt", "llama", "mlp"}
+        assert family in {"gpt", "llama", "mlp", "moe"}
         if name != "gpt-megatron":
             assert build_model(name, overrides={"layers": 1}).num_params() > 0
 

@@ -12,13 +12,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves
 
 import autopar
@@ -35,14 +33,6 @@ from autopar.runtime.pipeline import pipeline_meshes
 
 BATCH = 8
 MOVES = (redistribute, gather_parameter)
-
-
-@pytest.fixture(scope="module")
-def two_fake_ranks() -> Iterator[None]:
-    """A 2-rank process group whose collectives do nothing: enough to build the plans' meshes."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -338,7 +338,7 @@ def test_infeasible_memory_raises_with_gib_message():
 
 def test_infeasible_real_graph_raises(wide_problem):
     p = dataclasses.replace(wide_problem, memory_capacity_bytes=1024.0)
-    with pytest.raises(NoFeasiblePlanError, match=r"need 256\.31 MiB per device, 256\.31 MiB more than the capacity of 1\.00 KiB"):
+    with pytest.raises(NoFeasiblePlanError, match=r"need 288\.32 MiB per device, 288\.32 MiB more than the capacity of 1\.00 KiB"):
         solve(p)
 
 

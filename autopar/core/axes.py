@@ -13,16 +13,21 @@ from enum import Enum
 
 
 class MeshAxis(str, Enum):
-    """A device-mesh dim. A ``str``: JSON and ``init_device_mesh(mesh_dim_names=...)`` take it as its name.
-
-    Context and expert parallelism (degrees ``cp`` and ``ep``) are not planned yet: no mesh has their dims.
-    """
+    """A device-mesh dim. A ``str``: JSON and ``init_device_mesh(mesh_dim_names=...)`` take it as its name."""
 
     DP_REPLICATE = "dp_replicate"
     """HSDP's outer data-parallel dim, across nodes: parameters stay replicated over it."""
     DP_SHARD = "dp"
     """The data-parallel dim inside a replica group (without HSDP, every data-parallel rank): the batch is
     split over it, and parameters (``fsdp=3``) or optimizer state (ZeRO-1/2) may be sharded over it."""
+    EP = "ep"
+    """Expert parallelism: a data-parallel dim (the batch is split over it, dense parameters are replicated
+    and their gradients all-reduced) over which expert weights are split on their expert dim, and the
+    tokens move between the batch split and the expert split by all_to_all (``planning/roles.py``)."""
+    CP = "cp"
+    """Context parallelism: the user inputs are split on their sequence dim (dim 1) over it, parameters are
+    replicated (their gradients all-reduced, as on ``dp``), and fused attention reads its queries split
+    and its keys and values gathered (``planning/roles.py``, ``planning/strategies.py``)."""
     TP = "tp"
     """Tensor parallelism: weight matrices are split over it."""
     PP = "pp"

@@ -21,9 +21,8 @@ from numbers import Integral
 from typing import Any, Callable, Mapping
 
 from autopar.core.errors import BadInputError
-from autopar.core.plan import CHECKPOINTING, SCHEDULES
+from autopar.core.plan import CHECKPOINTING, DTYPES, SCHEDULES
 
-DTYPES = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 _ZERO_STAGES_IN_WORDS = ("0 (replicated parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) "
                          "or 3 (and parameters: FSDP)")
@@ -120,9 +119,12 @@ class Constraints:
     """HSDP: the size of the groups parameters are sharded over (``dp / dp_shard`` replica groups). Needs
     ``fsdp`` 3 or free."""
     cp: int | None = _pinned(_positive_int)
-    """Context-parallel degree: 1 only (not implemented yet)."""
+    """Context-parallel degree: the ranks each sequence is split over (on its sequence dim; fused attention
+    gathers the keys and values). Planned only when pinned; needs a model with fused attention and cp
+    dividing the sequence."""
     ep: int | None = _pinned(_positive_int)
-    """Expert-parallel degree: 1 only (not implemented yet)."""
+    """Expert-parallel degree: the ranks of a data-parallel group over which expert weights are split
+    (dividing ``dp`` and the number of experts); 1 keeps every expert on every rank."""
     microbatches: int | None = _pinned(_positive_int)
     """Microbatches per step (gradient accumulation, or the pipeline's microbatches)."""
     microbatch_size: int | None = _pinned(_positive_int)
@@ -139,7 +141,13 @@ class Constraints:
     """Branch-and-bound nodes the ILP solver may explore on each problem (free: ``solver.NODE_LIMIT``).
     A limit on work, not time: the plan is the same on any machine (there is no time limit)."""
     dtype: str | None = _pinned(_one_of(DTYPES))
-    """Compute dtype: fp32, bf16 or fp16 (free: fp32 on cpu, bf16 elsewhere)."""
+    """Compute dtype: fp32, bf16 or fp16 (free: fp32 on cpu, bf16 elsewhere). Narrower than the model's
+    fp32 parameters, it is mixed precision: the optimizer keeps fp32 master weights and the program
+    computes with copies in this dtype (``passes/mixed_precision.py``)."""
+    reduce_dtype: str | None = _pinned(_one_of(DTYPES))
+    """Dtype of the gradient reductions outside the program (data parallelism's all_reduce, ZeRO-1/2's
+    reduce_scatter, a tied weight's sum across stages): free, fp32 (Megatron-LM's and torchtitan's
+    default under bf16); bf16 or fp16 halves their bytes at the cost of summing in that precision."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -189,11 +197,11 @@ class Constraints:
 
     # ---- checks across fields -------------------------------------------------------------------------------
     def _refuse_unimplemented(self) -> None:
-        for key in ("cp", "ep"):
-            value = getattr(self, key)
-            if value is not None and value != 1:
-                raise BadInputError(f"constraint {key}={value}: this version plans {key}=1 only "
-                                    "(context and expert parallelism are not implemented yet)")
+        if self.cp not in (None, 1):
+            for key in ("pp", "ep", "dp_shard"):
+                if getattr(self, key) not in (None, 1):
+                    raise BadInputError(f"constraints cp={self.cp} and {key}={getattr(self, key)}: context "
+                                        f"parallelism is not combined with {key} > 1 in this version; pin one of them")
 
     def _refuse_contradictions(self) -> None:
         if self.sp == 1 and self.tp == 1:
@@ -202,6 +210,9 @@ class Constraints:
         if self.dp_shard is not None and self.zero_stage not in (None, 3):
             raise BadInputError(f"constraint dp_shard={self.dp_shard} (HSDP) shards parameters: it needs fsdp=3, "
                                 f"got fsdp={self.zero_stage}")
+        if self.ep not in (None, 1) and self.dp_shard is not None:
+            raise BadInputError(f"constraints ep={self.ep} and dp_shard={self.dp_shard}: HSDP is not combined with "
+                                "expert parallelism; pin one of them")
         if self.microbatches is not None and self.microbatch_size is not None:
             raise BadInputError("constraints microbatches and microbatch_size: pin one of them (the global batch "
                                 "fixes the other)")

@@ -130,13 +130,13 @@ class Mesh(_Section):
 class Degrees(_Section):
     """How many ways each kind of parallelism splits the work (docs/architecture.md "Plan JSON")."""
 
-    dp: int  # the data-parallel ranks of a stage, each on its own share of the batch (HSDP: dp_replicate x fsdp)
+    dp: int  # the data-parallel ranks of a stage, each on its own share of the batch (dp_replicate x fsdp x ep)
     fsdp: int  # the size of the group parameters are sharded over (mesh dim "dp"); 1 when they are replicated.
     #            Not the ZeRO stage that constraint fsdp pins: that is ``zero``
     tp: int  # tensor-parallel ranks (mesh dim "tp")
     sp: int  # tp when the norms run split on the sequence over tp (sequence parallelism), else 1
     cp: int  # context parallelism: 1 (not planned yet)
-    ep: int  # expert parallelism: 1 (not planned yet)
+    ep: int  # expert-parallel ranks (mesh dim "ep"): a data-parallel dim over which expert weights are split
     pp: int  # pipeline stages (the runtime's outermost mesh dim "pp"; ``Plan.mesh`` is one stage's)
     dp_replicate: int | None = None  # HSDP's replica groups (mesh dim "dp_replicate"); 1 without HSDP
     zero: int | None = None  # the ZeRO stage: 1 or 2 (optimizer state, and gradients, sharded over dp) or 3
@@ -179,7 +179,49 @@ class Pipeline(_Section):
             raise PlanFormatError(f"{source}: pipeline.stages must list [first, end) layer ranges")
 
 
-_SECTIONS: dict[str, type[_Section]] = {"mesh": Mesh, "degrees": Degrees, "pipeline": Pipeline}
+DTYPES = ("fp32", "bf16", "fp16")
+"""Floating-point formats a plan computes, keeps master weights and reduces gradients in."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Precision(_Section):
+    """Which dtype the program computes in, the optimizer's parameters are kept in, and gradients are
+    reduced in (``passes/mixed_precision.py`` runs it, ``planning/pricing.py`` prices it).
+
+    ``compute`` narrower than ``master`` is mixed precision (Micikevicius et al., ICLR 2018): the
+    optimizer steps fp32 master weights, the program reads copies in ``compute``. ``reduce`` is the
+    dtype of the gradient reductions outside the program (data parallelism's all_reduce, ZeRO-1/2's
+    reduce_scatter, a tied weight's sum across stages); FSDP's reduce_scatter is the backward of its
+    gather inside the program and runs in ``compute``. Plans written before this section existed read
+    as ``compute`` = ``model.dtype``, fp32 masters and fp32 reductions."""
+
+    compute: str
+    master: str
+    reduce: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    json_name: ClassVar[str] = "precision"
+    _required: ClassVar[tuple[str, ...]] = ("compute", "master", "reduce")
+
+    def check(self, source: str) -> None:
+        for key in self._required:
+            if getattr(self, key) not in DTYPES:
+                raise PlanFormatError(f"{source}: precision.{key} must be one of {', '.join(DTYPES)}, "
+                                      f"got {getattr(self, key)!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the program computes in another dtype than the optimizer's parameters."""
+        return self.compute != self.master
+
+    @classmethod
+    def of(cls, compute: str, reduce: str | None = None) -> Precision:
+        """The precision of a plan computing in ``compute``: fp32 masters, reductions in ``reduce``
+        (free: fp32)."""
+        return cls(compute=compute, master="fp32", reduce=reduce or "fp32")
+
+
+_SECTIONS: dict[str, type[_Section]] = {"mesh": Mesh, "degrees": Degrees, "pipeline": Pipeline,
+                                        "precision": Precision}
 
 
 @dataclass(frozen=True)
@@ -199,10 +241,14 @@ class Plan:
     candidates: list[dict[str, Any]] = field(default_factory=list)  # runners-up of the mesh search
     explanations: dict[str, Any] = field(default_factory=dict)  # alternatives per decision (autopar explain)
     recomputed_layers: dict[str, str] = field(default_factory=dict)  # MIXED: layer -> selective|full (others: none)
+    precision: Precision | None = None  # absent from plans older than mixed precision: derived from model.dtype
     schema: str = SCHEMA
 
     def __post_init__(self) -> None:
         """Sections given as JSON objects (``from_dict``, plan assembly) become their typed values."""
+        if self.precision is None:
+            dtype = self.model.get("dtype", "fp32") if isinstance(self.model, Mapping) else "fp32"
+            object.__setattr__(self, "precision", Precision.of(str(dtype)))
         for name, kind in _SECTIONS.items():
             object.__setattr__(self, name, kind.parse(getattr(self, name), "plan"))
 

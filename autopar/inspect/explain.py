@@ -77,9 +77,12 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
                      "overlapped with backward")
     elif term["grad_sync"]:
         lines.append("      ZeRO gradient sync (passes/zero.py), overlapped with backward")
-    elif term.get("share", 1.0) < 1:  # pricing: one reduction for all the readers that leave it partial
+    elif term.get("share", 1.0) < 1:  # pricing: one collective for all the readers (a move, or a reduction)
         readers = round(1 / term["share"])
-        lines.append(f"      one reduction for the {readers} ops that leave this gradient partial (summed first): "
+        one = (f"one move for the {readers} inputs that read it so (one redistribute they share)"
+               if term["why"].startswith("resharding") else
+               f"one reduction for the {readers} ops that leave this gradient partial (summed first)")
+        lines.append(f"      {one}: "
                      f"1/{readers} of {fmt_seconds(term['seconds'] / term['share'])} charged here, "
                      f"{fmt_seconds(term['seconds'])}")
     elif term["seconds"] > seconds:  # pricing.in_step_collective_time: the device's redistribute_s

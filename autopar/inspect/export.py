@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from torch.distributed.tensor import Placement, Shard
@@ -37,6 +37,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.core.errors import BadInputError
 from autopar.core.placement import Placements, placement_to_str, strs_to_placements
 from autopar.core.plan import Plan
+from autopar.passes.mixed_precision import TORCH_DTYPES
 
 __all__ = ["export_plan"]
 
@@ -301,6 +302,7 @@ class _DataParallel:
     kind: str = "none"  # none | ddp | fsdp
     mesh_dims: tuple[str, ...] = ()  # mesh dims fully_shard / DDP run over
     blocks: str = ""  # container of repeated blocks wrapped one by one (fsdp)
+    mixed_precision: tuple[str, str] | None = None  # torch dtype names (param, reduce) of FSDP's MixedPrecisionPolicy
 
 
 def _repeated_container(fqns: Iterable[str]) -> str:
@@ -315,6 +317,23 @@ def _repeated_container(fqns: Iterable[str]) -> str:
 
 def _data_parallel(plan: Plan, placed: _Placed, ops: list[_WeightOp], tp: _TensorParallel | None,
                    notes: list[str]) -> _DataParallel:
+    """How data parallelism is exported, with FSDP's ``MixedPrecisionPolicy`` for a mixed-precision plan
+    (native PyTorch has no such policy for DDP or tensor parallelism: a note says so)."""
+    dp = _data_parallel_kind(plan, placed, ops, tp, notes)
+    pr = plan.precision
+    if not pr.mixed:
+        return dp
+    if dp.kind == "fsdp":
+        return replace(dp, mixed_precision=(str(TORCH_DTYPES[pr.compute]).removeprefix("torch."),
+                                            str(TORCH_DTYPES[pr.reduce]).removeprefix("torch.")))
+    notes.append(f"mixed precision ({pr.compute} compute, {pr.master} master weights, gradients reduced in "
+                 f"{pr.reduce}) is exported for FSDP only: train the {pr.master} model under "
+                 f"torch.autocast(dtype=torch.{str(TORCH_DTYPES[pr.compute]).removeprefix('torch.')}) instead")
+    return dp
+
+
+def _data_parallel_kind(plan: Plan, placed: _Placed, ops: list[_WeightOp], tp: _TensorParallel | None,
+                        notes: list[str]) -> _DataParallel:
     names = plan.mesh["dim_names"]
     has_dp = "dp" in names
     dp_sharded = has_dp and (plan.degrees.get("fsdp", 1) > 1 or any(
@@ -455,7 +474,8 @@ def _imports(tp: _TensorParallel | None, dp: _DataParallel) -> list[str]:
     lines = ["from __future__ import annotations", "", "import torch", "from torch import nn",
              "from torch.distributed.device_mesh import DeviceMesh, init_device_mesh"]
     if dp.kind == "fsdp":
-        lines.append("from torch.distributed.fsdp import fully_shard")
+        lines.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard" if dp.mixed_precision
+                     else "from torch.distributed.fsdp import fully_shard")
     if tp is not None and tp.styles:
         if any("Replicate()" in s.render() for s in tp.styles.values()):
             lines.append("from torch.distributed.tensor import Replicate")
@@ -566,12 +586,17 @@ def _render_dp(code: _Code, dp: _DataParallel) -> None:
     code("", "", "def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh) -> None:")
     code.indent()
     code(f'"""FSDP ({what}): each block gathers its parameters just before use, in place."""')
+    policy = ""
+    if dp.mixed_precision:
+        compute, reduce = dp.mixed_precision
+        code(f"policy = MixedPrecisionPolicy(param_dtype=torch.{compute}, reduce_dtype=torch.{reduce})")
+        policy = ", mp_policy=policy"
     if dp.blocks:
         code(f'for block in model.get_submodule("{dp.blocks}"):')
         code.indent()
-        code("fully_shard(block, mesh=fsdp_mesh)")
+        code(f"fully_shard(block, mesh=fsdp_mesh{policy})")
         code.indent(-1)
-    code("fully_shard(model, mesh=fsdp_mesh)")
+    code(f"fully_shard(model, mesh=fsdp_mesh{policy})")
     code.indent(-1)
 
 

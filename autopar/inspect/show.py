@@ -75,6 +75,13 @@ def checkpointing_text(plan: Plan) -> str:
     return f"{MIXED} ({recomputed} of {plan.model.get('layers', '?')} layers, none on the rest)"
 
 
+def precision_text(plan: Plan) -> str:
+    """Compute, master-weight and gradient-reduction dtypes in words."""
+    pr = plan.precision
+    compute = f"{pr.compute} compute, {pr.master} master weights" if pr.mixed else f"{pr.compute} throughout"
+    return f"{compute}, gradients reduced in {pr.reduce}"
+
+
 def summarize(plan: Plan) -> str:
     p = plan.predicted
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.dim_names, plan.mesh.shape))
@@ -86,6 +93,7 @@ def summarize(plan: Plan) -> str:
         f"mesh      {mesh}",
         f"degrees   {degrees}",
         f"schedule  {_schedule_text(plan)}",
+        f"precision {precision_text(plan)}",
         "",
         f"predicted step {fmt_seconds(p['step_time_s'])}   tokens/s {p['tokens_per_s']:.4g}   MFU {p['mfu'] * 100:.1f}%",
         f"  compute          {fmt_seconds(p['compute_s'])}",
@@ -141,6 +149,7 @@ def compare_plans(plans: Sequence[Plan]) -> str:
     rows: list[tuple[str, list[str]]] = [
         ("mesh", [str(dict(zip(p.mesh.dim_names, p.mesh.shape))) for p in plans]),
         ("degrees", [" ".join(f"{k}={v}" for k, v in p.degrees.items() if v != 1) or "single device" for p in plans]),
+        ("precision", [f"{p.precision.compute}/{p.precision.master}/reduce {p.precision.reduce}" for p in plans]),
         ("step time", [fmt_seconds(p.predicted["step_time_s"]) for p in plans]),
         ("compute", [fmt_seconds(p.predicted["compute_s"]) for p in plans]),
     ]

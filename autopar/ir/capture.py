@@ -233,6 +233,7 @@ def capture(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
     traced_layers: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> CapturedGraph:
     """Export ``loss_fn(model(*example_inputs), example_targets)`` and decompose it to core aten.
 
@@ -240,8 +241,17 @@ def capture(
     the graph records the rest (``LayerStack``); the whole model is captured when it has no such stack,
     or when the short trace does not tie node for node. Without it (the runtime), the whole model.
 
+    With ``dtype`` (a mixed-precision plan's compute dtype, for the runtime's program), the step is
+    traced as the model runs in that dtype: its floating-point parameters and buffers, inputs and
+    targets in ``dtype`` (``_in_dtype``), so masks, casts and constants it makes follow them.
+
     A model or ``loss_fn`` that cannot be called with these arguments raises BadInputError; an error
     the model raises while torch traces it, UnsupportedModelError naming the source line."""
+    if dtype is not None:
+        cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t  # noqa: E731
+        with _in_dtype(model, dtype):
+            return capture(model, [cast(t) for t in example_inputs], cast(example_targets), loss_fn,
+                           traced_layers=traced_layers)
     _check_arguments(model, len(example_inputs), example_targets is not None, loss_fn)
     stack = repeated_stack(model) if traced_layers else None
     if stack is not None and stack[1] > traced_layers:
@@ -408,6 +418,31 @@ def _shortened(model: nn.Module, path: str, layers: int) -> Iterator[None]:
         yield
     finally:
         setattr(parent, name, whole)
+
+
+@contextmanager
+def _in_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """The model with its floating-point parameters and buffers replaced by uninitialized tensors of
+    ``dtype`` (restored after): export only reads their metadata. A tensor held under several names
+    (a tied weight) gets one replacement, so the tie is kept. The replacements are allocated like the
+    originals, which costs a copy of the model at ``dtype`` while the trace runs."""
+    replaced: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if id(t) not in replaced:
+                    new = torch.empty_like(t, dtype=dtype)
+                    replaced[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                saved.append((table, name, t))
+                table[name] = replaced[id(t)]
+    try:
+        yield
+    finally:
+        for table, name, t in saved:
+            table[name] = t
 
 
 def _ties_node_for_node(captured: CapturedGraph, path: str, traced: int) -> bool:

@@ -42,6 +42,22 @@ def layer_of(node: fx.Node) -> str | None:
     return match.group(1) if match else None
 
 
+def reader_regions(graph: fx.Graph) -> dict[fx.Node, str]:
+    """Per computing node, the region whose readers of one value share one redistribute (the runtime's
+    ``passes/insert_redistributes.py``, priced once by ``planning/problem.py``): its repeated layer, or,
+    outside layers, the code before the first layer or after it. Embedding and head (a tied weight's two
+    readers) stay apart, as they may run in different pipeline stages."""
+    regions: dict[fx.Node, str] = {}
+    seen_layer = False
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        layer = layer_of(node)
+        seen_layer = seen_layer or layer is not None
+        regions[node] = layer if layer is not None else "<after layers>" if seen_layer else "<before layers>"
+    return regions
+
+
 def layer_names(captured: CapturedGraph) -> list[str]:
     """The repeated-layer instances of the model, in graph order (``blocks.0``, ``blocks.1``, ...): a
     traced stack's every real layer."""

@@ -40,6 +40,7 @@ from .common import lm_loss, mse_loss
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 from .mlp import MLP, MLPConfig
+from .moe import MoE, MoEConfig, moe_loss
 
 __all__ = [
     "ModelBundle",
@@ -99,6 +100,17 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, ffn_hidden=128, seq=32),
     ),
     "mlp": ("mlp", dict(in_dim=64, hidden=256, layers=3, out_dim=64)),
+    # Mixtral 8x7B's published dims (Jiang et al., 2024): 8 SwiGLU experts a layer, 2 per token; routed in
+    # groups of 1,024 tokens (GShard's dispatch mask grows with the group)
+    "mixtral-8x7b": (
+        "moe",
+        dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, ffn_hidden=14336, seq=32768,
+             experts=8, top_k=2, group_size=1024),
+    ),
+    "tiny-moe": (
+        "moe",
+        dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=128, ffn_hidden=64, seq=16, experts=4, top_k=2),
+    ),
 }
 
 
@@ -145,6 +157,7 @@ _FAMILIES: dict[str, _Family] = {
     "gpt": _Family(GPTConfig, GPT, _lm_data, lm_loss),
     "llama": _Family(LlamaConfig, Llama, _lm_data, lm_loss),
     "mlp": _Family(MLPConfig, _build_mlp, _mlp_data, mse_loss, uses_seq=False),
+    "moe": _Family(MoEConfig, MoE, _lm_data, moe_loss),
 }
 
 

@@ -9,7 +9,7 @@ predictions, the solver's figures and the explanations.
 from __future__ import annotations
 from autopar.core.axes import MeshAxis
 from autopar.core.placement import placements_to_strs
-from autopar.core.plan import MIXED, Plan
+from autopar.core.plan import MIXED, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph, module_path
@@ -20,7 +20,7 @@ from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
 from autopar.planning.solver import Solution, exposed_grad_sync
 from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
-from autopar.planning.strategies import LOCAL_RULES
+from autopar.planning.strategies import runs_locally
 from dataclasses import dataclass
 from typing import Any
 import hashlib
@@ -81,7 +81,7 @@ def with_pipeline_time(captured: CapturedGraph, mesh: MeshChoice, staging: Stagi
 
 
 def _tied_across_stages(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer) -> list[float]:
-    """Bytes per device of each parameter read both before the repeated layers and after them (an input
+    """Gradient bytes per device (in the reduction dtype) of each parameter read both before the repeated layers and after them (an input
     embedding tied to the output layer): under a pipeline the first and the last stage each hold a copy,
     whose gradients are summed after the schedule."""
     roles = layer_roles(captured, problem)
@@ -93,7 +93,7 @@ def _tied_across_stages(captured: CapturedGraph, problem: Problem, solution: Sol
         if {"before", "after"} <= sides:
             d = problem.decisions[key_of[name]]
             placements = d.options[solution.choice[key_of[name]]].strategy.outputs[0]
-            out.append(pricer.local_bytes(captured.node(name).meta["val"], placements))
+            out.append(pricer.reduced_gradient_bytes(captured.node(name).meta["val"], placements))
     return out
 
 
@@ -130,6 +130,7 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
         model={"name": model_name, "params": captured.num_params(), "layers": layer_count(captured),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
                "dtype": dtype},
+        precision=Precision.of(dtype, pricer.reduce_dtype),
         cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
         mesh=mesh.to_dict(),
         degrees=_degrees(mesh, captured, by_node, pricer.zero_stage),
@@ -203,7 +204,7 @@ def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node:
                               "outputs": [placements_to_strs(p) if p is not None else None for p in s.outputs],
                               "cost": {"compute_s": c.compute_s, "comm_s": comm, "grad_sync_s": c.grad_sync_s,
                                        "memory_bytes": int(c.memory_bytes)}}
-            if str(node.target) in problem.unsupported_ops or node.target in LOCAL_RULES:
+            if str(node.target) in problem.unsupported_ops or runs_locally(node, s):
                 ops[node.name]["local"] = True
             if captured.weight(node.name) != 1.0:  # a traced layer's op stands for the untraced layers' too
                 ops[node.name]["count"] = captured.weight(node.name)
@@ -222,6 +223,13 @@ def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, dict[st
         share = edge.count / problem.decisions[edge.dst].count
         for kind, sec in edge.price[(p, q)].comm_s.items():
             out.setdefault(edge.dst, {})[kind] = out.setdefault(edge.dst, {}).get(kind, 0.0) + share * sec
+    for g in problem.shared:  # a shared move: each of its k readers is charged 1/k, as explanations record it
+        for member in g.edges:
+            dst = problem.edges[member].dst
+            share = g.count(problem.edges) / problem.decisions[dst].count / len(g.edges)
+            for cost in g.taken(problem, solution.choice):
+                for kind, sec in cost.comm_s.items():
+                    out.setdefault(dst, {})[kind] = out.setdefault(dst, {}).get(kind, 0.0) + share * sec
     return out
 
 
@@ -240,8 +248,9 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
     ``sp`` is the tp degree when a norm's result is split on its sequence dim over tp
     (``sequence_parallel.norm_sites``); ``fsdp`` the size of the shard dim when most parameter bytes are
     sharded on it; ``zero``, when anything is sharded over data parallelism, the ZeRO stage (1-2
-    optimizer state and gradients sharded, 3 parameters too), absent for DDP and when data parallelism
-    is 1 (ZeRO-1/2 pinned there shard nothing: a pipeline runs such a plan as it is)."""
+    optimizer state and gradients sharded, 3 parameters too), absent for DDP and without a ``dp`` dim
+    (ZeRO-1/2 pinned there shard nothing: a pipeline runs such a plan as it is; an ``ep`` dim alone shards
+    only the experts)."""
     tp = mesh.size(MeshAxis.TP)
     fsdp = 1
     if mesh.dims_of(MeshAxis.DP_SHARD):
@@ -252,9 +261,9 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
             fsdp = mesh.size(MeshAxis.DP_SHARD)
     outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
     sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index(MeshAxis.TP)) else 1
-    zero = 3 if fsdp > 1 else zero_stage if mesh.data_parallel_size > 1 else 0
-    return {"dp": mesh.data_parallel_size, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": 1, "ep": 1, "pp": mesh.stages,
-            "dp_replicate": mesh.size(MeshAxis.DP_REPLICATE), **({"zero": zero} if zero else {})}
+    zero = 3 if fsdp > 1 else zero_stage if mesh.size(MeshAxis.DP_SHARD) > 1 else 0
+    return {"dp": mesh.data_parallel_size, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": mesh.size(MeshAxis.CP), "ep": mesh.size(MeshAxis.EP),
+            "pp": mesh.stages, "dp_replicate": mesh.size(MeshAxis.DP_REPLICATE), **({"zero": zero} if zero else {})}
 
 
 def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, problem: Problem, chosen: dict,
@@ -276,6 +285,12 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         q = chosen[edge.dst].edge_key(edge.slot)
         for kind, s in edge.price[(p, q)].comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + edge.count * s
+    for g in problem.shared:
+        carried = [problem.edges[e] for e in g.edges]
+        pairs = [(chosen[e.src].strategy.outputs[e.src_out], chosen[e.dst].edge_key(e.slot)) for e in carried]
+        for cost in g.moves(pairs):
+            for kind, s in cost.comm_s.items():
+                comm[kind] = comm.get(kind, 0.0) + g.count(problem.edges) * s
     comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s
     comm["all_reduce"] = comm.get("all_reduce", 0.0) + best.tied_s
     exposed = sum(comm.values()) + max(0.0, sync - hide)

@@ -13,13 +13,15 @@ both sections; ``autopar.inspect.explain`` renders them.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
 
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import tensor_inputs
+from autopar.ir.layers import reader_regions, tensor_inputs
 from autopar.planning.pricing import Collective, Pricer, gathers
 from autopar.planning.problem import (Problem, RootSharding, gradient_root, partial_gradient_share,
                                       read_through_views, source_of)
@@ -61,6 +63,10 @@ def _edge_delta(problem: Problem, before: Mapping[str, int], after: Mapping[str,
         if key not in (edge.src, edge.dst):
             continue
         delta += edge.count * (_edge_price(problem, edge, after) - _edge_price(problem, edge, before))
+    for g in problem.shared:  # moves several edges share (``problem.SharedResharding``)
+        if any(key in (problem.edges[e].src, problem.edges[e].dst) for e in g.edges):
+            delta += g.count(problem.edges) * (sum(c.exposed_s for c in g.taken(problem, after))
+                                               - sum(c.exposed_s for c in g.taken(problem, before)))
     return delta
 
 
@@ -125,7 +131,9 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
 
     ``strategy_of``: node name -> its chosen Strategy (placeholders included). The collectives are
     the ones pricing charges (``Pricer.edge_collectives`` for resharding each input from its
-    producer's placement, ``Pricer.gradient_collectives`` for partial input gradients).
+    producer's placement, ``Pricer.gradient_collectives`` for partial input gradients). A move the
+    readers of a value in one region share (one redistribute at run time,
+    ``passes/insert_redistributes.py``) is recorded with each of the ``k`` readers at ``share`` 1/k.
     """
     strategy = strategy_of(node.name)
     terms = []
@@ -142,19 +150,41 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         if have is None or (have == wanted and not grad_partial):
             continue
         regathered = captured.keeps_parameter(node, arg)
+        readers = _readers_of_move(arg, node, wanted, captured.graph, strategy_of)
         for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered,
                                                       partial_gradient_share(arg))):
             # edge_collectives lists the partial gradient's reductions first, one per dim
+            moved = i >= len(grad_partial) and not c.regather
             why = ("partial gradient" if i < len(grad_partial) else
                    f"resharding {placement_to_str(have[c.mesh_dim])} -> {placement_to_str(wanted[c.mesh_dim])}"
                    + (" again in backward" if c.regather else ""))
             weight = kinds[src.name] == "param"  # a parameter or a view of one
-            terms.append(_term(c, why, arg, captured, pricer, per_microbatch=weight))
+            terms.append(_term(replace(c, share=c.share / readers) if moved else c, why, arg, captured, pricer,
+                               per_microbatch=weight))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
         gathered = roots[c.slot] is not None and gathers(roots[c.slot], strategy.inputs[c.slot])
         why = "partial gradient, reduced by the gather's backward" if gathered else "partial gradient"
         terms.append(_term(c, why, args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
     return terms
+
+
+def _readers_of_move(arg: fx.Node, node: fx.Node, wanted: Placements, graph: fx.Graph,
+                     strategy_of: Callable[[str], Strategy]) -> int:
+    """How many inputs of ops in ``node``'s region read ``arg`` at ``wanted``: the readers of its one
+    redistribute there."""
+    regions = _regions(graph)
+    return sum(1 for user in arg.users if regions.get(user) == regions[node]
+               for a, q in zip(tensor_inputs(user), strategy_of(user.name).inputs) if a is arg and q == wanted)
+
+
+_REGIONS: "weakref.WeakKeyDictionary[fx.Graph, dict[fx.Node, str]]" = weakref.WeakKeyDictionary()
+
+
+def _regions(graph: fx.Graph) -> dict[fx.Node, str]:
+    """``reader_regions`` of ``graph``, once per graph (asked for every input of every op)."""
+    if graph not in _REGIONS:
+        _REGIONS[graph] = reader_regions(graph)
+    return _REGIONS[graph]
 
 
 def _root_placement(arg: fx.Node, strategy_of: Callable[[str], Strategy]) -> Placements | None:

@@ -1,6 +1,7 @@
 """Mesh candidates: every factorization of the world into pipeline stages and, per stage, data- and
 tensor-parallel mesh dims (HSDP's ``dp_replicate`` beside ``dp`` when the data-parallel group leaves
-a node), filtered by the constraints and the topology, and the microbatch counts each allows.
+a node; an expert-parallel ``ep`` dim carved out of the data-parallel group when the model has experts),
+filtered by the constraints and the topology, and the microbatch counts each allows.
 
 Unless pinned, ``tp`` stays inside a node (tensor parallelism all-reduces on the critical path, so it
 belongs on NVLink) and ``pp`` divides the node count (stages span whole nodes; Narayanan et al.,
@@ -42,8 +43,9 @@ class MeshChoice:
     @property
     def data_parallel_size(self) -> int:
         """Ranks of a stage that each work on their own share of the batch: the product of the
-        data-parallel dims (HSDP: replica groups x shard group). The plan's ``degrees["dp"]``."""
-        return self.size(MeshAxis.DP_SHARD) * self.size(MeshAxis.DP_REPLICATE)
+        data-parallel dims (HSDP: replica groups x shard group) and the expert-parallel dim, which
+        splits the batch too. The plan's ``degrees["dp"]``."""
+        return self.size(MeshAxis.DP_SHARD) * self.size(MeshAxis.DP_REPLICATE) * self.size(MeshAxis.EP)
 
     def dims_of(self, *axes: MeshAxis) -> list[int]:
         """Indices of the dims of ``axes`` larger than 1."""
@@ -60,22 +62,28 @@ class MeshChoice:
 
 
 def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | None,
-                    layers: int = 0) -> list[MeshChoice]:
-    """Every ``pp x dp x tp`` factorization of the world the constraints and topology allow, pipeline
+                    layers: int = 0, experts: int = 0) -> list[MeshChoice]:
+    """Every ``pp x dp x cp x tp`` factorization of the world the constraints and topology allow (``cp``
+    only as pinned, on one stage: context parallelism is not searched yet), pipeline
     degree first (1 first), then tensor-parallel degree. Unless pinned, ``tp`` stays inside a node
     (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
-    nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21)."""
+    nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21). With
+    ``experts`` (the number of experts every expert weight is split into; 0 for a dense model), each
+    data-parallel group is also tried with an ``ep`` dim (``expert_degrees``)."""
     world = cluster.world_size
+    cp = constraints.cp or 1  # context parallelism: planned only when pinned
     fixed = {"pp": constraints.pp, "dp": constraints.dp, "tp": constraints.tp}  # pinned degrees, by constraint key
-    if fixed["dp"] and fixed["tp"] and not fixed["pp"] and world % (fixed["dp"] * fixed["tp"]) == 0:
-        fixed["pp"] = world // (fixed["dp"] * fixed["tp"])  # dp and tp pinned: the rest are stages
-    _check_fixed_degrees(cluster, fixed, layers, constraints)
+    if fixed["dp"] and fixed["tp"] and not fixed["pp"] and world % (fixed["dp"] * fixed["tp"] * cp) == 0:
+        fixed["pp"] = world // (fixed["dp"] * fixed["tp"] * cp)  # dp and tp pinned: the rest are stages
+    _check_fixed_degrees(cluster, {**fixed, "cp": constraints.cp}, layers, constraints)
     out = []
-    for pp in _divisors(world):
+    for pp in _divisors(world // cp):
         if fixed["pp"] and pp != fixed["pp"] or not fixed["pp"] and not _free_stages_ok(pp, cluster, layers):
             continue
-        for tp in _divisors(world // pp):
-            dp = world // (pp * tp)
+        if cp > 1 and pp > 1:
+            continue  # context parallelism is not combined with pipeline stages in this version
+        for tp in _divisors(world // (pp * cp)):
+            dp = world // (pp * tp * cp)
             if (fixed["tp"] and tp != fixed["tp"]) or (fixed["dp"] and dp != fixed["dp"]):
                 continue
             if not fixed["tp"] and tp > cluster.devices_per_node:
@@ -86,10 +94,21 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
                 if fixed["dp"]:
                     raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
                 continue
-            for replicas in _replica_counts(cluster, constraints, dp, tp):
-                named = ((MeshAxis.DP_REPLICATE, replicas), (MeshAxis.DP_SHARD, dp // replicas), (MeshAxis.TP, tp))
+            for replicas, ep in _data_parallel_splits(cluster, constraints, dp, tp, experts):
+                if cp > 1 and (replicas > 1 or ep > 1):
+                    continue  # nor with HSDP or expert parallelism
+                named = ((MeshAxis.DP_REPLICATE, replicas), (MeshAxis.DP_SHARD, dp // (replicas * ep)),
+                         (MeshAxis.EP, ep), (MeshAxis.CP, cp), (MeshAxis.TP, tp))
                 dims = tuple((n, s) for n, s in named if s > 1) or ((MeshAxis.DP_SHARD, 1),)
                 out.append(MeshChoice(dims, pp))
+    if not out and constraints.ep not in (None, 1):
+        raise BadInputError(f"constraint ep={constraints.ep} needs a model with experts, ep dividing the "
+                            f"number of experts ({experts or 'none here'}) and the data-parallel degree, and no "
+                            f"mesh of the {world} devices of {cluster.spec} has one")
+    if not out and cp > 1:
+        raise BadInputError(f"constraint cp={cp}: no mesh of the {world} devices of {cluster.spec} has a cp dim "
+                            "(context parallelism runs on one stage, without ep or HSDP, the global batch "
+                            "divisible by dp = devices / (cp x tp))")
     if not out and constraints.sp == 1:
         raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
                             f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"
@@ -99,6 +118,25 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
                             f"{world} devices with tp <= {cluster.devices_per_node}: use a batch divisible "
                             f"by {world // min(world, cluster.devices_per_node)}")
     return out
+
+
+def _data_parallel_splits(cluster: Cluster, constraints: Constraints, dp: int, tp: int, experts: int
+                          ) -> list[tuple[int, int]]:
+    """(HSDP replica groups, expert-parallel degree) pairs a data-parallel group of ``dp`` ranks is
+    split into: the replica counts of ``_replica_counts`` without expert parallelism, and one
+    replica group under each ``expert_degrees`` degree above 1."""
+    plain = [(r, 1) for r in _replica_counts(cluster, constraints, dp, tp)] if constraints.ep in (None, 1) else []
+    return plain + [(1, ep) for ep in expert_degrees(constraints, dp, experts) if ep > 1]
+
+
+def expert_degrees(constraints: Constraints, dp: int, experts: int) -> list[int]:
+    """Expert-parallel degrees for a data-parallel group of ``dp`` ranks: every divisor of ``dp`` that
+    divides the number of experts (each rank holds whole experts, the same number), or the pinned
+    ``ep``. HSDP is not combined with it (``dp_shard`` pinned leaves ``ep`` 1)."""
+    if not experts or constraints.dp_shard is not None:
+        return [1]
+    found = [ep for ep in _divisors(dp) if experts % ep == 0]
+    return [ep for ep in found if ep == constraints.ep] if constraints.ep is not None else found
 
 
 def _replica_counts(cluster: Cluster, constraints: Constraints, dp: int, tp: int) -> list[int]:
@@ -131,7 +169,7 @@ def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers:
     product = 1
     for v in pinned:
         product *= v
-    if world % product or (len(pinned) == 3 and product != world):
+    if world % product or (len([k for k, v in fixed.items() if v and k != "cp"]) == 3 and product != world):
         raise BadInputError(" x ".join(f"{k}={v}" for k, v in fixed.items() if v)
                             + f" = {product} does not fit the {world} devices of {cluster.spec}")
     pp = fixed["pp"] or 1

@@ -37,9 +37,12 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   difference, which the solver adds when the op and the parameter's placement are chosen together
   (``problem.RootSharding``, constraint (9));
 * so is an activation read through a view and gathered on its way (sequence parallelism's
-  sequence-split norm output, read by q, k and v through their own views): each reader's gather
-  reduce-scatters that reader's gradient in its backward, instead of the one all_reduce the readers
-  of an ungathered value share (below);
+  sequence-split norm output, read by q, k and v through their own views): the gather's backward
+  reduce-scatters the gradient, instead of the one all_reduce the readers of an ungathered value
+  share (below). The readers of one value needing it in one placement share one redistribute
+  (``passes/insert_redistributes.py``), whose backward reduces their summed gradient once: each of
+  the ``k`` readers pays ``1/k`` of that reduction, and the move itself is priced once for all of
+  them (``problem.SharedResharding``; ``Pricer.edge(..., shared=True)`` prices an edge without it);
 * an activation several ops read, left partial by each of them, is reduced once: autograd sums the
   partial gradients first and DTensor keeps the sum partial (q, k and v projections of one normed
   input run one all_reduce, not three). Each of the ``k`` edges pays ``1/k`` of the reduction
@@ -67,7 +70,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
 from autopar.core.placement import Placements, optimizer_shard_dim
-from autopar.planning.strategies import Strategy
+from autopar.planning.strategies import Strategy, sequence_split_imbalance
 from autopar.ir.layers import output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -133,10 +136,11 @@ class Pricer:
     """
 
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
-                 zero_stage: int = 0, dp_dims: Sequence[int] = ()):
+                 zero_stage: int = 0, dp_dims: Sequence[int] = (), reduce_dtype: str = "fp32"):
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
+        self.reduce_dtype = reduce_dtype  # of the gradient reductions outside the program (core.plan.Precision)
         self.stages = stages
         self.zero_stage = zero_stage
         self.dp_dims = tuple(dp_dims)
@@ -212,7 +216,7 @@ class Pricer:
             cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
             return cost
         split = self._work_divisor(strategy)
-        flops = global_flops(node) / split
+        flops = global_flops(node) / split * sequence_split_imbalance(node, strategy, self.mesh_shape)
         moved = self._bytes_moved(node, strategy)
         cost.kernel = (flops, moved, self._kernel_kind(node, strategy))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
@@ -340,15 +344,16 @@ class Pricer:
             if kind != "param":
                 continue  # any other activation's partial gradient is priced on its edge (``edge_collectives``)
             partial = self._partial_dims(val, placements, out)
-            if gathered:
-                found += self.partial_reduction(val, placements, partial, 1.0, root, slot)
+            if gathered:  # reduced by the gather's backward, in the reduction dtype (reshard.gather_parameter)
+                found += self.partial_reduction(val, placements, partial, 1.0, root, slot,
+                                                nbytes=self.reduced_gradient_bytes(val, placements))
                 continue
-            nbytes, zero_dims = self.local_bytes(val, placements), self._zero_dims(val, placements)
+            reduced, zero_dims = self.reduced_gradient_bytes(val, placements), self._zero_dims(val, placements)
             for dim in partial:
                 if dim in zero_dims:
-                    found += self._zero_sync(nbytes, dim, placements, slot)
+                    found += self._zero_sync(reduced, self.local_bytes(val, placements), dim, placements, slot)
                 else:
-                    found.append(Collective("all_reduce", "backward", nbytes, dim, placements, grad_sync=True,
+                    found.append(Collective("all_reduce", "backward", reduced, dim, placements, grad_sync=True,
                                             slot=slot))
         return found
 
@@ -366,18 +371,22 @@ class Pricer:
                      for slot, (arg, placements, kind) in enumerate(zip(tensor_inputs(node), strategy.inputs, grad_kinds)))
 
     def partial_reduction(self, val: torch.Tensor, placements: Placements, dims: Sequence[int], share: float,
-                          redistributed_from: Placements | None, slot: int | None = None) -> list["Collective"]:
+                          redistributed_from: Placements | None, slot: int | None = None,
+                          nbytes: float | None = None) -> list["Collective"]:
         """How a gradient left partial on ``dims`` (at ``placements``) is reduced. Where the value was
         redistributed on its way (``redistributed_from``: the placement it came from), the
         redistribute's backward reduces it, on each dim: reduce-scattered onto the shard where it was
-        sharded, all-reduced elsewhere (DTensor's ``Redistribute`` backward), once per redistribute.
+        sharded, all-reduced elsewhere (DTensor's ``Redistribute`` backward), once per redistribute,
+        which the readers needing the value in one placement share (``passes/insert_redistributes.py``).
         Otherwise the partial gradients of the value's readers are summed (autograd) and reduced once
-        with an all_reduce where an op needs them whole: each reader pays ``share`` of it."""
+        with an all_reduce where an op needs them whole. Either way each reader pays ``share`` of it.
+        ``nbytes``: the gradient's bytes when not the value's in the compute dtype (a parameter's, in the
+        reduction dtype)."""
+        nbytes = self.local_bytes(val, placements) if nbytes is None else nbytes
         if redistributed_from is None:
-            return [Collective("all_reduce", "backward", self.local_bytes(val, placements), d, placements, slot=slot,
-                               share=share) for d in dims]
+            return [Collective("all_reduce", "backward", nbytes, d, placements, slot=slot, share=share) for d in dims]
         return [Collective("reduce_scatter" if redistributed_from[d].is_shard() else "all_reduce", "backward",
-                           self.local_bytes(val, placements), d, placements, slot=slot) for d in dims]
+                           nbytes, d, placements, slot=slot, share=share) for d in dims]
 
     def _partial_dims(self, val: torch.Tensor, placements: Placements, out: Placements) -> tuple[int, ...]:
         if not val.dtype.is_floating_point:
@@ -402,11 +411,19 @@ class Pricer:
             shards *= self.mesh_shape[d]
         return shards
 
-    def _zero_sync(self, nbytes: float, dim: int, placements: Placements, slot: int) -> list["Collective"]:
+    def _zero_sync(self, reduced: float, gathered: float, dim: int, placements: Placements, slot: int
+                   ) -> list["Collective"]:
+        """ZeRO-1/2's reduce_scatter of a gradient (``reduced`` bytes, in the reduction dtype) and the
+        all_gather of the updated parameter (``gathered`` bytes, in the compute dtype)."""
         every_microbatch = self.zero_stage == 2
-        return [Collective("reduce_scatter", "backward", nbytes, dim, placements, grad_sync=True, slot=slot,
+        return [Collective("reduce_scatter", "backward", reduced, dim, placements, grad_sync=True, slot=slot,
                            per_microbatch=every_microbatch),
-                Collective("all_gather", "backward", nbytes, dim, placements, grad_sync=True, slot=slot)]
+                Collective("all_gather", "backward", gathered, dim, placements, grad_sync=True, slot=slot)]
+
+    def reduced_gradient_bytes(self, val: torch.Tensor, placements: Placements) -> float:
+        """Bytes of a parameter shard's gradient as the reductions outside the program move it: in
+        ``reduce_dtype`` (``passes/gradient_sync.py`` and ``passes/zero.py`` cast to it)."""
+        return self.local_numel(val, placements) * _DTYPE_BYTES[self.reduce_dtype]
 
     # ---- pipeline ----------------------------------------------------------------------------
     def stage_transfer(self, nbytes: float, copies_dim: int | None) -> float:
@@ -440,40 +457,57 @@ class Pricer:
         return Cost(compute_s=dispatch, backward_compute_s=dispatch, accumulate_s=dispatch)
 
     def parameter_memory(self, val: torch.Tensor, placements: Placements) -> dict[str, float]:
-        """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state.
+        """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state, as
+        ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them.
 
-        Under ZeRO-1 (``zero_stage`` 1) a parameter replicated on the data-parallel dims keeps only its
-        share of the optimizer state, under ZeRO-2 also of the gradient (Rajbhandari et al., SC20);
-        ZeRO-3 is a parameter sharded on those dims, which ``local_numel`` already divides.
+        The optimizer steps fp32 parameters: AdamW's moments, and under mixed precision (a compute
+        dtype narrower than fp32) the fp32 master weights, are ``optimizer`` (``adamw_state_bytes``);
+        ``params`` is what the program computes with, in the compute dtype. A parameter's gradient
+        accumulates on its fp32 master (through the compute copy's backward), except under ZeRO-1/2
+        (Rajbhandari et al., SC20), where a parameter whose state is split over the data-parallel dims
+        keeps only its share of that state, computes with a whole parameter in the compute dtype and
+        accumulates its gradient there (ZeRO-1), or reduce-scatters it every microbatch onto its fp32
+        shard (ZeRO-2: only the shard's gradient is kept). ZeRO-3 is a parameter sharded on those
+        dims, which ``local_numel`` already divides. Mixed precision without ZeRO is 18 bytes per
+        parameter (2 + 4 + 12), Megatron-LM's count for bf16 parameters with fp32 gradients.
         """
         numel = int(self.local_numel(val, placements))
         state_dtype = torch.float32 if self.dtype == "fp32" else torch.bfloat16
         shards = self.optimizer_shards(val, placements)
+        compute = numel * self.element_bytes(val)
+        master = numel * _DTYPE_BYTES["fp32"]
+        if shards == 1:
+            grads = master
+        else:
+            grads = compute if self.zero_stage == 1 else master / shards
         return {
-            "params": numel * self.element_bytes(val),
-            "grads": numel * self.element_bytes(val) / (shards if self.zero_stage >= 2 else 1),
-            "optimizer": adamw_state_bytes(numel, state_dtype, master_fp32=True) / (shards if self.zero_stage >= 1 else 1),
+            "params": compute,
+            "grads": grads,
+            "optimizer": adamw_state_bytes(numel, state_dtype, master_fp32=True) / shards,
         }
 
     # ---- edges -------------------------------------------------------------------------------
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
-             grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0) -> Cost:
+             grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0,
+             shared: bool = False) -> Cost:
         """Resharding ``val`` from ``src`` to ``dst``, and reducing its gradient where the consumer
         leaves it partial (``grad_partial``: mesh dims; this edge's ``partial_share`` of that
         reduction); ``per_microbatch``: the tensor is the same for every microbatch (a parameter), so
         under gradient accumulation its collectives repeat; ``regathered``: a parameter the consumer
-        saves for backward, moved again in backward."""
-        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered, partial_share)
+        saves for backward, moved again in backward; ``shared``: the move itself (its forward
+        collectives and their duals) is charged once to the readers that share it
+        (``problem.SharedResharding``), not here."""
+        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered, partial_share, shared)
         cost = self._edge_cache.get(key)  # one lookup: hashing DTensor placements is not cheap
         if cost is None:
             cost = self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered,
-                                                      partial_share)
+                                                      partial_share, shared)
         return cost
 
     def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool,
-              grad_partial: tuple[int, ...], regathered: bool, partial_share: float) -> Cost:
+              grad_partial: tuple[int, ...], regathered: bool, partial_share: float, shared: bool) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
-        for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share):
+        for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared):
             seconds = self.collective_seconds(c)
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
@@ -482,7 +516,7 @@ class Pricer:
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
                          grad_partial: tuple[int, ...] = (), regathered: bool = False,
-                         partial_share: float = 1.0) -> list["Collective"]:
+                         partial_share: float = 1.0, shared: bool = False) -> list["Collective"]:
         """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
         (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim).
 
@@ -490,17 +524,22 @@ class Pricer:
         ``partial_reduction`` says: by this edge's redistribute when it has one (arrived by an
         all_gather, ``S -> R``, it goes back as a reduce_scatter onto the shard), else all-reduced
         once for all readers (Megatron's "f" on the critical path). With ``regathered`` every forward
-        collective is listed again, in backward (``regather``), after the others."""
+        collective is listed again, in backward (``regather``), after the others. ``shared``: the
+        move is charged elsewhere (``Pricer.edge``), so only the reduction and the regathers are
+        listed."""
         found = self.partial_reduction(val, dst, grad_partial, partial_share, src if src != dst else None)
+        moves = []
         for dim, group in enumerate(self.groups):
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:
                 continue
             seen = _unsharded_on(dst, dim) if b.is_shard() or a.is_shard() else dst
             for phase, kinds in zip(("forward", "backward"), _transition(a, b)):
-                found += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
+                moves += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
+        if not shared:
+            found += moves
         if regathered:
-            found += [replace(c, phase="backward", regather=True) for c in found if c.phase == "forward"]
+            found += [replace(c, phase="backward", regather=True) for c in moves if c.phase == "forward"]
         return found
 
 

@@ -17,13 +17,20 @@ the placement of the value it reads (``RootSharding``): the problem lists those 
 (constraint (9)) and ``Problem.settled`` folds them into plain prices once a solution is known.
 ``getitem`` nodes are not decisions: they select one output of their producer, so edges leaving them
 start at the producer's output slot.
+
+The readers of one value in one region (``ir.layers.reader_regions``: a layer, or the code before or
+after the layers) that need it in the same placement share one redistribute at run time
+(``passes/insert_redistributes.py``: q, k and v of one sequence-split norm output, one all_gather).
+Their edges then price only what is theirs (a reduction, a re-gather) and a ``SharedResharding``
+prices the move, once per placement some reader takes (solver constraint (11)).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -33,7 +40,7 @@ from autopar.core.placement import Placements
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
-from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
+from autopar.ir.layers import is_getitem, output_vals, reader_regions, tensor_inputs
 
 
 @dataclass
@@ -91,6 +98,44 @@ class Edge:
     # forward collectives (``Cost.forward_comm_s``) run again in backward for each layer in those modes
 
 
+@dataclass
+class SharedResharding:
+    """One redistribute several edges share: edges ``edges`` (indices into ``Problem.edges``) carry one
+    value to readers in one region, and the move of that value from producer placement ``p`` to reader
+    placement ``q`` (``price[p, q]``: its forward collectives and their duals, for ``p != q``) runs once
+    however many of them read it at ``q``. ``share``: the part of the first edge's occurrences that
+    are these readers' (the group's count is ``share`` times that edge's ``count``, which staging
+    scales); the edges' own prices leave the move out (``Pricer.edge(..., shared=True)``)."""
+
+    edges: tuple[int, ...]
+    share: float
+    price: dict[tuple[Placements, Placements], Cost]
+
+    def count(self, edges: Sequence["Edge"]) -> float:
+        return self.share * edges[self.edges[0]].count
+
+    def recomputed_under(self, edges: Sequence["Edge"]) -> tuple[str, ...]:
+        """Checkpointing modes that recompute some reader: the shared move, inside the readers'
+        checkpointed layer, runs again in backward."""
+        return tuple(dict.fromkeys(m for e in self.edges for m in edges[e].recomputed_under))
+
+    def taken(self, problem: "Problem", choice: Mapping[str, int]) -> list[Cost]:
+        """The moves ``choice`` makes: one per distinct (producer, reader) placement pair its edges carry."""
+        return self.moves(edge_pair(problem, problem.edges[e], choice) for e in self.edges)
+
+    def moves(self, pairs: Iterable[tuple[Placements, tuple[Placements, tuple[int, ...]]]]) -> list[Cost]:
+        """The moves of the (producer placement, ``Option.edge_key``) pairs its edges carry, each once."""
+        distinct = dict.fromkeys((p, q[0]) for p, q in pairs)
+        return [self.price[pq] for pq in distinct if pq in self.price]
+
+
+def edge_pair(problem: "Problem", edge: "Edge", choice: Mapping[str, int]
+              ) -> tuple[Placements, tuple[Placements, tuple[int, ...]]]:
+    """The (producer placement, consumer ``Option.edge_key``) pair ``choice`` puts on ``edge``."""
+    p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
+    return p, problem.decisions[edge.dst].options[choice[edge.dst]].edge_key(edge.slot)
+
+
 @dataclass(frozen=True)
 class RootSharding:
     """A price that holds when two decisions are taken together: one of options ``options`` of decision
@@ -136,6 +181,7 @@ class Problem:
     microbatches: int = 1  # gradient accumulation steps the prices assume
     layer_modes: LayerModes | None = None  # per-layer checkpointing still to choose (solver.py (5)-(8))
     root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
+    shared: list[SharedResharding] = field(default_factory=list)  # moves several edges share (11)
 
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches (each distinct
@@ -152,7 +198,8 @@ class Problem:
         edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count, {pq: again(c) for pq, c in e.price.items()})
                  for e in self.edges]
         root_terms = [replace(t, delta=again(t.delta)) for t in self.root_terms]
-        return replace(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms)
+        shared = [replace(g, price={pq: again(c) for pq, c in g.price.items()}) for g in self.shared]
+        return replace(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms, shared=shared)
 
     def settled(self, choice: Mapping[str, int]) -> "Problem":
         """The problem with the parameter placements of ``choice`` taken as given: each ``RootSharding``
@@ -190,7 +237,10 @@ class Problem:
                      for k, d in self.decisions.items()}
         again: dict[tuple[int, float], Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
         edges = [_settled_edge(e, sum(share[m] for m in e.recomputed_under if m in share), again) for e in self.edges]
-        return replace(self, decisions=decisions, edges=edges, layer_modes=None)
+        shared = [replace(g, price=_rerun_prices(g.price, sum(share[m] for m in g.recomputed_under(self.edges)
+                                                                 if m in share), again))
+                  for g in self.shared]
+        return replace(self, decisions=decisions, edges=edges, layer_modes=None, shared=shared)
 
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
@@ -210,14 +260,19 @@ def _settled(option: Option, share: dict[str, float], count: float) -> Option:
 
 
 def _settled_edge(edge: Edge, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> Edge:
+    return replace(edge, price=_rerun_prices(edge.price, recomputed_share, again), recomputed_under=())
+
+
+def _rerun_prices(prices: dict, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> dict:
+    """``prices`` with their forward collectives run again for ``recomputed_share`` of the layers."""
     if not recomputed_share:
-        return replace(edge, recomputed_under=())
-    price = {}
-    for pq, c in edge.price.items():
+        return prices
+    out = {}
+    for pq, c in prices.items():
         if (id(c), recomputed_share) not in again:
             again[(id(c), recomputed_share)] = _with_forward_again(c, recomputed_share)
-        price[pq] = again[(id(c), recomputed_share)]
-    return replace(edge, price=price, recomputed_under=())
+        out[pq] = again[(id(c), recomputed_share)]
+    return out
 
 
 def _with_forward_again(cost: Cost, times: float) -> Cost:
@@ -275,9 +330,9 @@ def build_problem(
         Option(Strategy((tuple([Replicate()] * len(pricer.mesh_shape)),), ()), Cost())
     ])
     _charge_working_set(captured, decisions, pricer)
-    edges = _edges(captured, decisions, pricer)
+    edges, shared = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
-                   set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer))
+                   set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer), shared=shared)
 
 
 def _is_decision(node: fx.Node) -> bool:
@@ -421,11 +476,14 @@ def source_of(arg: fx.Node) -> tuple[fx.Node, int]:
     return arg, 0
 
 
-def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer) -> list[Edge]:
+def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer
+           ) -> tuple[list[Edge], list[SharedResharding]]:
     keys = dict(captured.tie_keys)
     keys[OUTPUT_KEY] = OUTPUT_KEY
     grouped: dict[tuple[str, int, str, int], Edge] = {}
     first: dict[tuple[str, int, str, int], tuple[fx.Node, fx.Node]] = {}  # (consumer, input) of its first occurrence
+    regions = reader_regions(captured.graph)
+    readings: dict[tuple[str, int, str], list[tuple[tuple[str, int, str, int], float]]] = defaultdict(list)
     for node in captured.graph.nodes:
         if node.op == "output":
             consumer, args = OUTPUT_KEY, [captured.node(captured.loss_node)]
@@ -442,14 +500,64 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
             else:
                 grouped[ekey] = Edge(*ekey, count=weight)
                 first[ekey] = (node, arg)
+            if node.op != "output":
+                readings[src.name, out, regions[node]].append((ekey, weight))
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
     weights = {keys[name] for name, kind in kinds.items() if kind == "param"}
+    sharing = _sharing_readers(readings.values(), grouped)
+    shares = {ekey for group in sharing for ekey in group}
+    regathered = {ekey: node.op != "output" and captured.keeps_parameter(node, arg)  # the consumer keeps the parameter
+                  for ekey, (node, arg) in first.items()}
     for ekey, edge in grouped.items():
-        node, arg = first[ekey]
-        regathered = node.op != "output" and captured.keeps_parameter(node, arg)  # the consumer keeps the parameter
-        edge.price = _edge_prices(edge, decisions, arg.meta["val"], pricer, edge.src in weights, regathered,
-                                  partial_gradient_share(arg))
-    return list(grouped.values())
+        arg = first[ekey][1]
+        edge.price = _edge_prices(edge, decisions, arg.meta["val"], pricer, edge.src in weights, regathered[ekey],
+                                  partial_gradient_share(arg), ekey in shares)
+    index = {ekey: i for i, ekey in enumerate(grouped)}
+    shared = [SharedResharding(tuple(index[k] for k in group), occurrences / grouped[group[0]].count,
+                               _shared_prices([grouped[k] for k in group], decisions, first[group[0]][1].meta["val"],
+                                              pricer, group[0][0] in weights, any(regathered[k] for k in group)))
+              for group, occurrences in sharing.items()]
+    return list(grouped.values()), [g for g in shared if g.price]
+
+
+def _sharing_readers(readings: Iterable[list[tuple[tuple, float]]], edges: Mapping[tuple, Edge]
+                     ) -> dict[tuple, float]:
+    """Groups of edges (keys, in graph order) that share their moves, with their occurrences: per value
+    and region, the edges of its readers (``readings``: edge key and occurrences of each read), where
+    two or more edges do, and only where every occurrence of each of those edges lies in such a group
+    with the same edges (else no group prices it, and the edges pay their whole moves)."""
+    occurrences: dict[tuple, float] = defaultdict(float)
+    groups_of: dict[tuple, set[tuple]] = defaultdict(set)
+    for reads in readings:
+        group = tuple(dict.fromkeys(ekey for ekey, _ in reads))
+        if len(group) > 1:
+            occurrences[group] += reads[0][1]
+            for ekey in group:
+                groups_of[ekey].add(group)
+    covered: dict[tuple, float] = defaultdict(float)
+    for group, n in occurrences.items():
+        for ekey in group:
+            covered[ekey] += n
+    whole = {ekey for ekey, groups in groups_of.items()
+             if len(groups) == 1 and math.isclose(covered[ekey], edges[ekey].count)}
+    return {group: n for group, n in occurrences.items() if all(ekey in whole for ekey in group)}
+
+
+def _shared_prices(edges: Sequence[Edge], decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
+                   from_param: bool, regathered: bool) -> dict[tuple[Placements, Placements], Cost]:
+    """The moves a ``SharedResharding`` prices: from each placement of the producer to each placement a
+    reader may take, where they differ and the move costs something. A parameter its readers keep is
+    gathered again in backward by each of them (on their edges), which a recomputed layer's rerun
+    replaces, so the shared move is then not priced again under recomputation (``Pricer.edge``)."""
+    srcs = dict.fromkeys(o.strategy.outputs[edges[0].src_out] for o in decisions[edges[0].src].options)
+    dsts = dict.fromkeys(o.strategy.inputs[e.slot] for e in edges for o in decisions[e.dst].options)
+    prices = {}
+    for a in srcs:
+        for b in dsts:
+            cost = pricer.edge(val, a, b, per_microbatch=from_param) if a is not None and a != b else None
+            if cost is not None and cost.exposed_s > 0:
+                prices[a, b] = replace(cost, forward_comm_s={}) if regathered else cost
+    return prices
 
 
 def _edge_weight(captured: CapturedGraph, producer: fx.Node, consumer: fx.Node) -> float:
@@ -470,14 +578,14 @@ def partial_gradient_share(arg: fx.Node) -> float:
 
 
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                 from_param: bool, regathered: bool, partial_share: float
+                 from_param: bool, regathered: bool, partial_share: float, shared: bool
                  ) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
     # in the options' order (a set's order would follow the hashes, which vary from run to run for
     # ``Partial``, and the order of the ILP's variables picks among equally priced plans)
     srcs = dict.fromkeys(o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options)
     dsts = dict.fromkeys(o.edge_key(edge.slot) for o in decisions[edge.dst].options)
     return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered,
-                                partial_share=partial_share)
+                                partial_share=partial_share, shared=shared)
             for a in srcs if a is not None for b in dsts}
 
 

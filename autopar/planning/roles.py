@@ -16,19 +16,28 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
   between them (sharded, partial, or split on the sequence) from DTensor's strategies. Constraint
   ``sp`` pins sequence parallelism: 1 keeps the norms and the residual stream split on the sequence
   over tp, 0 keeps the norms off it (``sequence_parallel.py``).
+* ``ep`` (expert parallelism): a data-parallel dim (inputs split on the batch, buffers and dense
+  parameters replicated, their gradients all-reduced) over which every *expert weight* is split on its
+  expert dim (``expert_weights``: a stack of matrices a batched matmul applies one per slice of the
+  data). Data may be split over it on its batch dimension or on its expert dimension
+  (``expert_dims``: traced from the expert weights, forward to the combine and back to the dispatch),
+  so the ILP itself places the all_to_alls that move the dispatched tokens from the batch split to the
+  expert split and back (``_tokens_split_on_batch_or_expert``).
 """
 
 from __future__ import annotations
+import math
 from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
-from autopar.ir.capture import CapturedGraph
+from autopar.core.errors import BadInputError
+from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, view_root
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
-from autopar.planning.strategies import StrategyFinder
+from autopar.planning.strategies import KEY_VALUE_SLOTS, QUERY_DIM, StrategyFinder, sequence_view
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 import torch
@@ -44,7 +53,7 @@ def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Cons
     """The pricer of one stage of ``mesh``; ``fsdp`` 1 or 2 pins ZeRO-1/2 optimizer (and gradient) sharding."""
     zero = constraints.zero_stage if constraints.zero_stage in (1, 2) else 0
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
-                  dp_dims=mesh.dims_of(*DATA_PARALLEL_AXES))
+                  dp_dims=mesh.dims_of(*DATA_PARALLEL_AXES), reduce_dtype=constraints.reduce_dtype or "fp32")
 
 
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
@@ -61,15 +70,28 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     zero_stage = 3 if replica_dims else constraints.zero_stage
     pins_params = {i: Replicate() for i in (dp_dims if zero_stage in (0, 1, 2) else replica_dims)}
     sharded_on_dp = shard_dims if zero_stage == 3 else []
-    pins_inputs = {i: (Shard(0) if n in DATA_PARALLEL_AXES else Replicate()) for i, n in enumerate(mesh.names)}
-    param_candidates = placeholder_candidates(shape, pins_params)
+    ep_dims = mesh.dims_of(MeshAxis.EP)
+    pins_buffers.update({i: Replicate() for i in ep_dims})
+    cp_dims = mesh.dims_of(MeshAxis.CP)
+    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP)) if cp_dims else (0, 0)
+    pins_buffers.update({i: Replicate() for i in cp_dims})
+    pins_params.update({i: Replicate() for i in cp_dims})
+    pins_inputs = {i: (Shard(0) if n in (*DATA_PARALLEL_AXES, MeshAxis.EP) else
+                       Shard(SEQUENCE_DIM) if n == MeshAxis.CP else Replicate()) for i, n in enumerate(mesh.names)}
+    param_candidates = _expert_split(captured, shape, pins_params, ep_dims)
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
-    finder = StrategyFinder(shape, copies)
+    finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows)
+    on_data = _downstream_of(captured.graph, set(captured.user_inputs))
+    batch = batch_dims(captured, on_data, (dp_dims + ep_dims)[0], finder) if dp_dims or ep_dims else {}
+    seq = sequence_dims(captured, on_data, cp_dims[0], finder) if cp_dims else {}
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
-        allow=_all_of(_batch_stays_split(captured, dp_dims, finder), _weights_stay_split(captured, tp_dims),
+        allow=_all_of(_batch_stays_split(dp_dims, on_data, batch),
+                      _sequence_stays_split(cp_dims, on_data, seq),
+                      _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, finder),
+                      _weights_stay_split(captured, tp_dims),
                       _replicas_act_as_shards(replica_dims, shard_dims),
                       sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
@@ -84,34 +106,39 @@ def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:
     return split or cands
 
 
-def _batch_stays_split(captured: CapturedGraph, dp_dims: list[int], finder: StrategyFinder):
+def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[str, int], int | None]):
     """Data-parallel role: ops that depend on the inputs read the data split on dp along its batch
     dimension and keep their output split there (``batch_dims``), or partial where the op reduces the
     batch away (the loss): each rank works on its own share of the batch. Gathering the data on dp, or
     splitting another dimension over it (heads, sequence), would be tensor or context parallelism on
     the dp dim under the wrong name, which the role forbids. Where no strategy of an op keeps the
     batch dimension traceable, its output only has to stay split (any dimension) or partial on dp."""
-    on_data = _downstream_of(captured.graph, set(captured.user_inputs))
-    batch = batch_dims(captured, on_data, dp_dims[0], finder) if dp_dims else {}
 
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data or not dp_dims:
             return True
-        out, val = strategy.outputs[0], node.meta.get("val")
-        val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
-        if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
-            return True
-        args = tensor_inputs(node)
-        if not all(_keeps_batch(placements, batch.get(_value_of(a)), a.meta["val"].ndim, dp_dims)
-                   for a, placements in zip(args, strategy.inputs) if a.name in on_data):
-            return False
-        want = batch.get((node.name, 0))
-        if want is not None:
-            return all(out[d] == Shard(want) for d in dp_dims)
-        reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
-        return all(out[d].is_shard() or (reduces and out[d].is_partial()) for d in dp_dims)
+        return _stays_split(node, strategy, dp_dims, on_data, batch)
 
     return allow
+
+
+def _stays_split(node: fx.Node, strategy, dims: list[int], on_data: set[str],
+                 split: dict[tuple[str, int], int | None], whole: tuple[int, ...] = ()) -> bool:
+    """Whether ``strategy`` of data op ``node`` reads its data inputs (but the slots of ``whole``) split on
+    ``dims`` along the dimension ``split`` traces for each, and keeps its output split so (or partial
+    where the op reduces that dimension away; any split where the trace lost it)."""
+    out, val = strategy.outputs[0], node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
+    if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
+        return True
+    args = tensor_inputs(node)
+    if not _inputs_stay_split(node, strategy, dims, on_data, split, whole):
+        return False
+    want = split.get((node.name, 0))
+    if want is not None:
+        return all(out[d] == Shard(want) for d in dims)
+    reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
+    return all(out[d].is_shard() or (reduces and out[d].is_partial()) for d in dims)
 
 
 def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: StrategyFinder
@@ -163,6 +190,255 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
                     and any(placements[d].is_replicate() for d in tp_dims)):
                 return False
         return True
+
+    return allow
+
+
+# ---- context parallelism -----------------------------------------------------------------------------
+
+SEQUENCE_DIM = 1
+"""The dim of every user input (tokens and targets, ``[batch, seq]``) that a cp dim splits."""
+
+
+def check_context_parallel(captured: CapturedGraph, cp: int) -> tuple[int, int]:
+    """(batch, seq) of the user inputs, after refusing a model ``cp`` cannot split: one without fused
+    attention (the only op whose sequence split autopar knows), or inputs without a sequence dim that
+    ``cp`` divides, alike in all inputs."""
+    if not any(node.target is FUSED_ATTENTION for node in captured.graph.nodes):
+        raise BadInputError(f"constraint cp={cp} splits attention on the sequence, and this model has no fused "
+                            "attention (F.scaled_dot_product_attention) op")
+    shapes = {tuple(captured.node(name).meta["val"].shape[:2]) for name in captured.user_inputs}
+    if len(shapes) != 1 or len(next(iter(shapes))) < 2:
+        raise BadInputError(f"constraint cp={cp} splits the inputs on their sequence dim (dim 1): every input "
+                            f"(and the targets) must be [batch, seq, ...] alike, got {sorted(shapes)}")
+    batch, seq = next(iter(shapes))
+    if seq % cp:
+        raise BadInputError(f"constraint cp={cp} does not divide the sequence length {seq}")
+    return batch, seq
+
+
+def sequence_dims(captured: CapturedGraph, on_data: set[str], cp_dim: int, finder: StrategyFinder
+                  ) -> dict[tuple[str, int], int | None]:
+    """(node, output index) -> the dimension of that output that carries the sequence, traced from the
+    user inputs' dim 1 through the strategies each op has on the cp dim (as ``batch_dims`` traces the
+    batch): fused attention's output carries its queries'; where a flattening view also offers its
+    sequence-split variant (``strategies._sequence_split``), the trace takes it."""
+    seq: dict[tuple[str, int], int | None] = {(name, 0): SEQUENCE_DIM for name in captured.user_inputs}
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or node.name not in on_data or is_getitem(node):
+            continue
+        if node.target is FUSED_ATTENTION:
+            seq[node.name, 0] = QUERY_DIM
+            continue
+        args = [(slot, seq.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
+                if a.name in on_data and a.meta["val"].ndim > 0]
+        kept = [s for s in finder.for_node(node)
+                if all(sd is not None and s.inputs[slot][cp_dim] == Shard(sd) for slot, sd in args)]
+        moved = sequence_view(node, finder.rows)
+        for i in range(len(output_vals(node))):
+            dims = {s.outputs[i][cp_dim].dim for s in kept
+                    if s.outputs[i] is not None and s.outputs[i][cp_dim].is_shard()}
+            if moved is not None and args and args[0][1] == moved[0]:
+                dims = {moved[1]}
+            seq[node.name, i] = dims.pop() if len(dims) == 1 else None
+    return seq
+
+
+def _inputs_stay_split(node: fx.Node, strategy, dims: list[int], on_data: set[str],
+                       split: dict[tuple[str, int], int | None], whole: tuple[int, ...] = ()) -> bool:
+    """Whether ``strategy`` reads ``node``'s data inputs (but the slots of ``whole``) split on ``dims``
+    along the dimension ``split`` traces for each (``_keeps_batch``)."""
+    return all(_keeps_batch(placements, split.get(_value_of(a)), a.meta["val"].ndim, dims)
+               for slot, (a, placements) in enumerate(zip(tensor_inputs(node), strategy.inputs))
+               if a.name in on_data and slot not in whole)
+
+
+def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple[str, int], int | None]):
+    """Context-parallel role: data stays split on its sequence dimension over cp (``sequence_dims``),
+    as on dp it stays split on the batch, except the keys and values fused attention reads whole: the
+    all_gather before attention (and its backward's reduce_scatter) are the only moves of data on a cp
+    dim. Everything else is whole on cp (parameters, buffers and what is made of them alone), and reaches
+    data ops as a local slice. So rows flattened from ``[batch, seq]`` are only read row by row or summed,
+    which keeps the sequence-split views exact (``strategies._sequence_split``)."""
+
+    def allow(node: fx.Node, strategy) -> bool:
+        if not cp_dims:
+            return True
+        if node.name not in on_data:
+            return all(p is None or all(p[d].is_replicate() for d in cp_dims) for p in strategy.outputs)
+        whole = KEY_VALUE_SLOTS if node.target is FUSED_ATTENTION else ()
+        if not all(strategy.inputs[slot][d].is_replicate() for slot in whole for d in cp_dims):
+            return False
+        return (_inputs_stay_split(node, strategy, cp_dims, on_data, seq, whole)  # a scalar's too: never gathered
+                and _stays_split(node, strategy, cp_dims, on_data, seq, whole))
+
+    return allow
+
+
+# ---- expert parallelism ------------------------------------------------------------------------------
+
+BATCHED_MATMULS = (torch.ops.aten.bmm.default,)
+"""Ops whose dim 0 is a batch of independent matrix products: a parameter read there as a stack of
+matrices is an expert weight."""
+
+
+def expert_weights(captured: CapturedGraph) -> dict[str, int]:
+    """Parameter placeholder -> its expert dim, for every parameter a batched matmul reads as a stack
+    of matrices, one per slice of the data: the parameter's dim that becomes the matmul's batch dim
+    (traced through the views between them with DTensor's strategies). A structural rule, not a name
+    or a size: a stack of weights applied batch-wise is what an expert layer is (GShard's ``[E, d, f]``
+    experts, ``models/moe.py``), whatever it is called and however many experts it has, while a dense
+    layer reaches its matmul as one matrix (``mm``), even when a dim of it happens to equal the
+    number of experts (a router's ``[E, d]`` weight)."""
+    found: dict[str, int] = {}
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or node.target not in BATCHED_MATMULS:
+            continue
+        for slot, arg in enumerate(tensor_inputs(node)):
+            root = view_root(arg)
+            if root.name in captured.params and root.name not in found:
+                dim = _dim_reaching(root, arg, node, slot)
+                if dim is not None:
+                    found[root.name] = dim
+    return found
+
+
+def expert_count(captured: CapturedGraph) -> int:
+    """Experts an expert-parallel dim may split every expert weight into whole experts: the greatest
+    common divisor of their expert dims' sizes (0 for a dense model)."""
+    sizes = [int(captured.node(name).meta["val"].shape[dim]) for name, dim in expert_weights(captured).items()]
+    return math.gcd(*sizes) if sizes else 0
+
+
+def _dim_reaching(root: fx.Node, arg: fx.Node, matmul: fx.Node, slot: int) -> int | None:
+    """The dim of ``root`` that ``matmul`` reads as its batch dim 0 in input ``slot`` (``arg``, a view of
+    ``root`` or ``root`` itself); None if none does."""
+    chain = []
+    node = arg
+    while node is not root:
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    for dim in range(root.meta["val"].ndim):
+        size = int(root.meta["val"].shape[dim])
+        if size < 2:
+            continue
+        finder = StrategyFinder((size,))
+        placed = _follow(finder, reversed(chain), Shard(dim))
+        if placed == Shard(0) and any(s.inputs[slot][0] == Shard(0) for s in finder.for_node(matmul)):
+            return dim
+    return None
+
+
+def _follow(finder: StrategyFinder, views, placement) -> Shard | None:
+    """Where ``placement`` of a value lands after ``views`` (single-input ops), on a one-dim mesh."""
+    for view in views:
+        outs = {s.outputs[0][0] for s in finder.for_node(view) if s.inputs[0][0] == placement}
+        if len(outs) != 1:
+            return None
+        placement = outs.pop()
+        if not placement.is_shard():
+            return None
+    return placement
+
+
+def _expert_split(captured: CapturedGraph, shape: tuple[int, ...], pins: dict, ep_dims: list[int]):
+    """Parameter candidates under ``pins``, and on each ep dim: an expert weight split on its expert dim,
+    any other parameter replicated. A parameter is known by its value (``Roles.param`` is given the
+    placeholder's ``meta["val"]``)."""
+    dense = placeholder_candidates(shape, {**pins, **{d: Replicate() for d in ep_dims}})
+    if not ep_dims:
+        return dense
+    experts = {id(captured.node(name).meta["val"]): dim for name, dim in expert_weights(captured).items()}
+    split = {dim: placeholder_candidates(shape, {**pins, **{d: Shard(dim) for d in ep_dims}})
+             for dim in set(experts.values())}
+    return lambda val: split[experts[id(val)]](val) if id(val) in experts else dense(val)
+
+
+def expert_dims(captured: CapturedGraph, on_data: set[str], ep_dim: int, finder: StrategyFinder
+                ) -> dict[tuple[str, int], int]:
+    """(node, output index) -> the dimension of that value that carries the experts: traced forward
+    from the expert weights' expert dims through DTensor's strategies (the experts' activations, to
+    where the combine contracts them away), and backward from the data an expert weight's matmul reads
+    through the single-input ops that made it (the dispatched tokens, back to the dispatch's matmul)."""
+    tags = {(name, 0): dim for name, dim in expert_weights(captured).items()}
+    for node in captured.graph.nodes:
+        if node.op == "call_function" and not is_getitem(node):
+            _tag_forward(node, tags, ep_dim, finder)
+    for node in reversed(list(captured.graph.nodes)):
+        if node.op == "call_function" and not is_getitem(node):
+            _tag_backward(node, tags, on_data, ep_dim, finder)
+    return tags
+
+
+def _tag_forward(node: fx.Node, tags: dict, ep_dim: int, finder: StrategyFinder) -> None:
+    """Tag ``node``'s output with the dim its strategies split when every tagged input is split on its
+    expert dim (when that is one dim)."""
+    tagged = [(slot, tags[_value_of(a)]) for slot, a in enumerate(tensor_inputs(node)) if _value_of(a) in tags]
+    if not tagged or (node.name, 0) in tags or len(output_vals(node)) != 1:
+        return
+    dims = {s.outputs[0][ep_dim].dim for s in finder.for_node(node)
+            if s.outputs[0] is not None and s.outputs[0][ep_dim].is_shard()
+            and all(s.inputs[slot][ep_dim] == Shard(d) for slot, d in tagged)}
+    if len(dims) == 1:
+        tags[node.name, 0] = dims.pop()
+
+
+def _tag_backward(node: fx.Node, tags: dict, on_data: set[str], ep_dim: int, finder: StrategyFinder) -> None:
+    """Tag the one data input of ``node`` with the dim it must be split on for ``node``'s tagged
+    inputs and output to be split on their expert dims: the dispatched tokens an expert matmul reads,
+    and the single-input ops (views, copies) that made them."""
+    args = tensor_inputs(node)
+    data = [(slot, a) for slot, a in enumerate(args) if a.name in on_data and _value_of(a) not in tags]
+    if len(data) != 1 or (node.name, 0) not in tags:
+        return
+    slot, arg = data[0]
+    want = {i: tags[_value_of(a)] for i, a in enumerate(args) if _value_of(a) in tags}
+    dims = {s.inputs[slot][ep_dim].dim for s in finder.for_node(node)
+            if s.inputs[slot][ep_dim].is_shard() and s.outputs[0] is not None
+            and s.outputs[0][ep_dim] == Shard(tags[node.name, 0])
+            and all(s.inputs[i][ep_dim] == Shard(d) for i, d in want.items())}
+    if len(dims) == 1:
+        tags[_value_of(arg)] = dims.pop()
+
+
+def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int], on_data: set[str],
+                                     batch: dict[tuple[str, int], int | None], finder: StrategyFinder):
+    """Expert-parallel role: data stays split over ep, on its batch dimension (as on dp) or, where it
+    carries the experts, on its expert dimension (``expert_dims``); never gathered. An op reading an
+    expert weight reads its data as its strategy requires (split like the weight's experts). Moving a
+    value from one split to the other is the all_to_all the ILP places and prices on an edge."""
+    if not ep_dims:
+        return lambda node, strategy: True
+    experts = expert_dims(captured, on_data, ep_dims[0], finder)
+    weights = expert_weights(captured)
+    reads_experts = {node.name for node in captured.graph.nodes
+                     if any(view_root(a).name in weights for a in tensor_inputs(node))}
+
+    def splits(value: tuple[str, int]) -> set:
+        return {Shard(d) for d in (batch.get(value), experts.get(value)) if d is not None}
+
+    def fits(placements, value: tuple[str, int], ndim: int, reduces: bool) -> bool:
+        if ndim == 0:
+            return True
+        allowed = splits(value)
+        if allowed:
+            return all(placements[d] in allowed for d in ep_dims)
+        return all(placements[d].is_shard() or (reduces and placements[d].is_partial()) for d in ep_dims)
+
+    def allow(node: fx.Node, strategy) -> bool:
+        if node.name not in on_data:
+            return True
+        args = tensor_inputs(node)
+        if node.name not in reads_experts and not all(
+                fits(placements, _value_of(a), a.meta["val"].ndim, True)
+                for a, placements in zip(args, strategy.inputs) if a.name in on_data):
+            return False
+        out, val = strategy.outputs[0], node.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
+            return True
+        reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
+        return fits(out, (node.name, 0), val.ndim, reduces)
 
     return allow
 

@@ -43,7 +43,7 @@ from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
-from autopar.planning.roles import pricer_for, problem_for
+from autopar.planning.roles import expert_count, pricer_for, problem_for
 
 def make_plan(
     captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Constraints = Constraints(),
@@ -61,7 +61,8 @@ def make_plan(
     pruned: list[MeshChoice] = []
     start = time.perf_counter()
     search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints, progress)
-    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, layer_count(captured)))
+    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, layer_count(captured),
+                                                                     expert_count(captured)))
     progress.candidates = len(meshes)
     for mesh in meshes:
         best = min(results, key=lambda c: c.step_s, default=None)
@@ -96,11 +97,11 @@ def make_plan(
 
 def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
                                     found: "Candidate | MeshChoice | str") -> bool:
-    """Whether ``mesh`` is searched again under ZeRO-1: the ZeRO stage is free, the mesh has data
-    parallelism without HSDP's replica dim (which shards parameters anyway), and memory was what shaped
+    """Whether ``mesh`` is searched again under ZeRO-1: the ZeRO stage is free, the mesh has a ``dp`` dim
+    to shard over without HSDP's replica dim (which shards parameters anyway), and memory was what shaped
     the plan there: nothing fit, or the plan recomputes or shards parameters over data parallelism.
     (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
-    if search.constraints.zero_stage is not None or mesh.data_parallel_size == 1 \
+    if search.constraints.zero_stage is not None or mesh.size(MeshAxis.DP_SHARD) == 1 \
             or mesh.size(MeshAxis.DP_REPLICATE) > 1 or isinstance(found, MeshChoice):
         return False
     return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
@@ -188,7 +189,7 @@ class _MeshSearch:
             whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints)
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
         # the problems without edges: memory reads only decisions (``least_memory``), and they are cheap to stage
-        memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[]), pricer, self.progress)
+        memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[], shared=[]), pricer, self.progress)
         best: Candidate | None = None
         reason, was_pruned = "", False
         fewest_fitting: int | None = None

@@ -24,6 +24,8 @@ Variables::
     v_dkm >= 0             = a_m x_dk: option k's working set is held
     u_epqm >= 0            = n_m y_epq: layers whose edge p->q reruns    (add_recompute_edge_variables)
     g_t in [0,1]           = X_t Y_t: a root-sharding term t holds       (add_root_sharding_variables)
+    s_gpq in [0,1]         shared move g runs from p to q                (add_shared_move_variables)
+    u_gpqm >= 0            = n_m s_gpq: layers whose shared move reruns
 
 Constraints::
 
@@ -40,6 +42,8 @@ Constraints::
                                                                  gradient partial
     (10) (1 + f) (objective - z) + z <= cutoff                 with a cutoff: only plans that beat it
                                                                  (f: the pipeline bubble's share, 0 without)
+    (11) s_gpq >= sum_h y_e,p,(q,h)   for every edge e of g      a move shared by readers runs once
+         u_gpqm >= n_m - L (1 - s_gpq)                          ... and once more per recomputed layer
 
 In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
 (its price mixed over the layers' modes), memory (4) adds ``sum_dkm R_dkm v_dkm`` and the objective
@@ -60,9 +64,19 @@ path up, gradient sync and its host work down) that enters the objective, (3) an
 ``n_t D_t g_t``, like an option's price. The three rows are the product's linearization (McCormick),
 exact at integral ``x`` whichever sign ``D_t`` has.
 
+(11) prices a redistribute several edges share (``Problem.shared``, ``problem.SharedResharding``): the
+readers of one value in one region that read it at the same placement ``q`` read one redistribute at
+run time (sequence parallelism's q, k and v: one all_gather, one reduce_scatter), so the move
+``p -> q`` is priced ``T_g(p,q)`` once on ``s_gpq``, which is 1 as soon as one of the group's edges
+carries ``p`` into ``q`` (whatever the dims ``h`` it leaves the gradient partial on), and the edges'
+own prices ``r_e`` leave it out. ``s`` and ``u`` are continuous: the objective pushes them down to the
+max of the group's ``y`` (and to ``n_m`` times it), exact once ``y`` is integral. Only groups of two or
+more edges whose moves cost something get variables: one ``s`` per (group, pair) and one row per
+member edge.
+
 Objective (predicted step time)::
 
-    min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + z
+    min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + sum_gpq n_g T_g(p,q) s_gpq + z
 
 Every device runs the same program (SPMD), so one memory row bounds them all. ``y`` and ``z`` are
 continuous: once ``x`` is integral, (2) fixes ``y`` to the one pair the two endpoints chose. The
@@ -91,7 +105,7 @@ from ortools.math_opt.python import mathopt
 
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
-from autopar.planning.problem import Problem
+from autopar.planning.problem import Edge, Problem, edge_pair
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30
@@ -158,10 +172,11 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     w, v = add_mode_choice_variables(model, problem, x, n, a)
     y = add_edge_variables(model, problem, x)
     u = add_recompute_edge_variables(model, problem, y, n)
+    moves = add_shared_move_variables(model, problem, y, n)
     terms = priced_terms(problem, x, w) + add_root_sharding_variables(model, problem, x)
     z = add_overlap_constraint(model, terms, problem.overlap_fraction)
     add_memory_constraint(model, problem, terms, v)
-    objective = set_objective(model, problem, terms, y, u, z)
+    objective = set_objective(model, problem, terms, y, u, z, moves)
     if cutoff_s is not None:
         add_cutoff(model, objective, z, cutoff_s, bubble_fraction)
     start = time.perf_counter()
@@ -349,6 +364,37 @@ def add_recompute_edge_variables(model: Ilp, problem: Problem, y: Mapping[int, d
     return u
 
 
+def add_shared_move_variables(model: Ilp, problem: Problem, y: Mapping[int, list], n: Mapping[str, object]
+                              ) -> list[tuple[int, float]]:
+    """s_gpq, u_gpqm and constraints (11); returns their (variable, objective coefficient in seconds)."""
+    priced = []
+    layers = float(problem.layer_modes.layers) if problem.layer_modes is not None else 0.0
+    for g in problem.shared:
+        count = g.count(problem.edges)
+        rerun = g.recomputed_under(problem.edges) if problem.layer_modes is not None else ()
+        carried = [_by_move(problem.edges[e], y[e]) for e in g.edges]
+        for (p, q), cost in g.price.items():
+            s = model.var(0.0, 1.0)
+            for by_move in carried:  # s >= sum_h y_e,p,(q,h)
+                if (p, q) in by_move:
+                    model.row(0.0, math.inf, [(s, 1.0), *((var, -1.0) for var in by_move[p, q])])
+            priced.append((s, count * cost.exposed_s))
+            again = sum(cost.forward_comm_s.values())
+            for m in rerun if again else ():  # u - n_m - L s >= -L
+                u = model.var(0.0, layers)
+                model.row(-layers, math.inf, [(u, 1.0), (n[m], -1.0), (s, -layers)])
+                priced.append((u, count / layers * again))
+    return priced
+
+
+def _by_move(edge: Edge, pairs: list) -> dict[tuple, list]:
+    """An edge's y variables by the move they carry: (producer placement, consumer placement)."""
+    found: dict[tuple, list] = {}
+    for (p, (q, _)), var in zip(edge.price, pairs):
+        found.setdefault((p, q), []).append(var)
+    return found
+
+
 def add_root_sharding_variables(model: Ilp, problem: Problem, x: Mapping[str, list]) -> list:
     """g_t and constraints (9); returns their priced terms (variable, price change, occurrences)."""
     terms = []
@@ -394,8 +440,9 @@ def add_memory_constraint(model: Ilp, problem: Problem, terms: list, v: Mapping)
     model.row(-math.inf, problem.memory_capacity_bytes / _GIB, weighted)
 
 
-def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z) -> list:
-    """The objective; returns its (variable, coefficient) terms."""
+def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z, moves: list[tuple[int, float]] = ()) -> list:
+    """The objective; returns its (variable, coefficient) terms (``moves``: the shared moves' variables
+    and seconds, ``add_shared_move_variables``)."""
     linear = _weighted(terms, lambda c: c.exposed_s * _US)
     prices = [list(edge.price.values()) for edge in problem.edges]  # in the order of y's and u's pairs
     for e_idx, edge in enumerate(problem.edges):
@@ -405,6 +452,7 @@ def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z) -> list:
         again = sum(prices[e_idx][i].forward_comm_s.values())
         if again:
             linear.append((var, problem.edges[e_idx].count / problem.layer_modes.layers * again * _US))
+    linear.extend((var, seconds * _US) for var, seconds in moves if seconds)
     linear.append((z, 1.0))
     for var, coef in linear:
         model.objective[var] = coef
@@ -443,9 +491,8 @@ def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[s
         step += d.count * c.exposed_s
         memory += d.count * c.memory_bytes
     for edge in problem.edges:
-        p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
-        q = problem.decisions[edge.dst].options[choice[edge.dst]].edge_key(edge.slot)
-        step += edge.count * edge.price[(p, q)].exposed_s
+        step += edge.count * edge.price[edge_pair(problem, edge, choice)].exposed_s
+    step += sum(g.count(problem.edges) * c.exposed_s for g in problem.shared for c in g.taken(problem, choice))
     return step + exposed_grad_sync(problem, choice), memory
 
 
@@ -502,7 +549,8 @@ def least_memory(problem: Problem) -> float:
 
 def least_time(problem: Problem) -> float:
     """A lower bound of the objective without building the ILP: every decision and every edge at its
-    cheapest, every root-sharding term that lowers a price at its most (and the exposed sync at 0).
+    cheapest, every root-sharding term that lowers a price at its most (and the exposed sync and the
+    shared moves at 0).
     With the cutoff row (10) it prunes a problem before its model is built."""
     if problem.layer_modes is not None:
         return 0.0  # prices per mode: the ILP's own bound is needed

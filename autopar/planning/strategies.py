@@ -128,6 +128,107 @@ LOCAL_RULES: dict[Any, LocalRule] = {
     FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4)),
 }
 
+# ---- context parallelism: the sequence split over a cp mesh dim ---------------------------------------
+
+QUERY_DIM = 2
+"""Fused attention's query (and output) dim of the sequence, ``[batch, heads, seq, head_dim]``."""
+KEY_VALUE_SLOTS = (1, 2)
+"""Fused attention's tensor inputs read whole over a cp dim: the keys and the values."""
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _query_split(strategy: Strategy, dim: int, mask_shape: tuple[int, ...] | None,
+                 full: tuple[int, ...]) -> Strategy:
+    """``strategy`` with mesh dim ``dim`` changed to the context-parallel split of fused attention: the
+    queries, the output and the mask's rows split on the sequence, the keys and values whole (the
+    all_gather before the op is an edge's redistribute; its backward reduce-scatters dK and dV)."""
+    split = lambda ps, p: ps[:dim] + (p,) + ps[dim + 1:]  # noqa: E731
+    ins = [split(ps, Replicate() if slot in KEY_VALUE_SLOTS else Shard(QUERY_DIM)) for slot, ps in
+           enumerate(strategy.inputs)]
+    if mask_shape is not None and len(ins) > 3:
+        ins[3] = split(ins[3], _broadcast((Shard(QUERY_DIM),), mask_shape, full)[0])
+    return Strategy(tuple(ins), (split(strategy.outputs[0], Shard(QUERY_DIM)),))
+
+
+def merged_dim(before: Sequence[int], after: Sequence[int]) -> int | None:
+    """``a`` when ``after`` is ``before`` with dims ``a`` and ``a + 1`` merged into one (a flatten)."""
+    before, after = list(before), list(after)
+    for a in range(len(before) - 1):
+        if after == before[:a] + [before[a] * before[a + 1]] + before[a + 2:]:
+            return a
+    return None
+
+
+def sequence_view(node: fx.Node, rows: tuple[int, int]) -> tuple[int, int] | None:
+    """(input dim, output dim) the sequence moves between when ``node`` flattens ``[batch, seq, ...]``
+    into ``[batch * seq, ...]`` or unflattens it back; ``rows`` is (batch, seq) of the user inputs."""
+    if node.target not in VIEWS:
+        return None
+    before, after = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
+    a = merged_dim(before, after)
+    if a is not None and (before[a], before[a + 1]) == rows:
+        return a + 1, a
+    a = merged_dim(after, before)
+    if a is not None and (after[a], after[a + 1]) == rows:
+        return a, a + 1
+    return None
+
+
+def _sequence_split(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int, int]) -> Strategy | None:
+    """A context-parallel variant of ``strategy`` (whole on mesh dim ``dim``), or None: fused attention
+    split on the queries (``_query_split``), or a view that flattens the sequence into the rows of
+    ``[batch * seq, ...]`` (or back) keeping it split. The flattened rows on a rank are then its sequence
+    chunk of every sample, not a contiguous range of rows (DTensor's ``_StridedShard``, which plans do not
+    express): the plan calls them ``S(0)`` and the runtime runs such views on local shards
+    (``passes/run_locally.py``). That is exact because on a cp dim such rows are only ever read
+    row by row or summed, never moved (``roles._sequence_stays_split``)."""
+    if any(p is not None and not p[dim].is_replicate() for p in (*strategy.inputs, *strategy.outputs)):
+        return None
+    split = lambda ps, p: ps[:dim] + (p,) + ps[dim + 1:]  # noqa: E731
+    if node.target is FUSED_ATTENTION:
+        args = tensor_inputs(node)
+        full = tuple(args[0].meta["val"].shape)
+        return _query_split(strategy, dim, tuple(args[3].meta["val"].shape) if len(args) > 3 else None, full)
+    moved = sequence_view(node, rows)
+    if moved is None:
+        return None
+    return Strategy((split(strategy.inputs[0], Shard(moved[0])),), (split(strategy.outputs[0], Shard(moved[1])),))
+
+
+def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
+    """Whether the runtime runs ``node`` under ``strategy`` on local shards, outside DTensor: an op of
+    ``LOCAL_RULES``, or a view that moves a sequence split between ``[batch, seq, ...]`` and its
+    flattened rows (``_sequence_split``), which DTensor would place as a ``_StridedShard``."""
+    if node.target in LOCAL_RULES:
+        return True
+    if node.target not in VIEWS or strategy.outputs[0] is None:
+        return False
+    before, after = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
+    flat, unflat = merged_dim(before, after), merged_dim(after, before)
+    moves = {(flat + 1, flat)} if flat is not None else {(unflat, unflat + 1)} if unflat is not None else set()
+    return any(p.is_shard() and q.is_shard() and (p.dim, q.dim) in moves
+               for p, q in zip(strategy.inputs[0], strategy.outputs[0]))
+
+
+def sequence_split_imbalance(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
+    """How much more than its even share of a causal fused attention the slowest rank computes when
+    the queries are split on the sequence in contiguous chunks: with ``c`` chunks, rank ``r`` attends its
+    queries to the ``r + 1`` chunks of keys up to its own, so the last rank does ``(2c - 1) / c**2`` of
+    the causal work, the first ``1 / c**2``, against the even ``1 / c``. The step waits for the slowest,
+    so pricing charges ``(2c - 1) / c`` times the even share. 1 for any other op or split."""
+    if node.target is not FUSED_ATTENTION or not _is_causal(node):
+        return 1.0
+    c = 1
+    for size, p in zip(mesh_shape, strategy.outputs[0] or ()):
+        if p == Shard(QUERY_DIM):
+            c *= size
+    return (2 * c - 1) / c
+
+
+def _is_causal(node: fx.Node) -> bool:
+    """Whether a fused attention node applies the causal mask (``is_causal``, positional or keyword)."""
+    return bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+
 
 _RAW: dict[Any, tuple[list[Strategy], bool]] = {}
 """(mesh ndim, op, argument shapes) -> (DTensor's strategies before ``fits_mesh``, whether the op
@@ -155,12 +256,17 @@ def _dtensor_costs_skipped() -> Iterator[None]:
 class StrategyFinder:
     """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
 
-    def __init__(self, mesh_shape: Sequence[int], copies: Mapping[int, int] | None = None):
+    def __init__(self, mesh_shape: Sequence[int], copies: Mapping[int, int] | None = None,
+                 sequence_dims: Sequence[int] = (), rows: tuple[int, int] = (0, 0)):
         """``copies``: mesh dims whose placement always repeats another dim's (HSDP's replica dim
         repeats its shard dim): strategies are enumerated without them, then the copies are filled in,
-        so such a mesh costs DTensor's enumeration no more than the mesh without them."""
+        so such a mesh costs DTensor's enumeration no more than the mesh without them.
+        ``sequence_dims``: context-parallel mesh dims, on which the ops also get their sequence-split
+        variants (``_sequence_split``); ``rows``: (batch, seq) of the user inputs there."""
         self.mesh_shape = tuple(mesh_shape)
         self.copies = dict(copies or {})
+        self.sequence_dims = tuple(sequence_dims)
+        self.rows = rows
         self._free = [d for d in range(len(self.mesh_shape)) if d not in self.copies]
         self._ndim = len(self._free)  # mesh dims DTensor's rules enumerate
         self.mesh = planning_mesh(tuple(2 for _ in range(self._ndim)))  # sizes do not matter, see _RAW
@@ -176,6 +282,9 @@ class StrategyFinder:
             raw, fallback = self._raw(node, inputs, key)
             if fallback:
                 self._warn_unsupported(node.target)
+            for dim in self.sequence_dims:
+                raw = raw + [v for v in (_sequence_split(node, st, dim, self.rows) for st in raw)
+                             if v is not None and v not in raw]
             fitting = [st for st in raw if self._fits(node, st)]
             self._cache[key] = fitting or [_replicated(node, len(inputs), len(self.mesh_shape))]
         return self._cache[key]

@@ -140,10 +140,10 @@ def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, in
 
 def _pricing_constraints(plan: Plan) -> Constraints:
     """What the planner's pricing needs beyond the placements: a ZeRO-1/2 stage (sharded optimizer
-    state of replicated parameters). Nothing else is pinned, so every strategy the plan took, under
-    whatever constraints it was made, is among the options."""
+    state of replicated parameters) and the gradient reductions' dtype. Nothing else is pinned, so every
+    strategy the plan took, under whatever constraints it was made, is among the options."""
     zero = plan.degrees.zero or 0
-    return Constraints(zero_stage=zero) if zero in (1, 2) else Constraints()
+    return Constraints(zero_stage=zero if zero in (1, 2) else None, reduce_dtype=plan.precision.reduce)
 
 
 def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, staging: Staging, dtype: str,

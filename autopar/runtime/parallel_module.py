@@ -13,7 +13,9 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting, in
   with the last microbatch's backward;
 * under ZeRO-1/2 (``plan.degrees.zero``) ``parameters()`` are dp-sharded copies the program's
   replicated parameters are gathered from before each step, and gradients are reduce-scattered onto
-  them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it.
+  them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it;
+* under mixed precision (``plan.precision``) ``parameters()`` are fp32 master weights and the program
+  reads compute-dtype copies made at the start of each step (``passes/mixed_precision.py``).
 
 Where we diverge from rewriting local shapes into the graph ourselves: DTensor already maps global
 shape arguments (``view``, ``expand``...) to local ones for every op it shards, so the graph keeps
@@ -33,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
-from autopar.passes import GradientSync, ShardedOptimizerState, build_program, shard_parameters, shard_tensor
+from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
+from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import check_user_inputs, user_input
@@ -63,30 +66,30 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
-        named_params = dict(model.named_parameters())
-        self._params = nn.ParameterDict(
-            {_key(k): v for k, v in shard_parameters(named_params, plan.placements, mesh).items()}
-        )
+        precision = plan.precision
+        named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
+        masters = shard_parameters(named_params, plan.placements, mesh)
+        self._program_params = ProgramParameters({_key(k): v for k, v in masters.items()}, mesh, precision,
+                                                 plan.degrees.zero or 0)
+        self._params = nn.ParameterDict(self._program_params.optimizer_parameters())
         self._fqns = {_key(fqn): fqn for fqn in plan.placements}  # ParameterDict keys cannot hold dots
         named_buffers = dict(model.named_buffers())
-        self._buffers_dt = {fqn: shard_tensor(named_buffers[fqn], mesh, pl) for fqn, pl in plan.buffers.items()}
+        self._buffers_dt = {fqn: shard_tensor(in_compute_dtype(named_buffers[fqn], precision), mesh, pl)
+                            for fqn, pl in plan.buffers.items()}
         self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
         built = build_program(plan, captured, mesh)
         (stage,) = built.stages
         self.program, self.redistributes = stage.module, built.redistributes
         self._placeholders = stage.program.placeholders
-        zero = plan.degrees.zero or 0
-        self._zero = ShardedOptimizerState(self._params, mesh, zero) if zero in (1, 2) else None
-        self._grad_sync = GradientSync(self._zero.unsharded() if self._zero else self._params.values())
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters to optimize: the plan's shards (under ZeRO-1/2, the dp-sharded copies)."""
-        shards = self._zero.shards if self._zero else {}
+        """The parameters to optimize: the plan's shards (under ZeRO-1/2, the dp-sharded copies; under
+        mixed precision, in fp32)."""
         for k, p in self._params.items():
-            yield prefix + self._fqns[k], shards.get(k, p)
+            yield prefix + self._fqns[k], p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters())
@@ -99,12 +102,11 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
-        if self._zero:
-            self._zero.gather()
-        return self._run_program(inputs, local)
+        return self._run_program(self._program_params.begin_step(), inputs, local)
 
-    def _run_program(self, inputs: Sequence[torch.Tensor], local: bool) -> DTensor:
-        args = self._placeholder_values(inputs, local)
+    def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool
+                     ) -> DTensor:
+        args = self._placeholder_values(params, inputs, local)
         (loss,) = self.program(*args)
         return loss
 
@@ -122,28 +124,25 @@ class ParallelModule(nn.Module):
         m = self.microbatches
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         total = torch.zeros(())
-        if self._zero:
-            self._zero.gather()
+        params = self._program_params.begin_step()
         for i, piece in enumerate(zip(*(torch.chunk(a, m, dim=0) for a in args))):
-            loss = self._run_program(piece, local).to_local()
+            loss = self._run_program(params, piece, local).to_local()
             if i == m - 1:
-                self._grad_sync.arm()  # reduce gradients as the last backward produces them
-                if self._zero:
-                    self._zero.arm()  # ZeRO-1: reduce-scatter them so too
+                self._program_params.arm()  # reduce gradients as the last backward produces them
             (loss / m).backward()
-            total = total + loss.detach() / m
-        self._grad_sync()
-        if self._zero:
-            self._zero.reduce_gradients()
+            total = total + loss.detach().float() / m
+        self._program_params.end_step()
         return total
 
-    def _placeholder_values(self, inputs: Sequence[torch.Tensor], local: bool) -> list[Any]:
-        cg = self.captured
-        user = {n: user_input(self.plan, self.mesh, n, x, local) for n, x in zip(cg.user_inputs, inputs)}
+    def _placeholder_values(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool
+                            ) -> list[Any]:
+        cg, precision = self.captured, self.plan.precision
+        user = {n: in_compute_dtype(user_input(self.plan, self.mesh, n, x, local), precision)
+                for n, x in zip(cg.user_inputs, inputs)}
         values = []
         for name in self._placeholders:
             if name in cg.params:
-                values.append(self._params[_key(cg.params[name])])
+                values.append(params[_key(cg.params[name])])
             elif name in cg.buffers:
                 values.append(self._buffers_dt[cg.buffers[name]])
             elif name in cg.constants:

@@ -25,6 +25,9 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
    ``parameters()`` hands to the optimizer; before the schedule runs they refresh the stage's whole
    parameters (all_gather), and gradients are reduce-scattered onto them (ZeRO-2 as each microbatch's
    backward accumulates them, ZeRO-1 after the schedule), exactly as in ``ParallelModule``.
+4. **Mixed precision** (``plan.precision``): the stage's optimizer parameters are fp32 masters and its
+   chunks read compute-dtype copies made before each schedule step (``passes/mixed_precision.py``'s
+   ``ProgramParameters``, as in ``ParallelModule``).
 
 Where we diverge from pipelining's usual use: the loss is part of the last chunk's graph (it was
 captured with the model), so the schedule's ``loss_fn`` only scales it by ``1 / m``, the schedule's
@@ -49,7 +52,8 @@ from torch.distributed.tensor import DTensor
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
-from autopar.passes import GradientSync, ShardedOptimizerState, Stage, build_program, shard_parameters, shard_tensor
+from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
+from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
@@ -114,26 +118,23 @@ class PipelineParallelModule(nn.Module):
         self.chunks = nn.ModuleList(self._stage_module(stage, model) for stage in mine)
         self._local_inputs = False
         self.schedule = self._schedule(len(built.stages))
-        zero = plan.degrees.zero or 0
-        stage_params = dict(self._stage_parameters())
-        self._zero = ShardedOptimizerState(stage_params, self.mesh, zero) if zero in (1, 2) else None
-        self._grad_sync = GradientSync(self._zero.unsharded() if self._zero else stage_params.values())
+        self._program_params = ProgramParameters(dict(self._stage_parameters()), self.mesh, plan.precision,
+                                                 plan.degrees.zero or 0)
         self._tied_sync = TiedGradientSync(stages_reading(built.stages, captured.params, self.pp_size), self.world_mesh,
-                                           dict(self.named_parameters()), job_collective_timeout(self.mesh.device_type))
+                                           dict(self.named_parameters()), job_collective_timeout(self.mesh.device_type),
+                                           TORCH_DTYPES[plan.precision.reduce])
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters to optimize: this rank's stages' shards (under ZeRO-1/2, the dp-sharded copies)."""
-        shards = self._zero.shards if self._zero else {}
-        for fqn, p in self._stage_parameters():
-            yield prefix + fqn, shards.get(fqn, p)
+        """The parameters to optimize: this rank's stages' shards (under ZeRO-1/2, the dp-sharded copies;
+        under mixed precision, in fp32)."""
+        for fqn, p in self._program_params.optimizer_parameters().items():
+            yield prefix + fqn, p
 
     def _stage_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters this rank's chunks compute with, by fully qualified name (each once)."""
-        fqn = self.captured.params
-        found = {fqn[name]: chunk.values[name] for chunk in self.chunks for name in chunk.placeholders if name in fqn}
-        yield from found.items()
+        """The parameters this rank's chunks were built with, by fully qualified name (each once)."""
+        yield from self._sharded.items()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters())
@@ -160,18 +161,19 @@ class PipelineParallelModule(nn.Module):
         first = args if self.chunks[0].index == 0 else ()
         later = {n: by_name[n] for chunk in self.chunks if chunk.index > 0 for n in chunk.reads}
         losses: list[torch.Tensor] = []
-        if self._zero:
-            self._zero.gather()
-        self._grad_sync.arm(self.microbatches)  # reduce each gradient during its last microbatch's backward
-        if self._zero:
-            self._zero.arm(self.microbatches)
+        self._read_parameters(self._program_params.begin_step())
+        self._program_params.arm(self.microbatches)  # reduce each gradient during its last microbatch's backward
         self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                            **later)
-        self._grad_sync()
-        if self._zero:
-            self._zero.reduce_gradients()
+        self._program_params.end_step()
         self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
-        return self._broadcast_loss(sum(l.detach() for l in losses) if losses else torch.zeros(()))
+        return self._broadcast_loss(sum(l.detach().float() for l in losses) if losses else torch.zeros(()))
+
+    def _read_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Hand each chunk this step's value of every parameter it reads (``ProgramParameters.begin_step``)."""
+        fqn = self.captured.params
+        for chunk in self.chunks:
+            chunk.values.update({name: values[fqn[name]] for name in chunk.placeholders if name in fqn})
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.reshape(()).clone()
@@ -193,18 +195,19 @@ class PipelineParallelModule(nn.Module):
             if name in cg.params:
                 fqn = cg.params[name]
                 if fqn not in self._sharded:
-                    self._sharded.update(shard_parameters({fqn: named_params[fqn]}, {fqn: plan.placements[fqn]},
-                                                          self.mesh))
+                    master = as_master(named_params[fqn], plan.precision)
+                    self._sharded.update(shard_parameters({fqn: master}, {fqn: plan.placements[fqn]}, self.mesh))
                 values[name] = self._sharded[fqn]
             elif name in cg.buffers:
-                values[name] = shard_tensor(named_buffers[cg.buffers[name]], self.mesh, plan.buffers[cg.buffers[name]])
+                buffer = in_compute_dtype(named_buffers[cg.buffers[name]], plan.precision)
+                values[name] = shard_tensor(buffer, self.mesh, plan.buffers[cg.buffers[name]])
             elif name in cg.constants:
                 values[name] = shard_tensor(cg.constants[name], self.mesh, ["R"] * self.mesh.ndim)
         return values
 
     def _user_input(self, name: str, x: torch.Tensor) -> DTensor:
         """One microbatch of a user input, as this step was given it (global, or with ``local`` a slice)."""
-        return user_input(self.plan, self.mesh, name, x, self._local_inputs)
+        return in_compute_dtype(user_input(self.plan, self.mesh, name, x, self._local_inputs), self.plan.precision)
 
     def _schedule(self, num_chunks: int) -> Any:
         kind = self.plan.pipeline.schedule

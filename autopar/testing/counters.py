@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,7 +26,7 @@ _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts the collectives run inside it, per plan kind (``counts``): to hold a step's collectives
-    against ``predicted_collectives``.
+    against ``predicted_collectives``; ``dtypes`` records the dtypes each kind moved.
 
     Where we diverge from ``torch.distributed.tensor.debug.CommDebugMode``, which counts the same way
     (letting DTensor desugar first, then counting the collective ops it dispatches): its module
@@ -35,6 +36,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.dtypes: dict[str, set[torch.dtype]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
@@ -43,4 +45,11 @@ class CollectiveCounter(TorchDispatchMode):
         if getattr(func, "namespace", None) in ("c10d", "_c10d_functional") and name not in _NOT_COLLECTIVES:
             kind = _OP_KINDS.get(name, name)  # a collective no plan predicts keeps its own name
             self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.dtypes.setdefault(kind, set()).update(_tensor_dtypes(args))
         return func(*args, **(kwargs or {}))
+
+
+def _tensor_dtypes(args: tuple) -> set[torch.dtype]:
+    """The dtypes of the tensors a collective was given (directly or in a list)."""
+    flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+    return {a.dtype for a in flat if isinstance(a, torch.Tensor)}

@@ -1,0 +1,225 @@
+"""Expert parallelism (issue 16): the built-in MoE family, the ``ep`` mesh role, and parity on gloo.
+
+* The model: tiny-moe's GShard-formulated layer (dispatch and combine einsums over a one-hot
+  ``[g, s, E, C]`` mask, batched-matmul experts) equals a token-by-token top-k mixture when no token is
+  dropped, and keeps at most ``C`` tokens per (group, expert) when tokens are dropped.
+* The planner: expert weights are found by structure (the router's ``[E, d]`` weight is not one); a
+  pinned ``ep`` splits them on their expert dim and prices the all_to_alls; a dense model never gets
+  an ``ep`` dim; ``--fix ep=`` through the CLI, and ``show``.
+* Parity on gloo (SGD, 3 steps, no dropped tokens): gradients after the first backward, per-step
+  losses and final parameters under ep=2, ep=4, dp=2 x ep=2, ep=2 x tp=2 and pp=2 x ep=2 equal
+  single-process training; and under ep=2 with tokens dropped. The forward's collectives (two
+  all_to_alls a layer) are the plan's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.cli import main
+from autopar.core.errors import BadInputError
+from autopar.ir.capture import capture
+from autopar.models import build_model
+from autopar.models.moe import capacity
+from autopar.planning.roles import expert_count, expert_weights
+from autopar.inspect.collectives import predicted_collectives
+from autopar.testing.counters import CollectiveCounter
+from autopar.testing.launch import run_on_ranks
+from autopar.testing.parity import batches, train_parallel_many, train_single
+from test_collective_parity import as_run_on_gloo
+
+NO_DROP = {"drop_tokens": False}
+BATCH = 8
+STEPS = 3
+
+
+def _plan(name: str, cluster: str, constraints: dict | None = None, overrides: dict | None = None,
+          batch: int = BATCH, seq: int | None = None) -> autopar.Plan:
+    bundle = build_model(name, overrides=overrides, global_batch=batch, seq=seq)
+    return autopar.plan(bundle.model, bundle.example_inputs, cluster=cluster, loss_fn=bundle.loss_fn,
+                        example_targets=bundle.example_targets, constraints=constraints)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def _token_by_token(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The top-k mixture computed one token and one chosen expert at a time."""
+    probs = ff.router(x).softmax(dim=-1)
+    top, index = probs.topk(ff.config.top_k, dim=-1)
+    gates = top / top.sum(dim=-1, keepdim=True)
+    w = ff.experts
+    out = torch.zeros_like(x)
+    for g in range(x.shape[0]):
+        for s in range(x.shape[1]):
+            for j in range(ff.config.top_k):
+                e, h = index[g, s, j], x[g, s]
+                out[g, s] += gates[g, s, j] * ((F.silu(h @ w.w1[e]) * (h @ w.w3[e])) @ w.w2[e])
+    return out
+
+
+@pytest.mark.parametrize("group_size", [0, 4])
+def test_moe_layer_without_drops_is_the_token_by_token_mixture(group_size: int) -> None:
+    bundle = build_model("tiny-moe", overrides={**NO_DROP, "group_size": group_size}, global_batch=2, device="cpu")
+    ff = bundle.model.blocks[0].moe
+    x = torch.randn(2, bundle.config.seq, bundle.config.hidden)
+    y, balance = ff(x)
+    torch.testing.assert_close(y, _token_by_token(ff, x), rtol=1e-5, atol=1e-6)
+    assert balance.item() >= 1.0 - 1e-5  # E * sum_e f_e p_e is 1 when perfectly balanced, more otherwise
+
+
+def test_groups_must_divide_the_sequence() -> None:
+    bundle = build_model("tiny-moe", overrides={"group_size": 5}, global_batch=2, device="cpu")
+    with pytest.raises(BadInputError, match="group_size 5 must divide the sequence length 16"):
+        bundle.model(*bundle.example_inputs)
+
+
+def test_tokens_past_the_capacity_are_dropped() -> None:
+    overrides = {"capacity_factor": 0.5}
+    bundle = build_model("tiny-moe", overrides=overrides, global_batch=2, device="cpu")
+    cfg, ff = bundle.config, bundle.model.blocks[0].moe
+    slots = capacity(cfg, cfg.seq)
+    assert slots == math.ceil(0.5 * cfg.top_k * cfg.seq / cfg.experts) < cfg.seq
+    x = torch.randn(2, cfg.seq, cfg.hidden)
+    routed = []
+    ff.experts.register_forward_hook(lambda module, args, out: routed.append(args[0]))
+    y, _ = ff(x)
+    per_expert = routed[0].reshape(cfg.experts, 2, slots, cfg.hidden)  # [E, g, C, d]
+    assert per_expert.shape[2] == slots
+    assert not torch.allclose(y, _token_by_token(ff, x))  # some token lost an expert
+    assert capacity(build_model("tiny-moe", overrides=NO_DROP).config, cfg.seq) == cfg.seq
+
+
+def test_mixtral_preset_has_mixtrals_size() -> None:
+    bundle = build_model("mixtral-8x7b")
+    assert 46.6e9 < bundle.num_params() < 46.8e9  # Mixtral 8x7B: 46.7B parameters
+    assert bundle.config.experts == 8 and bundle.config.top_k == 2
+
+
+# ---- the planner -------------------------------------------------------------------------------------
+def test_expert_weights_are_found_by_structure() -> None:
+    bundle = build_model("tiny-moe")
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    found = {captured.params[name]: dim for name, dim in expert_weights(captured).items()}
+    assert found == {f"blocks.{i}.moe.experts.{w}": 0 for i in range(2) for w in ("w1", "w2", "w3")}
+    assert expert_count(captured) == 4  # the router's [E, d] weight is dense
+    dense = build_model("tiny-llama")
+    assert expert_count(capture(dense.model, dense.example_inputs, dense.example_targets, dense.loss_fn)) == 0
+
+
+def test_pinned_ep_splits_the_experts_and_prices_the_all_to_alls() -> None:
+    plan = _plan("tiny-moe", "1x4xcpu", {"ep": 2}, NO_DROP).to_dict()
+    assert plan["mesh"]["dim_names"][-1] == "ep" and plan["degrees"]["ep"] == 2 and plan["degrees"]["dp"] == 4
+    ep = plan["mesh"]["dim_names"].index("ep")
+    for fqn, placements in plan["placements"].items():
+        assert placements[ep] == ("S(0)" if ".experts." in fqn else "R"), fqn
+    assert all(spec["placements"][ep] == "S(0)" for spec in plan["inputs"].values())  # the batch split over ep
+    assert plan["predicted"]["comm_s"]["all_to_all"] > 0
+
+
+def test_a_dense_model_never_gets_an_ep_dim() -> None:
+    plan = _plan("tiny-llama", "1x4xcpu").to_dict()
+    meshes = [plan["mesh"]] + [c["mesh"] for c in plan.get("candidates", [])]
+    assert all("ep" not in mesh["dim_names"] for mesh in meshes)
+    assert plan["degrees"]["ep"] == 1
+    with pytest.raises(BadInputError, match="constraint ep=2 needs a model with experts"):
+        _plan("tiny-llama", "1x4xcpu", {"ep": 2})
+
+
+def test_ep_must_divide_the_experts() -> None:
+    with pytest.raises(BadInputError, match=r"ep dividing the number of experts \(4\)"):
+        _plan("tiny-moe", "1x8xcpu", {"ep": 8})
+
+
+def test_fix_ep_on_the_command_line_and_show(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", "tiny-moe", "--set", "experts=8", "--cluster", "1x8xcpu", "--global-batch", "8",
+                 "--fix", "ep=8", "-o", str(out)])
+    assert code == 0
+    assert json.loads(out.read_text())["degrees"]["ep"] == 8
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "mesh      ep=8" in shown and "ep=8  pp=1" in shown
+    assert "blocks.*.moe.experts.w1      [S(0)]" in shown
+
+
+@pytest.mark.slow
+def test_mixtral_on_64_gpus_splits_its_data_parallel_group_for_experts() -> None:
+    """Pipeline and tensor parallelism pinned off, the search over the data-parallel splits of 64 H100s
+    (dp=64, dp=32 x ep=2, dp=16 x ep=4, dp=8 x ep=8) puts the experts on an ep dim: each rank gathers a
+    smaller share of the expert weights (10 to 30 s)."""
+    plan = _plan("mixtral-8x7b", "8x8xH100", {"pp": 1, "tp": 1}, batch=256, seq=4096)
+    assert plan.degrees.ep > 1 and plan.degrees.dp == 64
+    assert plan.candidates[0]["mesh"]["dim_names"][-1] == "ep"
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_mixtral_on_64_gpus_chooses_expert_parallelism() -> None:
+    """The free search over every mesh of 64 H100s (4 minutes on 2 busy cores) puts the experts on an ep dim."""
+    plan = _plan("mixtral-8x7b", "8x8xH100", batch=256, seq=4096)
+    assert plan.degrees.ep > 1
+    assert plan.predicted["comm_s"]["all_to_all"] > 0
+
+
+# ---- parity on gloo ----------------------------------------------------------------------------------
+def _runs(constraint_sets: list[dict], overrides: dict | None = NO_DROP) -> list[dict]:
+    return [dict(name="tiny-moe", overrides=overrides, global_batch=BATCH, seq=None, steps=STEPS, plan=None,
+                 constraints=c) for c in constraint_sets]
+
+
+@pytest.fixture(scope="module")
+def moe_single():
+    return train_single("tiny-moe", NO_DROP, BATCH, None, STEPS)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep2_matches_single_process(moe_single) -> None:
+    """And with tokens dropped (the default capacity, in groups of 8 tokens: 5 slots for 8 tokens x 2
+    choices over 4 experts): the capacity is per group, inside a sequence, so each rank drops what one
+    process drops."""
+    groups = {"group_size": 8}
+    result, dropping = train_parallel_many(2, _runs([{"ep": 2}]) + _runs([{"ep": 2}], overrides=groups))
+    assert result.plan["mesh"] == {"shape": [2], "dim_names": ["ep"]}
+    result.assert_matches(moe_single)
+    dropping.assert_matches(train_single("tiny-moe", groups, BATCH, None, STEPS))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep4_dp2_by_ep2_ep2_by_tp2_and_pp2_by_ep2_match_single_process(moe_single) -> None:
+    results = train_parallel_many(4, _runs([{"ep": 4}, {"dp": 4, "ep": 2}, {"ep": 2, "tp": 2}, {"pp": 2, "ep": 2}]))
+    assert results[0].plan["mesh"] == {"shape": [4], "dim_names": ["ep"]}
+    assert results[1].plan["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "ep"]}
+    assert results[2].plan["mesh"] == {"shape": [2, 2], "dim_names": ["ep", "tp"]}
+    assert results[3].plan["mesh"] == {"shape": [2], "dim_names": ["ep"]} and results[3].plan["degrees"]["pp"] == 2
+    for result in results:
+        result.assert_matches(moe_single)
+
+
+def _counted_forward(rank: int, world: int) -> dict:
+    bundle = build_model("tiny-moe", overrides=NO_DROP, global_batch=BATCH, device="cpu")
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints={"ep": 2})
+    (batch,) = batches(bundle, 1, seed=0)
+    with CollectiveCounter() as forward:
+        pm(*batch)
+    return {"plan": pm.plan.to_dict(), "forward": forward.counts}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ep2_forward_runs_the_predicted_all_to_alls() -> None:
+    """Two all_to_alls a layer (dispatch, combine), and the rest of the forward's collectives, as the
+    plan predicts them; on gloo DTensor runs each all_to_all as an all_gather and a chunk."""
+    counted = run_on_ranks(_counted_forward, 2)
+    plan = counted[0]["plan"]
+    predicted = predicted_collectives(plan, ["forward"])
+    assert predicted["all_to_all"] == 2 * plan["model"]["layers"]
+    assert all(c["forward"] == as_run_on_gloo(predicted) for c in counted), (counted[0]["forward"], predicted)
