@@ -21,7 +21,8 @@ Megatron-Core, MaxText, torchtitan, the Llama 3 paper), each with its published 
 way (``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``microbatch_size``, recomputation, schedule and chunks, the
 ZeRO stage of its data parallelism, sequence parallelism), on ``Nx8x<device>`` with the catalog's constants
 for that device. A row the planner refuses (context or expert parallelism, no plan fits) is recorded with
-autopar's own message; MoE and FP8 rows are recorded without pricing (no MoE model; autopar prices BF16).
+autopar's own message; MoE and FP8 rows are recorded without pricing (autopar's MoE model dispatches with
+dense einsums, the runs permuted tokens; autopar prices BF16).
 Where the published configuration is refused, the closest accepted one is priced (the next lower ZeRO
 stage; full recomputation for selective) and the row lists the refusals.
 
@@ -208,7 +209,9 @@ def configurations(run: ModernRun) -> list[dict[str, object]]:
 def why_not_priced(run: ModernRun) -> str:
     """Why a row is recorded without pricing ("" when it is priced)."""
     if run.moe:
-        return f"MoE ({run.moe}): autopar has no MoE model yet"
+        return (f"MoE ({run.moe}): autopar's MoE family (models/moe.py) dispatches tokens with GShard's dense "
+                "einsums, whose FLOPs grow with experts x capacity; this run permuted tokens (Megatron-Core), "
+                "so its price would charge work the run did not do")
     if run.precision != "bf16":
         return f"{run.precision.upper()} run: not comparable with autopar's BF16 price"
     return ""

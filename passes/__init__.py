@@ -11,7 +11,8 @@ list of graph passes; every runtime runs the stage programs it returns:
 3. ``mixed_precision``: under a mixed-precision plan, every op reading a parameter reads it cast to the
    compute dtype, and a gathered parameter is cast before it is gathered (``cast_parameters``);
 4. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
-   local rules such as fused attention split on heads) run on local shards;
+   local rules such as fused attention split on heads, or on its queries under context parallelism,
+   and the views that flatten a context-parallel sequence into rows) run on local shards;
 5. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
    plan's is one stage program, the whole program;
 6. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule

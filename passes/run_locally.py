@@ -1,6 +1,6 @@
 """Run the ops DTensor cannot dispatch on local shards, outside DTensor.
 
-Two kinds of nodes get this treatment, both marked ``"local": true`` in the plan's ops:
+Three kinds of nodes get this treatment, all marked ``"local": true`` in the plan's ops:
 
 * ops with no DTensor strategy, planned all-``R`` (the planner warned): every rank runs the whole op;
 * ops planned with one of autopar's own *local rules* (``autopar.planning.strategies.LOCAL_RULES``), e.g.
@@ -24,22 +24,27 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map
 
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
 from autopar.core.placement import strs_to_placements
-from autopar.ir.capture import FUSED_ATTENTION
+from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
+from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 
 from .insert_redistributes import mesh_attr
 from .layout import memory_order, wrap_with_layout
 
-VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-QUERY_DIM = 2  # fused attention's sequence dim of the queries, [batch, heads, seq, head_dim]
-
 
 def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
-                 layouts: Sequence[tuple[int, ...] | None], *args: Any, **kwargs: Any) -> Any:
+                 layouts: Sequence[tuple[int, ...] | None], *args: Any, query_offset: int | None = None,
+                 **kwargs: Any) -> Any:
+    """``op`` on the local shards of its arguments, its outputs wrapped with ``out_placements``.
+    ``query_offset``: fused attention whose queries are split on the sequence (context parallelism),
+    from that position on; its whole keys and values get partial gradients (``attend_locally``)."""
+    if query_offset is not None:
+        q, k, v, *rest = args
+        k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))
+        op, args = attend_locally, (query_offset, q, k, v, *rest)
     to_local = lambda a: a.to_local() if isinstance(a, DTensor) else a  # noqa: E731
     out = op(*tree_map(to_local, args), **tree_map(to_local, kwargs))
     if isinstance(out, torch.Tensor):
@@ -50,26 +55,16 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
     )
 
 
-def attend_locally(offset: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+def attend_locally(offset: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
-    """Fused attention of this rank's shards. Causal attention whose queries are the chunk of the sequence
-    from ``offset`` on (not None: split on dim 2) while the keys are whole gets an explicit mask for the
-    chunk's global positions: query ``i`` of the chunk is position ``offset + i`` and sees keys
-    ``0 .. offset + i``."""
-    if is_causal and offset is not None:
+    """Fused attention of this rank's queries, the chunk of the sequence from ``offset`` on, against
+    the whole keys. Causal attention gets an explicit mask for the chunk's global positions: query ``i``
+    of the chunk is position ``offset + i`` and sees keys ``0 .. offset + i``."""
+    if is_causal:
         rows = torch.arange(q.shape[QUERY_DIM], device=q.device) + offset
         attn_mask = rows[:, None] >= torch.arange(k.shape[QUERY_DIM], device=q.device)[None, :]
         is_causal = False
     return FUSED_ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, **kwargs)
-
-
-def run_local_attention(mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
-                        layouts: Sequence[tuple[int, ...] | None], offset: int | None, q: Any, k: Any, v: Any,
-                        *args: Any, **kwargs: Any) -> Any:
-    """``run_local_op`` of ``attend_locally``. The keys and values whole on a dim where the output is
-    split (context parallelism) get a partial gradient there: each rank's queries add their share."""
-    k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))
-    return run_local_op(attend_locally, mesh, out_placements, layouts, offset, q, k, v, *args, **kwargs)
 
 
 def _partial_gradient(t: Any, out: Sequence[str]) -> Any:
@@ -78,7 +73,24 @@ def _partial_gradient(t: Any, out: Sequence[str]) -> Any:
     if not isinstance(t, DTensor):
         return t
     grads = [Partial() if p.is_replicate() and o.startswith("S(") else p for p, o in zip(t.placements, out)]
-    return t.to_local(grad_placements=grads)
+    if grads == list(t.placements):
+        return t.to_local()
+    return _ContiguousGradient.apply(t.to_local(grad_placements=grads))
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. The partial gradient of the gathered keys
+    and values is reduce-scattered by the gather's backward into a contiguous shard, which DTensor
+    describes with the strides of the gradient it was given (CPU flash attention returns it permuted):
+    given a contiguous one, the two agree, and the views before the gather can take it back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous()
 
 
 def _query_offset(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh) -> int | None:
@@ -113,11 +125,9 @@ def run_locally(gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], mesh: 
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.name in local:
             outs = tuple(tuple(p) if p is not None else None for p in ops[node.name]["outputs"])
-            if node.target is FUSED_ATTENTION:
-                offset = _query_offset(node, ops[node.name]["inputs"][0], mesh)
-                node.args = (mesh_node, outs, _layouts(node), offset, *node.args)
-                node.target = run_local_attention
-                continue
+            offset = _query_offset(node, ops[node.name]["inputs"][0], mesh) if node.target is FUSED_ATTENTION else None
+            if offset is not None:
+                node.kwargs = {**node.kwargs, "query_offset": offset}
             args = (node.args[0], _local_shape(node, outs[0], mesh)) if node.target in VIEWS else node.args
             node.args = (node.target, mesh_node, outs, _layouts(node), *args)
             node.target = run_local_op

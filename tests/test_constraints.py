@@ -64,7 +64,7 @@ def test_good_value_is_held_typed(key, given, name, held):
     ({"memory_gb": 0}, "constraint memory_gb must be a positive number, got 0"),
     ({"memory_gb": "nan"}, "got 'nan'"),
     ({"solver_nodes": 0}, "constraint solver_nodes must be a positive integer, got 0"),
-    ({"cp": 2}, "constraint cp=2: this version plans cp=1 only (context parallelism"),
+    ({"cp": 2, "pp": 2}, "constraints cp=2 and pp=2: context parallelism is not combined with pp > 1"),
     ({"ep": 0}, "constraint ep must be a positive integer, got 0"),
     ({"ep": 2, "dp_shard": 2}, "HSDP is not combined with expert parallelism"),
     ({"bogus": 1, "tensor_parallel": 8}, "unknown constraint(s) bogus, tensor_parallel: known are checkpointing, cp"),

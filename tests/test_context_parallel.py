@@ -1,14 +1,17 @@
 """Context parallelism (issue 16): the ``cp`` mesh role, pinned with ``--fix cp=N``, and parity on gloo.
 
+* The free search adds meshes with a ``cp`` dim where activation memory shaped the best plan without
+  one: Llama 3 405B on 16,384 H100s chooses cp at 128k tokens, and does not search it at 4k.
 * The planner: a pinned ``cp`` gets a ``cp`` mesh dim over which the inputs are split on the sequence,
-  parameters stay whole, fused attention reads its queries split and its keys and values gathered, and
+  parameters stay whole (or, under FSDP, sharded over dp x cp), fused attention reads its queries split and its keys and values gathered, and
   the views that flatten the sequence into rows keep it split (run locally); through the CLI, and
   ``show``. Refused: a model without fused attention, a ``cp`` that does not divide the sequence,
   ``cp`` with pipeline stages.
 * Parity on gloo (SGD, 3 steps, tiny-llama at 256 tokens; tiny-gpt at 32): gradients after the first
-  backward, per-step losses and final parameters under cp=2, cp=4 and dp=2 x cp=2 equal single-process
+  backward, per-step losses and final parameters under cp=2, cp=4 (FSDP over cp) and dp=2 x cp=2 equal single-process
   training (the causal mask of each rank's chunk of queries, the gathered keys' reduce-scattered
-  gradients, the loss averaged over every token).
+  gradients, the loss averaged over every token); and cp=2 x tp=2. The collectives a cp=2 step runs
+  are the plan's (forward exactly; a step but for one known gap, ``STEP_GAP``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from autopar.cli import main
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError
 from autopar.models import build_model
-from autopar.testing.parity import train_parallel_many, train_single
+from autopar.inspect.collectives import predicted_collectives
+from autopar.testing.counters import CollectiveCounter
+from autopar.testing.launch import run_on_ranks
+from autopar.testing.parity import batches, train_parallel_many, train_single
 
 BATCH = 8
 STEPS = 3
@@ -56,19 +62,44 @@ def test_pinned_cp_splits_the_sequence_and_gathers_keys_and_values() -> None:
 
 
 def test_fix_cp_on_the_command_line_and_show(tmp_path, capsys) -> None:
-    """Llama 3 8B at 32k tokens under cp=4 x tp=2 (on 16 H100s: dp=2 leaves ZeRO room for the AdamW
-    state, which one node's 8 cannot hold with parameters whole on cp)."""
+    """Llama 3 8B at 32k tokens on one node under cp=4 x tp=2: its parameters and AdamW state fit only
+    sharded over cp (FSDP over the data-parallel and context-parallel dims, as torchtitan shards them)."""
     out = tmp_path / "plan.json"
-    code = main(["plan", "llama3-8b", "--cluster", "2x8xH100", "--global-batch", "8", "--set", "seq=32768",
+    code = main(["plan", "llama3-8b", "--cluster", "1x8xH100", "--global-batch", "8", "--set", "seq=32768",
                  "--fix", "cp=4,tp=2", "--json", "-o", str(out)])
     assert code == 0
     plan = json.loads(out.read_text())
-    assert plan["degrees"]["cp"] == 4 and plan["degrees"]["tp"] == 2
-    assert plan["mesh"]["dim_names"] == ["dp", "cp", "tp"]
+    assert plan["degrees"]["cp"] == 4 and plan["degrees"]["tp"] == 2 and plan["degrees"]["fsdp"] == 4
+    assert plan["mesh"]["dim_names"] == ["cp", "tp"]
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
     shown = capsys.readouterr().out
-    assert "cp=4" in shown and "dp, cp, tp" in shown
+    assert "cp=4" in shown and "cp, tp" in shown
+
+
+def _cli_plan(tmp_path, *args: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert main(["plan", *args, "--json", "-o", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_free_search_chooses_cp_for_a_long_sequence(tmp_path, capsys) -> None:
+    """Llama 3 405B at 128k tokens on 16,384 H100s: the best plan without cp recomputes (a 1-microbatch
+    pipeline, its bubble most of the step), so meshes with a cp dim are searched too, and one wins."""
+    plan = _cli_plan(tmp_path, "llama3-405b", "--cluster", "2048x8xH100", "--global-batch", "128",
+                     "--set", "seq=131072")
+    assert plan["degrees"]["cp"] > 1 and "cp" in plan["mesh"]["dim_names"]
+    assert plan["predicted"]["peak_memory_bytes"] <= plan["predicted"]["memory_capacity_bytes"]
+
+
+@pytest.mark.slow
+def test_free_search_leaves_cp_out_at_a_short_sequence(tmp_path, capsys) -> None:
+    """The same model at 4k tokens: activations fit without recomputing, so cp is not searched."""
+    plan = _cli_plan(tmp_path, "llama3-405b", "--cluster", "2048x8xH100", "--global-batch", "2048",
+                     "--seq", "4096")
+    assert plan["degrees"]["cp"] == 1 and plan["checkpointing"] == "none"
+    assert all("cp" not in c["degrees"] for c in plan.get("candidates", []))
 
 
 def test_cp_refuses_a_model_without_fused_attention() -> None:
@@ -99,10 +130,46 @@ def test_cp_on_2_ranks_matches_single_process() -> None:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_cp_with_data_parallelism_on_4_ranks_matches_single_process() -> None:
-    results = train_parallel_many(4, [_run("tiny-llama", LONG, {"cp": 2, "dp": 2}), _run("tiny-llama", LONG, {"cp": 4})])
+def test_cp_with_data_and_tensor_parallelism_on_4_ranks_matches_single_process() -> None:
+    runs = [{"cp": 2, "dp": 2}, {"cp": 4, "fsdp": 3}, {"cp": 2, "tp": 2}]
+    results = train_parallel_many(4, [_run("tiny-llama", LONG, c) for c in runs])
     reference = train_single("tiny-llama", LONG, BATCH, None, STEPS)
-    assert results[0].plan["mesh"]["dim_names"] == ["dp", "cp"]
-    assert results[1].plan["degrees"]["cp"] == 4
+    assert [r.plan["mesh"]["dim_names"] for r in results] == [["dp", "cp"], ["cp"], ["cp", "tp"]]
+    assert results[1].plan["degrees"]["fsdp"] == 4  # parameters sharded over cp, gathered before use
     for result in results:
         result.assert_matches(reference)
+
+
+def _counted_step(rank: int, world: int) -> dict:
+    """One forward, then one step, of tiny-llama under cp=2, counting their collectives."""
+    bundle = build_model("tiny-llama", overrides=LONG, global_batch=BATCH, device="cpu")
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints={"cp": 2})
+    (batch,) = batches(bundle, 1, seed=0)
+    with CollectiveCounter() as forward:
+        pm(*batch)
+    with CollectiveCounter() as step:
+        pm.step(*batch)
+    return {"plan": pm.plan.to_dict(), "forward": forward.counts, "step": step.counts}
+
+
+STEP_GAP = {"all_gather": -4}
+"""A step's collectives, observed minus predicted: pricing charges the backward all_gather of a local
+slice (``R -> S``) also where the sliced value has no gradient, the rotary tables each layer slices to
+its sequence chunk (cos and sin, 2 layers)."""
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_cp_runs_the_predicted_collectives() -> None:
+    """The forward's all_gathers (keys and values of each layer, and the per-token losses the loss sums)
+    are the plan's; backward reduce-scatters the keys' and values' gradients and the gradient sync
+    all-reduces the parameters' (one bucket), as predicted but for ``STEP_GAP``."""
+    counted = run_on_ranks(_counted_step, 2)
+    plan = counted[0]["plan"]
+    forward, step = predicted_collectives(plan, ["forward"]), predicted_collectives(plan)
+    assert forward["all_gather"] >= 2 * plan["model"]["layers"] and step["reduce_scatter"] == 2 * plan["model"]["layers"]
+    for c in counted:
+        assert c["forward"] == forward, (c["forward"], forward)
+        gap = {k: c["step"].get(k, 0) - step.get(k, 0) for k in {*c["step"], *step}}
+        assert {k: v for k, v in gap.items() if v} == STEP_GAP, (c["step"], step)

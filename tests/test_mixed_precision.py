@@ -179,41 +179,62 @@ def test_gradient_sync_reduces_in_the_reduce_dtype_and_returns_fp32(two_fake_ran
         dist.all_reduce = all_reduce
 
 
-def _collective_dtypes_rank(rank: int, world: int, constraints: dict) -> dict[str, list[str]]:
-    from autopar.api import autoparallelize
-    from autopar.testing.counters import CollectiveCounter
-    from autopar.testing.parity import batches
-
-    bundle = build_model("tiny-gpt", global_batch=BATCH, device="cpu", seed=0)
-    pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                         example_targets=bundle.example_targets, constraints={**constraints, "dtype": "bf16"})
-    with CollectiveCounter() as counter:
-        pm.step(*batches(bundle, 1, 0)[0])
-    params = dict(bundle.model.named_parameters())
-    assert {t.dtype for fqn, t in pm.state_dict().items() if fqn in params} == {torch.float32}  # checkpoints: masters
-    return {kind: sorted(str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point)
-            for kind, dtypes in counter.dtypes.items()}
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.parametrize("constraints, exactly, among", [
+DTYPE_CASES = [
     ({"dp": 2, "fsdp": 3}, {"all_gather": ["bfloat16"]}, {"reduce_scatter": "float32"}),
     ({"dp": 2, "fsdp": 3, "reduce_dtype": "bf16"}, {"all_gather": ["bfloat16"], "reduce_scatter": ["bfloat16"]}, {}),
     ({"dp": 2, "fsdp": 0, "reduce_dtype": "bf16"}, {"all_reduce": ["bfloat16"]}, {}),
     ({"dp": 2, "fsdp": 1}, {"all_gather": ["bfloat16"], "reduce_scatter": ["float32"]}, {}),
-])
-def test_collectives_move_the_planned_dtypes(constraints: dict, exactly: dict, among: dict) -> None:
+]
+"""(constraints, the floating-point dtypes each kind of collective moved exactly, a dtype it moved among others)."""
+
+
+def _collective_dtypes_rank(rank: int, world: int, cases: list[dict]) -> list[dict[str, list[str]]]:
+    from autopar.api import autoparallelize
+    from autopar.testing.counters import CollectiveCounter
+    from autopar.testing.parity import batches
+
+    seen = []
+    for constraints in cases:
+        bundle = build_model("tiny-gpt", global_batch=BATCH, device="cpu", seed=0)
+        pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                             example_targets=bundle.example_targets, constraints={**constraints, "dtype": "bf16"})
+        with CollectiveCounter() as counter:
+            pm.step(*batches(bundle, 1, 0)[0])
+        params = dict(bundle.model.named_parameters())
+        assert {t.dtype for fqn, t in pm.state_dict().items() if fqn in params} == {torch.float32}  # masters
+        seen.append({kind: sorted(str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point)
+                     for kind, dtypes in counter.dtypes.items()})
+    return seen
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_collectives_move_the_planned_dtypes() -> None:
     """FSDP gathers bf16 shards and reduce-scatters parameter gradients in the reduction dtype (FSDP2's
     mixed precision; with fp32 reductions an activation's reduce_scatter still moves bf16: tiny-gpt's
     position embedding, sharded on dp, is looked up as partial sums); DDP all-reduces in the reduction
-    dtype; ZeRO-1 gathers the updated bf16 parameters and reduce-scatters in fp32. Floating-point data
-    only: a boolean mask may be gathered too."""
+    dtype; ZeRO-1 gathers the updated bf16 parameters and reduce-scatters in fp32. The checkpointed
+    parameters are the fp32 masters. Floating-point data only: a boolean mask may be gathered too."""
     from autopar.testing.launch import run_on_ranks
 
-    seen = run_on_ranks(_collective_dtypes_rank, 2, constraints)[0]
-    assert {kind: seen[kind] for kind in exactly} == exactly
-    assert all(dtype in seen[kind] for kind, dtype in among.items())
+    per_case = run_on_ranks(_collective_dtypes_rank, 2, [c for c, _, _ in DTYPE_CASES])[0]
+    for (constraints, exactly, among), seen in zip(DTYPE_CASES, per_case):
+        assert {kind: seen[kind] for kind in exactly} == exactly, constraints
+        assert all(dtype in seen[kind] for kind, dtype in among.items()), constraints
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_bf16_inside_pipeline_stages_and_on_2d_meshes_matches_by_hand() -> None:
+    """4 ranks: FSDP and ZeRO-1 (with bf16 reductions) inside two pipeline stages, FSDP x TP."""
+    cases = [{"pp": 2, "dp": 2, "fsdp": 3}, {"pp": 2, "dp": 2, "fsdp": 1, "reduce_dtype": "bf16"},
+             {"dp": 2, "tp": 2, "fsdp": 3}]
+    runs = [dict(name="tiny-llama", overrides=None, global_batch=BATCH, seq=None, steps=STEPS, plan=None,
+                 constraints={**c, "dtype": "bf16"}) for c in cases]
+    mixed = train_single("tiny-llama", None, BATCH, None, STEPS, dtype="bf16")
+    for case, result in zip(cases, train_parallel_many(4, runs)):
+        assert result.plan["degrees"]["pp"] == case.get("pp", 1)
+        result.assert_matches(mixed)
 
 
 def test_export_gives_fsdp_the_plans_mixed_precision_policy() -> None:

@@ -201,7 +201,7 @@ def test_wrong_schema(plan_dict, tmp_path):
     _raises_naming(_write(tmp_path, plan_dict, "future.json"), "autopar.plan/999")
 
 
-@pytest.mark.parametrize("key", sorted(TOP_KEYS - {"schema"}))
+@pytest.mark.parametrize("key", sorted(TOP_KEYS - {"schema", "precision"}))  # precision: read from model.dtype
 def test_missing_key(plan_dict, tmp_path, key):
     del plan_dict[key]
     _raises_naming(_write(tmp_path, plan_dict, f"no-{key}.json"), key)

@@ -120,8 +120,8 @@ class Constraints:
     ``fsdp`` 3 or free."""
     cp: int | None = _pinned(_positive_int)
     """Context-parallel degree: the ranks each sequence is split over (on its sequence dim; fused attention
-    gathers the keys and values). Planned only when pinned; needs a model with fused attention and cp
-    dividing the sequence."""
+    gathers the keys and values). Free, it is searched where activation memory shapes the plan; it needs
+    a model with fused attention and cp dividing the sequence, and is not combined with pp, ep or HSDP."""
     ep: int | None = _pinned(_positive_int)
     """Expert-parallel degree: the ranks of a data-parallel group over which expert weights are split
     (dividing ``dp`` and the number of experts); 1 keeps every expert on every rank."""

@@ -131,11 +131,11 @@ class Degrees(_Section):
     """How many ways each kind of parallelism splits the work (docs/architecture.md "Plan JSON")."""
 
     dp: int  # the data-parallel ranks of a stage, each on its own share of the batch (dp_replicate x fsdp x ep)
-    fsdp: int  # the size of the group parameters are sharded over (mesh dim "dp"); 1 when they are replicated.
+    fsdp: int  # the size of the group parameters are sharded over (mesh dims "dp", "cp"); 1 when replicated.
     #            Not the ZeRO stage that constraint fsdp pins: that is ``zero``
     tp: int  # tensor-parallel ranks (mesh dim "tp")
     sp: int  # tp when the norms run split on the sequence over tp (sequence parallelism), else 1
-    cp: int  # context parallelism: 1 (not planned yet)
+    cp: int  # context-parallel ranks (mesh dim "cp"): each sequence split over them
     ep: int  # expert-parallel ranks (mesh dim "ep"): a data-parallel dim over which expert weights are split
     pp: int  # pipeline stages (the runtime's outermost mesh dim "pp"; ``Plan.mesh`` is one stage's)
     dp_replicate: int | None = None  # HSDP's replica groups (mesh dim "dp_replicate"); 1 without HSDP

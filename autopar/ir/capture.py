@@ -455,6 +455,10 @@ def _ties_node_for_node(captured: CapturedGraph, path: str, traced: int) -> bool
 
 
 FUSED_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+ATTENTION_QUERY_DIM = 2
+"""The sequence dim of fused attention's queries and output, ``[batch, heads, seq, head_dim]``."""
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+"""The reshaping views of a captured graph (a sequence split moves through them: ``planning/strategies.py``)."""
 KEPT_WHOLE = (FUSED_ATTENTION,)
 """Ops captured whole rather than decomposed (fused attention: its math decomposition would
 materialize the s x s score matrix that the fused kernel never stores). Planning gives each a local

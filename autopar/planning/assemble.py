@@ -246,19 +246,18 @@ def _explanation_index(captured: CapturedGraph, problem: Problem) -> dict[str, s
 def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stage: int) -> dict[str, int]:
     """Degrees of docs/architecture.md "Plan JSON" (what each key means: ``Plan.degrees`` in ``core/plan.py``).
     ``sp`` is the tp degree when a norm's result is split on its sequence dim over tp
-    (``sequence_parallel.norm_sites``); ``fsdp`` the size of the shard dim when most parameter bytes are
-    sharded on it; ``zero``, when anything is sharded over data parallelism, the ZeRO stage (1-2
+    (``sequence_parallel.norm_sites``); ``fsdp`` the product of the sizes of the dims (dp, cp) most parameter
+    bytes are sharded on; ``zero``, when anything is sharded over data parallelism, the ZeRO stage (1-2
     optimizer state and gradients sharded, 3 parameters too), absent for DDP and without a ``dp`` dim
     (ZeRO-1/2 pinned there shard nothing: a pipeline runs such a plan as it is; an ``ep`` dim alone shards
     only the experts)."""
     tp = mesh.size(MeshAxis.TP)
     fsdp = 1
-    if mesh.dims_of(MeshAxis.DP_SHARD):
-        shard_dim = mesh.names.index(MeshAxis.DP_SHARD)
-        numel = {n: captured.node(n).meta["val"].numel() * captured.weight(n) for n in captured.params}
+    numel = {n: captured.node(n).meta["val"].numel() * captured.weight(n) for n in captured.params}
+    for shard_dim in mesh.dims_of(MeshAxis.DP_SHARD, MeshAxis.CP):
         sharded = sum(numel[n] for n in captured.params if by_node[n][1].strategy.outputs[0][shard_dim].is_shard())
         if sharded * 2 > sum(numel.values()):
-            fsdp = mesh.size(MeshAxis.DP_SHARD)
+            fsdp *= mesh.shape[shard_dim]
     outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
     sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index(MeshAxis.TP)) else 1
     zero = 3 if fsdp > 1 else zero_stage if mesh.size(MeshAxis.DP_SHARD) > 1 else 0

@@ -64,14 +64,14 @@ class MeshChoice:
 def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | None,
                     layers: int = 0, experts: int = 0) -> list[MeshChoice]:
     """Every ``pp x dp x cp x tp`` factorization of the world the constraints and topology allow (``cp``
-    only as pinned, on one stage: context parallelism is not searched yet), pipeline
+    as pinned, on one stage; ``search.context_parallel_meshes`` pins each degree it tries), pipeline
     degree first (1 first), then tensor-parallel degree. Unless pinned, ``tp`` stays inside a node
     (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
     nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21). With
     ``experts`` (the number of experts every expert weight is split into; 0 for a dense model), each
     data-parallel group is also tried with an ``ep`` dim (``expert_degrees``)."""
     world = cluster.world_size
-    cp = constraints.cp or 1  # context parallelism: planned only when pinned
+    cp = constraints.cp or 1  # context parallelism: the search tries each degree as pinned
     fixed = {"pp": constraints.pp, "dp": constraints.dp, "tp": constraints.tp}  # pinned degrees, by constraint key
     if fixed["dp"] and fixed["tp"] and not fixed["pp"] and world % (fixed["dp"] * fixed["tp"] * cp) == 0:
         fixed["pp"] = world // (fixed["dp"] * fixed["tp"] * cp)  # dp and tp pinned: the rest are stages

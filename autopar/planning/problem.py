@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -38,7 +38,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from autopar.core.placement import Placements
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
-from autopar.planning.pricing import Cost, Pricer, weighted_cost
+from autopar.planning.pricing import Cost, Pricer, weighted_cost, with_fields
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
 from autopar.ir.layers import is_getitem, output_vals, reader_regions, tensor_inputs
 
@@ -193,13 +193,13 @@ class Problem:
                 repriced[id(cost)] = (cost, pricer.for_microbatches(cost, m))  # keeps ``cost`` alive: ids stay unique
             return repriced[id(cost)][1]
 
-        decisions = {k: replace(d, options=[replace(o, cost=again(o.cost)) for o in d.options])
+        decisions = {k: with_fields(d, options=[with_fields(o, cost=again(o.cost)) for o in d.options])
                      for k, d in self.decisions.items()}
         edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count, {pq: again(c) for pq, c in e.price.items()})
                  for e in self.edges]
-        root_terms = [replace(t, delta=again(t.delta)) for t in self.root_terms]
-        shared = [replace(g, price={pq: again(c) for pq, c in g.price.items()}) for g in self.shared]
-        return replace(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms, shared=shared)
+        root_terms = [with_fields(t, delta=again(t.delta)) for t in self.root_terms]
+        shared = [with_fields(g, price={pq: again(c) for pq, c in g.price.items()}) for g in self.shared]
+        return with_fields(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms, shared=shared)
 
     def settled(self, choice: Mapping[str, int]) -> "Problem":
         """The problem with the parameter placements of ``choice`` taken as given: each ``RootSharding``
@@ -216,11 +216,11 @@ class Problem:
         decisions = dict(self.decisions)
         for key in {key for key, _ in extra}:
             d = decisions[key]
-            options = [replace(o, cost=summed_cost([o.cost, *extra[key, k]]),
+            options = [with_fields(o, cost=summed_cost([o.cost, *extra[key, k]]),
                                by_mode={m: summed_cost([c, *extra[key, k]]) for m, c in o.by_mode.items()})
                        if (key, k) in extra else o for k, o in enumerate(d.options)]
-            decisions[key] = replace(d, options=options)
-        return replace(self, decisions=decisions, root_terms=[])
+            decisions[key] = with_fields(d, options=options)
+        return with_fields(self, decisions=decisions, root_terms=[])
 
     def with_layer_modes(self, counts: dict[str, int]) -> "Problem":
         """The plain problem once ``counts[mode]`` of a device's layers run in each mode: a layer op's
@@ -233,14 +233,14 @@ class Problem:
         if set(counts) - set(modes.modes) or sum(counts.values()) != modes.layers:
             raise ValueError(f"layer modes {counts} do not give the {modes.layers} layers modes of {modes.modes}")
         share = {m: counts.get(m, 0) / modes.layers for m in modes.modes}
-        decisions = {k: replace(d, options=[_settled(o, share, d.count) for o in d.options])
+        decisions = {k: with_fields(d, options=[_settled(o, share, d.count) for o in d.options])
                      for k, d in self.decisions.items()}
         again: dict[tuple[int, float], Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
         edges = [_settled_edge(e, sum(share[m] for m in e.recomputed_under if m in share), again) for e in self.edges]
-        shared = [replace(g, price=_rerun_prices(g.price, sum(share[m] for m in g.recomputed_under(self.edges)
+        shared = [with_fields(g, price=_rerun_prices(g.price, sum(share[m] for m in g.recomputed_under(self.edges)
                                                                  if m in share), again))
                   for g in self.shared]
-        return replace(self, decisions=decisions, edges=edges, layer_modes=None, shared=shared)
+        return with_fields(self, decisions=decisions, edges=edges, layer_modes=None, shared=shared)
 
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
@@ -253,14 +253,14 @@ def _settled(option: Option, share: dict[str, float], count: float) -> Option:
     used = [(share[m], c) for m, c in option.by_mode.items() if share[m]]
     working_set = sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
     if len(used) == 1 and used[0][0] == 1.0 and not working_set:  # every layer in one mode: its price as it is
-        return replace(option, cost=used[0][1], by_mode={}, recompute_bytes={})
+        return with_fields(option, cost=used[0][1], by_mode={}, recompute_bytes={})
     cost = weighted_cost(used)
     cost.memory_bytes += working_set
-    return replace(option, cost=cost, by_mode={}, recompute_bytes={})
+    return with_fields(option, cost=cost, by_mode={}, recompute_bytes={})
 
 
 def _settled_edge(edge: Edge, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> Edge:
-    return replace(edge, price=_rerun_prices(edge.price, recomputed_share, again), recomputed_under=())
+    return with_fields(edge, price=_rerun_prices(edge.price, recomputed_share, again), recomputed_under=())
 
 
 def _rerun_prices(prices: dict, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> dict:
@@ -279,7 +279,7 @@ def _with_forward_again(cost: Cost, times: float) -> Cost:
     """``cost`` with its forward collectives run ``times`` more (a recomputed consumer's inputs)."""
     if not cost.forward_comm_s:
         return cost
-    out = replace(cost, comm_s=dict(cost.comm_s))
+    out = with_fields(cost, comm_s=dict(cost.comm_s))
     for kind, seconds in cost.forward_comm_s.items():
         out.add_comm(kind, times * seconds)
     return out
@@ -348,7 +348,7 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
         if node.name in captured.params:
             accumulation = pricer.gradient_accumulation()
             return [Option(Strategy((), (p,)),
-                           replace(accumulation, memory_bytes=sum(pricer.parameter_memory(val, p).values())))
+                           with_fields(accumulation, memory_bytes=sum(pricer.parameter_memory(val, p).values())))
                     for p in roles.param(val)]
         if node.name in captured.user_inputs:
             return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))
@@ -400,7 +400,7 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
     decision = decisions[captured.tie_keys[widest.name]]
     for option in decision.options:
         extra = _working_set_bytes(widest, captured, pricer, option.strategy) / decision.occurrences
-        option.cost = replace(option.cost, memory_bytes=option.cost.memory_bytes + extra)
+        option.cost = with_fields(option.cost, memory_bytes=option.cost.memory_bytes + extra)
 
 
 def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, strategy: Strategy | None) -> float:
@@ -556,7 +556,7 @@ def _shared_prices(edges: Sequence[Edge], decisions: dict[str, Decision], val: t
         for b in dsts:
             cost = pricer.edge(val, a, b, per_microbatch=from_param) if a is not None and a != b else None
             if cost is not None and cost.exposed_s > 0:
-                prices[a, b] = replace(cost, forward_comm_s={}) if regathered else cost
+                prices[a, b] = with_fields(cost, forward_comm_s={}) if regathered else cost
     return prices
 
 

@@ -31,13 +31,13 @@ from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
-from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, view_root
+from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, CapturedGraph, view_root
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
-from autopar.planning.strategies import KEY_VALUE_SLOTS, QUERY_DIM, StrategyFinder, sequence_view
+from autopar.planning.strategies import KEY_VALUE_SLOTS, StrategyFinder, sequence_view
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 import torch
@@ -59,8 +59,8 @@ def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Cons
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
                  constraints: Constraints) -> Problem:
     """The ILP of one stage under the dims' roles. ``dp`` and ``dp_replicate`` split the batch;
-    parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp``, replicated
-    (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose."""
+    parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp`` and ``cp``,
+    replicated (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose."""
     shape = mesh.shape
     dp_dims = mesh.dims_of(*DATA_PARALLEL_AXES)
     shard_dims = mesh.dims_of(MeshAxis.DP_SHARD)
@@ -69,13 +69,13 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     pins_buffers = {i: Replicate() for i in dp_dims}
     zero_stage = 3 if replica_dims else constraints.zero_stage
     pins_params = {i: Replicate() for i in (dp_dims if zero_stage in (0, 1, 2) else replica_dims)}
-    sharded_on_dp = shard_dims if zero_stage == 3 else []
+    cp_dims = mesh.dims_of(MeshAxis.CP)
+    sharded_on_dp = shard_dims + cp_dims if zero_stage == 3 else []  # FSDP shards over dp x cp (torchtitan)
     ep_dims = mesh.dims_of(MeshAxis.EP)
     pins_buffers.update({i: Replicate() for i in ep_dims})
-    cp_dims = mesh.dims_of(MeshAxis.CP)
     rows = check_context_parallel(captured, mesh.size(MeshAxis.CP)) if cp_dims else (0, 0)
     pins_buffers.update({i: Replicate() for i in cp_dims})
-    pins_params.update({i: Replicate() for i in cp_dims})
+    pins_params.update({i: Replicate() for i in cp_dims if zero_stage in (0, 1, 2)})
     pins_inputs = {i: (Shard(0) if n in (*DATA_PARALLEL_AXES, MeshAxis.EP) else
                        Shard(SEQUENCE_DIM) if n == MeshAxis.CP else Replicate()) for i, n in enumerate(mesh.names)}
     param_candidates = _expert_split(captured, shape, pins_params, ep_dims)
@@ -89,7 +89,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
         allow=_all_of(_batch_stays_split(dp_dims, on_data, batch),
-                      _sequence_stays_split(cp_dims, on_data, seq),
+                      _sequence_stays_split(cp_dims, on_data, seq, rows[1]),
                       _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, finder),
                       _weights_stay_split(captured, tp_dims),
                       _replicas_act_as_shards(replica_dims, shard_dims),
@@ -123,16 +123,17 @@ def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[
 
 
 def _stays_split(node: fx.Node, strategy, dims: list[int], on_data: set[str],
-                 split: dict[tuple[str, int], int | None], whole: tuple[int, ...] = ()) -> bool:
-    """Whether ``strategy`` of data op ``node`` reads its data inputs (but the slots of ``whole``) split on
-    ``dims`` along the dimension ``split`` traces for each, and keeps its output split so (or partial
-    where the op reduces that dimension away; any split where the trace lost it)."""
+                 split: dict[tuple[str, int], int | None]) -> bool:
+    """Whether ``strategy`` of data op ``node`` reads its data inputs split on ``dims`` along the
+    dimension ``split`` traces for each, and keeps its output split so (or partial where the op
+    reduces that dimension away; any split where the trace lost it)."""
     out, val = strategy.outputs[0], node.meta.get("val")
     val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
     if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
         return True
     args = tensor_inputs(node)
-    if not _inputs_stay_split(node, strategy, dims, on_data, split, whole):
+    if not all(_keeps_batch(placements, split.get(_value_of(a)), a.meta["val"].ndim, dims)
+               for a, placements in zip(args, strategy.inputs) if a.name in on_data):
         return False
     want = split.get((node.name, 0))
     if want is not None:
@@ -228,7 +229,7 @@ def sequence_dims(captured: CapturedGraph, on_data: set[str], cp_dim: int, finde
         if node.op != "call_function" or node.name not in on_data or is_getitem(node):
             continue
         if node.target is FUSED_ATTENTION:
-            seq[node.name, 0] = QUERY_DIM
+            seq[node.name, 0] = ATTENTION_QUERY_DIM
             continue
         args = [(slot, seq.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
@@ -244,33 +245,40 @@ def sequence_dims(captured: CapturedGraph, on_data: set[str], cp_dim: int, finde
     return seq
 
 
-def _inputs_stay_split(node: fx.Node, strategy, dims: list[int], on_data: set[str],
-                       split: dict[tuple[str, int], int | None], whole: tuple[int, ...] = ()) -> bool:
-    """Whether ``strategy`` reads ``node``'s data inputs (but the slots of ``whole``) split on ``dims``
-    along the dimension ``split`` traces for each (``_keeps_batch``)."""
-    return all(_keeps_batch(placements, split.get(_value_of(a)), a.meta["val"].ndim, dims)
-               for slot, (a, placements) in enumerate(zip(tensor_inputs(node), strategy.inputs))
-               if a.name in on_data and slot not in whole)
+def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple[str, int], int | None],
+                          length: int):
+    """Context-parallel role: data stays split on its sequence dimension over cp (``sequence_dims``), as
+    on dp it stays split on the batch, or whole where that dimension is the sequence itself (of
+    ``length``): fused attention reads its keys and values so, and the ILP places their all_gather
+    where it is cheapest (before grouped-query attention repeats them, say; its backward
+    reduce-scatters the gradient). Rows flattened from ``[batch, seq]`` (a dimension of
+    ``batch * length``) are never whole on cp, so they are only read row by row or reduced, which keeps
+    the sequence-split views exact (``strategies._sequence_split``). Parameters, buffers and what is made
+    of them alone are whole on cp, and reach data ops as a local slice."""
 
-
-def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple[str, int], int | None]):
-    """Context-parallel role: data stays split on its sequence dimension over cp (``sequence_dims``),
-    as on dp it stays split on the batch, except the keys and values fused attention reads whole: the
-    all_gather before attention (and its backward's reduce_scatter) are the only moves of data on a cp
-    dim. Everything else is whole on cp (parameters, buffers and what is made of them alone), and reaches
-    data ops as a local slice. So rows flattened from ``[batch, seq]`` are only read row by row or summed,
-    which keeps the sequence-split views exact (``strategies._sequence_split``)."""
+    def placed(placements, value: tuple[str, int], val: torch.Tensor) -> bool:
+        """Split on its sequence dim (any split, or partial, where the trace lost it), or whole where
+        that dim is the sequence."""
+        dim = seq.get(value)
+        whole = all(placements[d].is_replicate() for d in cp_dims)
+        return _keeps_batch(placements, dim, val.ndim, cp_dims) or (whole and dim is not None
+                                                                    and val.shape[dim] == length)
 
     def allow(node: fx.Node, strategy) -> bool:
         if not cp_dims:
             return True
         if node.name not in on_data:
             return all(p is None or all(p[d].is_replicate() for d in cp_dims) for p in strategy.outputs)
-        whole = KEY_VALUE_SLOTS if node.target is FUSED_ATTENTION else ()
-        if not all(strategy.inputs[slot][d].is_replicate() for slot in whole for d in cp_dims):
-            return False
-        return (_inputs_stay_split(node, strategy, cp_dims, on_data, seq, whole)  # a scalar's too: never gathered
-                and _stays_split(node, strategy, cp_dims, on_data, seq, whole))
+        gathered = KEY_VALUE_SLOTS if node.target is FUSED_ATTENTION else ()
+        for slot, (arg, placements) in enumerate(zip(tensor_inputs(node), strategy.inputs)):
+            if arg.name not in on_data:
+                continue
+            whole = all(placements[d].is_replicate() for d in cp_dims)
+            if not (placed(placements, _value_of(arg), arg.meta["val"]) and (whole or slot not in gathered)):
+                return False
+        out, val = strategy.outputs[0], node.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        return out is None or not isinstance(val, torch.Tensor) or val.ndim == 0 or placed(out, (node.name, 0), val)
 
     return allow
 

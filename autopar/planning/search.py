@@ -15,6 +15,9 @@ to fit (or where nothing fit) is searched again with the optimizer state sharded
 (ZeRO-1, Megatron-LM's distributed optimizer): it frees 12 bytes of state per parameter for a
 reduce_scatter and an all_gather per parameter in place of the gradient all_reduce, which often costs
 less than the gathers of FSDP or the recomputation it replaces (``_distributed_optimizer_may_help``).
+Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fit, or it recomputes),
+the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
+splitting every sequence divides the activations, for the gathers of keys and values.
 Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
 in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
 soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
@@ -43,7 +46,7 @@ from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
-from autopar.planning.roles import expert_count, pricer_for, problem_for
+from autopar.planning.roles import check_context_parallel, expert_count, pricer_for, problem_for
 
 def make_plan(
     captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Constraints = Constraints(),
@@ -64,25 +67,33 @@ def make_plan(
     meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, layer_count(captured),
                                                                      expert_count(captured)))
     progress.candidates = len(meshes)
-    for mesh in meshes:
-        best = min(results, key=lambda c: c.step_s, default=None)
-        if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch):
-            pruned.append(mesh)
-            progress.skipped()
-            continue
-        found = search.run(mesh, best.step_s if best else None)
-        if _distributed_optimizer_may_help(search, mesh, found):
-            found = _better(found, search.run(mesh, _cutoff(best, found), zero_stage=1))
-        if isinstance(found, MeshChoice):
-            pruned.append(found)
-            progress.skipped()
-        elif isinstance(found, str):
-            failures.append(found)
-            progress.skipped()
-        else:
-            results.append(found)
-            progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
-                           " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
+
+    def solve_each(meshes: list[MeshChoice]) -> None:
+        for mesh in meshes:
+            best = min(results, key=lambda c: c.step_s, default=None)
+            if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch):
+                pruned.append(mesh)
+                progress.skipped()
+                continue
+            found = search.run(mesh, best.step_s if best else None)
+            if _distributed_optimizer_may_help(search, mesh, found):
+                found = _better(found, search.run(mesh, _cutoff(best, found), zero_stage=1))
+            if isinstance(found, MeshChoice):
+                pruned.append(found)
+                progress.skipped()
+            elif isinstance(found, str):
+                failures.append(found)
+                progress.skipped()
+            else:
+                results.append(found)
+                progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
+                               " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
+
+    solve_each(meshes)
+    if _context_parallel_may_help(constraints, results):
+        more = context_parallel_meshes(captured, cluster, constraints, batch)
+        progress.candidates += len(more)
+        solve_each(more)
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures, search.closest if not search.solver_failed else None,
                                              constraints))
@@ -93,6 +104,38 @@ def make_plan(
     plan = to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
                     time.perf_counter() - start, progress.phases_s)
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
+
+
+def _context_parallel_may_help(constraints: Constraints, results: list[Candidate]) -> bool:
+    """Whether meshes with a ``cp`` dim are searched too: ``cp`` is free and activation memory shaped
+    the best plan (nothing fit, or it recomputes), which splitting every sequence over ``cp`` divides
+    (``context_parallel_meshes``). Where activations fit whole, context parallelism only adds the
+    gathers of keys and values, so short sequences are not searched with it."""
+    if constraints.cp is not None:
+        return False
+    best = min(results, key=lambda c: c.step_s, default=None)
+    return best is None or best.checkpointing != "none"
+
+
+def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constraints: Constraints,
+                            batch: int | None) -> list[MeshChoice]:
+    """The meshes of every ``cp`` degree above 1 that divides the world and the sequence, as if pinned
+    (``mesh_candidates``: one stage, no ``ep`` or HSDP); none for a model context parallelism cannot
+    split (``roles.check_context_parallel``) or constraints that exclude it (a pinned ``pp`` above 1)."""
+    try:
+        _, seq = check_context_parallel(captured, 1)
+    except BadInputError:
+        return []
+    found = []
+    for cp in range(2, min(cluster.world_size, seq) + 1):
+        if cluster.world_size % cp or seq % cp:
+            continue
+        try:
+            pinned = replace(constraints, cp=cp)
+            found += _sequence_splits(captured, pinned, mesh_candidates(cluster, pinned, batch, layer_count(captured)))
+        except BadInputError:  # no mesh has this cp degree (the batch, a pinned degree, sp=1)
+            continue
+    return found
 
 
 def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,

@@ -52,7 +52,7 @@ most recomputation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import fx
@@ -61,7 +61,7 @@ from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import kept_under_selective, layer_names, layer_of
 from autopar.core.plan import MIXED
 from autopar.cost_models.pipeline import SCHEDULES, last_chunk_in_flight, microbatches_in_flight, pipeline_bubble_fraction
-from autopar.planning.pricing import Cost
+from autopar.planning.pricing import Cost, with_fields
 from autopar.planning.problem import LayerModes, Option, Problem
 
 @dataclass(frozen=True)
@@ -196,18 +196,18 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     last_in_flight = staging.last_chunk_in_flight(problem.microbatches)
     decisions = {}
     for key, d in problem.decisions.items():
-        staged = replace(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
+        staged = with_fields(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
         if key in roles.in_layer - roles.boundary:
             options = [_priced_by_mode(o, {m: _treatment(key, o, m, recomputed[m], kept_whole[m]) for m in modes},
                                        in_flight, staged.count / layers, problem.microbatches) for o in d.options]
         else:
             held = last_in_flight if key in roles.after_layers else in_flight
-            options = [replace(o, cost=_held(o.cost, held)) for o in d.options]
-        decisions[key] = replace(staged, options=options)
-    edges = [replace(e, count=e.count * decisions[e.dst].scale,
+            options = [with_fields(o, cost=_held(o.cost, held)) for o in d.options]
+        decisions[key] = with_fields(staged, options=options)
+    edges = [with_fields(e, count=e.count * decisions[e.dst].scale,
                      recomputed_under=tuple(m for m in modes if e.dst in recomputed[m]))
              for e in problem.edges]
-    staged_problem = replace(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
+    staged_problem = with_fields(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
     return staged_problem.with_layer_modes({modes[0]: layers}) if len(modes) == 1 else staged_problem
 
 
@@ -241,12 +241,12 @@ def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool]], in_
             by_mode[mode] = cost
         elif recomputed:
             forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
-            by_mode[mode] = replace(cost, compute_s=cost.compute_s + forward, memory_bytes=0.0,
+            by_mode[mode] = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=0.0,
                                     backward_compute_s=cost.backward_compute_s + forward / microbatches)
             recompute_bytes[mode] = cost.memory_bytes * per_layer  # per_layer: occurrences in one layer
         else:
             by_mode[mode] = _held(_as_kept(cost) if kept_whole else cost, in_flight)
-    return replace(option, by_mode=by_mode, recompute_bytes=recompute_bytes)
+    return with_fields(option, by_mode=by_mode, recompute_bytes=recompute_bytes)
 
 
 def _is_layer_decision(key: str, roles: LayerRoles) -> bool:
@@ -273,9 +273,9 @@ def _kept_whole(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
 
 
 def _as_kept(cost: Cost) -> Cost:
-    return replace(cost, memory_bytes=max(cost.memory_bytes, cost.output_bytes)) if cost.batch_memory else cost
+    return with_fields(cost, memory_bytes=max(cost.memory_bytes, cost.output_bytes)) if cost.batch_memory else cost
 
 
 def _held(cost: Cost, in_flight: float) -> Cost:
     """Saved activations held for every microbatch in flight."""
-    return replace(cost, memory_bytes=cost.memory_bytes * in_flight) if cost.batch_memory else cost
+    return with_fields(cost, memory_bytes=cost.memory_bytes * in_flight) if cost.batch_memory else cost

@@ -9,7 +9,10 @@ runtime will accept.
 
 Where we diverge: ops in ``LOCAL_RULES`` (fused attention, which DTensor only knows as backend kernels
 such as the CUDA flash variant) get our own rule: the dims listed are independent, so the op can be
-split on any of them on all inputs at once and run on local shards. Any other op DTensor knows nothing
+split on any of them on all inputs at once and run on local shards. On a context-parallel mesh dim
+(``StrategyFinder(sequence_dims=...)``) ops also get sequence-split variants (``_sequence_split``):
+fused attention with its queries split and its keys and values whole, and the views between
+``[batch, seq, ...]`` and its flattened rows keeping the split. Any other op DTensor knows nothing
 about runs replicated, with one warning naming the op;
 strategies that shard a dimension unevenly are dropped (plans keep every shard the same size, so local
 shapes and collective volumes are exact), and so are those that split or make partial a tensor over a
@@ -41,7 +44,8 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 
 from autopar.core.placement import Placements, placement_to_str
-from autopar.ir.capture import FUSED_ATTENTION
+from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
+from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 from autopar.ir.layers import output_vals, tensor_inputs
 
 log = logging.getLogger(__name__)
@@ -130,11 +134,8 @@ LOCAL_RULES: dict[Any, LocalRule] = {
 
 # ---- context parallelism: the sequence split over a cp mesh dim ---------------------------------------
 
-QUERY_DIM = 2
-"""Fused attention's query (and output) dim of the sequence, ``[batch, heads, seq, head_dim]``."""
 KEY_VALUE_SLOTS = (1, 2)
 """Fused attention's tensor inputs read whole over a cp dim: the keys and the values."""
-VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _query_split(strategy: Strategy, dim: int, mask_shape: tuple[int, ...] | None,
@@ -159,19 +160,25 @@ def merged_dim(before: Sequence[int], after: Sequence[int]) -> int | None:
     return None
 
 
-def sequence_view(node: fx.Node, rows: tuple[int, int]) -> tuple[int, int] | None:
-    """(input dim, output dim) the sequence moves between when ``node`` flattens ``[batch, seq, ...]``
-    into ``[batch * seq, ...]`` or unflattens it back; ``rows`` is (batch, seq) of the user inputs."""
+def _row_move(node: fx.Node) -> tuple[int, int, tuple[int, int]] | None:
+    """For a view that merges two dims into rows (or splits rows into two dims): (the inner dim's index
+    in the input, its index in the output, the two dims' sizes), the inner dim being the one a split
+    moves with; None for any other op."""
     if node.target not in VIEWS:
         return None
     before, after = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
     a = merged_dim(before, after)
-    if a is not None and (before[a], before[a + 1]) == rows:
-        return a + 1, a
+    if a is not None:
+        return a + 1, a, (before[a], before[a + 1])
     a = merged_dim(after, before)
-    if a is not None and (after[a], after[a + 1]) == rows:
-        return a, a + 1
-    return None
+    return (a, a + 1, (after[a], after[a + 1])) if a is not None else None
+
+
+def sequence_view(node: fx.Node, rows: tuple[int, int]) -> tuple[int, int] | None:
+    """(input dim, output dim) the sequence moves between when ``node`` flattens ``[batch, seq, ...]``
+    into ``[batch * seq, ...]`` or unflattens it back; ``rows`` is (batch, seq) of the user inputs."""
+    move = _row_move(node)
+    return move[:2] if move is not None and move[2] == rows else None
 
 
 def _sequence_split(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int, int]) -> Strategy | None:
@@ -180,8 +187,8 @@ def _sequence_split(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int
     ``[batch * seq, ...]`` (or back) keeping it split. The flattened rows on a rank are then its sequence
     chunk of every sample, not a contiguous range of rows (DTensor's ``_StridedShard``, which plans do not
     express): the plan calls them ``S(0)`` and the runtime runs such views on local shards
-    (``passes/run_locally.py``). That is exact because on a cp dim such rows are only ever read
-    row by row or summed, never moved (``roles._sequence_stays_split``)."""
+    (``passes/run_locally.py``). That is exact because on a cp dim such rows are never made whole, only
+    read row by row or reduced (``roles._sequence_stays_split``)."""
     if any(p is not None and not p[dim].is_replicate() for p in (*strategy.inputs, *strategy.outputs)):
         return None
     split = lambda ps, p: ps[:dim] + (p,) + ps[dim + 1:]  # noqa: E731
@@ -201,13 +208,10 @@ def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
     flattened rows (``_sequence_split``), which DTensor would place as a ``_StridedShard``."""
     if node.target in LOCAL_RULES:
         return True
-    if node.target not in VIEWS or strategy.outputs[0] is None:
-        return False
-    before, after = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
-    flat, unflat = merged_dim(before, after), merged_dim(after, before)
-    moves = {(flat + 1, flat)} if flat is not None else {(unflat, unflat + 1)} if unflat is not None else set()
-    return any(p.is_shard() and q.is_shard() and (p.dim, q.dim) in moves
-               for p, q in zip(strategy.inputs[0], strategy.outputs[0]))
+    move = _row_move(node)
+    return move is not None and strategy.outputs[0] is not None and any(
+        p.is_shard() and q.is_shard() and (p.dim, q.dim) == move[:2]
+        for p, q in zip(strategy.inputs[0], strategy.outputs[0]))
 
 
 def sequence_split_imbalance(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
@@ -215,7 +219,8 @@ def sequence_split_imbalance(node: fx.Node, strategy: Strategy, mesh_shape: Sequ
     the queries are split on the sequence in contiguous chunks: with ``c`` chunks, rank ``r`` attends its
     queries to the ``r + 1`` chunks of keys up to its own, so the last rank does ``(2c - 1) / c**2`` of
     the causal work, the first ``1 / c**2``, against the even ``1 / c``. The step waits for the slowest,
-    so pricing charges ``(2c - 1) / c`` times the even share. 1 for any other op or split."""
+    so pricing charges every rank ``(2c - 1) / c`` times the even share of the op's work (the slowest
+    rank's time; no load balancing of the chunks yet). 1 for any other op or split."""
     if node.target is not FUSED_ATTENTION or not _is_causal(node):
         return 1.0
     c = 1
