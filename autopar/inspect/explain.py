@@ -23,7 +23,7 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
         close = sorted(k for k in section.get("index", {}) if name in k)[:8]
         hint = f"; names containing it: {', '.join(close)}" if close else ""
         raise UnknownNameError(f"{name!r} is not an op or parameter of this plan{hint}")
-    entry = section["decisions"].get(key)
+    entry = section.get("decisions", {}).get(key)  # optional in a plan file, like the index
     if entry is None:
         return "\n".join([f"{name}: decision {key!r} had a single option (nothing to choose)",
                           *collective_lines(plan_data, name)])
