@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from .hardware import DeviceSpec, get_device
+from .hardware import SMALLEST_RATE, DeviceSpec, get_device
 
 EXPECTED_FORM = "expected NxGxTYPE like 4x8xH100 (optionally ',ib=400Gbps,nvlink=900GBps,mem=80GB')"
 
@@ -235,6 +235,8 @@ typo, and a plan, which records the cluster, keeps numbers below 2**63."""
 def _positive(text: str, value: float) -> float:
     if not value > 0 or math.isinf(value):
         raise ValueError(f"bad value {text!r}: expected a positive amount")
+    if value < SMALLEST_RATE:
+        raise ValueError(f"bad value {text!r}: {value:.3g} is less than one byte (per second)")
     if value > LARGEST_AMOUNT:
         raise ValueError(f"bad value {text!r}: {value:.3g} is more than any device has (at most {LARGEST_AMOUNT:.3g})")
     return value

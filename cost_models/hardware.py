@@ -213,9 +213,16 @@ def _validated_flops(name: str, table: Mapping[str, float]) -> _FrozenFlops:
     return _FrozenFlops(table)
 
 
+SMALLEST_RATE = 1.0
+"""The least bytes per second or FLOP/s (and bytes) a device or cluster may state: below it a figure is a
+typo, and the seconds priced from it (1e160 s for a bandwidth of 1e-167 B/s) overflow what the ILP
+solver can hold."""
+
+
 def _require_positive(name: str, attr: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ValueError(f"device {name}: {attr} must be a positive finite number, got {value!r}")
+    if not isinstance(value, (int, float)) or not value >= SMALLEST_RATE or value == float("inf"):
+        raise ValueError(f"device {name}: {attr} must be a finite number of at least {SMALLEST_RATE:g}, "
+                         f"got {value!r}")
 
 
 def _require_non_negative(name: str, attr: str, value: Any) -> None:

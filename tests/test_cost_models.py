@@ -231,6 +231,17 @@ def test_malformed_specs_raise_with_the_spec_quoted(spec: str) -> None:
     assert isinstance(info.value, ValueError)
 
 
+def test_rates_below_one_byte_per_second_are_refused(tmp_path: pathlib.Path) -> None:
+    """A bandwidth of 3e-167 B/s (heavy fuzz) priced collectives at 1e160 s, which the ILP solver cannot hold."""
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"nodes": 1, "devices_per_node": 2, "device": "cpu", "nvlink": 3.3e-167}))
+    with pytest.raises(ClusterSpecError, match="less than one byte"):
+        parse_cluster(str(path))
+    path.write_text(json.dumps({"nodes": 1, "devices_per_node": 2, "device": {"base": "cpu", "hbm_bw": 1e-9}}))
+    with pytest.raises(ClusterSpecError, match="hbm_bw must be a finite number of at least 1"):
+        parse_cluster(str(path))
+
+
 def test_bad_head_shows_expected_form() -> None:
     with pytest.raises(ClusterSpecError, match=r"bad cluster spec '4x8': expected NxGxTYPE like 4x8xH100"):
         parse_cluster("4x8")
