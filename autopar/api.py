@@ -8,6 +8,8 @@ world it runs in (or takes a given plan), then returns that rank's ``ParallelMod
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -21,6 +23,7 @@ from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.files import check_writable
 from autopar.core.plan import Plan
+from autopar.models.moe import routing_facts
 from autopar.planning import whatif
 from autopar.planning.assemble import fingerprint, model_dims
 from autopar.planning.progress import SearchProgress
@@ -70,8 +73,17 @@ def plan(
     if save_problem is not None:
         write_problem_file(captured, save_problem, model_name=model_name)
     config = getattr(model, "config", None)
-    return make_plan(captured, target, model_name=model_name, constraints=pinned,
+    made = make_plan(captured, target, model_name=model_name, constraints=pinned,
                      model_dims=model_dims(config) if config is not None else None, progress=search)
+    return _with_routing(made, model, example_inputs)
+
+
+def _with_routing(plan: Plan, model: Any, example_inputs: Any) -> Plan:
+    """``plan`` with a mixture-of-experts model's routing, capacity, dropped-token policy and router
+    imbalance assumption in ``model["moe"]`` (``models/moe.routing_facts``); a dense model's unchanged."""
+    first = _as_tuple(example_inputs)[0] if isinstance(model, nn.Module) else None
+    facts = routing_facts(model, int(first.shape[1])) if first is not None and first.ndim > 1 else None
+    return replace(plan, model={**plan.model, "moe": facts}) if facts else plan
 
 
 def _captured_step(model: nn.Module | SavedProblem, example_inputs: Any, loss_fn: Any,
@@ -99,6 +111,8 @@ def autoparallelize(
     *,
     example_targets: torch.Tensor | None = None,
     check_memory: bool = True,
+    lowered: bool = False,
+    compile: bool = False,
 ) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
 
@@ -108,7 +122,10 @@ def autoparallelize(
     memory divided among its ranks) is refused with ``NoFeasiblePlanError`` before anything is built
     (``runtime/fits.py``); ``check_memory=False`` runs it anyway. The step is
     ``loss_fn(model(*example_inputs), example_targets)``, or ``loss_fn(model(*example_inputs))`` without
-    targets, as in ``plan``; ``step`` takes the inputs, then the targets if any.
+    targets, as in ``plan``; ``step`` takes the inputs, then the targets if any. ``lowered=True`` runs
+    the rank's program as forward and backward graphs of local tensor ops with explicit collectives,
+    traced once at the first step (``passes/lower.py``); ``compile=True`` lowers it and compiles the
+    graphs with inductor. Pipeline plans run on the DTensor runtime whatever these say (with a warning).
     """
     pinned = as_constraints(constraints)
     if not dist.is_initialized():
@@ -128,8 +145,12 @@ def autoparallelize(
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 
+        if lowered or compile:
+            warnings.warn("autopar: pipeline plans run on the DTensor runtime; lowered= and compile= are ignored",
+                          stacklevel=2)
         return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory)
-    return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory)
+    return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory,
+                          lowered=lowered, compile=compile)
 
 
 def compare(*plans: Plan) -> str:

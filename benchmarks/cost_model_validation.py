@@ -21,10 +21,11 @@ Megatron-Core, MaxText, torchtitan, the Llama 3 paper), each with its published 
 way (``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``microbatch_size``, recomputation, schedule and chunks, the
 ZeRO stage of its data parallelism, sequence parallelism), on ``Nx8x<device>`` with the catalog's constants
 for that device. A row the planner refuses (context or expert parallelism, no plan fits) is recorded with
-autopar's own message; MoE and FP8 rows are recorded without pricing (autopar's MoE model dispatches with
-dense einsums, the runs permuted tokens; autopar prices BF16).
-Where the published configuration is refused, the closest accepted one is priced (the next lower ZeRO
-stage; full recomputation for selective) and the row lists the refusals.
+autopar's own message; FP8 rows are recorded without pricing (autopar prices BF16). MoE rows are priced
+with the MoE family (token-permutation dispatch, ``moe_overrides``) at capacity factor 1: the balanced
+routing Megatron-Core's dropless dispatcher spends on average.
+Where the published configuration is refused, the closest accepted one is priced (a mode recomputing
+more, then the next lower ZeRO stage) and the row lists the refusals.
 
     python benchmarks/cost_model_validation.py            # every row (about 10 minutes on 2 cores)
     python benchmarks/cost_model_validation.py --rows 3   # the first 3 rows
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import autopar
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
+from autopar.core.plan import CHECKPOINTING
 from autopar.cost_models.hardware import DEVICES
 from autopar.models import ModelBundle, build_model
 from modern_runs import GATED_MLPS, MODERN_RUNS, ModernRun, model_flops_per_sequence
@@ -91,6 +93,8 @@ def constraints_for(run: PublishedRun) -> dict[str, object]:
     # reduced in fp32 only under bf16, its accumulate_allreduce_grads_in_fp32)
     fixed: dict[str, object] = {"tp": run.tp, "pp": run.pp, "dp": run.dp, "microbatch_size": run.microbatch,
                                 "checkpointing": "full", "fsdp": 0, "dtype": "fp16", "reduce_dtype": "fp16"}
+    if run.tp > 1:  # nor sequence parallelism (Korthikanti et al. 2022 came a year later): norms whole on tp
+        fixed["sp"] = 0
     if run.pp > 1:
         fixed["schedule"] = "interleaved" if run.chunks > 1 else "1f1b"
     if run.chunks > 1:
@@ -162,8 +166,11 @@ ZERO_STAGES = {"fsdp": (3, 2, 1), "distributed-optimizer": (1, 0), "ddp": (0,)}
 
 def modern_bundle(run: ModernRun) -> ModelBundle:
     """The built-in model closest to ``run``: Llama (RMSNorm, RoPE, GQA, gated MLP) or GPT (LayerNorm,
-    GELU MLP, fused attention). A two-matrix squared-ReLU MLP (Nemotron-4) is priced as Llama's gated MLP
+    GELU MLP, fused attention), or for an MoE run the MoE family (Llama attention, top-k routed gated
+    experts; ``moe_overrides``). A two-matrix squared-ReLU MLP (Nemotron-4) is priced as Llama's gated MLP
     of 2/3 the width, which has the same weights and matmul FLOPs."""
+    if run.experts:
+        return build_model("mixtral-8x7b", global_batch=run.global_batch, overrides=moe_overrides(run))
     if run.mlp == "gelu":
         if run.kv_heads != run.heads:
             raise ValueError(f"run {run.name}: the built-in GPT has no grouped-query attention")
@@ -174,6 +181,24 @@ def modern_bundle(run: ModernRun) -> ModelBundle:
     overrides = {"layers": run.layers, "hidden": run.hidden, "heads": run.heads, "kv_heads": run.kv_heads,
                  "vocab": run.vocab, "ffn_hidden": ffn, "seq": run.seq}
     return build_model("llama3-8b", global_batch=run.global_batch, overrides=overrides)
+
+
+MOE_CAPACITY_FACTOR = 1.0
+"""MoE runs are priced with capacity for the balanced load: Megatron-Core's dropless dispatcher spends
+that on average (the plan states the assumption, ``model.moe.assumption``)."""
+
+
+def moe_overrides(run: ModernRun) -> dict[str, object]:
+    """The MoE family's dims for ``run``. Its attention has heads of ``hidden / heads``, even; where the
+    published heads are of another width (GPT-OSS: 64 of 64 on a 2,880 residual) it gets the most heads,
+    no more than published and a multiple of ``kv_heads``, that split ``hidden`` evenly."""
+    heads = run.heads
+    if run.head_dim and run.head_dim * run.heads != run.hidden:
+        heads = max(h for h in range(run.kv_heads, run.heads + 1, run.kv_heads)
+                    if run.hidden % h == 0 and (run.hidden // h) % 2 == 0)
+    return {"layers": run.layers, "hidden": run.hidden, "heads": heads, "kv_heads": run.kv_heads,
+            "vocab": run.vocab, "ffn_hidden": run.ffn_hidden, "seq": run.seq, "experts": run.experts,
+            "top_k": run.top_k, "capacity_factor": MOE_CAPACITY_FACTOR}
 
 
 def modern_cluster(run: ModernRun) -> str:
@@ -198,20 +223,17 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
 
 
 def configurations(run: ModernRun) -> list[dict[str, object]]:
-    """The published configuration first, then the closest ones to fall back on where it is refused: the
-    next lower ZeRO stage, and full recomputation where autopar's selective policy (every linear output
-    saved) keeps more than the run's did."""
-    recompute = [run.recompute] + (["full"] if run.recompute == "selective" else [])
+    """The published configuration first, then the closest ones to fall back on where it is refused: each
+    checkpointing mode that recomputes more than the published one (``plan.CHECKPOINTING``'s order), then
+    the next lower ZeRO stage."""
+    recompute = ([run.recompute] if run.recompute in ("", "none")
+                 else list(CHECKPOINTING[CHECKPOINTING.index(run.recompute):]))
     return [modern_constraints(run, stage, checkpointing)
             for stage in ZERO_STAGES[run.data_parallel] for checkpointing in recompute]
 
 
 def why_not_priced(run: ModernRun) -> str:
     """Why a row is recorded without pricing ("" when it is priced)."""
-    if run.moe:
-        return (f"MoE ({run.moe}): autopar's MoE family (models/moe.py) dispatches tokens with GShard's dense "
-                "einsums, whose FLOPs grow with experts x capacity; this run permuted tokens (Megatron-Core), "
-                "so its price would charge work the run did not do")
     if run.precision != "bf16":
         return f"{run.precision.upper()} run: not comparable with autopar's BF16 price"
     return ""

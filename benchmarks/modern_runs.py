@@ -21,8 +21,9 @@ The measured step time is derived from the published metric (``ModernRun.measure
 GPUs differ from the catalog part of that name (torchtitan's Grand Teton H100s: 96 GB HBM2e, 2.4 TB/s,
 500 W instead of the SXM5 part's 80 GB HBM3, 3.35 TB/s, 700 W); such rows are priced on the catalog
 constants with the published capacity, and reported apart. FP8 rows are recorded for completeness and
-never priced (autopar prices BF16). MoE rows are recorded with their published figures and the dense
-dims they share; autopar has no MoE model yet.
+never priced (autopar prices BF16). MoE rows (``experts``, ``top_k``) count a token's ``top_k`` experts
+and the router in N (the FLOPs a token meets), and are priced with autopar's MoE family at capacity
+factor 1 (``cost_model_validation.moe_overrides``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ class ModernRun:
     """How data parallelism ran: "ddp", "distributed-optimizer" (ZeRO-1 sharded optimizer state) or "fsdp"
     (parameters, gradients and optimizer state sharded over the whole data-parallel group)."""
     recompute: str
-    """"none", "selective", "full", or "" where the source does not say; ``recompute_as_published`` quotes it."""
+    """An autopar checkpointing mode (``plan.CHECKPOINTING``: NeMo's and Megatron-LM's "selective" is
+    ``core_attention``, torchtitan's ``selective``, MaxText's ``save_dot_except_mlpwi``), or "" where the
+    source does not say; ``recompute_as_published`` quotes it."""
     recompute_as_published: str
     precision: str
     """"bf16" or "fp8"."""
@@ -95,14 +98,23 @@ class ModernRun:
     notes: str = ""
     published_mfu: float | None = None
     """MFU as published, where it is (a check on the dims: ``implied_mfu`` should match it)."""
-    moe: str = ""
-    """Experts and routing of an MoE model ("" for dense)."""
+    experts: int = 0
+    """Experts a layer of an MoE model (0: dense), each an MLP of ``ffn_hidden``."""
+    top_k: int = 0
+    """Experts each token is routed to (MoE)."""
+    head_dim: int = 0
+    """Width of an attention head where it is not ``hidden / heads`` (0: it is)."""
     device_variant: str = ""
     """Where the GPUs differ from the catalog part named ``device``."""
     device_memory_gb: float | None = None
     """Published HBM capacity where it differs from the catalog's."""
     sequence_parallel: bool = True
     """Whether tensor parallelism also split the norms and the residual stream on the sequence."""
+
+    @property
+    def moe(self) -> str:
+        """The routing in words ("" for a dense model)."""
+        return f"{self.experts} experts, top-{self.top_k}" if self.experts else ""
 
     @property
     def dp(self) -> int:
@@ -131,10 +143,13 @@ def model_flops_per_sequence(run: ModernRun) -> float:
 
 
 def matmul_weights(run: ModernRun) -> int:
-    """Weights of every matrix multiply: attention (q, k, v, o), MLP, output head; not the input embedding."""
-    kv_dim = run.hidden // run.heads * run.kv_heads
-    attention = 2 * run.hidden * run.hidden + 2 * run.hidden * kv_dim
+    """Weights of every matrix multiply a token meets: attention (q, k, v, o), MLP (an MoE's ``top_k``
+    experts and its router), output head; not the input embedding."""
+    head_dim = run.head_dim or run.hidden // run.heads
+    attention = 2 * run.hidden * run.heads * head_dim + 2 * run.hidden * run.kv_heads * head_dim
     mlp = (3 if run.mlp in GATED_MLPS else 2) * run.hidden * run.ffn_hidden
+    if run.experts:
+        mlp = mlp * run.top_k + run.hidden * run.experts
     return run.layers * (attention + mlp) + run.hidden * run.vocab
 
 
@@ -159,15 +174,20 @@ LLAMA3_405B = dict(model="Llama 3.1 405B", layers=126, hidden=16384, heads=128, 
                    vocab=128256, mlp="swiglu")
 LLAMA2_70B = dict(model="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
                   vocab=32000, mlp="swiglu")
-# MoE, recorded but not priced. Grok-1: xai-org/grok-1 run.py (64 layers, emb 48 x 128, 48 query and 8 kv
+# MoE. Grok-1: xai-org/grok-1 run.py (64 layers, emb 48 x 128, 48 query and 8 kv
 # heads, vocabulary 128 x 1024, 8 experts, 2 selected) and model.py (gated GELU expert of width
 # ffn_size(6144, widening_factor 8) = 8 x 6144 x 2/3 = 32768). GPT-OSS 120B: huggingface.co/openai/gpt-oss-120b
 # config.json (36 layers, hidden 2880, 64 query heads of 64 and 8 kv heads, experts of width 2880, 128
-# experts, 4 per token, vocabulary 201088).
+# experts, 4 per token, vocabulary 201088; alternate layers attend over a 128-token sliding window).
 GROK1 = dict(model="Grok-1 314B (MoE)", layers=64, hidden=6144, heads=48, kv_heads=8, ffn_hidden=32768,
-             vocab=131072, mlp="gated-gelu", moe="8 experts, top-2")
-GPT_OSS_120B = dict(model="GPT-OSS 120B (MoE)", layers=36, hidden=2880, heads=64, kv_heads=8, ffn_hidden=2880,
-                    vocab=201088, mlp="swiglu", moe="128 experts, top-4")
+             vocab=131072, mlp="gated-gelu", experts=8, top_k=2)
+GPT_OSS_RECIPES = ("NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/recipes/gpt_oss/gpt_oss.py (pretraining: "
+                   "distributed_fused_adam, the distributed optimizer) and "
+                   "scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py"
+                   "@0501207b95dbbd00a8e0686ca0cc4f053a1fd87e (set_gpt_oss_common_configs: "
+                   "moe_router_force_load_balancing=True)")
+GPT_OSS_120B = dict(model="GPT-OSS 120B (MoE)", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
+                    ffn_hidden=2880, vocab=201088, mlp="swiglu", experts=128, top_k=4)
 
 
 def _nemo_h100(run_name: str, dims: dict, **fields: object) -> ModernRun:
@@ -203,14 +223,14 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
                source=f"{DGXC_V25_01}:nemotron/README_15b.md, same table, column 256x H100 (GBS=1024)",
                notes="as nemotron4-15b/16xH100, weak-scaled"),
     _nemo_h100("nemotron4-340b/128xH100", NEMOTRON4_340B, seq=4096, global_batch=32, micro_batch=1, gpus=128,
-               tp=8, pp=8, vp=12, recompute="selective",
+               tp=8, pp=8, vp=12, recompute="core_attention",
                recompute_as_published="activations_checkpoint_granularity: selective", published=4.61,
                published_mfu=0.5538,
                source=f"{DGXC_V24_11}:nemotron/README_340b.md, table 'Nemotron4 340b 24.11 BF16 (TP=8, PP=8, MBS=1, "
                       "GA=16, VP=12)', column 128x H100 (GBS=32); config nemotron/nemotron4-340b-synth.yaml",
                notes="distributed_fused_adam; sequence parallel; no TP communication overlap"),
     _nemo_h100("nemotron4-340b/1024xH100", NEMOTRON4_340B, seq=4096, global_batch=256, micro_batch=1, gpus=1024,
-               tp=8, pp=8, vp=12, recompute="selective",
+               tp=8, pp=8, vp=12, recompute="core_attention",
                recompute_as_published="activations_checkpoint_granularity: selective", published=4.73,
                published_mfu=0.5398,
                source=f"{DGXC_V24_11}:nemotron/README_340b.md, same table, column 1024x H100 (GBS=256)",
@@ -238,9 +258,10 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
                notes="MoE; dims from the public Grok-1 release (see GROK1), not from the recipe"),
     # ---- JAX MaxText on DGX H100, FSDP only, BF16, seconds per step as published -----------------------
     ModernRun(name="maxtext-llama2-70b-fsdp/64xH100", **LLAMA2_70B, seq=4096, global_batch=128, micro_batch=2,
-              gpus=64, device="H100", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="selective",
-              recompute_as_published="remat_policy save_dot_except_mlpwi (every matmul output saved but the MLP's "
-                                     "input projections)",
+              gpus=64, device="H100", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp",
+              recompute="save_dot_except_mlpwi",
+              recompute_as_published="remat_policy save_dot_except_mlpwi (the q, k, v and output projections' and "
+                                     "the MLP's output projection's outputs saved, the rest recomputed)",
               precision="bf16", metric="step_s", published=6.999, published_mfu=0.5259, sequence_parallel=False,
               source=f"{DGXC_V25_01}:maxtext/README_70b.md, table 'Maxtext LLama2 70b BF16 (FSDP+DP MBS=2)', column "
                      "64x H100 (FSDP=64 GBS=128); config maxtext/configure.sh (max_target_length=4096)",
@@ -302,17 +323,21 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               published_mfu=0.38,
               source=LLAMA3_PAPER + ", row 16,384 GPUs (TP 8, CP 16, PP 16, DP 8, seq 131072, 16M tokens/batch)",
               notes="long-context stage; global batch = 16M tokens / 131072"),
-    # ---- MoE and FP8 runs, recorded, not priced ------------------------------------------------------
+    # ---- MoE runs (priced) and FP8 runs (recorded, not priced) ------------------------------------------
     ModernRun(name="gpt-oss-120b/64xH100", **GPT_OSS_120B, seq=4096, global_batch=512, micro_batch=4, gpus=64,
-              device="H100", tp=1, pp=4, vp=1, cp=1, ep=8, data_parallel="ddp", recompute="",
+              device="H100", tp=1, pp=4, vp=1, cp=1, ep=8, data_parallel="distributed-optimizer", recompute="",
               recompute_as_published="not stated", precision="bf16", metric="tokens_per_s_per_gpu", published=5630,
               source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-H100', row 'GPT OSS 120B' (BF16)",
-              notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table"),
+              notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table; "
+                    "priced with 48 heads of 60 (the MoE family's heads split the 2,880 residual) and full "
+                    f"attention in every layer; the distributed optimizer and balanced routing: {GPT_OSS_RECIPES}"),
     ModernRun(name="gpt-oss-120b/64xB200", **GPT_OSS_120B, seq=4096, global_batch=512, micro_batch=4, gpus=64,
-              device="B200", tp=1, pp=1, vp=1, cp=1, ep=8, data_parallel="ddp", recompute="",
+              device="B200", tp=1, pp=1, vp=1, cp=1, ep=8, data_parallel="distributed-optimizer", recompute="",
               recompute_as_published="not stated", precision="bf16", metric="tokens_per_s_per_gpu", published=8213,
               source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'GPT OSS 120B' (BF16)",
-              notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table"),
+              notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table; "
+                    "priced with 48 heads of 60 (the MoE family's heads split the 2,880 residual) and full "
+                    f"attention in every layer; the distributed optimizer and balanced routing: {GPT_OSS_RECIPES}"),
     ModernRun(name="llama3-8b-fp8/8xB200", **LLAMA3_8B, seq=8192, global_batch=128, micro_batch=2, gpus=8,
               device="B200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="ddp", recompute="",
               recompute_as_published="not stated", precision="fp8", metric="tokens_per_s_per_gpu", published=30624,

@@ -5,7 +5,8 @@ list of graph passes; every runtime runs the stage programs it returns:
 
 1. ``insert_redistributes``: before each op, inputs are moved to the placements the plan chose for
    that op (DTensor ``redistribute``, whose collectives are differentiable, so backward communication
-   falls out of autograd);
+   falls out of autograd); under context parallelism's load-balanced layout ``sequence_layout``
+   (``balance_sequence``) reorders the sequence around each move that splits or gathers it over cp;
 2. ``reshard``: parameters gathered for an op are gathered again in backward instead of held from
    forward to backward (FSDP's reshard after forward);
 3. ``mixed_precision``: under a mixed-precision plan, every op reading a parameter reads it cast to the
@@ -16,7 +17,8 @@ list of graph passes; every runtime runs the stage programs it returns:
 5. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
    plan's is one stage program, the whole program;
 6. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule
-   run under ``torch.utils.checkpoint`` (full or selective recomputation, per layer); when step 2
+   run under ``torch.utils.checkpoint`` (full or a selective policy, per layer), or, under core_attention,
+   each of its attention cores does; when step 2
    rewrote a gather, the stage program runs under ``reshard.ResavedParameters``' saved-tensor hooks.
 
 Passes acting outside the graph, on the runtime's parameters and gradients, are applied by

@@ -88,7 +88,7 @@ def insert_redistributes(
             continue
         wanted = [tuple(p) for p in ops[node.name]["inputs"]]
         for arg, placements in zip(tensor_inputs(node), wanted):
-            if tuple(produced.get(_value_name(arg), ())) == placements:
+            if tuple(produced.get(value_name(arg), ())) == placements:
                 continue
             key = (arg, placements, regions[node])
             if key not in moves:
@@ -142,7 +142,7 @@ def _wrap_factory(graph: fx.Graph, node: fx.Node, mesh: fx.Node) -> None:
     node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
 
 
-def _value_name(arg: fx.Node) -> str:
+def value_name(arg: fx.Node) -> str:
     """The plan's name of the value ``arg`` carries: ``node.i`` for an output of a multi-output op, the
     factory op's own name through its ``as_replicated`` wrapper."""
     if arg.op == "call_function" and getattr(arg.target, "__name__", "") == "getitem":

@@ -5,7 +5,8 @@ Every runtime (``ParallelModule``, ``PipelineParallelModule``) builds its progra
 written once. ``build_program`` reads as the recipe, one line per transformation (as torchtitan's
 ``parallelize_llama``): the captured graph is copied, then rewritten in place by the passes that change
 what the program communicates and computes, then cut into stage programs, and each stage program is
-wrapped for how it keeps activations for backward.
+wrapped for how it keeps activations for backward. A runtime may then lower a one-stage program to
+graphs of local ops with explicit collectives (``lower.py``, ``ParallelModule(lowered=True)``).
 
 Where we diverge from FX's pass infrastructure (``torch.fx.passes.infra``: ``PassBase`` returns a
 ``PassResult(graph_module, modified)``, ``PassManager`` runs a list of them): our passes take the plan's
@@ -31,6 +32,7 @@ from .insert_redistributes import insert_redistributes, produced_placements
 from .mixed_precision import cast_parameters
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
 from .run_locally import run_locally
+from .sequence_layout import balance_sequence
 from .split_stages import Boundary, StageProgram, boundary_of, split_program, whole_program
 
 
@@ -59,10 +61,12 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     plan's: one stage's submesh)."""
     plan = bind_ops(plan, captured)
     program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
-    redistributes = insert_redistributes(program, plan.ops, produced_placements(captured, plan), mesh)
+    produced = produced_placements(captured, plan)
+    redistributes = insert_redistributes(program, plan.ops, produced, mesh)
+    balance_sequence(program, plan, produced, parameter_values(captured))
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
-    run_locally(program, plan.ops, mesh)
+    run_locally(program, plan.ops, mesh, plan.cp_layout)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)

@@ -8,8 +8,9 @@ Three kinds of nodes get this treatment, all marked ``"local": true`` in the pla
   because the split dims are independent;
 * context parallelism (``planning/strategies.py``, ``_sequence_split``): fused attention with its
   queries split on the sequence against the gathered keys and values, whose causal mask is built for
-  the rank's chunk (``attend_locally``: SDPA's ``is_causal`` aligns the mask top-left, which is wrong
-  for a chunk of queries that starts at a global offset), and the views that flatten a sequence split
+  the true positions of the rank's queries (``attend_locally``: SDPA's ``is_causal`` aligns the mask
+  top-left, which is wrong for queries that start at a global offset, or lie in the two chunks of the
+  load-balanced layout, ``sequence_layout.py``), and the views that flatten a sequence split
   into the rows of ``[batch * seq, ...]`` or back, run on local shards at their local shape.
 
 The node's DTensor inputs become local tensors, the op runs, and its outputs are wrapped back with the
@@ -28,23 +29,26 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils._pytree import tree_map
 
 from autopar.core.placement import strs_to_placements
+from autopar.core.plan import LOAD_BALANCED
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 
 from .insert_redistributes import mesh_attr
 from .layout import memory_order, wrap_with_layout
+from .sequence_layout import rank_ranges
 
 
 def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
-                 layouts: Sequence[tuple[int, ...] | None], *args: Any, query_offset: int | None = None,
-                 **kwargs: Any) -> Any:
+                 layouts: Sequence[tuple[int, ...] | None], *args: Any,
+                 query_ranges: tuple[tuple[int, int], ...] | None = None, **kwargs: Any) -> Any:
     """``op`` on the local shards of its arguments, its outputs wrapped with ``out_placements``.
-    ``query_offset``: fused attention whose queries are split on the sequence (context parallelism),
-    from that position on; its whole keys and values get partial gradients (``attend_locally``)."""
-    if query_offset is not None:
+    ``query_ranges``: fused attention whose queries are split on the sequence (context parallelism),
+    this rank's holding those [start, end) ranges of positions; its whole keys and values get partial
+    gradients (``attend_locally``)."""
+    if query_ranges is not None:
         q, k, v, *rest = args
         k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))
-        op, args = attend_locally, (query_offset, q, k, v, *rest)
+        op, args = attend_locally, (query_ranges, q, k, v, *rest)
     to_local = lambda a: a.to_local() if isinstance(a, DTensor) else a  # noqa: E731
     out = op(*tree_map(to_local, args), **tree_map(to_local, kwargs))
     if isinstance(out, torch.Tensor):
@@ -55,13 +59,14 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
     )
 
 
-def attend_locally(offset: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
-                   dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
-    """Fused attention of this rank's queries, the chunk of the sequence from ``offset`` on, against
-    the whole keys. Causal attention gets an explicit mask for the chunk's global positions: query ``i``
-    of the chunk is position ``offset + i`` and sees keys ``0 .. offset + i``."""
+def attend_locally(ranges: tuple[tuple[int, int], ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any
+                   ) -> torch.Tensor:
+    """Fused attention of this rank's queries, the positions ``ranges`` of the sequence in order,
+    against the whole keys in true order. Causal attention gets an explicit mask for the queries' true
+    positions: a query at position ``p`` sees keys ``0 .. p``."""
     if is_causal:
-        rows = torch.arange(q.shape[QUERY_DIM], device=q.device) + offset
+        rows = torch.cat([torch.arange(start, end, device=q.device) for start, end in ranges])
         attn_mask = rows[:, None] >= torch.arange(k.shape[QUERY_DIM], device=q.device)[None, :]
         is_causal = False
     return FUSED_ATTENTION(q, k, v, attn_mask, dropout_p, is_causal, **kwargs)
@@ -93,14 +98,20 @@ class _ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _query_offset(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh) -> int | None:
-    """Where this rank's chunk of fused attention's queries starts in the sequence when ``placements``
-    split them on it; None when they are whole there."""
-    if not any(p == f"S({QUERY_DIM})" for p in placements):
+def _query_ranges(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh, cp_layout: str
+                  ) -> tuple[tuple[int, int], ...] | None:
+    """The [start, end) ranges of the sequence this rank's fused attention queries hold when
+    ``placements`` split them on it (one chunk, or the load-balanced layout's two over cp); None when
+    they are whole there."""
+    split = [d for d, p in enumerate(placements) if p == f"S({QUERY_DIM})"]
+    if not split:
         return None
     q = node.args[0].meta["val"]
-    _, offset = compute_local_shape_and_global_offset(tuple(q.shape), mesh, strs_to_placements(placements))
-    return int(offset[QUERY_DIM])
+    if cp_layout == LOAD_BALANCED:
+        (dim,) = split
+        return rank_ranges(q.shape[QUERY_DIM], mesh.size(dim), mesh.get_local_rank(dim))
+    shape, offset = compute_local_shape_and_global_offset(tuple(q.shape), mesh, strs_to_placements(placements))
+    return ((int(offset[QUERY_DIM]), int(offset[QUERY_DIM]) + int(shape[QUERY_DIM])),)
 
 
 def _local_shape(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh) -> list[int]:
@@ -116,8 +127,8 @@ def _layouts(node: fx.Node) -> tuple[tuple[int, ...] | None, ...]:
     return tuple(memory_order(v) if isinstance(v, torch.Tensor) else None for v in vals)
 
 
-def run_locally(gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], mesh: DeviceMesh) -> int:
-    """Rewrite every node marked local; returns how many."""
+def run_locally(gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], mesh: DeviceMesh, cp_layout: str) -> int:
+    """Rewrite every node marked local; returns how many. ``cp_layout``: the plan's (``Plan.cp_layout``)."""
     local = {name for name, op in ops.items() if op.get("local")}
     if not local:
         return 0
@@ -125,9 +136,10 @@ def run_locally(gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], mesh: 
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.name in local:
             outs = tuple(tuple(p) if p is not None else None for p in ops[node.name]["outputs"])
-            offset = _query_offset(node, ops[node.name]["inputs"][0], mesh) if node.target is FUSED_ATTENTION else None
-            if offset is not None:
-                node.kwargs = {**node.kwargs, "query_offset": offset}
+            ranges = (_query_ranges(node, ops[node.name]["inputs"][0], mesh, cp_layout)
+                      if node.target is FUSED_ATTENTION else None)
+            if ranges is not None:
+                node.kwargs = {**node.kwargs, "query_ranges": ranges}
             args = (node.args[0], _local_shape(node, outs[0], mesh)) if node.target in VIEWS else node.args
             node.args = (node.target, mesh_node, outs, _layouts(node), *args)
             node.target = run_local_op

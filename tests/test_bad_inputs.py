@@ -78,7 +78,7 @@ CASES = [
     Case("plan mlp --cluster 1x2xcpu --set foo=3", 2, "unknown override(s) foo"),
     Case("plan mlp --cluster 1x2xcpu --fix foo=3", 2, "unknown constraint(s) foo"),
     Case("plan mlp --cluster 1x2xcpu --fix cp=abc", 2, "cp must be a positive integer"),
-    Case("plan tiny-llama --cluster 1x4xcpu --fix cp=2,pp=2", 2, "context parallelism is not combined with pp > 1"),
+    Case("plan tiny-llama --cluster 1x4xcpu --fix cp=2,ep=2", 2, "context parallelism is not combined with ep > 1"),
     Case("reprice plan.json --problem problem.json --cluster 1x4xcpu", 2, "the plan runs on 2 devices"),
     Case("demo --world 0", 2, "--world and --steps must be positive"),
     # no plan fits

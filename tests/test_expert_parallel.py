@@ -1,15 +1,19 @@
-"""Expert parallelism (issue 16): the built-in MoE family, the ``ep`` mesh role, and parity on gloo.
+"""Expert parallelism (issue 16): the built-in MoE family, Hugging Face's Mixtral, the ``ep`` mesh role,
+the routing a plan states, and parity on gloo.
 
-* The model: tiny-moe's GShard-formulated layer (dispatch and combine einsums over a one-hot
-  ``[g, s, E, C]`` mask, batched-matmul experts) equals a token-by-token top-k mixture when no token is
+* The model: tiny-moe's token-permutation layer (rows gathered by index into ``[E, g x C, d]`` expert
+  slots, batched-matmul experts, gathered back) equals a token-by-token top-k mixture when no token is
   dropped, and keeps at most ``C`` tokens per (group, expert) when tokens are dropped.
+* The plan states the routing (``model.moe``: capacity, dropped-token policy, the router imbalance the
+  all_to_alls' price holds), ``show`` and ``explain`` print it, and plans without it still load.
 * The planner: expert weights are found by structure (the router's ``[E, d]`` weight is not one); a
   pinned ``ep`` splits them on their expert dim and prices the all_to_alls; a dense model never gets
-  an ``ep`` dim; ``--fix ep=`` through the CLI, and ``show``.
+  an ``ep`` dim; ``--fix ep=`` through the CLI, and ``show``; HF's Mixtral (``permuted_experts_forward``)
+  captures on fake tensors and plans with ``ep``.
 * Parity on gloo (SGD, 3 steps, no dropped tokens): gradients after the first backward, per-step
   losses and final parameters under ep=2, ep=4, dp=2 x ep=2, ep=2 x tp=2 and pp=2 x ep=2 equal
-  single-process training; and under ep=2 with tokens dropped. The forward's collectives (two
-  all_to_alls a layer) are the plan's.
+  single-process training; and under ep=2 with tokens dropped; HF's Mixtral under ep=2, ep=4 and
+  dp=2 x ep=2. The forward's collectives (two all_to_alls a layer) are the plan's.
 """
 
 from __future__ import annotations
@@ -119,6 +123,10 @@ def test_pinned_ep_splits_the_experts_and_prices_the_all_to_alls() -> None:
         assert placements[ep] == ("S(0)" if ".experts." in fqn else "R"), fqn
     assert all(spec["placements"][ep] == "S(0)" for spec in plan["inputs"].values())  # the batch split over ep
     assert plan["predicted"]["comm_s"]["all_to_all"] > 0
+    moves = [c for op in plan["ops"].values() for c in op.get("collectives", []) if c["kind"] == "all_to_all"]
+    assert moves and all(c["mesh_dim"] == ep for c in moves)
+    for c in moves:  # priced on the per-rank buffer (collective_time's convention), split on dp and ep alike
+        assert c["sharded_on"] == [0, 1] and c["nbytes"] == math.prod(c["shape"]) * c["element_bytes"] / 4, c
 
 
 def test_a_dense_model_never_gets_an_ep_dim() -> None:
@@ -148,6 +156,74 @@ def test_fix_ep_on_the_command_line_and_show(tmp_path, capsys) -> None:
     assert "blocks.*.moe.experts.w1      [S(0)]" in shown
 
 
+def test_the_plan_states_capacity_dropped_tokens_and_the_router_assumption(tmp_path, capsys) -> None:
+    """``model.moe`` records the routing: capacity, dropped-token policy, and the router imbalance the
+    all_to_alls' price holds; ``show`` prints it, ``explain`` of an expert weight or op prints it, a plan
+    without it (older plans, dense models) loads and shows no experts line."""
+    dropping, dropless = tmp_path / "dropping.json", tmp_path / "dropless.json"
+    base = ["plan", "tiny-moe", "--cluster", "1x2xcpu", "--global-batch", "4", "--fix", "ep=2"]
+    assert main([*base, "-o", str(dropping)]) == 0
+    assert main([*base, "--set", "drop_tokens=false", "-o", str(dropless)]) == 0
+    moe = json.loads(dropping.read_text())["model"]["moe"]
+    assert moe["capacity_factor"] == 1.25 and moe["group_tokens"] == 16 and moe["modules"] == ["blocks.*.moe"]
+    assert moe["slots_per_expert"] == math.ceil(1.25 * 2 * 16 / 4) == 10 and moe["router_imbalance_held"] == 1.25
+    assert moe["dropped_tokens"].startswith("past capacity")
+    free = json.loads(dropless.read_text())["model"]["moe"]
+    assert free["capacity_factor"] is None and free["slots_per_expert"] == 16
+    assert free["dropped_tokens"] == "none dropped" and free["router_imbalance_held"] == 2.0
+    capsys.readouterr()
+    assert main(["show", str(dropping)]) == 0
+    shown = capsys.readouterr().out
+    assert "experts   4 x top-2, 10 slots per expert per 16-token group (capacity factor 1.25)" in shown
+    assert "assumes   a router balanced within 1.25x" in shown
+    assert main(["show", str(dropless)]) == 0
+    assert "(dropless); dropped tokens: none dropped" in capsys.readouterr().out
+    plan = json.loads(dropping.read_text())
+    routed_op = next(name for name, op in plan["ops"].items() if op["op"].startswith("aten.gather"))
+    for name in ("blocks.1.moe.experts.w2", routed_op):
+        assert main(["explain", str(dropping), name]) == 0
+        assert "assumes   a router balanced within 1.25x" in capsys.readouterr().out, name
+    assert main(["explain", str(dropping), "blocks.0.attn.q_proj.weight"]) == 0
+    assert "assumes" not in capsys.readouterr().out
+    del plan["model"]["moe"]
+    dropping.write_text(json.dumps(plan))
+    assert main(["show", str(dropping)]) == 0
+    assert "experts " not in capsys.readouterr().out
+
+
+def test_reprice_keeps_the_routing_and_the_expert_split(tmp_path) -> None:
+    bundle = build_model("tiny-moe", global_batch=BATCH)
+    problem = tmp_path / "problem.json"
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x4xcpu", bundle.loss_fn, {"ep": 2},
+                        example_targets=bundle.example_targets, save_problem=problem)
+    again = autopar.reprice(plan, autopar.load_problem(problem), "1x4xH100")
+    assert again.model["moe"] == plan.model["moe"] and again.placements == plan.placements
+    assert 0 < again.predicted["comm_s"]["all_to_all"] < plan.predicted["comm_s"]["all_to_all"]  # NVLink
+
+
+def test_a_malformed_routing_record_is_refused(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    plan = _plan("tiny-moe", "1x2xcpu", {"ep": 2}, batch=4).to_dict()
+    plan["model"]["moe"]["slots_per_expert"] = "ten"
+    path.write_text(json.dumps(plan))
+    assert main(["show", str(path)]) == 2
+    assert "model.moe.slots_per_expert: expected an integer" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_hugging_face_mixtral_plans_with_ep() -> None:
+    """HF's Mixtral built by the factory runs ``permuted_experts_forward``: it captures on fake tensors,
+    its stacked expert weights are found and split over ep, and its plan states its dropless routing."""
+    pytest.importorskip("transformers")
+    plan = _plan(HF_MIXTRAL, "1x2xcpu", {"ep": 2}, HF_MASK, batch=4).to_dict()
+    for fqn, placements in plan["placements"].items():
+        assert placements == (["S(0)"] if ".mlp.experts." in fqn else ["R"]), fqn
+    assert plan["predicted"]["comm_s"]["all_to_all"] > 0
+    moe = plan["model"]["moe"]
+    assert moe["capacity_factor"] is None and moe["slots_per_expert"] == moe["group_tokens"] == 16
+    assert moe["modules"] == ["hf.model.layers.*.mlp.experts"]
+
+
 @pytest.mark.slow
 def test_mixtral_on_64_gpus_splits_its_data_parallel_group_for_experts() -> None:
     """Pipeline and tensor parallelism pinned off, the search over the data-parallel splits of 64 H100s
@@ -168,9 +244,18 @@ def test_mixtral_on_64_gpus_chooses_expert_parallelism() -> None:
 
 
 # ---- parity on gloo ----------------------------------------------------------------------------------
-def _runs(constraint_sets: list[dict], overrides: dict | None = NO_DROP) -> list[dict]:
-    return [dict(name="tiny-moe", overrides=overrides, global_batch=BATCH, seq=None, steps=STEPS, plan=None,
+def _runs(constraint_sets: list[dict], overrides: dict | None = NO_DROP, name: str = "tiny-moe") -> list[dict]:
+    return [dict(name=name, overrides=overrides, global_batch=BATCH, seq=None, steps=STEPS, plan=None,
                  constraints=c) for c in constraint_sets]
+
+
+HF_MIXTRAL = "autopar.models.hf:mixtral"
+HF_MASK = {"mask": True}
+
+
+def _hf_runs(constraint_sets: list[dict]) -> list[dict]:
+    pytest.importorskip("transformers")
+    return _runs(constraint_sets, HF_MASK, HF_MIXTRAL)
 
 
 @pytest.fixture(scope="module")
@@ -180,27 +265,39 @@ def moe_single():
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
 def test_ep2_matches_single_process(moe_single) -> None:
     """And with tokens dropped (the default capacity, in groups of 8 tokens: 5 slots for 8 tokens x 2
     choices over 4 experts): the capacity is per group, inside a sequence, so each rank drops what one
     process drops."""
     groups = {"group_size": 8}
-    result, dropping = train_parallel_many(2, _runs([{"ep": 2}]) + _runs([{"ep": 2}], overrides=groups))
+    result, dropping, hf = train_parallel_many(2, _runs([{"ep": 2}]) + _runs([{"ep": 2}], overrides=groups)
+                                               + _hf_runs([{"ep": 2}]))
     assert result.plan["mesh"] == {"shape": [2], "dim_names": ["ep"]}
     result.assert_matches(moe_single)
     dropping.assert_matches(train_single("tiny-moe", groups, BATCH, None, STEPS))
+    assert hf.plan["mesh"] == {"shape": [2], "dim_names": ["ep"]}
+    hf.assert_matches(train_single(HF_MIXTRAL, HF_MASK, BATCH, None, STEPS))
 
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
 def test_ep4_dp2_by_ep2_ep2_by_tp2_and_pp2_by_ep2_match_single_process(moe_single) -> None:
-    results = train_parallel_many(4, _runs([{"ep": 4}, {"dp": 4, "ep": 2}, {"ep": 2, "tp": 2}, {"pp": 2, "ep": 2}]))
+    """And Hugging Face's Mixtral under ep=4 and dp=2 x ep=2."""
+    results = train_parallel_many(4, _runs([{"ep": 4}, {"dp": 4, "ep": 2}, {"ep": 2, "tp": 2}, {"pp": 2, "ep": 2}])
+                                  + _hf_runs([{"ep": 4}, {"dp": 4, "ep": 2}]))
     assert results[0].plan["mesh"] == {"shape": [4], "dim_names": ["ep"]}
     assert results[1].plan["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "ep"]}
     assert results[2].plan["mesh"] == {"shape": [2, 2], "dim_names": ["ep", "tp"]}
     assert results[3].plan["mesh"] == {"shape": [2], "dim_names": ["ep"]} and results[3].plan["degrees"]["pp"] == 2
-    for result in results:
+    for result in results[:4]:
         result.assert_matches(moe_single)
+    hf_single = train_single(HF_MIXTRAL, HF_MASK, BATCH, None, STEPS)
+    assert results[4].plan["mesh"] == {"shape": [4], "dim_names": ["ep"]}
+    assert results[5].plan["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "ep"]}
+    for result in results[4:]:
+        result.assert_matches(hf_single)
 
 
 def _counted_forward(rank: int, world: int) -> dict:

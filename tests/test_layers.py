@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "passes": {"core", "ir"},
     "runtime": {"core", "ir", "passes"},
     "inspect": {"core", "ir", "cost_models", "planning", "passes"},
-    "api": {"core", "ir", "cost_models", "planning", "passes", "runtime", "inspect"},
+    "api": {"core", "models", "ir", "cost_models", "planning", "passes", "runtime", "inspect"},
     "testing": {"core", "models", "api"},
     "entry": {"core", "models", "cost_models", "ir", "planning", "runtime", "inspect", "api", "testing"},
 }

@@ -8,6 +8,7 @@ import math
 import pytest
 
 import autopar
+from autopar.core.plan import CHECKPOINTING
 from autopar import BadInputError
 from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
@@ -68,7 +69,26 @@ def _plan(captured, constraints, cluster=CLUSTER):
 
 @pytest.fixture(scope="module")
 def pp2(gpt8):
-    return _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8})
+    return _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "1f1b"})
+
+
+def test_a_free_schedule_takes_interleaving_where_it_is_faster(gpt8, pp2):
+    """With the schedule free, the search tries interleaved 1F1B with 2, 4, ... chunks per device after
+    1F1B: on this pipeline two chunks halve a bubble that costs more than the sends they add."""
+    free = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8})
+    assert free.pipeline["schedule"] == "interleaved" and free.pipeline["virtual_stages"] == 2
+    assert free.predicted["step_time_s"] < pp2.predicted["step_time_s"]
+    assert free.predicted["bubble_s"] == pytest.approx(pp2.predicted["bubble_s"] / 2, rel=0.05)
+    assert free.pipeline["stages"] == [[0, 2], [2, 4], [4, 6], [6, 8]]  # chunk i on stage i mod 2
+
+
+def test_interleaving_chunks_cut_the_layers_evenly():
+    from autopar.planning.search import interleaving_chunks, runs_interleaved
+
+    assert interleaving_chunks(8, 2) == [2, 4]
+    assert interleaving_chunks(80, 4) == [2, 4, 5, 10, 20]
+    assert interleaving_chunks(6, 4) == []
+    assert runs_interleaved(8, 2) and runs_interleaved(3, 4) and not runs_interleaved(9, 4)  # rounds of 4 and 5
 
 
 def test_pinned_pipeline_degree(pp2):
@@ -211,17 +231,18 @@ def gpt4_uniform():
     constraints = {"dp": 4, "fsdp": 0, "microbatches": 1}
     plans = {mode: autopar.plan(bundle.model, bundle.example_inputs, "1x4xcpu", bundle.loss_fn,
                                 {**constraints, "checkpointing": mode}, example_targets=bundle.example_targets)
-             for mode in ("none", "selective", "full")}
+             for mode in CHECKPOINTING}
     return bundle, constraints, plans
 
 
 @pytest.mark.parametrize("share", [0.5, 0.75])
 def test_per_layer_checkpointing_recomputes_only_what_memory_needs(gpt4_uniform, share):
-    """With memory between what full and no recomputation need, the ILP recomputes some layers, not
-    all: faster than every uniform mode that fits, within memory."""
+    """With memory between what selective and no recomputation need (where no other uniform mode
+    fits but those that recompute more), the ILP recomputes some layers, not all: faster than every
+    uniform mode that fits, within memory."""
     bundle, constraints, uniform = gpt4_uniform
     need = {mode: p.predicted["peak_memory_bytes"] for mode, p in uniform.items()}
-    capacity = need["full"] + share * (need["none"] - need["full"])
+    capacity = need["selective"] + share * (need["none"] - need["selective"])
     plan = autopar.plan(bundle.model, bundle.example_inputs, "1x4xcpu", bundle.loss_fn,
                         {**constraints, "memory_gb": capacity / 1e9}, example_targets=bundle.example_targets)
     assert plan.checkpointing == "mixed"

@@ -225,10 +225,10 @@ def test_nonexistent_file(tmp_path):
 
 
 @pytest.mark.parametrize("checkpointing, recomputed, match", [
-    ("some", {}, "checkpointing must be one of none, selective, full, mixed"),
+    ("some", {}, "checkpointing must be one of none, core_attention, selective, save_dot_except_mlpwi, full, mixed"),
     ("mixed", {}, "recomputed_layers lists each recomputed layer"),
     ("full", {"blocks.0": "full"}, "only when, checkpointing is 'mixed'"),
-    ("mixed", {"blocks.0": "most"}, "modes must be selective or full"),
+    ("mixed", {"blocks.0": "most"}, "modes must be one of core_attention, selective, save_dot_except_mlpwi, full"),
 ])
 def test_bad_checkpointing_is_a_format_error(plan_dict, tmp_path, checkpointing, recomputed, match):
     plan_dict.update(checkpointing=checkpointing, recomputed_layers=recomputed)

@@ -411,3 +411,38 @@ def test_tensor_parallel_gpt_reduces_the_attention_input_gradient_once_not_per_p
     q_proj = next(name for name, op in plan.ops.items()
                   if any(t in qkv for t in op.get("collectives", [])))
     assert "one reduction for the 3 ops that leave this gradient partial" in plan.explain(q_proj)
+
+
+def test_the_batch_is_split_over_tp_only_where_every_microbatch_divides():
+    """No option of a tensor-parallel problem splits a value's batch dim over the tp dim unless what one
+    sample brings to that dim divides by tp (a flattened ``[batch * seq, ...]`` may split its rows): a plan
+    runs microbatches of ``B / m`` samples, which ``dp`` divides but ``dp x tp`` need not, so a whole-batch
+    price of such a split would divide by tp work that one rank does alone (SC21's large pipelines, one
+    sample per dp rank a microbatch, were priced 1 s too fast by it)."""
+    from autopar.core.axes import MeshAxis
+    from autopar.planning.meshes import MeshChoice
+    from autopar.planning.roles import _downstream_of, batch_dims, pricer_for, problem_for
+    from autopar.planning.strategies import StrategyFinder
+
+    bundle = build_model("tiny-gpt", global_batch=8, device="meta")
+    captured = _capture(bundle)
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 4)))
+    pricer = pricer_for(parse_cluster("1x8xH100"), mesh, "bf16", Constraints())
+    problem = problem_for(captured, mesh, pricer, 80e9, Constraints())
+    on_data = _downstream_of(captured.graph, set(captured.user_inputs))
+    batch = batch_dims(captured, on_data, 0, StrategyFinder(mesh.shape, {}))
+    split_rows = per_sample = 0
+    for decision in problem.decisions.values():
+        for name in decision.nodes:
+            if batch.get((name, 0)) is None:
+                continue
+            dim = batch[name, 0]
+            val = captured.node(name).meta["val"]
+            val = val[0] if isinstance(val, (tuple, list)) else val
+            for option in decision.options:
+                out = option.strategy.outputs[0]
+                if out is not None and out[1] == Shard(dim):
+                    assert (val.shape[dim] // 8) % 4 == 0, (name, tuple(val.shape), out)
+                    split_rows += 1
+                per_sample += val.shape[dim] == 8
+    assert per_sample > 20 and split_rows > 0  # plain batch dims never split on tp; flattened rows may

@@ -5,7 +5,8 @@ whole model does, the same input gives the same plan byte for byte, and nothing 
   step time, degrees, placements and per-op strategies (matched by their tie keys) on small models;
 * the plan of a traced stack runs: ``ir.bind.bind_ops`` gives every op of the whole graph its entry,
   and 3 SGD steps under it on 2 gloo ranks match single-process training;
-* ``autopar plan ... --json`` twice, under different hash seeds, prints the same JSON (timings aside);
+* ``autopar plan ... --json`` twice, under different hash seeds, prints the same JSON (timings aside), and
+  a search run by one process or by two forked workers gives the same plan (``planning/workers.py``);
 * a plan's predicted step time equals re-pricing it on the problem it was solved on (``autopar.reprice``);
 * the solver's limits are on work (``solver_nodes``), never on time, and the plan says when one was hit;
 * the search reports its progress (phase, meshes, best plan and bound), which the CLI draws on one line.
@@ -138,7 +139,31 @@ def test_the_node_limit_stops_the_search_and_the_solution_says_so():
     assert not solve(hard).limit_hit
 
 
-def test_the_search_reports_its_progress():
+def _without_timings(plan) -> str:
+    data = plan.to_dict()
+    for key in TIMINGS:
+        data["solver"].pop(key)
+    return json.dumps(data, sort_keys=True)
+
+
+def test_the_plan_is_the_same_with_one_worker_or_two(monkeypatch):
+    from autopar.planning.workers import worker_count
+
+    bundle = _bundle("tiny-llama", 6, batch=32)
+    plans, lines = {}, []
+    for workers in (1, 2):
+        monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", str(workers))
+        if workers == 2 and worker_count() != 2:
+            pytest.skip("this machine cannot run two planning workers (one core, or no fork)")
+        plans[workers] = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,
+                                      example_targets=bundle.example_targets, progress=lambda p: lines.append(p.line()))
+    assert _without_timings(plans[1]) == _without_timings(plans[2])
+    assert plans[2].solver["meshes_tried"] > 2  # more than one batch of meshes was searched
+    assert any(line.startswith("planning: search (2 workers)") for line in lines)
+
+
+def test_the_search_reports_its_progress(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")  # phases are drawn as this process enters them
     bundle = _bundle("tiny-llama", 4)
     lines: list[str] = []
     plan = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,

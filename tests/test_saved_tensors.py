@@ -9,6 +9,7 @@
 * against the closed form of Korthikanti et al. 2022 for a GPT layer: ``34 sbh`` bytes in 16-bit
   with fused attention, ``32 sbh + 2 as^2 b`` without (no dropout, so their masks and dropout
   outputs are absent), plus the small layer-norm statistics and log-sum-exp, counted by hand here;
+* an unfused attention's causal mask, made by factory ops on CPU, runs on meta with the rest;
 * an op that cannot run on meta is charged its outputs and graded inputs, and the walk goes on;
 * the planner charges saved bytes, not every output: predicted activations drop, plans still fit,
   and on one device they are the saved bytes, the inputs and one working set, to the byte.
@@ -143,6 +144,15 @@ def test_tiny_gpt_matches_an_eager_run():
     eager = _eager_saved_bytes(bundle)
     ours = _saved_bytes(_capture_bundle(bundle))
     assert ours == pytest.approx(eager, rel=2e-3)
+
+
+def test_unfused_attention_of_a_cpu_model_matches_an_eager_run():
+    """A model built on CPU makes its causal mask with factory ops on CPU (``full``, ``arange``): they run
+    on meta like the rest, so the masked ``where`` is no opaque op charged the whole scores twice."""
+    bundle = build_model("tiny-gpt", device="cpu", overrides={"attention": "eager"})
+    captured = _capture_bundle(bundle)
+    assert not captured.saved_for_backward().opaque
+    assert _saved_bytes(captured) == pytest.approx(_eager_saved_bytes(bundle), rel=2e-3)
 
 
 def test_tiny_llama_matches_an_eager_run_but_for_decomposed_silu():

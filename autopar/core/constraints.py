@@ -121,7 +121,8 @@ class Constraints:
     cp: int | None = _pinned(_positive_int)
     """Context-parallel degree: the ranks each sequence is split over (on its sequence dim; fused attention
     gathers the keys and values). Free, it is searched where activation memory shapes the plan; it needs
-    a model with fused attention and cp dividing the sequence, and is not combined with pp, ep or HSDP."""
+    a model with fused attention and 2 x cp dividing the sequence (two chunks per rank, for even causal
+    work), and is not combined with ep or HSDP."""
     ep: int | None = _pinned(_positive_int)
     """Expert-parallel degree: the ranks of a data-parallel group over which expert weights are split
     (dividing ``dp`` and the number of experts); 1 keeps every expert on every rank."""
@@ -134,7 +135,10 @@ class Constraints:
     virtual_stages: int | None = _pinned(_positive_int)
     """Model chunks per pipeline stage; more than 1 means ``schedule=interleaved`` (whose default is 2)."""
     checkpointing: str | None = _pinned(_one_of(CHECKPOINTING))
-    """Activation checkpointing of every repeated layer: none, selective or full (free: searched per layer)."""
+    """Activation checkpointing of every repeated layer: none, core_attention (Megatron-LM's selective:
+    the attention core recomputed), selective (PyTorch's: all but linear layers and fused attention
+    recomputed), save_dot_except_mlpwi (MaxText's: selective, and the MLP's input projections
+    recomputed too) or full (free: searched per layer)."""
     memory_gb: float | None = _pinned(_positive_number)
     """Memory per device the plan may use, in GB of 1e9 bytes (free: the device's usable memory)."""
     solver_nodes: int | None = _pinned(_positive_int)
@@ -198,7 +202,7 @@ class Constraints:
     # ---- checks across fields -------------------------------------------------------------------------------
     def _refuse_unimplemented(self) -> None:
         if self.cp not in (None, 1):
-            for key in ("pp", "ep", "dp_shard"):
+            for key in ("ep", "dp_shard"):
                 if getattr(self, key) not in (None, 1):
                     raise BadInputError(f"constraints cp={self.cp} and {key}={getattr(self, key)}: context "
                                         f"parallelism is not combined with {key} > 1 in this version; pin one of them")

@@ -20,12 +20,21 @@ from autopar.core.files import read_text, write_atomically
 from autopar.core.placement import str_to_placement
 
 SCHEMA = "autopar.plan/1"
-CHECKPOINTING = ("none", "selective", "full")
-"""Activation checkpointing modes of a repeated layer (priced in ``stages.py``, run by ``passes/checkpoint.py``)."""
+CHECKPOINTING = ("none", "core_attention", "selective", "save_dot_except_mlpwi", "full")
+"""Activation checkpointing modes of a repeated layer, from the least recomputation to the most (priced in
+``stages.py``, run by ``passes/checkpoint.py``): ``core_attention`` is Megatron-LM's selective recomputation
+(the attention core alone), ``selective`` PyTorch's (every op but linear layers and fused attention),
+``save_dot_except_mlpwi`` MaxText's policy of that name (selective, an MLP's input projections recomputed too)."""
+SELECTIVE_MODES = ("selective", "save_dot_except_mlpwi")
+"""Modes run by torch's selective activation checkpointing over a whole layer, keeping kept-list ops' outputs."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules a plan may name (priced in ``cost_models/pipeline.py``, run by ``runtime/pipeline.py``)."""
 MIXED = "mixed"
 """``checkpointing`` of a plan whose layers run in different modes, listed in ``recomputed_layers``."""
+CONTIGUOUS, LOAD_BALANCED = "contiguous", "load_balanced"
+CP_LAYOUTS = (CONTIGUOUS, LOAD_BALANCED)
+"""How a sequence split over cp lies on its ranks (``cp_layout``): rank r holds chunk r of cp (plans
+before load balancing), or chunks r and 2cp-1-r of 2cp, even causal work (``passes/sequence_layout.py``)."""
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
 
@@ -240,8 +249,9 @@ class Plan:
     buffers: dict[str, list[str]] = field(default_factory=dict)  # buffer fqn -> placement per mesh dim
     candidates: list[dict[str, Any]] = field(default_factory=list)  # runners-up of the mesh search
     explanations: dict[str, Any] = field(default_factory=dict)  # alternatives per decision (autopar explain)
-    recomputed_layers: dict[str, str] = field(default_factory=dict)  # MIXED: layer -> selective|full (others: none)
+    recomputed_layers: dict[str, str] = field(default_factory=dict)  # MIXED: layer -> a mode but none (others: none)
     precision: Precision | None = None  # absent from plans older than mixed precision: derived from model.dtype
+    cp_layout: str = CONTIGUOUS  # one of CP_LAYOUTS; absent from plans older than load balancing: contiguous
     schema: str = SCHEMA
 
     def __post_init__(self) -> None:
@@ -312,6 +322,8 @@ class Plan:
         for name, spec in self.inputs.items():
             _check_placements(source, f"placement of input {name!r}", spec["placements"], len(shape))
         self._check_checkpointing(source)
+        if self.cp_layout not in CP_LAYOUTS:
+            raise PlanFormatError(f"{source}: cp_layout must be one of {', '.join(CP_LAYOUTS)}, got {self.cp_layout!r}")
 
     def _check_checkpointing(self, source: str) -> None:
         if self.checkpointing not in (*CHECKPOINTING, MIXED):
@@ -322,7 +334,8 @@ class Plan:
                                   f"when, checkpointing is {MIXED!r}")
         bad = {layer: mode for layer, mode in self.recomputed_layers.items() if mode not in CHECKPOINTING[1:]}
         if bad:
-            raise PlanFormatError(f"{source}: recomputed_layers: modes must be selective or full, got {bad}")
+            raise PlanFormatError(f"{source}: recomputed_layers: modes must be one of {', '.join(CHECKPOINTING[1:])}, "
+                                  f"got {bad}")
 
     def checkpointing_of(self, layer: str) -> str:
         """The checkpointing mode repeated layer ``layer`` (``blocks.3``) runs in."""
@@ -362,7 +375,7 @@ def register_view(name: str, view: Callable[..., str]) -> None:
 _SECTION_TYPES: dict[str, type] = {
     "model": dict, "cluster": dict, "checkpointing": str,
     "placements": dict, "ops": dict, "predicted": dict, "solver": dict, "inputs": dict, "buffers": dict,
-    "candidates": list, "explanations": dict, "recomputed_layers": dict,
+    "candidates": list, "explanations": dict, "recomputed_layers": dict, "cp_layout": str,
 }
 _JSON_NAMES = {dict: "object", str: "string", list: "array"}
 _PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",
@@ -418,10 +431,16 @@ _OP = _Record(
                           "memory_bytes": _NUMBER})})
 _ALTERNATIVE = _Record({"strategy": _TEXT, "chosen": _FLAG, "delta_s": _NUMBER, "delta_memory_bytes": _NUMBER},
                        {"compute_s": _NUMBER, "comm_s": _SECONDS_BY_KIND})
+_MOE = _Record({"experts": _INTEGER, "top_k": _INTEGER, "group_tokens": _INTEGER, "slots_per_expert": _INTEGER,
+                "dropped_tokens": _TEXT, "assumption": _TEXT},
+               {"capacity_factor": _OrNull(_NUMBER), "dispatch": _TEXT, "router_imbalance_held": _NUMBER,
+                "modules": _ListOf(_TEXT)})
+"""``model.moe``: a mixture-of-experts model's routing and capacity, its dropped-token policy, and the router
+imbalance its all_to_alls and expert matmuls are priced under (``models/moe.Routing``)."""
 _CONTENTS: dict[str, Any] = {
     "model": _Record({"name": _TEXT, "params": _INTEGER},
                      {"layers": _INTEGER, "flops_per_step": _NUMBER, "graph_fingerprint": _TEXT, "dtype": _TEXT,
-                      "dims": _ANY_OBJECT}),
+                      "dims": _ANY_OBJECT, "moe": _MOE}),
     "cluster": _Record({}, {"spec": _TEXT, "nodes": _INTEGER, "devices_per_node": _INTEGER, "devices": _INTEGER,
                             "device": _TEXT, "intra_bw": _NUMBER, "inter_bw": _NUMBER, "hbm_bytes": _NUMBER,
                             "device_spec": _ANY_OBJECT}),

@@ -7,13 +7,14 @@ show no formulas.
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from typing import Any, Mapping
 
 from autopar.cost_models import GroupTopology, collective_time
 from autopar.cost_models.symbolic import render_collective, tensor_bytes_text
 from autopar.core.errors import UnknownNameError
 from autopar.core.units import fmt_bytes
-from autopar.inspect.show import fmt_seconds
+from autopar.inspect.show import fmt_seconds, routing_lines
 
 def render(plan_data: Mapping[str, Any], name: str) -> str:
     """Text for ``autopar explain``: the alternatives of the decision behind ``name``."""
@@ -26,7 +27,7 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
     entry = section.get("decisions", {}).get(key)  # optional in a plan file, like the index
     if entry is None:
         return "\n".join([f"{name}: decision {key!r} had a single option (nothing to choose)",
-                          *collective_lines(plan_data, name)])
+                          *collective_lines(plan_data, name), *_routing_lines(plan_data, name)])
     lines = [f"{name}  (decision {key}, shared by {entry.get('occurrences', len(entry['nodes'])):g} place(s) in the model)",
              f"  {'strategy':<48} {'step change':>12} {'memory change':>14}  {'own compute':>11}  own comm"]
     for row in entry["alternatives"]:
@@ -41,7 +42,19 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
         lines.append(f"  next best costs {fmt_seconds(best['delta_s'])} more per step" if best["delta_s"] >= 0 else
                      f"  an alternative is {fmt_seconds(-best['delta_s'])} faster alone but breaks memory or a "
                      "constraint elsewhere")
-    return "\n".join(lines + collective_lines(plan_data, name))
+    return "\n".join(lines + collective_lines(plan_data, name) + _routing_lines(plan_data, name))
+
+
+def _routing_lines(plan_data: Mapping[str, Any], name: str) -> list[str]:
+    """The routing and its assumption when ``name`` (a parameter, or an op by its module) lies in a
+    mixture-of-experts layer of the plan (``model.moe.modules``)."""
+    moe = plan_data.get("model", {}).get("moe")
+    op = plan_data.get("ops", {}).get(name)
+    path = op.get("module", "") if op else name
+    inside = any(fnmatch(path, pattern) or fnmatch(path, pattern + ".*") for pattern in (moe or {}).get("modules", []))
+    if not inside:
+        return []
+    return ["", *routing_lines(moe)]
 
 
 def collective_lines(plan_data: Mapping[str, Any], name: str) -> list[str]:

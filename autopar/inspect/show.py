@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from autopar.core.errors import BadInputError
 from autopar.inspect.collectives import KINDS, predicted_collectives
@@ -82,6 +82,18 @@ def precision_text(plan: Plan) -> str:
     return f"{compute}, gradients reduced in {pr.reduce}"
 
 
+def routing_lines(moe: Mapping[str, Any] | None) -> list[str]:
+    """A mixture-of-experts plan's routing, capacity, dropped-token policy and assumed router imbalance
+    (``Plan.model["moe"]``); none for a dense model's plan."""
+    if not moe:
+        return []
+    factor = moe.get("capacity_factor")
+    capacity = f"capacity factor {factor:g}" if factor is not None else "dropless"
+    return [f"experts   {moe['experts']} x top-{moe['top_k']}, {moe['slots_per_expert']} slots per expert per "
+            f"{moe['group_tokens']}-token group ({capacity}); dropped tokens: {moe['dropped_tokens']}",
+            f"assumes   {moe['assumption']}"]
+
+
 def summarize(plan: Plan) -> str:
     p = plan.predicted
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.dim_names, plan.mesh.shape))
@@ -94,6 +106,7 @@ def summarize(plan: Plan) -> str:
         f"degrees   {degrees}",
         f"schedule  {_schedule_text(plan)}",
         f"precision {precision_text(plan)}",
+        *routing_lines(plan.model.get("moe")),
         "",
         f"predicted step {fmt_seconds(p['step_time_s'])}   tokens/s {p['tokens_per_s']:.4g}   MFU {p['mfu'] * 100:.1f}%",
         f"  compute          {fmt_seconds(p['compute_s'])}",

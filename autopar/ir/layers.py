@@ -1,5 +1,7 @@
 """Facts of the captured graph that planning and running share: which repeated layer a node belongs
-to, which ops selective checkpointing keeps, and a node's tensor inputs and output values.
+to, which ops selective checkpointing keeps (and which of them ``save_dot_except_mlpwi`` recomputes),
+which ops are an attention core (what ``core_attention`` checkpointing recomputes), and a node's tensor
+inputs and output values.
 
 One place for each: ``planning/stages.py`` prices by these rules and ``passes/checkpoint.py`` and
 ``passes/split_stages.py`` run by them, so what is priced is what runs.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
@@ -32,6 +34,112 @@ KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
 def kept_under_selective(target: object) -> bool:
     """Whether selective checkpointing keeps the output of an op with this aten ``target``."""
     return getattr(target, "overloadpacket", target) in KEPT_UNDER_SELECTIVE
+
+
+def widens(node: fx.Node) -> bool:
+    """Whether ``node`` is a linear layer that widens its rows, an MLP's input projection (MaxText's
+    ``mlpwi``: the up and gate projections): an ``mm``/``addmm`` of activations ``[tokens, in]`` whose
+    output ``[tokens, out]`` has ``out > in``. Shapes are the captured (global) ones; in a program, the
+    nodes passes inserted before the matmul (redistributes, casts) are looked through to the value."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if node.op != "call_function" or packet not in (_aten.mm, _aten.addmm):
+        return False
+    rows, out = _captured_value(node.args[1 if packet is _aten.addmm else 0]), node.meta.get("val")
+    return isinstance(rows, torch.Tensor) and isinstance(out, torch.Tensor) and out.shape[-1] > rows.shape[-1]
+
+
+def _captured_value(arg: Any) -> Any:
+    while isinstance(arg, fx.Node) and "val" not in arg.meta and arg.all_input_nodes:
+        arg = arg.all_input_nodes[0]
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else None
+
+
+FUSED_ATTENTION = frozenset(getattr(_aten, name) for name in (
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
+"""Fused attention kernels: each one is a whole attention core (``attention_cores``)."""
+
+
+def is_fused_attention(target: object) -> bool:
+    """Whether an op with this aten ``target`` is a fused attention kernel."""
+    return getattr(target, "overloadpacket", target) in FUSED_ATTENTION
+_SOFTMAX = frozenset(getattr(_aten, name) for name in ("_softmax", "softmax", "_safe_softmax") if hasattr(_aten, name))
+_BATCHED_MATMUL = frozenset(getattr(_aten, name) for name in ("bmm", "baddbmm", "matmul") if hasattr(_aten, name))
+
+
+def attention_cores(nodes: Iterable[fx.Node], op_of: Callable[[fx.Node], Any] = lambda node: node.target
+                    ) -> list[list[fx.Node]]:
+    """The attention cores among ``nodes`` (in graph order), each a list of nodes in graph order: what
+    Megatron-LM's selective recomputation recomputes (Korthikanti et al. 2022, §5: ``QK^T``, softmax,
+    dropout, ``AV``), between the q, k, v projections and the output projection.
+
+    A fused attention kernel is a core by itself, with the ``getitem`` nodes selecting its outputs. An
+    unfused one is found from its softmax: the nearest batched matmul above it (the scores, ``QK^T``) and
+    the nearest below it (``AV``); the core is every node on a path from the first to the second, both
+    included (the scaling, the mask applied to the scores, the softmax, dropout, their views). The
+    scores' and values' inputs and the mask are computed outside it. Every path between two nodes of a
+    core stays inside it, so a core runs as one call without cycles. ``op_of`` gives the aten op a node
+    runs (a program's ``run_locally`` nodes wrap theirs)."""
+    nodes = list(nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    cores: list[set[fx.Node]] = []
+    for node in nodes:
+        op = getattr(op_of(node), "overloadpacket", op_of(node)) if node.op == "call_function" else None
+        if is_fused_attention(op):
+            cores.append({node, *(user for user in node.users if is_getitem(user))})
+        elif op in _SOFTMAX:
+            scores = _nearest(node, lambda n: n.all_input_nodes, op_of)
+            context = _nearest(node, lambda n: list(n.users), op_of)
+            if _scores_and_context(node, scores, context) and {scores, context} <= order.keys():
+                cores.append(_between(scores, context, order))
+    return [sorted(core, key=order.__getitem__) for core in cores if core <= order.keys()]
+
+
+def _scores_and_context(softmax: fx.Node, scores: fx.Node | None, context: fx.Node | None) -> bool:
+    """Whether ``scores`` and ``context`` bound an attention around ``softmax``: all three in one repeated
+    layer, and the softmax over as many elements as the scores (not a router's softmax over experts)."""
+    if scores is None or context is None or layer_of(softmax) is None:
+        return False
+    if not layer_of(scores) == layer_of(context) == layer_of(softmax):
+        return False
+    return _numel(scores) == _numel(softmax)
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else None
+
+
+def _nearest(start: fx.Node, step: Callable[[fx.Node], list[fx.Node]], op_of: Callable[[fx.Node], Any]
+             ) -> fx.Node | None:
+    """The first batched matmul reached from ``start`` breadth first along ``step`` (inputs or users)."""
+    seen, frontier = {start}, [start]
+    while frontier:
+        found = [n for n in frontier if n is not start and n.op == "call_function"
+                 and getattr(op_of(n), "overloadpacket", op_of(n)) in _BATCHED_MATMUL]
+        if found:
+            return found[0]
+        frontier = [m for n in frontier for m in step(n) if m not in seen and not seen.add(m)]
+    return None
+
+
+def _between(first: fx.Node, last: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
+    """Every node on a path from ``first`` to ``last`` (both included): the descendants of ``first``
+    that are ancestors of ``last``, looked for only between the two in graph order."""
+    window = range(order[first], order[last] + 1)
+    below = _reached(first, lambda n: n.users, lambda n: order.get(n, -1) in window)
+    return _reached(last, lambda n: n.all_input_nodes, lambda n: n in below)
+
+
+def _reached(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]], keep: Callable[[fx.Node], bool]
+             ) -> set[fx.Node]:
+    found, stack = {start}, [start]
+    while stack:
+        for node in step(stack.pop()):
+            if node not in found and keep(node):
+                found.add(node)
+                stack.append(node)
+    return found
 
 
 def layer_of(node: fx.Node) -> str | None:

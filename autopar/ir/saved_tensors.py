@@ -30,7 +30,7 @@ shapes, so one opaque op costs a conservative guess at its own memory, not the w
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -53,6 +53,8 @@ class SavedTensors:
     opaque: frozenset[str] = frozenset()  # ops that could not run on meta (their memory is a guess)
     parameters_kept: frozenset[tuple[str, str]] = frozenset()  # (op, parameter placeholder): the op saves
     # (a view of) the parameter for its backward, so a gathered copy of it would be held until then
+    savers: Mapping[str, frozenset[str]] = field(default_factory=dict)  # op node -> the ops whose backward
+    # saves (a view of) one of its outputs: a recomputed op's output stays held while a saver is not recomputed
 
     def of(self, node: fx.Node) -> tuple[float, ...]:
         """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
@@ -113,6 +115,8 @@ class _SavedTensorRecorder(fx.Interpreter):
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target is _SDPA:
             return self._flash_attention(*args, **kwargs)
+        if "device" in kwargs:  # a factory op (an attention mask's ``full``, ``arange``): made on meta like the rest
+            kwargs = {**kwargs, "device": torch.device("meta")}
         return super().call_function(target, args, kwargs)
 
     def _flash_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -150,12 +154,15 @@ class _SavedTensorRecorder(fx.Interpreter):
         inputs: set[str] = set()
         parameters_kept: set[tuple[str, str]] = set()
         placeholders = {n.name for n in captured.graph.nodes if n.op == "placeholder"}
+        savers: dict[str, set[str]] = defaultdict(set)
         seen: set[StorageWeakRef] = set()
         for tensor, running in self.packed:
             ref = _storage(tensor)
             owner = self.producer.get(ref)
             if owner is not None and owner[0] in captured.params:  # every op that keeps it, not only the first
                 parameters_kept.add((running, owner[0]))
+            if owner is not None and owner[0] not in placeholders:
+                savers[owner[0]].add(running)
             if ref in seen:
                 continue
             seen.add(ref)
@@ -169,7 +176,8 @@ class _SavedTensorRecorder(fx.Interpreter):
         for node in captured.graph.nodes:
             if node.name in saved or node.name in extra:
                 fractions[node.name] = _fractions(node, saved[node.name], extra[node.name])
-        return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque), frozenset(parameters_kept))
+        return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque), frozenset(parameters_kept),
+                            {name: frozenset(nodes) for name, nodes in savers.items()})
 
 
 def _fractions(node: fx.Node, saved: set[int], extra_bytes: float) -> tuple[float, ...]:

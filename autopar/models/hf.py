@@ -15,13 +15,15 @@ configurations and return what ``autopar.models.registry`` expects of ``package.
 ``autopar plan autopar.models.hf:gpt2 --cluster 1x8xH100`` plans one. Each takes ``global_batch`` and
 ``seq``, ``layers``/``hidden``/``heads``/``vocab`` to size it, ``mask`` (pass an attention mask,
 padding the end of each sequence) and ``own_loss`` (the model's loss from ``labels=``); ViT takes
-``image``, ``patch`` and ``classes`` in place of ``seq``, ``vocab`` and ``mask``.
+``image``, ``patch`` and ``classes`` in place of ``seq``, ``vocab`` and ``mask``. Mixtral's experts run
+``permuted_experts_forward`` (``models/moe.py``'s token permutation, registered in transformers'
+``ExpertsInterface``), so expert parallelism splits them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +31,9 @@ from torch import Tensor, nn
 
 from autopar.core.errors import BadInputError
 
-__all__ = ["HFModel", "model_loss", "padding_mask", "token_loss",
+from .moe import Routing, combine, dispatch
+
+__all__ = ["HFModel", "model_loss", "padding_mask", "permuted_experts_forward", "token_loss",
            "gpt2", "llama", "mistral", "mixtral", "qwen2", "bert", "t5", "vit"]
 
 Factory = tuple[Any, ...]
@@ -164,13 +168,50 @@ def mistral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int =
     return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
 
 
+PERMUTED_EXPERTS = "autopar_permuted"
+"""The ``experts_implementation`` Mixtral is built with: ``permuted_experts_forward``, registered in
+transformers' ``ExpertsInterface``."""
+
+
 def mixtral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
             vocab: int = 128, experts: int = 4, mask: bool = False, own_loss: bool = False) -> Factory:
-    """Mixtral: Mistral with a mixture of ``experts`` MLPs, two per token (expert parallelism is not
-    planned: the experts are placed as any other weights)."""
+    """Mixtral: Mistral with a mixture of ``experts`` MLPs, two per token. Its experts run
+    ``permuted_experts_forward`` (HF's own implementations pick tokens per expert with data-dependent
+    shapes, ``eager``, or read the weights through ``grouped_mm``, which expert parallelism cannot split),
+    so a pinned ``ep`` splits them on their expert dim."""
+    transformers = _transformers()
+    transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS.register(PERMUTED_EXPERTS, permuted_experts_forward)
     config = _decoder_config("MixtralConfig", layers, hidden, heads, vocab, seq, num_local_experts=experts,
-                             num_experts_per_tok=2, sliding_window=None)
-    return _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+                             num_experts_per_tok=2, sliding_window=None, experts_implementation=PERMUTED_EXPERTS)
+    built = _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+    for module in built[0].modules():
+        if isinstance(module, transformers.models.mixtral.modeling_mixtral.MixtralExperts):
+            module.group_tokens = seq
+            module.routing = _dropless_routing(experts, config.num_experts_per_tok, seq)
+    return built
+
+
+def permuted_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                             top_k_weights: Tensor) -> Tensor:
+    """HF's experts (``gate_up_proj [E, 2f, d]``, ``down_proj [E, d, f]``) on ``hidden_states [n, d]``
+    routed to ``top_k_index [n, k]`` with weights ``top_k_weights [n, k]``, as ``models/moe.py`` runs its
+    own: tokens permuted into ``[E, groups x s, d]`` slots per group of ``group_tokens`` (a sequence), one
+    slot per token of the group (dropless, as HF is), batched matmuls, and combined back."""
+    n, d = hidden_states.shape
+    s = self.group_tokens
+    if n % s:
+        raise BadInputError(f"this Mixtral routes tokens in groups of its seq ({s}); got {n} tokens, not a "
+                            "multiple: build it with the sequence length it runs on")
+    g, k = n // s, top_k_index.shape[-1]
+    routed, where = dispatch(hidden_states.reshape(g, s, d), top_k_index.reshape(g, s, k), self.num_experts, s)
+    gate, up = torch.bmm(routed, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))
+    return combine(out, where, top_k_weights.reshape(g, s, k).to(out.dtype)).reshape(n, d)
+
+
+def _dropless_routing(experts: int, top_k: int, group_tokens: int) -> Callable[[int], Routing]:
+    """A Mixtral experts module's ``routing`` (``moe.routing_facts``): a slot per token of each group."""
+    return lambda seq: Routing(experts, top_k, group_tokens, group_tokens, None)
 
 
 def qwen2(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,

@@ -1,29 +1,33 @@
-"""Mixture-of-experts decoder (Mixtral-style) in the GShard formulation, so expert parallelism is a placement.
+"""Mixture-of-experts decoder (Mixtral-style) with token-permutation dispatch, so expert parallelism is a placement.
 
 Llama blocks (``llama.py``'s rotary grouped-query attention, RMSNorm) whose MLP is a top-k routed mixture
-of SwiGLU experts. The routing is written as dense tensor algebra, with no data-dependent shapes or
-control flow, so ``torch.export`` captures it on fake tensors and DTensor's strategies split it:
+of SwiGLU experts. The routing has static shapes and no data-dependent control flow, so ``torch.export``
+captures it on fake tensors and DTensor's strategies split it:
 
 * tokens are grouped per sequence (group dim ``g`` = batch, ``s`` tokens a group), or in groups of
-  ``group_size`` consecutive tokens of a sequence (``g`` = batch x s / group_size), which bounds the
-  dispatch mask's ``C`` by the group instead of the sequence;
+  ``group_size`` consecutive tokens of a sequence (``g`` = batch x s / group_size);
 * a router (``Linear(d, E)``) and a softmax give each token a probability per expert; its ``top_k``
-  experts are kept, their gates renormalized to sum to 1 (as Mixtral does);
+  experts are kept, their gates renormalized to sum to 1 (``route``, as Mixtral does);
 * each (group, expert) has ``C = ceil(capacity_factor * k * s / E)`` slots (``s`` with
-  ``drop_tokens=False``: no token is ever dropped, which parity tests need); a token's slot is its
-  rank among the group's tokens routed there (``cumsum``; first choices before second choices, as
-  GShard), and tokens past the capacity are dropped (their expert output is 0; the residual carries them);
-* dispatch and combine are einsums with a one-hot mask ``[g, s, E, C]``:
-  ``x_e[E, g, C, d] = dispatch . x`` and ``y[g, s, d] = combine . expert_out``;
+  ``drop_tokens=False``: no token is ever dropped, which parity tests need); a choice's slot is its
+  token's rank among the group's tokens routed there (``cumsum``; first choices before second choices,
+  as GShard), and choices past the capacity are dropped (weight 0; the residual carries the token);
+* dispatch is a token permutation (``dispatch``): a ``scatter_add`` of token positions gives each of the
+  group's ``E x C`` slots its token, and a ``gather`` of rows fills ``[E, g x C, d]``; combine
+  (``combine``) gathers each choice's row back and sums them weighted by the gates. Unlike GShard's
+  one-hot einsums (``E x C x d`` FLOPs a token each way) this moves rows and spends no FLOPs: the step
+  costs the experts' matmuls on ``E x C = capacity_factor x k x s`` rows a group, what Megatron-Core's
+  dropless dispatcher spends under balanced routing when ``capacity_factor`` is 1;
 * experts are batched matmuls over weights ``[E, d, f]`` / ``[E, f, d]`` (SwiGLU);
 * the Switch/GShard load-balancing loss per group, ``E * sum_e f_e * p_e`` (``f_e`` the share of the
   group's top-k assignments that went to expert ``e``, over ``k``; ``p_e`` its mean router probability),
   averaged over groups and layers and scaled by ``aux_loss_coef``, is added to the LM loss.
 
 Splitting the expert weights on their expert dim over a mesh dim and the dispatched tokens
-``[E, g, C, d]`` on the same dim is expert parallelism; moving them from the group split to the expert
+``[E, g x C, d]`` on the same dim is expert parallelism; moving them from the group split to the expert
 split and back are the two all_to_alls (``planning/roles.py``, role ``ep``). The model returns
-``(logits, aux_loss)``; ``moe_loss`` adds them.
+``(logits, aux_loss)``; ``moe_loss`` adds them. ``routing_facts`` is what a plan states about the
+routing (``Plan.model["moe"]``: capacity, dropped-token policy, the router imbalance the price holds).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from autopar.core.errors import BadInputError
 from .common import INIT_STD, RMSNorm, check_positive, init_weights, lm_loss
 from .llama import LlamaAttention, LlamaConfig, rope_tables
 
-__all__ = ["MoEConfig", "MoE", "MoEBlock", "MoEFeedForward", "Experts", "moe_loss", "capacity"]
+__all__ = ["MoEConfig", "MoE", "MoEBlock", "MoEFeedForward", "Experts", "Dispatch", "Routing", "moe_loss",
+           "capacity", "combine", "dispatch", "route", "routing_facts"]
 
 
 @dataclass
@@ -89,6 +94,51 @@ def capacity(cfg: MoEConfig, tokens: int) -> int:
     return min(tokens, math.ceil(cfg.capacity_factor * cfg.top_k * tokens / cfg.experts))
 
 
+@dataclass(frozen=True)
+class Routing:
+    """What a plan states about a mixture-of-experts layer (``Plan.model["moe"]``): its routing, its
+    capacity and dropped-token policy, and the router imbalance its price holds."""
+
+    experts: int  # E
+    top_k: int  # k
+    group_tokens: int  # s: tokens whose choices share the capacity (a sequence, or group_size of it)
+    slots_per_expert: int  # C, per (group, expert)
+    capacity_factor: float | None  # None: dropless (C = s)
+
+    def facts(self, modules: list[str]) -> dict:
+        """The JSON record; ``modules`` the layers' paths (layer indices as ``*``)."""
+        e, k, s, c = self.experts, self.top_k, self.group_tokens, self.slots_per_expert
+        holds = c * e / (k * s)  # the busiest expert's load over the mean that fits in its slots
+        if self.capacity_factor is None:
+            policy = "none dropped"
+            assumption = (f"any routing: every expert has a slot for each of a group's {s} tokens "
+                          f"({holds:.3g}x the balanced load), so any routing fits; the all_to_alls and expert "
+                          "matmuls are priced at that worst case")
+        else:
+            policy = "past capacity: the choice skips its expert, the residual carries the token"
+            assumption = (f"a router balanced within {holds:.3g}x: the all_to_alls and expert matmuls are "
+                          f"priced at the capacity ({c} slots per expert per {s}-token group), whatever the "
+                          f"router does; a router whose busiest expert gets more than {holds:.3g}x the mean load "
+                          f"drops the excess, and a dropless dispatcher (Megatron-Core's) would spend its "
+                          f"imbalance / {holds:.3g} times these terms on the busiest rank")
+        return {"experts": e, "top_k": k, "group_tokens": s, "slots_per_expert": c,
+                "capacity_factor": self.capacity_factor, "dropped_tokens": policy,
+                "dispatch": "token permutation: rows gathered by index into [E, groups x C] slots and back",
+                "router_imbalance_held": holds, "assumption": assumption, "modules": modules}
+
+
+def routing_facts(model: nn.Module, seq: int) -> dict | None:
+    """``Plan.model["moe"]`` for ``model`` on sequences of ``seq`` tokens: the routing of its first
+    mixture-of-experts layer (a module with a ``routing(seq)`` method; the layers of a stack are alike)
+    and the paths of all of them; None for a dense model."""
+    found = [(name, module.routing(seq)) for name, module in model.named_modules()
+             if callable(getattr(module, "routing", None))]
+    if not found:
+        return None
+    modules = sorted({".".join("*" if part.isdigit() else part for part in name.split(".")) for name, _ in found})
+    return found[0][1].facts(modules)
+
+
 class Experts(nn.Module):
     """``E`` SwiGLU experts as stacked weights: ``w2(silu(w1 x) * w3 x)`` per expert, batched matmuls."""
 
@@ -125,35 +175,66 @@ def _one_hot(index: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Ten
     return (index.unsqueeze(-1) == torch.arange(classes, device=index.device)).to(dtype)
 
 
-def _routes(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``probs [g, s, E]`` -> (choice masks ``[k, g, s, E]`` one-hot, gates ``[k, g, s]`` renormalized)."""
+def route(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs [g, s, E]`` -> (the ``k`` chosen experts ``[g, s, k]``, their gates ``[g, s, k]`` renormalized
+    to sum to 1, as Mixtral does)."""
     top, index = probs.topk(k, dim=-1)
-    gates = top / top.sum(dim=-1, keepdim=True)
-    masks = _one_hot(index, probs.shape[-1], probs.dtype).movedim(2, 0)
-    return masks, gates.movedim(2, 0)
+    return index, top / top.sum(dim=-1, keepdim=True)
 
 
-def _slots(masks: torch.Tensor) -> torch.Tensor:
-    """Each choice's slot in its expert, ``[k, g, s, E]``: the token's rank among the group's tokens sent
-    there, every first choice before every second choice (GShard). Meaningful where ``masks`` is 1."""
+def _choice_slots(index: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each choice's slot in its expert, ``[g, s, k]``: the token's rank among the group's tokens sent
+    there, every first choice before every second choice (GShard's priority). Counted in integers: a
+    bf16 count is exact only to 256."""
+    masks = _one_hot(index, experts, torch.long).movedim(2, 0)  # [k, g, s, E]
     before = masks.sum(dim=2, keepdim=True).cumsum(dim=0) - masks.sum(dim=2, keepdim=True)
-    return masks.cumsum(dim=2) - 1 + before
+    slots = masks.cumsum(dim=2) - 1 + before
+    return (slots * masks).sum(dim=-1).movedim(0, -1)
 
 
-def _dispatch_combine(masks: torch.Tensor, gates: torch.Tensor, slots_per_expert: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-hot dispatch mask and gate-weighted combine tensor, both ``[g, s, E, C]``, from the choices
-    of ``_routes``; a choice whose slot is past the capacity is dropped."""
-    slots = _slots(masks)
-    kept = masks * (slots < slots_per_expert).to(masks.dtype)
-    placed = kept.unsqueeze(-1) * _one_hot(slots.to(torch.long), slots_per_expert, masks.dtype)  # [k, g, s, E, C]
-    combine = (placed * gates[..., None, None]).sum(dim=0)
-    return placed.sum(dim=0), combine
+@dataclass(frozen=True)
+class Dispatch:
+    """Where each choice of a group's tokens went: ``rows [g, s, k]``, its row among the group's
+    ``E x C`` expert slots (``expert x C + slot``, clamped into its expert when dropped), and
+    ``kept [g, s, k]`` (1, or 0 for a choice past its expert's capacity)."""
+
+    rows: torch.Tensor
+    kept: torch.Tensor
+    slots_per_expert: int
+    experts: int
 
 
-def _balance_loss(probs: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+def dispatch(x: torch.Tensor, index: torch.Tensor, experts: int, slots_per_expert: int
+             ) -> tuple[torch.Tensor, Dispatch]:
+    """Token permutation: ``x [g, s, d]`` and the chosen experts ``index [g, s, k]`` -> each expert's
+    tokens ``[E, g * C, d]`` (a slot no token filled holds a copy of the group's first token, which no
+    combine reads) and where each choice went. A gather of rows by index: no dense ``[s, E, C]`` mask,
+    no FLOPs but the experts' own; shapes are static, so it traces on fake tensors."""
+    g, s, k = index.shape
+    e, c, d = experts, slots_per_expert, x.shape[-1]
+    slot = _choice_slots(index, e)
+    kept = (slot < c).to(x.dtype)
+    rows = index * c + slot.clamp(max=c - 1)
+    token = (torch.arange(1, s + 1, device=x.device).view(1, s, 1) * kept.to(torch.long)).reshape(g, s * k)
+    filler = torch.zeros(g, e * c, dtype=torch.long, device=x.device).scatter_add(1, rows.reshape(g, s * k), token)
+    source = (filler - 1).clamp(min=0)  # slot -> token of the group (0 where no token came)
+    routed = x.gather(1, source.unsqueeze(-1).expand(g, e * c, d))
+    return routed.reshape(g, e, c, d).transpose(0, 1).reshape(e, g * c, d), Dispatch(rows, kept, c, e)
+
+
+def combine(out: torch.Tensor, where: Dispatch, gates: torch.Tensor) -> torch.Tensor:
+    """Each token's expert outputs ``out [E, g * C, d]`` gathered back from its slots and summed weighted
+    by ``gates [g, s, k]`` (a dropped choice weighs 0): ``[g, s, d]``."""
+    g, s, k = where.rows.shape
+    e, c, d = where.experts, where.slots_per_expert, out.shape[-1]
+    grouped = out.reshape(e, g, c, d).transpose(0, 1).reshape(g, e * c, d)
+    picked = grouped.gather(1, where.rows.reshape(g, s * k, 1).expand(g, s * k, d)).reshape(g, s, k, d)
+    return (picked * (gates * where.kept).unsqueeze(-1)).sum(dim=2)
+
+
+def _balance_loss(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Switch/GShard load-balancing loss ``E * sum_e f_e * p_e`` per group, averaged over groups."""
-    share = masks.mean(dim=(0, 2))  # [g, E]: fraction of the group's k * s assignments per expert
+    share = _one_hot(index, probs.shape[-1], probs.dtype).mean(dim=(1, 2))  # [g, E]: share of k * s assignments
     mean_prob = probs.mean(dim=1)  # [g, E]
     return (share * mean_prob).sum(dim=-1).mean() * probs.shape[-1]
 
@@ -171,17 +252,19 @@ class MoEFeedForward(nn.Module):
         cfg = self.config
         b, seq, d = x.shape
         s = _group_tokens(cfg, seq)
-        g = b * seq // s
-        x = x.reshape(g, s, d)
-        slots_per_expert = capacity(cfg, s)
+        x = x.reshape(b * seq // s, s, d)
         probs = self.router(x).softmax(dim=-1)
-        masks, gates = _routes(probs, cfg.top_k)
-        dispatch, combine = _dispatch_combine(masks, gates, slots_per_expert)
-        routed = torch.einsum("gsec,gsd->egcd", dispatch, x)
-        out = self.experts(routed.reshape(cfg.experts, g * slots_per_expert, d))
-        out = out.reshape(cfg.experts, g, slots_per_expert, d)
-        y = torch.einsum("gsec,egcd->gsd", combine, out)
-        return y.reshape(b, seq, d), _balance_loss(probs, masks)
+        index, gates = route(probs, cfg.top_k)
+        routed, where = dispatch(x, index, cfg.experts, capacity(cfg, s))
+        y = combine(self.experts(routed), where, gates)
+        return y.reshape(b, seq, d), _balance_loss(probs, index)
+
+    def routing(self, seq: int) -> Routing:
+        """The layer's routing on sequences of ``seq`` tokens (``routing_facts``)."""
+        cfg = self.config
+        s = _group_tokens(cfg, seq)
+        factor = cfg.capacity_factor if cfg.drop_tokens else None
+        return Routing(cfg.experts, cfg.top_k, s, capacity(cfg, s), factor)
 
 
 class MoEBlock(nn.Module):

@@ -100,12 +100,12 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, ffn_hidden=128, seq=32),
     ),
     "mlp": ("mlp", dict(in_dim=64, hidden=256, layers=3, out_dim=64)),
-    # Mixtral 8x7B's published dims (Jiang et al., 2024): 8 SwiGLU experts a layer, 2 per token; routed in
-    # groups of 1,024 tokens (GShard's dispatch mask grows with the group)
+    # Mixtral 8x7B's published dims (Jiang et al., 2024): 8 SwiGLU experts a layer, 2 per token, the
+    # capacity per sequence
     "mixtral-8x7b": (
         "moe",
         dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, ffn_hidden=14336, seq=32768,
-             experts=8, top_k=2, group_size=1024),
+             experts=8, top_k=2),
     ),
     "tiny-moe": (
         "moe",

@@ -9,7 +9,7 @@ predictions, the solver's figures and the explanations.
 from __future__ import annotations
 from autopar.core.axes import MeshAxis
 from autopar.core.placement import placements_to_strs
-from autopar.core.plan import MIXED, Plan, Precision
+from autopar.core.plan import CONTIGUOUS, LOAD_BALANCED, MIXED, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph, module_path
@@ -120,7 +120,7 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
 def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
              results: list[Candidate], pruned: list[MeshChoice], search_wall_s: float,
              phases_s: dict[str, float] | None = None) -> Plan:
-    mesh, solution, staging, pricer = best.mesh, best.solution, best.staging, best.pricer
+    mesh, solution, pricer = best.mesh, best.solution, best.pricer
     problem = best.problem.settled(solution.choice)  # prices as the chosen parameter placements make them
     chosen = {key: problem.decisions[key].options[k] for key, k in solution.choice.items()}
     by_node = {n: (key, opt) for key, opt in chosen.items() for n in problem.decisions[key].nodes}
@@ -137,6 +137,7 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
         pipeline=_pipeline_section(captured, best),
         checkpointing=best.checkpointing,
         recomputed_layers=_recomputed_layers(captured, best),
+        cp_layout=LOAD_BALANCED if mesh.size(MeshAxis.CP) > 1 else CONTIGUOUS,
         placements=placements,
         inputs={name: {"placements": placed(name),
                        "shape": list(captured.node(name).meta["val"].shape),
@@ -267,7 +268,6 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
 
 def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, problem: Problem, chosen: dict,
                pricer: Pricer) -> dict[str, Any]:
-    mesh = best.mesh
     compute = sync = hide = 0.0
     comm: dict[str, float] = {}
     memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}

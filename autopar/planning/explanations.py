@@ -152,7 +152,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         regathered = captured.keeps_parameter(node, arg)
         readers = _readers_of_move(arg, node, wanted, captured.graph, strategy_of)
         for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered,
-                                                      partial_gradient_share(arg))):
+                                                      partial_gradient_share(arg), gradient=kinds[src.name] != "none")):
             # edge_collectives lists the partial gradient's reductions first, one per dim
             moved = i >= len(grad_partial) and not c.regather
             why = ("partial gradient" if i < len(grad_partial) else

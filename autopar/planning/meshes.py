@@ -64,7 +64,7 @@ class MeshChoice:
 def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | None,
                     layers: int = 0, experts: int = 0) -> list[MeshChoice]:
     """Every ``pp x dp x cp x tp`` factorization of the world the constraints and topology allow (``cp``
-    as pinned, on one stage; ``search.context_parallel_meshes`` pins each degree it tries), pipeline
+    as pinned; ``search.context_parallel_meshes`` pins each degree it tries), pipeline
     degree first (1 first), then tensor-parallel degree. Unless pinned, ``tp`` stays inside a node
     (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
     nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21). With
@@ -80,8 +80,6 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
     for pp in _divisors(world // cp):
         if fixed["pp"] and pp != fixed["pp"] or not fixed["pp"] and not _free_stages_ok(pp, cluster, layers):
             continue
-        if cp > 1 and pp > 1:
-            continue  # context parallelism is not combined with pipeline stages in this version
         for tp in _divisors(world // (pp * cp)):
             dp = world // (pp * tp * cp)
             if (fixed["tp"] and tp != fixed["tp"]) or (fixed["dp"] and dp != fixed["dp"]):
@@ -107,8 +105,8 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
                             f"mesh of the {world} devices of {cluster.spec} has one")
     if not out and cp > 1:
         raise BadInputError(f"constraint cp={cp}: no mesh of the {world} devices of {cluster.spec} has a cp dim "
-                            "(context parallelism runs on one stage, without ep or HSDP, the global batch "
-                            "divisible by dp = devices / (cp x tp))")
+                            "(context parallelism runs without ep or HSDP, the global batch divisible by "
+                            "dp = devices / (pp x cp x tp))")
     if not out and constraints.sp == 1:
         raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
                             f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"

@@ -50,7 +50,8 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   leave it partial, the usual case).
 * resharding an edge, forward -> backward: S->R all_gather -> (none); P->R all_reduce -> (none);
   P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
-  all_to_all. A partial gradient never needs the backward of R->P.
+  all_to_all. A partial gradient never needs the backward of R->P, and a value without a gradient
+  (inputs, buffers and what is made of them alone: a rotary table's slice) has no backward at all.
 
 Precision: on accelerators activations and parameters are priced in the compute dtype (bf16 by
 default) with ZeRO's mixed-precision accounting of 16 bytes per parameter (2 param + 2 grad + 12
@@ -70,7 +71,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
 from autopar.core.placement import Placements, optimizer_shard_dim
-from autopar.planning.strategies import Strategy, sequence_split_imbalance
+from autopar.planning.strategies import Strategy
 from autopar.ir.layers import output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -166,10 +167,20 @@ class Pricer:
         self.groups = [cluster.group(full, d + 1) for d in range(len(self.mesh_shape))]
         self.stage_group = cluster.group(full, 0)
         self._edge_cache: dict[tuple, Cost] = {}
+        self._per_microbatches: dict[tuple[int, int], tuple[Cost, Cost]] = {}
 
     def for_microbatches(self, cost: Cost, m: int) -> Cost:
+        """``cost`` re-priced for ``m`` microbatches, once per (cost object, m): a mesh's search re-prices
+        the same options for its memory bisection and for its solves. The cost is kept with its price, so
+        its ``id`` stays its own."""
         if m == 1:
             return cost
+        key = (id(cost), m)
+        if key not in self._per_microbatches:
+            self._per_microbatches[key] = (cost, self._repriced_for_microbatches(cost, m))
+        return self._per_microbatches[key][1]
+
+    def _repriced_for_microbatches(self, cost: Cost, m: int) -> Cost:
         out = with_fields(cost, comm_s=dict(cost.comm_s), forward_comm_s=dict(cost.forward_comm_s))
         if cost.kernel is not None:
             out.compute_s, last_backward = self._kernel_times(cost.kernel, m)
@@ -178,6 +189,7 @@ class Pricer:
         out.compute_s += (m - 1) * cost.accumulate_s
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
+            out.output_bytes = cost.output_bytes / m
         out.grad_sync_s = cost.grad_sync_s + (m - 1) * cost.grad_sync_per_microbatch_s
         if cost.repeats_per_microbatch:
             out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
@@ -234,7 +246,7 @@ class Pricer:
             cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
             return cost
         split = self._work_divisor(strategy)
-        flops = global_flops(node) / split * sequence_split_imbalance(node, strategy, self.mesh_shape)
+        flops = global_flops(node) / split
         moved = self._bytes_moved(node, strategy)
         cost.kernel = (flops, moved, self._kernel_kind(node, strategy))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
@@ -507,25 +519,28 @@ class Pricer:
     # ---- edges -------------------------------------------------------------------------------
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
              grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0,
-             shared: bool = False) -> Cost:
+             shared: bool = False, gradient: bool = True) -> Cost:
         """Resharding ``val`` from ``src`` to ``dst``, and reducing its gradient where the consumer
         leaves it partial (``grad_partial``: mesh dims; this edge's ``partial_share`` of that
         reduction); ``per_microbatch``: the tensor is the same for every microbatch (a parameter), so
         under gradient accumulation its collectives repeat; ``regathered``: a parameter the consumer
         saves for backward, moved again in backward; ``shared``: the move itself (its forward
         collectives and their duals) is charged once to the readers that share it
-        (``problem.SharedResharding``), not here."""
-        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered, partial_share, shared)
+        (``problem.SharedResharding``), not here; ``gradient``: whether ``val`` gets one (else the moves
+        have no backward)."""
+        key = (tuple(val.shape), val.dtype, src, dst, per_microbatch, grad_partial, regathered, partial_share, shared,
+               gradient)
         cost = self._edge_cache.get(key)  # one lookup: hashing DTensor placements is not cheap
         if cost is None:
             cost = self._edge_cache[key] = self._edge(val, src, dst, per_microbatch, grad_partial, regathered,
-                                                      partial_share, shared)
+                                                      partial_share, shared, gradient)
         return cost
 
     def _edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool,
-              grad_partial: tuple[int, ...], regathered: bool, partial_share: float, shared: bool) -> Cost:
+              grad_partial: tuple[int, ...], regathered: bool, partial_share: float, shared: bool,
+              gradient: bool) -> Cost:
         cost = Cost(repeats_per_microbatch=per_microbatch)
-        for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared):
+        for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared, gradient):
             seconds = self.collective_seconds(c)
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
@@ -534,7 +549,8 @@ class Pricer:
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
                          grad_partial: tuple[int, ...] = (), regathered: bool = False,
-                         partial_share: float = 1.0, shared: bool = False) -> list["Collective"]:
+                         partial_share: float = 1.0, shared: bool = False, gradient: bool = True
+                         ) -> list["Collective"]:
         """Collectives that move ``val`` from placement ``src`` to ``dst``, per mesh dim, forward and
         (the dual) backward; sizes are of the tensor as the group sees it (gathered on that dim).
 
@@ -544,15 +560,16 @@ class Pricer:
         once for all readers (Megatron's "f" on the critical path). With ``regathered`` every forward
         collective is listed again, in backward (``regather``), after the others. ``shared``: the
         move is charged elsewhere (``Pricer.edge``), so only the reduction and the regathers are
-        listed."""
+        listed. A ``val`` without ``gradient`` (inputs, buffers and what is made of them alone: a rotary
+        table's slice) has no backward: its moves list no dual."""
         found = self.partial_reduction(val, dst, grad_partial, partial_share, src if src != dst else None)
         moves = []
         for dim, group in enumerate(self.groups):
             a, b = src[dim], dst[dim]
             if a == b or group.size == 1:
                 continue
-            seen = _unsharded_on(dst, dim) if b.is_shard() or a.is_shard() else dst
-            for phase, kinds in zip(("forward", "backward"), _transition(a, b)):
+            seen = _seen_by_group(a, b, dst, dim)
+            for phase, kinds in zip(("forward", "backward")[:1 + gradient], _transition(a, b)):
                 moves += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
         if not shared:
             found += moves
@@ -603,6 +620,15 @@ def gathers(root: Placements, placements: Placements) -> bool:
 
 def _unsharded_on(placements: Placements, dim: int) -> Placements:
     return tuple(Replicate() if i == dim else p for i, p in enumerate(placements))
+
+
+def _seen_by_group(src: Placement, dst: Placement, placements: Placements, dim: int) -> Placements:
+    """The tensor as the collective moving ``src`` to ``dst`` on mesh dim ``dim`` counts it
+    (``collective_time``'s convention): an all_to_all (``S(i) -> S(j)``) its per-rank buffer, split on
+    that dim; the others the tensor gathered on it."""
+    if src.is_shard() and dst.is_shard():
+        return placements
+    return _unsharded_on(placements, dim) if src.is_shard() or dst.is_shard() else placements
 
 
 def _transition(src: Placement, dst: Placement) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -511,11 +511,12 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     for ekey, edge in grouped.items():
         arg = first[ekey][1]
         edge.price = _edge_prices(edge, decisions, arg.meta["val"], pricer, edge.src in weights, regathered[ekey],
-                                  partial_gradient_share(arg), ekey in shares)
+                                  partial_gradient_share(arg), ekey in shares, kinds[source_of(arg)[0].name] != "none")
     index = {ekey: i for i, ekey in enumerate(grouped)}
     shared = [SharedResharding(tuple(index[k] for k in group), occurrences / grouped[group[0]].count,
                                _shared_prices([grouped[k] for k in group], decisions, first[group[0]][1].meta["val"],
-                                              pricer, group[0][0] in weights, any(regathered[k] for k in group)))
+                                              pricer, group[0][0] in weights, any(regathered[k] for k in group),
+                                              kinds[source_of(first[group[0]][1])[0].name] != "none"))
               for group, occurrences in sharing.items()]
     return list(grouped.values()), [g for g in shared if g.price]
 
@@ -544,7 +545,7 @@ def _sharing_readers(readings: Iterable[list[tuple[tuple, float]]], edges: Mappi
 
 
 def _shared_prices(edges: Sequence[Edge], decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                   from_param: bool, regathered: bool) -> dict[tuple[Placements, Placements], Cost]:
+                   from_param: bool, regathered: bool, gradient: bool) -> dict[tuple[Placements, Placements], Cost]:
     """The moves a ``SharedResharding`` prices: from each placement of the producer to each placement a
     reader may take, where they differ and the move costs something. A parameter its readers keep is
     gathered again in backward by each of them (on their edges), which a recomputed layer's rerun
@@ -554,7 +555,8 @@ def _shared_prices(edges: Sequence[Edge], decisions: dict[str, Decision], val: t
     prices = {}
     for a in srcs:
         for b in dsts:
-            cost = pricer.edge(val, a, b, per_microbatch=from_param) if a is not None and a != b else None
+            cost = (pricer.edge(val, a, b, per_microbatch=from_param, gradient=gradient)
+                    if a is not None and a != b else None)
             if cost is not None and cost.exposed_s > 0:
                 prices[a, b] = with_fields(cost, forward_comm_s={}) if regathered else cost
     return prices
@@ -578,14 +580,14 @@ def partial_gradient_share(arg: fx.Node) -> float:
 
 
 def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                 from_param: bool, regathered: bool, partial_share: float, shared: bool
+                 from_param: bool, regathered: bool, partial_share: float, shared: bool, gradient: bool
                  ) -> dict[tuple[Placements, tuple[Placements, tuple[int, ...]]], Cost]:
     # in the options' order (a set's order would follow the hashes, which vary from run to run for
     # ``Partial``, and the order of the ILP's variables picks among equally priced plans)
     srcs = dict.fromkeys(o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options)
     dsts = dict.fromkeys(o.edge_key(edge.slot) for o in decisions[edge.dst].options)
     return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered,
-                                partial_share=partial_share, shared=shared)
+                                partial_share=partial_share, shared=shared, gradient=gradient)
             for a in srcs if a is not None for b in dsts}
 
 

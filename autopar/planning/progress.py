@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 
 @dataclass
@@ -26,20 +26,43 @@ class SearchProgress:
     best_s: float | None = None  # best predicted step time so far
     best_bound_s: float | None = None  # the solver's proven bound of that plan's problem
     best_label: str = ""  # its mesh, e.g. "dp=32 x tp=2"
+    _timed: list[str] = field(default_factory=list, init=False, repr=False)  # the timed phases open, innermost last
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as ``name`` (nested phases count in their own name only)."""
         outer, start = self.phase_now, time.perf_counter()
+        outer_timed = bool(self._timed)
         self.phase_now = name
+        self._timed.append(name)
         self._tell()
         try:
             yield
         finally:
             self.phases_s[name] = self.phases_s.get(name, 0.0) + time.perf_counter() - start
+            self._timed.pop()
             self.phase_now = outer
-            if outer:  # the outer phase's clock does not count the inner one
-                self.phases_s[outer] = self.phases_s.get(outer, 0.0) - (time.perf_counter() - start)
+            if outer_timed:  # the outer phase's clock does not count the inner one
+                timed = self._timed[-1]
+                self.phases_s[timed] = self.phases_s.get(timed, 0.0) - (time.perf_counter() - start)
+
+    @contextmanager
+    def showing(self, name: str) -> Iterator[None]:
+        """Show ``name`` as the phase while the block runs, without timing it: workers in other
+        processes are timing their phases (``add_phases``)."""
+        outer = self.phase_now
+        self.phase_now = name
+        self._tell()
+        try:
+            yield
+        finally:
+            self.phase_now = outer
+
+    def add_phases(self, seconds: Mapping[str, float]) -> None:
+        """Add a worker's seconds per phase (``workers.py``): phases then sum the workers' time, which
+        can exceed the wall time when they run side by side."""
+        for name, s in seconds.items():
+            self.phases_s[name] = self.phases_s.get(name, 0.0) + s
 
     def found(self, step_s: float, bound_s: float, label: str) -> None:
         """A candidate was solved; remember it when it is the best so far."""

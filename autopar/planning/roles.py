@@ -33,7 +33,7 @@ from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
 from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, CapturedGraph, view_root
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
-from autopar.planning.meshes import MeshChoice
+from autopar.planning.meshes import MeshChoice, global_batch
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
@@ -82,13 +82,15 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
     finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows)
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
-    batch = batch_dims(captured, on_data, (dp_dims + ep_dims)[0], finder) if dp_dims or ep_dims else {}
+    traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
+    batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}
     seq = sequence_dims(captured, on_data, cp_dims[0], finder) if cp_dims else {}
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
         allow=_all_of(_batch_stays_split(dp_dims, on_data, batch),
+                      _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch),
                       _sequence_stays_split(cp_dims, on_data, seq, rows[1]),
                       _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, finder),
                       _weights_stay_split(captured, tp_dims),
@@ -163,6 +165,39 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
     return batch
 
 
+def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...], tp_dims: list[int],
+                                 on_data: set[str], batch: dict[tuple[str, int], int | None]):
+    """The batch is split over the data-parallel dims, and over a tp dim only where every microbatch
+    divides: no op splits a value's batch dimension (``batch_dims``) over tp dims unless the part of that
+    dimension one sample contributes (the sequence, in a ``[batch * seq, ...]`` flattening) divides by
+    their size. A plan runs ``m`` microbatches of ``B / m`` samples, which ``dp`` divides
+    (``meshes.microbatch_counts``) down to one sample per dp rank, where ``dp x tp`` would not divide a
+    plain batch dim: one rank would do all the work and the others none, where the whole-batch price
+    divides it by tp. (Splitting the batch itself over tp is data parallelism under the wrong name.)"""
+    samples = global_batch(captured) or 1
+
+    def even_for_any_microbatch(value: tuple[str, int], dim: int, placements) -> bool:
+        split = math.prod(shape[d] for d in tp_dims if placements[d] == Shard(dim))
+        per_sample, rest = divmod(int(_value_shape(captured, value)[dim]), samples)
+        return split == 1 or (rest == 0 and per_sample % split == 0)
+
+    def allow(node: fx.Node, strategy) -> bool:
+        if not tp_dims or node.name not in on_data:
+            return True
+        placed = [(_value_of(a), p) for a, p in zip(tensor_inputs(node), strategy.inputs) if a.name in on_data]
+        placed += [((node.name, i), p) for i, p in enumerate(strategy.outputs)]
+        return all(even_for_any_microbatch(value, batch[value], placements) for value, placements in placed
+                   if placements is not None and batch.get(value) is not None)
+
+    return allow
+
+
+def _value_shape(captured: CapturedGraph, value: tuple[str, int]) -> tuple[int, ...]:
+    """The shape of output ``value[1]`` of node ``value[0]``."""
+    val = captured.node(value[0]).meta["val"]
+    return tuple((val[value[1]] if isinstance(val, (tuple, list)) else val).shape)
+
+
 def _keeps_batch(placements, batch_dim: int | None, ndim: int, dp_dims: list[int]) -> bool:
     """Whether a data input read in ``placements`` stays split on dp along its batch dim (any split,
     or partial, when that dim is unknown)."""
@@ -204,7 +239,7 @@ SEQUENCE_DIM = 1
 def check_context_parallel(captured: CapturedGraph, cp: int) -> tuple[int, int]:
     """(batch, seq) of the user inputs, after refusing a model ``cp`` cannot split: one without fused
     attention (the only op whose sequence split autopar knows), or inputs without a sequence dim that
-    ``cp`` divides, alike in all inputs."""
+    ``2 cp`` divides (the load-balanced layout's chunks, ``passes/sequence_layout.py``), alike in all inputs."""
     if not any(node.target is FUSED_ATTENTION for node in captured.graph.nodes):
         raise BadInputError(f"constraint cp={cp} splits attention on the sequence, and this model has no fused "
                             "attention (F.scaled_dot_product_attention) op")
@@ -213,8 +248,9 @@ def check_context_parallel(captured: CapturedGraph, cp: int) -> tuple[int, int]:
         raise BadInputError(f"constraint cp={cp} splits the inputs on their sequence dim (dim 1): every input "
                             f"(and the targets) must be [batch, seq, ...] alike, got {sorted(shapes)}")
     batch, seq = next(iter(shapes))
-    if seq % cp:
-        raise BadInputError(f"constraint cp={cp} does not divide the sequence length {seq}")
+    if seq % (2 * cp):
+        raise BadInputError(f"constraint cp={cp} cuts the sequence into 2 x cp = {2 * cp} chunks (two per rank, "
+                            f"for even causal work), which does not divide the sequence length {seq}")
     return batch, seq
 
 

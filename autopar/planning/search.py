@@ -5,7 +5,8 @@ tensor-parallel mesh dims (``meshes.py``); each mesh dim's role in the ILP is ``
 winner becomes a ``Plan`` in ``assemble.py``.
 
 Per mesh, ``_MeshSearch`` tries activation checkpointing modes for the
-whole model (none, selective, full: more recomputation only when it lets fewer microbatches fit) and
+whole model (``plan.CHECKPOINTING``, none to full: more recomputation only when it lets fewer
+microbatches fit) and
 microbatch counts (without a pipeline the fewest that fit; with one, larger counts while the bubble
 shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
 the pipeline. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
@@ -19,14 +20,18 @@ Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fi
 the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
 splitting every sequence divides the activations, for the gathers of keys and values.
 Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
-in order (no pipeline first) with the best step time so far as a cutoff: the solver stops on a mesh as
-soon as its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``.
+in order (no pipeline first), in batches of ``workers.BATCH`` side by side in forked processes, each with
+the best step time of the batches before it as a cutoff: the solver stops on a mesh as soon as its bound
+shows it cannot win, and the plan lists it under ``solver.pruned_meshes``. The batches, not the number
+of processes that run them, fix every cutoff, so the plan is the same on any machine.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -46,6 +51,7 @@ from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
+from autopar.planning.workers import BATCH, Workers, worker_count
 from autopar.planning.roles import check_context_parallel, expert_count, pricer_for, problem_for
 
 def make_plan(
@@ -58,44 +64,52 @@ def make_plan(
     progress = progress or SearchProgress()
     dtype = constraints.dtype or ("fp32" if cluster.device.name == "cpu" else "bf16")
     capacity = constraints.memory_gb * 1e9 if constraints.memory_gb is not None else usable_bytes(cluster.device)
-    batch = global_batch(captured)
+    batch_size = global_batch(captured)
     results: list[Candidate] = []
     failures: list[str] = []
     pruned: list[MeshChoice] = []
     start = time.perf_counter()
-    search = _MeshSearch(captured, cluster, dtype, capacity, batch, constraints, progress)
-    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch, layer_count(captured),
-                                                                     expert_count(captured)))
+    search = _MeshSearch(captured, cluster, dtype, capacity, batch_size, constraints, progress)
+    shortfall = _Shortfalls()
+    meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch_size,
+                                                                     layer_count(captured), expert_count(captured)))
     progress.candidates = len(meshes)
 
     def solve_each(meshes: list[MeshChoice]) -> None:
-        for mesh in meshes:
+        for first in range(0, len(meshes), BATCH):
             best = min(results, key=lambda c: c.step_s, default=None)
-            if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch):
-                pruned.append(mesh)
-                progress.skipped()
-                continue
-            found = search.run(mesh, best.step_s if best else None)
-            if _distributed_optimizer_may_help(search, mesh, found):
-                found = _better(found, search.run(mesh, _cutoff(best, found), zero_stage=1))
-            if isinstance(found, MeshChoice):
-                pruned.append(found)
-                progress.skipped()
-            elif isinstance(found, str):
-                failures.append(found)
-                progress.skipped()
-            else:
-                results.append(found)
-                progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
-                               " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
+            batch = []
+            for mesh in meshes[first:first + BATCH]:
+                if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch_size):
+                    pruned.append(mesh)
+                    progress.skipped()
+                else:
+                    batch.append((mesh, best.step_s if best else None))
+            with progress.showing(f"search ({workers.count} workers)") if workers.count > 1 else nullcontext():
+                outcomes = workers.map(batch)
+            for outcome in outcomes:
+                shortfall.note(outcome)
+                progress.add_phases(outcome.phases_s)
+                found = outcome.found
+                if isinstance(found, MeshChoice):
+                    pruned.append(found)
+                    progress.skipped()
+                elif isinstance(found, str):
+                    failures.append(found)
+                    progress.skipped()
+                else:
+                    results.append(found)
+                    progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
+                                   " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
 
-    solve_each(meshes)
-    if _context_parallel_may_help(constraints, results):
-        more = context_parallel_meshes(captured, cluster, constraints, batch)
-        progress.candidates += len(more)
-        solve_each(more)
+    with Workers(search.search_mesh, worker_count()) as workers:
+        solve_each(meshes)
+        if _context_parallel_may_help(constraints, results):
+            more = context_parallel_meshes(captured, cluster, constraints, batch_size)
+            progress.candidates += len(more)
+            solve_each(more)
     if not results:
-        raise NoFeasiblePlanError(_shortfall(failures, search.closest if not search.solver_failed else None,
+        raise NoFeasiblePlanError(_shortfall(failures, shortfall.closest if not shortfall.solver_failed else None,
                                              constraints))
     results.sort(key=lambda c: c.step_s)
     refined = search.refine_layer_modes(results[0])
@@ -119,20 +133,23 @@ def _context_parallel_may_help(constraints: Constraints, results: list[Candidate
 
 def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constraints: Constraints,
                             batch: int | None) -> list[MeshChoice]:
-    """The meshes of every ``cp`` degree above 1 that divides the world and the sequence, as if pinned
-    (``mesh_candidates``: one stage, no ``ep`` or HSDP); none for a model context parallelism cannot
-    split (``roles.check_context_parallel``) or constraints that exclude it (a pinned ``pp`` above 1)."""
+    """The meshes of every ``cp`` degree above 1 that divides the world and whose ``2 cp`` chunks divide
+    the sequence, as if pinned (``mesh_candidates``: no ``ep`` or HSDP), on one stage unless ``pp`` is
+    pinned (free, pipelines with cp would multiply the meshes solved: seven times as many for Llama 3
+    405B on 16,384 GPUs); none for a model context parallelism cannot split (``roles.check_context_parallel``)."""
     try:
         _, seq = check_context_parallel(captured, 1)
     except BadInputError:
         return []
     found = []
     for cp in range(2, min(cluster.world_size, seq) + 1):
-        if cluster.world_size % cp or seq % cp:
+        if cluster.world_size % cp or seq % (2 * cp):
             continue
         try:
             pinned = replace(constraints, cp=cp)
-            found += _sequence_splits(captured, pinned, mesh_candidates(cluster, pinned, batch, layer_count(captured)))
+            found += [m for m in _sequence_splits(captured, pinned, mesh_candidates(cluster, pinned, batch,
+                                                                                   layer_count(captured)))
+                      if m.stages == 1 or constraints.pp is not None]
         except BadInputError:  # no mesh has this cp degree (the batch, a pinned degree, sp=1)
             continue
     return found
@@ -150,9 +167,9 @@ def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
     return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
 
 
-def _cutoff(best: Candidate | None, found: "Candidate | MeshChoice | str") -> float | None:
-    """The step time a second search of a mesh must beat: the best so far, and the mesh's first plan."""
-    times = [c.step_s for c in (best, found) if isinstance(c, Candidate)]
+def _cutoff(best_s: float | None, found: "Candidate | MeshChoice | str") -> float | None:
+    """The step time a second search of a mesh must beat: the best before it, and the mesh's first plan."""
+    times = ([best_s] if best_s is not None else []) + ([found.step_s] if isinstance(found, Candidate) else [])
     return min(times) if times else None
 
 
@@ -213,6 +230,21 @@ class _MeshSearch:
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
+        self.pid = os.getpid()  # of the process that plans (``search_mesh`` may run in a forked worker)
+
+    def search_mesh(self, task: tuple[MeshChoice, float | None]) -> "MeshOutcome":
+        """One mesh's whole search against ``cutoff_s`` (the best step time of the meshes searched before
+        its batch): ``run``, then again under ZeRO-1 where memory shaped the plan. Runs in a forked worker
+        or in this process (``workers.py``); its shortfall and phase seconds come back with the outcome."""
+        mesh, cutoff_s = task
+        in_worker = os.getpid() != self.pid
+        if in_worker:  # a worker's own clock; its seconds are added to the parent's by ``make_plan``
+            self.progress = SearchProgress()
+        self.closest, self.solver_failed = None, False
+        found = self.run(mesh, cutoff_s)
+        if _distributed_optimizer_may_help(self, mesh, found):
+            found = _better(found, self.run(mesh, _cutoff(cutoff_s, found), zero_stage=1))
+        return MeshOutcome(found, self.closest, self.solver_failed, self.progress.phases_s if in_worker else {})
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None, zero_stage: int | None = None
             ) -> Candidate | MeshChoice | str:
@@ -257,9 +289,35 @@ class _MeshSearch:
             else:
                 was_pruned = True
             fewest_fitting = fitting[0]
+        if best is not None and mesh.stages > 1 and self.constraints.schedule is None:
+            best = self._interleaved(mesh, best, counts, per_m, memory, pricer, cutoff_s)
         if best is not None:
             return best
         return mesh if was_pruned or not reason else reason
+
+    def _interleaved(self, mesh: MeshChoice, best: Candidate, counts: list[int], per_m: "_MicrobatchProblems",
+                     memory: "_MicrobatchProblems", pricer: Pricer, cutoff_s: float | None) -> Candidate:
+        """``best`` (1F1B, the schedule free) against interleaved 1F1B with ``v`` = 2, 3, ... model chunks per
+        device (``interleaving_chunks``), in ``best``'s checkpointing mode, until a ``v`` no longer fits or
+        its plan is slower than the one before. ``v`` chunks divide the bubble by ``v`` for ``v`` times the
+        stage-to-stage sends and more activations in flight; a ``v`` whose step could not win even with that
+        whole saving and no more sends is not solved. GPipe is not tried: its bubble is 1F1B's and it
+        holds every microbatch's activations, so it never wins here."""
+        allowed = [m for m in counts if runs_interleaved(m, mesh.stages)]
+        for chunks in interleaving_chunks(best.staging.layers, mesh.stages):
+            cutoff = min(cutoff_s or float("inf"), best.step_s)
+            if best.step_s - best.bubble_s * (1 - 1 / chunks) >= cutoff:
+                continue
+            staging = replace(best.staging, schedule="interleaved", chunks=chunks)
+            first = self._first_fitting(allowed, staging, memory)
+            if first is None:
+                break  # more chunks hold more activations in flight: fewer fit
+            found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff)
+            if isinstance(found, Candidate):
+                if found.step_s >= best.step_s:
+                    break
+                best = found
+        return best
 
     def _constraints(self, zero_stage: int | None) -> Constraints:
         """The constraints, with ``zero_stage`` (when given) as the ZeRO stage."""
@@ -361,6 +419,18 @@ class _MeshSearch:
         return best if best is not None else (reason or mesh)  # mesh: pruned
 
 
+def interleaving_chunks(layers: int, stages: int) -> list[int]:
+    """Model chunks per device the free search tries under interleaved 1F1B: each ``v`` >= 2 that cuts the
+    repeated layers into ``stages x v`` equal chunks, ascending."""
+    return [v for v in range(2, layers // max(1, stages) + 1) if layers % (stages * v) == 0]
+
+
+def runs_interleaved(microbatches: int, stages: int) -> bool:
+    """Whether torch's ``ScheduleInterleaved1F1B`` takes ``microbatches`` on ``stages``: it runs them in
+    ``max(1, m // p)`` rounds of equal size."""
+    return microbatches % max(1, microbatches // stages) == 0
+
+
 MAX_PIPELINE_MICROBATCH_TRIES = 6
 REFINE_NODE_LIMIT = 100
 """Branch-and-bound nodes for the per-layer checkpointing ILP (``refine_layer_modes``): its memory row
@@ -391,6 +461,32 @@ def _pipeline_microbatch_counts(fitting: list[int], stages: int) -> list[int]:
         if not picked or m >= 2 * picked[-1]:
             picked.append(m)
     return picked[:MAX_PIPELINE_MICROBATCH_TRIES]
+
+
+@dataclass(frozen=True)
+class MeshOutcome:
+    """What one mesh's search (``_MeshSearch.search_mesh``) sends back: the best candidate, the mesh itself
+    when its bound could not win, or why nothing fit; the configuration there that came closest to fitting
+    memory, whether the solver failed on one that should have fit, and a worker's phase seconds."""
+
+    found: "Candidate | MeshChoice | str"
+    closest: "MemoryShortfall | None"
+    solver_failed: bool
+    phases_s: Mapping[str, float]
+
+
+class _Shortfalls:
+    """The closest miss over every mesh (their outcomes noted in mesh order), for a no-fit message."""
+
+    def __init__(self) -> None:
+        self.closest: MemoryShortfall | None = None
+        self.solver_failed = False
+
+    def note(self, outcome: MeshOutcome) -> None:
+        self.solver_failed |= outcome.solver_failed
+        miss = outcome.closest
+        if miss is not None and (self.closest is None or miss.need_bytes < self.closest.need_bytes):
+            self.closest = miss
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,27 @@ its layers and the embedding at ``min(p, m)``, the last its layers at fewer and 
 Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per repeated layer:
 
 * ``none``: every op keeps its output for backward;
-* ``selective``: the layer's cheap ops are recomputed in backward; the outputs of its linear layers
+* ``core_attention``: Megatron-LM's selective recomputation (Korthikanti et al. 2022, §5; what NeMo and
+  Megatron-LM recipes call "selective"): only the attention core (``ir.layers.attention_cores``: ``QK^T``,
+  mask, softmax, dropout, ``AV``, or one fused attention kernel) is recomputed, from the q, k and v it
+  keeps as its inputs; every other op keeps what it keeps under ``none``. Its memory is never above
+  none's: it drops the ``s x s`` scores of unfused attention (the ``5as/h`` term) and fused
+  attention's log-sum-exp, for one more attention forward per layer (a core's output that a reader
+  outside it saves, as the output projection of the built-in models saves fused attention's, stays
+  held: ``LayerRoles.saved_outside_core``); no collective runs again unless the plan moves a value
+  inside the core;
+* ``selective`` (PyTorch's selective activation checkpointing, as torchtitan's op policy): the layer's
+  cheap ops are recomputed in backward; the outputs of its linear layers
   (matmuls against weights: ``mm``/``addmm``) and of fused attention kernels, whose recomputation is
   expensive and whose outputs are small, stay saved (``KEPT_UNDER_SELECTIVE``). Batched matmuls of
   two activations (an unfused attention's ``q k^T`` and ``p v``) are recomputed with the softmax
   between them: their outputs are the ``s x s`` scores, the memory Korthikanti et al.'s selective
   recomputation exists to drop. A matmul left partial (row-parallel, before its reduction) is
   recomputed too: keeping its full-size output would cost more than no recomputation (``_treatment``);
+* ``save_dot_except_mlpwi`` (MaxText's remat policy of that name, ``save_only_these_names`` of the q, k,
+  v and output projections and the MLP's output projection): as ``selective``, but an MLP's input
+  projections (``ir.layers.widens``: a linear layer widening its rows, the up and gate projections,
+  whose outputs are the widest of the layer) and fused attention are recomputed too;
 * ``full``: every op of the layer is recomputed except the layer's output, which the next layer
   reads (Megatron-LM's full recomputation keeps only each layer's input).
 
@@ -58,9 +72,9 @@ from typing import Callable
 from torch import fx
 
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import kept_under_selective, layer_names, layer_of
-from autopar.core.plan import MIXED
-from autopar.cost_models.pipeline import SCHEDULES, last_chunk_in_flight, microbatches_in_flight, pipeline_bubble_fraction
+from autopar.ir.layers import attention_cores, kept_under_selective, layer_names, layer_of, widens
+from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
+from autopar.cost_models.pipeline import last_chunk_in_flight, microbatches_in_flight, pipeline_bubble_fraction
 from autopar.planning.pricing import Cost, with_fields
 from autopar.planning.problem import LayerModes, Option, Problem
 
@@ -114,9 +128,9 @@ def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int)
 
 def assign_layer_modes(layers_by_device: list[list[str]], counts: dict[str, int]) -> dict[str, str]:
     """Each layer's checkpointing mode when every device runs ``counts[mode]`` of its layers (listed in
-    ``layers_by_device``) in each mode: full first, then selective, the rest none (a device holding
-    fewer layers than priced recomputes at least as large a share)."""
-    queue = [m for m in ("full", "selective", "none") for _ in range(counts.get(m, 0))]
+    ``layers_by_device``) in each mode: the most recomputation first (``CHECKPOINTING`` backwards), the
+    rest none (a device holding fewer layers than priced recomputes at least as large a share)."""
+    queue = [m for m in reversed(CHECKPOINTING) for _ in range(counts.get(m, 0))]
     modes = {}
     for layers in layers_by_device:
         modes.update(zip(layers, queue))
@@ -146,12 +160,35 @@ class LayerRoles:
     in_layer: frozenset[str]  # keys whose nodes belong to a repeated layer
     boundary: frozenset[str]  # ... and whose output leaves its layer (the next layer's input)
     expensive: frozenset[str]  # ... and that are matmuls or attention (kept under selective)
+    widening: frozenset[str]  # ... and that are an MLP's input projections (``ir.layers.widens``)
     after_layers: frozenset[str]  # keys of ops after the last layer's (final norm, head, loss)
+    attention_core: frozenset[str] = frozenset()  # keys of a layer's attention core (core_attention recomputes)
+    saved_outside_core: frozenset[str] = frozenset()  # ... whose output an op outside its core saves (still held)
+
+
+_last_roles: list[tuple[CapturedGraph, tuple[str, ...], LayerRoles]] = []  # the last graph's: a search asks hundreds of times
 
 
 def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
+    """What each decision of ``problem`` is to the repeated layers (``LayerRoles``). The roles depend on
+    the graph and the decisions' keys alone, the same for every mesh, microbatch count and staging of a
+    search, so the last graph's are kept."""
+    keys = tuple(problem.decisions)
+    if _last_roles and _last_roles[0][0] is captured and _last_roles[0][1] == keys:
+        return _last_roles[0][2]
+    roles = _layer_roles(captured, problem)
+    _last_roles[:] = [(captured, keys, roles)]
+    return roles
+
+
+def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
     key_of = {n: key for key, d in problem.decisions.items() for n in d.nodes}
-    in_layer, boundary, expensive, after_layers = set(), set(), set(), set()
+    in_layer, boundary, expensive, widening, after_layers = set(), set(), set(), set(), set()
+    cores = attention_cores(captured.graph.nodes)
+    core = {key_of[n.name] for nodes in cores for n in nodes if n.name in key_of}
+    savers = captured.saved_for_backward().savers
+    saved_outside = {key_of[n.name] for nodes in cores for n in nodes
+                     if n.name in key_of and savers.get(n.name, frozenset()) - {m.name for m in nodes}}
     for node in captured.graph.nodes:
         key = key_of.get(node.name)
         layer = layer_of(node)
@@ -168,7 +205,11 @@ def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
                 boundary.add(key)
             if kept_under_selective(node.target):
                 expensive.add(key)
-    return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive), frozenset(after_layers))
+            if widens(node):
+                widening.add(key)
+    return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive), frozenset(widening),
+                      frozenset(after_layers),
+                      frozenset(core & in_layer), frozenset(saved_outside & in_layer))
 
 
 def _users_through_getitem(node: fx.Node) -> list[fx.Node]:
@@ -192,13 +233,15 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     roles = layer_roles(captured, problem)
     recomputed = {m: _recomputed(roles, m) for m in modes}
     kept_whole = {m: _kept_whole(roles, m) for m in modes}
+    still_held = {m: roles.saved_outside_core if m == "core_attention" else frozenset() for m in modes}
     in_flight = staging.in_flight(problem.microbatches)
     last_in_flight = staging.last_chunk_in_flight(problem.microbatches)
     decisions = {}
     for key, d in problem.decisions.items():
         staged = with_fields(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
         if key in roles.in_layer - roles.boundary:
-            options = [_priced_by_mode(o, {m: _treatment(key, o, m, recomputed[m], kept_whole[m]) for m in modes},
+            options = [_priced_by_mode(o, {m: (*_treatment(key, o, m, recomputed[m], kept_whole[m]),
+                                               key in still_held[m]) for m in modes},
                                        in_flight, staged.count / layers, problem.microbatches) for o in d.options]
         else:
             held = last_in_flight if key in roles.after_layers else in_flight
@@ -227,23 +270,27 @@ def _leaves_partial(option: Option) -> bool:
     return any(p is not None and any(x.is_partial() for x in p) for p in option.strategy.outputs)
 
 
-def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool]], in_flight: float,
+def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool, bool]], in_flight: float,
                     per_layer: float, microbatches: int) -> Option:
     """A layer op's option priced in each checkpointing mode (``treatment[mode]``: whether the mode
-    recomputes the op, whether it keeps its outputs whole): its saved activations held for every
-    microbatch in flight, kept whole (selective's linear layers), or recomputed: paid again in forward
-    time during backward (which also lengthens the last microbatch's backward that gradient sync hides
-    behind), its activations live for one layer of one microbatch at a time (``recompute_bytes``)."""
+    recomputes the op, whether it keeps its outputs whole, whether a reader the mode does not recompute
+    saves them all the same): its saved activations held for every microbatch in flight, kept whole
+    (selective's linear layers), or recomputed: paid again in forward time during backward (which also
+    lengthens the last microbatch's backward that gradient sync hides behind), its activations live for
+    one layer of one microbatch at a time (``recompute_bytes``), unless still held (an attention core's
+    output that the output projection saves: core_attention)."""
     cost = option.cost
     by_mode, recompute_bytes = {}, {}
-    for mode, (recomputed, kept_whole) in treatment.items():
+    for mode, (recomputed, kept_whole, held_anyway) in treatment.items():
         if not cost.batch_memory:
             by_mode[mode] = cost
         elif recomputed:
             forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
-            by_mode[mode] = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=0.0,
+            memory = cost.memory_bytes * in_flight if held_anyway else 0.0
+            by_mode[mode] = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=memory,
                                     backward_compute_s=cost.backward_compute_s + forward / microbatches)
-            recompute_bytes[mode] = cost.memory_bytes * per_layer  # per_layer: occurrences in one layer
+            if not held_anyway:  # (the held copy of a layer is freed by its reader's backward before the recompute)
+                recompute_bytes[mode] = cost.memory_bytes * per_layer  # per_layer: occurrences in one layer
         else:
             by_mode[mode] = _held(_as_kept(cost) if kept_whole else cost, in_flight)
     return with_fields(option, by_mode=by_mode, recompute_bytes=recompute_bytes)
@@ -259,17 +306,27 @@ def _is_layer_decision(key: str, roles: LayerRoles) -> bool:
 def _recomputed(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
     if checkpointing == "full":
         return roles.in_layer - roles.boundary
-    if checkpointing == "selective":
-        return roles.in_layer - roles.boundary - roles.expensive
+    if checkpointing in SELECTIVE_MODES:
+        return roles.in_layer - roles.boundary - _kept_by(roles, checkpointing)
+    if checkpointing == "core_attention":
+        return roles.attention_core - roles.boundary
     return frozenset()
 
 
 def _kept_whole(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
     """Ops whose outputs the checkpoint policy saves whole, needed by backward or not: selective
     checkpointing's linear layers and fused attention (``passes/checkpoint.py`` marks them MUST_SAVE)."""
-    if checkpointing == "selective":
-        return (roles.in_layer & roles.expensive) - roles.boundary
+    if checkpointing in SELECTIVE_MODES:
+        return (roles.in_layer & _kept_by(roles, checkpointing)) - roles.boundary
     return frozenset()
+
+
+def _kept_by(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
+    """The kept-list ops (``KEPT_UNDER_SELECTIVE``) a selective mode keeps: all, or the linear layers but
+    an MLP's input projections."""
+    if checkpointing == "save_dot_except_mlpwi":
+        return roles.expensive - roles.widening - roles.attention_core
+    return roles.expensive
 
 
 def _as_kept(cost: Cost) -> Cost:

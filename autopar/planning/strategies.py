@@ -188,7 +188,8 @@ def _sequence_split(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int
     chunk of every sample, not a contiguous range of rows (DTensor's ``_StridedShard``, which plans do not
     express): the plan calls them ``S(0)`` and the runtime runs such views on local shards
     (``passes/run_locally.py``). That is exact because on a cp dim such rows are never made whole, only
-    read row by row or reduced (``roles._sequence_stays_split``)."""
+    read row by row or reduced (``roles._sequence_stays_split``). Each rank's share of the work is even,
+    causal attention's too: the plan's sequence layout is load-balanced (``passes/sequence_layout.py``)."""
     if any(p is not None and not p[dim].is_replicate() for p in (*strategy.inputs, *strategy.outputs)):
         return None
     split = lambda ps, p: ps[:dim] + (p,) + ps[dim + 1:]  # noqa: E731
@@ -212,27 +213,6 @@ def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
     return move is not None and strategy.outputs[0] is not None and any(
         p.is_shard() and q.is_shard() and (p.dim, q.dim) == move[:2]
         for p, q in zip(strategy.inputs[0], strategy.outputs[0]))
-
-
-def sequence_split_imbalance(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
-    """How much more than its even share of a causal fused attention the slowest rank computes when
-    the queries are split on the sequence in contiguous chunks: with ``c`` chunks, rank ``r`` attends its
-    queries to the ``r + 1`` chunks of keys up to its own, so the last rank does ``(2c - 1) / c**2`` of
-    the causal work, the first ``1 / c**2``, against the even ``1 / c``. The step waits for the slowest,
-    so pricing charges every rank ``(2c - 1) / c`` times the even share of the op's work (the slowest
-    rank's time; no load balancing of the chunks yet). 1 for any other op or split."""
-    if node.target is not FUSED_ATTENTION or not _is_causal(node):
-        return 1.0
-    c = 1
-    for size, p in zip(mesh_shape, strategy.outputs[0] or ()):
-        if p == Shard(QUERY_DIM):
-            c *= size
-    return (2 * c - 1) / c
-
-
-def _is_causal(node: fx.Node) -> bool:
-    """Whether a fused attention node applies the causal mask (``is_causal``, positional or keyword)."""
-    return bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
 
 
 _RAW: dict[Any, tuple[list[Strategy], bool]] = {}

@@ -51,8 +51,15 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) 
     objective_s, _ = evaluate(priced, choice)
     solution = Solution(choice=choice, status="repriced", objective_s=objective_s, bound_s=objective_s,
                         wall_s=time.perf_counter() - start, variables=0, constraints=0, layer_modes=layer_modes)
-    return _planner_plan(captured, target, plan.model["name"], dtype, mesh, staging, priced, solution,
-                         time.perf_counter() - start, constraints)
+    repriced = _planner_plan(captured, target, plan.model["name"], dtype, mesh, staging, priced, solution,
+                             time.perf_counter() - start, constraints)
+    return replace(repriced, model={**repriced.model, **_model_facts(plan)})
+
+
+def _model_facts(plan: Plan) -> dict:
+    """What the plan's model section says that the captured graph does not: named sizes (``dims``) and a
+    mixture-of-experts model's routing (``moe``), both read from the model's code when it was planned."""
+    return {key: plan.model[key] for key in ("dims", "moe") if key in plan.model}
 
 
 def check_same_model(plan: Plan, captured: CapturedGraph) -> None:

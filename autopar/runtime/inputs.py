@@ -19,6 +19,7 @@ from autopar.core.errors import BadInputError
 from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.passes import shard_tensor
+from autopar.passes.sequence_layout import in_layout
 
 
 def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
@@ -67,10 +68,12 @@ def _rows_times(shape: list[int], factor: int) -> list[int]:
 
 def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: bool) -> DTensor:
     """One microbatch of the input (or targets) ``name`` as a DTensor with the plan's placements (``x``
-    was checked by ``check_user_inputs``)."""
+    was checked by ``check_user_inputs``). Under context parallelism's load-balanced layout this rank's
+    slice of the sequence is its two chunks (``passes/sequence_layout.py``): with ``local=True``, give
+    those, chunk r then chunk 2cp-1-r of 2cp for cp rank r."""
     spec = plan.inputs[name]
     shape = microbatch_shape(spec["shape"], plan.pipeline.microbatches)
     if local:
         return DTensor.from_local(x, mesh, strs_to_placements(spec["placements"]), run_check=False,
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-    return shard_tensor(x, mesh, spec["placements"])
+    return shard_tensor(in_layout(x, plan, spec["placements"]), mesh, spec["placements"])

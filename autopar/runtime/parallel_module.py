@@ -16,6 +16,9 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting, in
   them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it;
 * under mixed precision (``plan.precision``) ``parameters()`` are fp32 master weights and the program
   reads compute-dtype copies made at the start of each step (``passes/mixed_precision.py``).
+* with ``lowered=True`` the program runs as the forward and backward graphs of local tensor ops and
+  explicit collectives that AOT autograd derives from it at its first call (``passes/lower.py``;
+  ``compile=True``: compiled by inductor); everything above stays outside those graphs.
 
 Where we diverge from rewriting local shapes into the graph ourselves: DTensor already maps global
 shape arguments (``view``, ``expand``...) to local ones for every op it shards, so the graph keeps
@@ -36,6 +39,7 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
+from autopar.passes.lower import LoweredProgram
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
@@ -59,7 +63,7 @@ class ParallelModule(nn.Module):
     """The parallelized training step of one rank. Hand ``parameters()`` to any torch optimizer."""
 
     def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh,
-                 check_memory: bool = True):
+                 check_memory: bool = True, lowered: bool = False, compile: bool = False):
         super().__init__()
         if check_memory:  # before anything is sharded: a plan too large for this device is refused (fits.py)
             check_plan_fits(plan, mesh.device_type)
@@ -80,8 +84,10 @@ class ParallelModule(nn.Module):
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
         built = build_program(plan, captured, mesh)
         (stage,) = built.stages
-        self.program, self.redistributes = stage.module, built.redistributes
+        self.redistributes = built.redistributes
         self._placeholders = stage.program.placeholders
+        self.program = (LoweredProgram(stage.module, self._parameter_positions(), compile=compile)
+                        if lowered or compile else stage.module)
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -133,6 +139,10 @@ class ParallelModule(nn.Module):
             total = total + loss.detach().float() / m
         self._program_params.end_step()
         return total
+
+    def _parameter_positions(self) -> list[int]:
+        """Which of the program's arguments are parameter values."""
+        return [i for i, name in enumerate(self._placeholders) if name in self.captured.params]
 
     def _placeholder_values(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool
                             ) -> list[Any]:

@@ -1,0 +1,218 @@
+"""Lowering: a one-stage program run as forward and backward graphs of local tensor ops with explicit
+collectives, derived once, instead of dispatching every op through DTensor on every step.
+
+``build_program`` gives a graph whose values are DTensors: each op goes through DTensor's Python
+dispatch at run time (sharding propagation, local shapes, redistributes), which costs more host time
+than small kernels take. ``LoweredProgram`` traces that program once, at its first call, with AOT
+autograd over fake tensors: DTensor inputs are desugared to their local tensors (torch's tensor
+subclass support), every redistribute becomes the functional collectives it runs
+(``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``wait_tensor``)
+and autograd's backward becomes a second graph. From then on a call runs the two fx graphs on plain
+tensors; AOT autograd's wrapper unwraps the DTensor arguments and wraps the outputs (the loss; the
+parameters' gradients with the placements DTensor's backward gave them), so the gradient sync
+(``gradient_sync.py``), ZeRO (``zero.py``) and mixed precision's masters (``mixed_precision.py``) stay
+outside the graph and run as in the DTensor runtime.
+
+Passes of the DTensor program that become graph properties here:
+
+* reshard after forward (``reshard.py``): its saved-tensor hooks cannot run inside a trace; instead
+  every forward value computed from parameters alone (their casts, views and gathers) is tagged
+  ``MUST_RECOMPUTE`` in the joint graph, so the partitioner saves the shards and gathers again in
+  backward: the same collectives, one regather per gathered value backward reads.
+* ``run_locally.py``'s ``to_local``/``from_local`` trace like any op.
+* activation checkpointing (``checkpoint.py``): ``torch.utils.checkpoint`` under AOT tracing records
+  the recompute in the backward graph.
+
+The partition is AOT autograd's default one (what eager autograd saves), not inductor's min-cut, so the
+lowered program keeps what the plan priced. With ``compile=True`` the program is traced with inductor's
+decompositions and each graph compiled by inductor's inner compiler (what ``torch.compile`` does
+after Dynamo), which keeps the functional collectives (``all_reduce`` becomes its in-place form).
+
+What changes with the runtime: the backward is one autograd node, so every gradient reaches the
+gradient sync when the backward graph ends and its buckets no longer overlap backward compute; and the
+first call pays the trace (seconds; inductor's compilation: a minute or more on a small CPU).
+
+Where we diverge from torch's own tools: ``torch.compile`` would add Dynamo's bytecode capture and its
+guards to a program that is already an fx graph with fixed shapes; we hand the graph to AOT autograd
+directly (``aot_module_simplified``), so nothing is checked per call. That is sound because the
+runtime's inputs never change their metadata between steps (``runtime/inputs.check_user_inputs``
+refuses other shapes and dtypes; parameters keep their placements). One lowering per grad mode: a
+forward traced without grad has no backward graph. SimpleFSDP (torchtitan) marks its gathers for
+recomputation with a checkpoint policy while tracing; our gathers come from DTensor's redistributes,
+so the joint graph is tagged instead. Where a trace fails, ``LoweredProgram`` warns once, saying why,
+and runs the DTensor program instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .reshard import ResavedParameters
+
+COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                    "all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                    "all_to_all_single": "all_to_all"}
+"""Functional collectives of a lowered graph, by op name, to the kinds plans use (inductor turns
+``all_reduce`` into its in-place form)."""
+
+
+class LoweredProgram(nn.Module):
+    """``program`` (a stage module of ``build_program``) run as its lowered forward and backward graphs.
+
+    ``parameter_positions``: which arguments are parameter values (what reshard after forward gathers
+    again in backward). ``compile``: inductor compiles the graphs. ``graphs`` holds, per grad mode, the
+    forward and backward graphs of the lowering (for tests and reports); ``fallback`` says why the
+    DTensor program runs instead, when it does.
+    """
+
+    def __init__(self, program: nn.Module, parameter_positions: Sequence[int], compile: bool = False):
+        super().__init__()
+        self.regathers = isinstance(program, ResavedParameters)
+        self.program = program.program if self.regathers else program
+        self.dtensor_program = program
+        self.parameter_positions = tuple(parameter_positions)
+        self.compile = compile
+        self.graphs: dict[bool, dict[str, fx.GraphModule]] = {}
+        self.fallback: str | None = None
+        self._lowered: dict[bool, Callable[..., Any]] = {}
+
+    def forward(self, *args: Any) -> Any:
+        if self.fallback is not None:
+            return self.dtensor_program(*args)
+        grad = torch.is_grad_enabled()
+        if grad not in self._lowered:
+            lowered = self._lower(args, grad)
+            if lowered is None:
+                return self.dtensor_program(*args)
+            self._lowered[grad] = lowered
+        return self._lowered[grad](*args)
+
+    def collectives(self, grad: bool = True) -> dict[str, dict[str, int]]:
+        """Per graph (``forward``, ``backward``), the collectives one run of it issues, per kind."""
+        return {name: graph_collectives(gm) for name, gm in self.graphs.get(grad, {}).items()}
+
+    def _lower(self, args: Sequence[Any], grad: bool) -> Callable[..., Any] | None:
+        graphs: dict[str, fx.GraphModule] = {}
+        partition = self._partition(flat_positions(args, self.parameter_positions))
+        try:
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):  # a backward failure shows here
+                lowered = aot_module_simplified(
+                    self.program, list(args), fw_compiler=self._keep("forward", graphs),
+                    bw_compiler=self._keep("backward", graphs), inference_compiler=self._keep("forward", graphs),
+                    partition_fn=partition, decompositions=_inductor_decompositions() if self.compile else None)
+        except Exception as exc:  # noqa: BLE001: any failure to trace leaves the DTensor program, said once
+            self.fallback = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            warnings.warn(f"autopar: the program could not be lowered ({self.fallback}); running it on DTensor",
+                          stacklevel=3)
+            return None
+        self.graphs[grad] = graphs
+        return lowered
+
+    def _keep(self, name: str, graphs: dict[str, fx.GraphModule]) -> Callable[..., Any]:
+        """An AOT compiler that records the graph it is given and runs it (compiled by inductor when
+        ``compile``)."""
+        def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+            graphs[name] = gm
+            if self.compile:
+                from torch._inductor.compile_fx import compile_fx_inner
+
+                return compile_fx_inner(gm, example_inputs, is_backward=name == "backward")
+            return _boxed(gm)
+        return compiler
+
+    def _partition(self, parameter_primals: Sequence[int]) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
+        """AOT autograd's default partition, parameter values recomputed in backward when the DTensor
+        program regathers them."""
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+            drop_checkpoint_tags(joint)
+            if self.regathers:
+                recompute_parameter_values(joint, parameter_primals)
+            return default_partition(joint, joint_inputs, **kwargs)
+        return partition
+
+
+def flat_positions(args: Sequence[Any], positions: Sequence[int]) -> list[int]:
+    """Where the tensors ``args[i]`` (``i`` in ``positions``) desugar to among the joint graph's
+    ``primals``: a tensor subclass is as many primals as its flattened inner values (a DTensor: its local
+    tensor and its device mesh, AOT autograd's ``unwrap_tensor_subclasses``)."""
+    starts, n = [], 0
+    for arg in args:
+        starts.append(n)
+        n += _flat_count(arg)
+    return [starts[i] + k for i in sorted(set(positions)) for k in range(_flat_count(args[i]))]
+
+
+def _flat_count(value: Any) -> int:
+    """How many of AOT autograd's flat inputs ``value`` becomes."""
+    if is_traceable_wrapper_subclass(value):
+        inner, _ = value.__tensor_flatten__()
+        return sum(_flat_count(getattr(value, name)) for name in inner)
+    return 1
+
+
+def drop_checkpoint_tags(joint: fx.GraphModule) -> None:
+    """Remove the recompute tags ``torch.utils.checkpoint``'s selective policy left on ``joint``'s nodes.
+
+    Traced by AOT autograd directly (not through Dynamo's checkpoint operator), a checkpointed layer's
+    recomputation is already in the backward part of the joint graph, reading only what the layer's
+    policy saved; its tags, which carry no region id (``ac_graph_id``), would make the partitioner
+    recompute again (and its region comparison fails on them)."""
+    for node in joint.graph.nodes:
+        if "ac_graph_id" in node.meta and node.meta["ac_graph_id"] is None:
+            node.meta.pop("ac_graph_id")
+            node.meta.pop("recompute", None)
+
+
+def recompute_parameter_values(joint: fx.GraphModule, parameter_primals: Sequence[int]) -> int:
+    """Tag every op of ``joint`` computed from parameter inputs alone (``primals`` at
+    ``parameter_primals``: casts, views, gathers) to be recomputed in backward rather than saved;
+    returns how many."""
+    primals = [node for node in joint.graph.nodes if node.op == "placeholder" and node.name.startswith("primals")]
+    from_parameters = {primals[i] for i in parameter_primals}
+    tagged = 0
+    for node in joint.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and all(n in from_parameters for n in inputs):
+            from_parameters.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged += 1
+    return tagged
+
+
+def graph_collectives(gm: fx.GraphModule) -> dict[str, int]:
+    """The collectives ``gm`` issues per run, per kind (``COLLECTIVE_KINDS``)."""
+    found: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and getattr(target, "namespace", None) == "_c10d_functional":
+            name = target._overloadpacket.__name__
+            if name != "wait_tensor":
+                found[COLLECTIVE_KINDS.get(name, name)] += 1
+    return dict(found)
+
+
+def _inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions inductor compiles from (what ``torch.compile`` hands AOT autograd)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm`` called AOT autograd's boxed way (one list of arguments, cleared as it is read)."""
+    def run(args: list[Any]) -> Any:
+        inputs = list(args)
+        args.clear()
+        return gm(*inputs)
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
