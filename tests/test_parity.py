@@ -129,6 +129,20 @@ def test_hsdp_matches_single_process() -> None:
         result.assert_matches(train_single(name, None, BATCH, None, STEPS))
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_grouped_query_llama_under_tp_with_one_sample_microbatches_matches_single_process() -> None:
+    """Llama with 8 query and 4 key-value heads at tp=2, one sample a microbatch: its norms cannot split the
+    batch over tp, and a plan splitting their hidden dim left the mean ``P(avg)``, whose backward DTensor
+    refuses (``roles._no_average_partials_on``)."""
+    overrides = {"layers": 2, "hidden": 128, "heads": 8, "kv_heads": 4, "ffn_hidden": 256, "vocab": 1024, "seq": 64}
+    constraints = {"tp": 2, "sp": 0, "checkpointing": "none", "microbatches": BATCH}
+    (result,) = train_parallel_many(2, [dict(name="tiny-llama", overrides=overrides, global_batch=BATCH, seq=None,
+                                             steps=STEPS, plan=None, constraints=constraints)])
+    assert result.plan["pipeline"]["microbatches"] == BATCH
+    result.assert_matches(train_single("tiny-llama", overrides, BATCH, None, STEPS))
+
+
 # ---- the check, in one process --------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["mlp", "tiny-gpt", "tiny-llama"])
 def test_the_learning_rate_turns_a_scaled_gradient_into_a_parameter_error(name: str) -> None:

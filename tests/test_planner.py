@@ -442,7 +442,28 @@ def test_the_batch_is_split_over_tp_only_where_every_microbatch_divides():
             for option in decision.options:
                 out = option.strategy.outputs[0]
                 if out is not None and out[1] == Shard(dim):
-                    assert (val.shape[dim] // 8) % 4 == 0, (name, tuple(val.shape), out)
+                    split = math.prod(n for n, p in zip(mesh.shape, out) if p == Shard(dim))
+                    assert (2 * val.shape[dim] // 8) % split == 0, (name, tuple(val.shape), out)  # 2: B / m_max
                     split_rows += 1
                 per_sample += val.shape[dim] == 8
     assert per_sample > 20 and split_rows > 0  # plain batch dims never split on tp; flattened rows may
+
+
+GQA_LLAMA = {"layers": 2, "hidden": 128, "heads": 8, "kv_heads": 4, "ffn_hidden": 256, "vocab": 1024, "seq": 64}
+
+
+def test_no_tensor_is_left_partial_by_average_on_tp():
+    """A mean over a tp-split dim leaves ``P(avg)``, whose gradient DTensor cannot bring back (it arrives
+    ``P(sum)``); such plans failed at their first backward. With the whole batch in one microbatch the
+    norms may split the batch over tp instead, and with many they read the hidden dim whole."""
+    bundle = build_model("tiny-llama", overrides=GQA_LLAMA, global_batch=8, device="meta")
+    for microbatches in (1, 8):
+        plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
+                            example_targets=bundle.example_targets,
+                            constraints={"tp": 2, "sp": 0, "checkpointing": "none", "microbatches": microbatches})
+        means = [op for op in plan.ops.values() if op["op"] == "aten.mean.dim"]
+        assert means and all("P(avg)" not in str(op["outputs"]) for op in means)
+        if microbatches == 1:
+            assert any(op["inputs"][0] == ["S(0)"] for op in means)  # 8 samples split over tp=2
+        else:
+            assert all(op["inputs"][0] != ["S(0)"] for op in means)  # 1 sample a microbatch: never on tp

@@ -33,7 +33,7 @@ from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
 from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, CapturedGraph, view_root
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
-from autopar.planning.meshes import MeshChoice, global_batch
+from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
@@ -90,7 +90,9 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
         allow=_all_of(_batch_stays_split(dp_dims, on_data, batch),
-                      _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch),
+                      _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch,
+                                                   smallest_microbatch(captured, mesh, constraints)),
+                      _no_average_partials_on(tp_dims),
                       _sequence_stays_split(cp_dims, on_data, seq, rows[1]),
                       _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, finder),
                       _weights_stay_split(captured, tp_dims),
@@ -166,28 +168,56 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
 
 
 def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...], tp_dims: list[int],
-                                 on_data: set[str], batch: dict[tuple[str, int], int | None]):
-    """The batch is split over the data-parallel dims, and over a tp dim only where every microbatch
-    divides: no op splits a value's batch dimension (``batch_dims``) over tp dims unless the part of that
-    dimension one sample contributes (the sequence, in a ``[batch * seq, ...]`` flattening) divides by
-    their size. A plan runs ``m`` microbatches of ``B / m`` samples, which ``dp`` divides
-    (``meshes.microbatch_counts``) down to one sample per dp rank, where ``dp x tp`` would not divide a
-    plain batch dim: one rank would do all the work and the others none, where the whole-batch price
-    divides it by tp. (Splitting the batch itself over tp is data parallelism under the wrong name.)"""
-    samples = global_batch(captured) or 1
+                                 on_data: set[str], batch: dict[tuple[str, int], int | None], samples: int):
+    """The batch is split over a tp dim only where every microbatch divides: no op splits a value's batch
+    dimension (``batch_dims``) over mesh dims including a tp dim unless that dimension, at ``samples``
+    samples (the fewest a microbatch of this search can hold, ``smallest_microbatch``), divides by the
+    product of those dims. A plan runs ``m`` microbatches of ``B / m`` samples, which ``dp`` divides
+    (``meshes.microbatch_counts``) where ``dp x tp`` need not: with one sample per dp rank a tp split of a
+    plain batch dim leaves one rank all the work and the others none, where the whole-batch price divides
+    it by tp. What one sample brings to the dimension counts (the sequence, in a ``[batch * seq, ...]``
+    flattening), so a flattened value may split its rows over tp."""
+    whole_batch = global_batch(captured) or 1
 
-    def even_for_any_microbatch(value: tuple[str, int], dim: int, placements) -> bool:
-        split = math.prod(shape[d] for d in tp_dims if placements[d] == Shard(dim))
-        per_sample, rest = divmod(int(_value_shape(captured, value)[dim]), samples)
-        return split == 1 or (rest == 0 and per_sample % split == 0)
+    def even_for_every_microbatch(value: tuple[str, int], dim: int, placements) -> bool:
+        if not any(placements[d] == Shard(dim) for d in tp_dims):
+            return True
+        split = math.prod(size for size, p in zip(shape, placements) if p == Shard(dim))
+        per_sample, rest = divmod(int(_value_shape(captured, value)[dim]), whole_batch)
+        return rest == 0 and (samples * per_sample) % split == 0
 
     def allow(node: fx.Node, strategy) -> bool:
         if not tp_dims or node.name not in on_data:
             return True
         placed = [(_value_of(a), p) for a, p in zip(tensor_inputs(node), strategy.inputs) if a.name in on_data]
         placed += [((node.name, i), p) for i, p in enumerate(strategy.outputs)]
-        return all(even_for_any_microbatch(value, batch[value], placements) for value, placements in placed
+        return all(even_for_every_microbatch(value, batch[value], placements) for value, placements in placed
                    if placements is not None and batch.get(value) is not None)
+
+    return allow
+
+
+def smallest_microbatch(captured: CapturedGraph, mesh: MeshChoice, constraints: Constraints) -> int:
+    """The samples every microbatch of a search on ``mesh`` is a multiple of: the greatest common divisor of
+    ``B / m`` over the microbatch counts ``m`` it may try (``meshes.microbatch_counts``)."""
+    whole_batch = global_batch(captured) or 1
+    counts = microbatch_counts(whole_batch, mesh.data_parallel_size, constraints)
+    return math.gcd(*(whole_batch // m for m in counts)) if counts else whole_batch
+
+
+def _no_average_partials_on(tp_dims: list[int]):
+    """No op leaves a tensor (other than a scalar: the loss) partial by average on a tp dim, as a mean over
+    a tp-split dim does (an RMSNorm's mean of squares over hidden-split activations). DTensor cannot run
+    the backward of moving such a value: its gradient arrives partial by sum, and DTensor refuses to turn
+    ``P(sum)`` into ``P(avg)``, so the plan would fail at its first backward. The op reads its input whole,
+    or split on another dim, instead."""
+
+    def allow(node: fx.Node, strategy) -> bool:
+        for out, val in zip(strategy.outputs, output_vals(node)):
+            if out is not None and getattr(val, "ndim", 0) > 0 and any(
+                    out[d].is_partial() and getattr(out[d], "reduce_op", "sum") == "avg" for d in tp_dims):
+                return False
+        return True
 
     return allow
 
