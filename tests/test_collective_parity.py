@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import pytest
 
 from autopar.inspect.collectives import KINDS, predicted_collectives
-from autopar.testing.counters import CollectiveCounter
+from autopar.testing.counters import counted_step
 from autopar.testing.launch import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]
@@ -67,20 +67,9 @@ def _counted_steps(rank: int, world: int) -> list[dict[str, Any]]:
 
 def _counted_step(rank: int, world: int, name: str, constraints: dict) -> dict[str, Any]:
     """Plan (rank 0, for this world) and run one step; the forward's and the step's collectives."""
-    import autopar
-    from autopar.models import build_model
-    from autopar.testing.parity import batches
-
-    bundle = build_model(name, global_batch=8, device="cpu")
-    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, constraints=constraints)
-    assert pm.microbatches == 1, "a forward pass is one microbatch only when there is one"
-    (batch,) = batches(bundle, 1, seed=0)
-    with CollectiveCounter() as forward:
-        pm(*batch)
-    with CollectiveCounter() as step:
-        pm.step(*batch)
-    return {"plan": pm.plan.to_dict(), "forward": forward.counts, "step": step.counts}
+    counted = counted_step(name, None, 8, constraints)
+    assert counted["microbatches"] == 1, "a forward pass is one microbatch only when there is one"
+    return counted
 
 
 def _minus(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:

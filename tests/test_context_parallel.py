@@ -33,9 +33,9 @@ from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.models import build_model
 from autopar.inspect.collectives import predicted_collectives
-from autopar.testing.counters import CollectiveCounter
+from autopar.testing.counters import counted_step
 from autopar.testing.launch import run_on_ranks
-from autopar.testing.parity import batches, train_parallel_many, train_single
+from autopar.testing.parity import train_parallel_many, train_single
 
 BATCH = 8
 STEPS = 3
@@ -191,15 +191,7 @@ def test_cp_with_data_tensor_and_pipeline_parallelism_on_4_ranks_matches_single_
 
 def _counted_step(rank: int, world: int) -> dict:
     """One forward, then one step, of tiny-llama under cp=2, counting their collectives."""
-    bundle = build_model("tiny-llama", overrides=LONG, global_batch=BATCH, device="cpu")
-    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, constraints={"cp": 2})
-    (batch,) = batches(bundle, 1, seed=0)
-    with CollectiveCounter() as forward:
-        pm(*batch)
-    with CollectiveCounter() as step:
-        pm.step(*batch)
-    return {"plan": pm.plan.to_dict(), "forward": forward.counts, "step": step.counts}
+    return counted_step("tiny-llama", LONG, BATCH, {"cp": 2})
 
 
 @pytest.mark.dist

@@ -33,9 +33,9 @@ from autopar.models import build_model
 from autopar.models.moe import capacity
 from autopar.planning.roles import expert_count, expert_weights
 from autopar.inspect.collectives import predicted_collectives
-from autopar.testing.counters import CollectiveCounter
+from autopar.testing.counters import counted_step
 from autopar.testing.launch import run_on_ranks
-from autopar.testing.parity import batches, train_parallel_many, train_single
+from autopar.testing.parity import train_parallel_many, train_single
 from test_collective_parity import as_run_on_gloo
 
 NO_DROP = {"drop_tokens": False}
@@ -301,13 +301,7 @@ def test_ep4_dp2_by_ep2_ep2_by_tp2_and_pp2_by_ep2_match_single_process(moe_singl
 
 
 def _counted_forward(rank: int, world: int) -> dict:
-    bundle = build_model("tiny-moe", overrides=NO_DROP, global_batch=BATCH, device="cpu")
-    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, constraints={"ep": 2})
-    (batch,) = batches(bundle, 1, seed=0)
-    with CollectiveCounter() as forward:
-        pm(*batch)
-    return {"plan": pm.plan.to_dict(), "forward": forward.counts}
+    return counted_step("tiny-moe", NO_DROP, BATCH, {"ep": 2}, step=False)
 
 
 @pytest.mark.dist

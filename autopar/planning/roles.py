@@ -183,7 +183,7 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
         if not any(placements[d] == Shard(dim) for d in tp_dims):
             return True
         split = math.prod(size for size, p in zip(shape, placements) if p == Shard(dim))
-        per_sample, rest = divmod(int(_value_shape(captured, value)[dim]), whole_batch)
+        per_sample, rest = divmod(int(output_vals(captured.node(value[0]))[value[1]].shape[dim]), whole_batch)
         return rest == 0 and (samples * per_sample) % split == 0
 
     def allow(node: fx.Node, strategy) -> bool:
@@ -220,12 +220,6 @@ def _no_average_partials_on(tp_dims: list[int]):
         return True
 
     return allow
-
-
-def _value_shape(captured: CapturedGraph, value: tuple[str, int]) -> tuple[int, ...]:
-    """The shape of output ``value[1]`` of node ``value[0]``."""
-    val = captured.node(value[0]).meta["val"]
-    return tuple((val[value[1]] if isinstance(val, (tuple, list)) else val).shape)
 
 
 def _keeps_batch(placements, batch_dim: int | None, ndim: int, dp_dims: list[int]) -> bool:

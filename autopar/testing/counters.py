@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,3 +55,26 @@ def _tensor_dtypes(args: tuple) -> set[torch.dtype]:
     """The dtypes of the tensors a collective was given (directly or in a list)."""
     flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
     return {a.dtype for a in flat if isinstance(a, torch.Tensor)}
+
+
+def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: int,
+                 constraints: Mapping[str, Any], step: bool = True) -> dict[str, Any]:
+    """On this rank: the built-in ``name`` planned under ``constraints`` for this world and parallelized,
+    then one forward and (with ``step``) one training step on one batch, each counted: the plan as JSON,
+    and the collectives of the forward and of the step per kind."""
+    from autopar.api import autoparallelize
+    from autopar.models import build_model
+    from autopar.testing.parity import batches
+
+    bundle = build_model(name, overrides=overrides, global_batch=global_batch, device="cpu")
+    pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                         example_targets=bundle.example_targets, constraints=constraints)
+    (batch,) = batches(bundle, 1, seed=0)
+    with CollectiveCounter() as forward:
+        pm(*batch)
+    counted: dict[str, Any] = {"plan": pm.plan.to_dict(), "forward": forward.counts, "microbatches": pm.microbatches}
+    if step:
+        with CollectiveCounter() as stepped:
+            pm.step(*batch)
+        counted["step"] = stepped.counts
+    return counted
