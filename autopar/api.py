@@ -70,20 +70,31 @@ def plan(
     with search.phase("capture"):
         captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
     model_name = name or default_name
+    facts = _model_facts(model, example_inputs)
     if save_problem is not None:
-        write_problem_file(captured, save_problem, model_name=model_name)
-    config = getattr(model, "config", None)
-    made = make_plan(captured, target, model_name=model_name, constraints=pinned,
-                     model_dims=model_dims(config) if config is not None else None, progress=search)
-    return _with_routing(made, model, example_inputs)
+        write_problem_file(captured, save_problem, model_name=model_name, facts=facts)
+    return _planned(captured, target, model_name, pinned, facts, search)
 
 
-def _with_routing(plan: Plan, model: Any, example_inputs: Any) -> Plan:
-    """``plan`` with a mixture-of-experts model's routing, capacity, dropped-token policy and router
-    imbalance assumption in ``model["moe"]`` (``models/moe.routing_facts``); a dense model's unchanged."""
-    first = _as_tuple(example_inputs)[0] if isinstance(model, nn.Module) else None
-    facts = routing_facts(model, int(first.shape[1])) if first is not None and first.ndim > 1 else None
-    return replace(plan, model={**plan.model, "moe": facts}) if facts else plan
+def _model_facts(model: nn.Module | SavedProblem, example_inputs: Any) -> dict[str, Any]:
+    """What a plan states about the model that its graph does not show, read from the model's code (a
+    saved problem's, as saved with it): its config's named sizes (``dims``) and a mixture-of-experts
+    model's routing, capacity, dropped-token policy and router imbalance assumption (``moe``,
+    ``models/moe.routing_facts``)."""
+    if isinstance(model, SavedProblem):
+        return dict(model.facts)
+    config, first = getattr(model, "config", None), _as_tuple(example_inputs)[0]
+    facts = {"dims": model_dims(config) if config is not None else None,
+             "moe": routing_facts(model, int(first.shape[1])) if first.ndim > 1 else None}
+    return {key: value for key, value in facts.items() if value}
+
+
+def _planned(captured: CapturedGraph, cluster: Cluster, name: str, constraints: Constraints,
+             facts: Mapping[str, Any], progress: SearchProgress | None = None) -> Plan:
+    """The best plan for ``captured`` on ``cluster``, stating the model's ``facts`` (``_model_facts``)."""
+    made = make_plan(captured, cluster, model_name=name, constraints=constraints, model_dims=facts.get("dims"),
+                     progress=progress)
+    return replace(made, model={**made.model, "moe": facts["moe"]}) if "moe" in facts else made
 
 
 def _captured_step(model: nn.Module | SavedProblem, example_inputs: Any, loss_fn: Any,
@@ -133,7 +144,7 @@ def autoparallelize(
                             "(or call torch.distributed.init_process_group) first")
     inputs = _as_tuple(example_inputs)
     captured = capture(model, inputs, example_targets, loss_fn)
-    the_plan = _plan_for_job(captured, plan, cluster, pinned, type(model).__name__)
+    the_plan = _plan_for_job(captured, plan, cluster, pinned, type(model).__name__, _model_facts(model, inputs))
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
@@ -197,14 +208,14 @@ def local_cluster_spec() -> str:
 
 
 def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: Any,
-                  constraints: Constraints, name: str) -> Plan:
+                  constraints: Constraints, name: str, facts: Mapping[str, Any]) -> Plan:
     if isinstance(plan_, Plan):
         return plan_
     if isinstance(plan_, str):
         return Plan.load(plan_)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        box[0] = make_plan(captured, resolve_cluster(cluster), model_name=name, constraints=constraints).to_dict()
+        box[0] = _planned(captured, resolve_cluster(cluster), name, constraints, facts).to_dict()
     dist.broadcast_object_list(box, src=0)
     return Plan.from_dict(box[0])
 

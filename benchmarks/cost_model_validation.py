@@ -29,7 +29,8 @@ more, then the next lower ZeRO stage) and the row lists the refusals.
 
     python benchmarks/cost_model_validation.py            # every row (about 10 minutes on 2 cores)
     python benchmarks/cost_model_validation.py --rows 3   # the first 3 rows
-    python benchmarks/cost_model_validation.py --set modern [--only NAME ...]   # about 2 minutes
+    python benchmarks/cost_model_validation.py --set modern [--only TEXT ...]   # about 2 minutes
+    python benchmarks/cost_model_validation.py --set modern --only nemotron   # the runs whose name contains it
 """
 
 from __future__ import annotations
@@ -162,6 +163,21 @@ def free_search_162b() -> dict:
 
 #: ZeRO stages to try for each kind of data parallelism, the published one first, then the next lower.
 ZERO_STAGES = {"fsdp": (3, 2, 1), "distributed-optimizer": (1, 0), "ddp": (0,)}
+#: FSDP inside pipeline stages, as PyTorch's pipelining runs an FSDP stage: ``PipelineStage`` turns off
+#: resharding after backward and gradient reduction for every microbatch but the last
+#: (``torch/distributed/pipelining/stage.py``, ``set_reshard_after_backward(False)``,
+#: ``set_requires_gradient_sync(False)``), so a stage's parameters are gathered once and stay whole for
+#: the step and its gradients are reduce-scattered once, after the last microbatch: the traffic and the
+#: peak memory of ZeRO-1 (whole compute-dtype parameters and gradients, sharded optimizer state), which
+#: is what autopar prices. autopar's own zero=3 inside a pipeline regathers every microbatch.
+FSDP_IN_PIPELINE_STAGES = (1, 3, 2)
+
+
+def zero_stages(run: ModernRun) -> tuple[int, ...]:
+    """The ZeRO stages to price ``run`` at, the one that runs as published first."""
+    if run.data_parallel == "fsdp" and run.pp > 1:
+        return FSDP_IN_PIPELINE_STAGES
+    return ZERO_STAGES[run.data_parallel]
 
 
 def modern_bundle(run: ModernRun) -> ModelBundle:
@@ -225,11 +241,11 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
 def configurations(run: ModernRun) -> list[dict[str, object]]:
     """The published configuration first, then the closest ones to fall back on where it is refused: each
     checkpointing mode that recomputes more than the published one (``plan.CHECKPOINTING``'s order), then
-    the next lower ZeRO stage."""
+    the next ZeRO stage of ``zero_stages``."""
     recompute = ([run.recompute] if run.recompute in ("", "none")
                  else list(CHECKPOINTING[CHECKPOINTING.index(run.recompute):]))
     return [modern_constraints(run, stage, checkpointing)
-            for stage in ZERO_STAGES[run.data_parallel] for checkpointing in recompute]
+            for stage in zero_stages(run) for checkpointing in recompute]
 
 
 def why_not_priced(run: ModernRun) -> str:
@@ -320,11 +336,12 @@ def _error_stats(rows: list[dict]) -> dict:
 
 
 def run_modern(only: list[str], output: Path | None) -> None:
-    """Price the modern set (or the runs named in ``only``) and write the rows and summary to ``output``."""
-    unknown = sorted(set(only) - {run.name for run in MODERN_RUNS})
-    if unknown:
-        raise SystemExit(f"unknown run(s) {', '.join(unknown)}; names are in benchmarks/modern_runs.py")
-    runs = [run for run in MODERN_RUNS if not only or run.name in only]
+    """Price the modern set (or the runs whose name contains one of ``only``) and write the rows and
+    summary to ``output``."""
+    unmatched = [text for text in only if not any(text in run.name for run in MODERN_RUNS)]
+    if unmatched:
+        raise SystemExit(f"no run's name contains {', '.join(unmatched)}; names are in benchmarks/modern_runs.py")
+    runs = [run for run in MODERN_RUNS if not only or any(text in run.name for text in only)]
     print("Modern published runs (modern_runs.py), published degrees pinned; step times in seconds")
     print(f"{'run':<42} {'GPUs':>6} {'measured':>9} {'predicted':>10} {'error':>8} {'compute':>8} {'comm':>7} "
           f"{'bubble':>7} {'GB':>6} {'plan s':>6}")
@@ -345,7 +362,8 @@ def main() -> None:
     parser.add_argument("--set", choices=("sc21", "modern"), default="sc21", dest="which",
                         help="sc21: Megatron-LM SC21 Table 1 (default); modern: modern_runs.py")
     parser.add_argument("--only", nargs="*", default=[],
-                        help="with --set modern: price only these runs (by name); nothing is written without -o")
+                        help="with --set modern: price only the runs whose name contains one of these "
+                             "(nemotron, 340b, gpt3-175b/128xH100); nothing is written without -o")
     parser.add_argument("--rows", type=int, default=len(MEGATRON_SC21_TABLE1))
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("-o", "--output", help="JSON to write (default: results/cost_model_validation.json, "

@@ -17,9 +17,10 @@ microbatch). The three run alternately, step by step in one process group, ``--s
 ``WARMUP_STEPS`` (the lowered program traces at its first step), so a load change on the machine hits all
 three alike; each step's time is the slowest rank's. Prints a Markdown table (median and the 10th-90th
 percentile spread, in ms, and each autopar program's median over native's) and writes every sample as
-JSON::
+JSON; ``--programs`` times a subset (all of them alternate with one another just the same)::
 
     python benchmarks/runtime_overhead.py --world 2 --steps 30 --out benchmarks/results/runtime_overhead.json
+    python benchmarks/runtime_overhead.py --world 2 4 --models gpt --parallelisms dp fsdp --programs lowered native
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _zeroed(params: list[nn.Parameter]) -> None:
 
 # ---- measuring ------------------------------------------------------------------------------------
 def measured_rank(rank: int, world: int, steps: int, models: list[str], parallelisms: list[str],
-                  compiled: bool) -> list[dict[str, Any]]:
+                  programs: list[str]) -> list[dict[str, Any]]:
     from autopar.models import build_model
 
     rows = []
@@ -163,24 +164,23 @@ def measured_rank(rank: int, world: int, steps: int, models: list[str], parallel
         for parallelism in parallelisms:
             def bundle() -> Any:
                 return build_model(preset, overrides=overrides, global_batch=BATCH, device="cpu", seed=0)
-            programs = _programs(bundle, parallelism, world, compiled)
-            samples = _alternating(programs, steps)
+            built = _programs(bundle, parallelism, world, programs)
+            samples = _alternating(built, steps)
             rows.append({"model": model_name, "config": overrides, "parallelism": parallelism, "world": world,
                          "batch": BATCH, "samples_s": samples,
-                         "errors": {k: v for k, v in programs.items() if isinstance(v, str)}})
+                         "errors": {k: v for k, v in built.items() if isinstance(v, str)}})
     return rows
 
 
-def _programs(bundle: Callable[[], Any], parallelism: str, world: int, compiled: bool) -> dict[str, Step | str]:
-    """Each program's step, or why it could not be built or run (the row then says so)."""
+def _programs(bundle: Callable[[], Any], parallelism: str, world: int, programs: list[str]) -> dict[str, Step | str]:
+    """Each of ``programs``' step, or why it could not be built or run (the row then says so)."""
     makers = {"dtensor": lambda: autopar_step(bundle(), parallelism, world, lowered=False),
               "lowered": lambda: autopar_step(bundle(), parallelism, world, lowered=True),
               "compiled": lambda: autopar_step(bundle(), parallelism, world, lowered=True, compile=True),
               "native": lambda: native_step(bundle(), parallelism, world)}
-    if not compiled:
-        del makers["compiled"]
     built: dict[str, Step | str] = {}
-    for name, make in makers.items():
+    for name in programs:
+        make = makers[name]
         try:
             built[name] = make()
             built[name]()  # a step that fails fails here, on every rank alike
@@ -248,11 +248,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--parallelisms", nargs="+", default=list(PARALLELISMS), choices=list(PARALLELISMS))
     parser.add_argument("--compiled", action="store_true", help="also the lowered program compiled by inductor")
+    parser.add_argument("--programs", nargs="+", default=[p for p in PROGRAMS if p != "compiled"], choices=PROGRAMS,
+                        help="the programs to time (default: all but compiled)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/runtime_overhead.json"))
     args = parser.parse_args()
     rows = []
     for world in args.world:
-        rows += run_on_ranks(measured_rank, world, args.steps, args.models, args.parallelisms, args.compiled,
+        programs = [p for p in PROGRAMS if p in args.programs or (p == "compiled" and args.compiled)]
+        rows += run_on_ranks(measured_rank, world, args.steps, args.models, args.parallelisms, programs,
                              timeout_s=3600)[0]
     print(table(rows))
     write_atomically(args.out, json.dumps({"torch": torch.__version__, "warmup_steps": WARMUP_STEPS,

@@ -9,9 +9,20 @@ subclass support), every redistribute becomes the functional collectives it runs
 (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``wait_tensor``)
 and autograd's backward becomes a second graph. From then on a call runs the two fx graphs on plain
 tensors; AOT autograd's wrapper unwraps the DTensor arguments and wraps the outputs (the loss; the
-parameters' gradients with the placements DTensor's backward gave them), so the gradient sync
-(``gradient_sync.py``), ZeRO (``zero.py``) and mixed precision's masters (``mixed_precision.py``) stay
-outside the graph and run as in the DTensor runtime.
+parameters' gradients with the placements DTensor's backward gave them), so ZeRO (``zero.py``) and
+mixed precision's masters (``mixed_precision.py``) stay outside the graph and run as in the DTensor
+runtime. The gradient sync's reductions (``gradient_sync.py``) move into the backward graph when the
+runtime hands the sync over (one microbatch; under gradient accumulation they stay outside, once per
+step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
+
+* gradient all_reduces: flat buckets of ``GradientSync``'s size, each launched as soon as its last
+  gradient is produced, waited on when the backward graph ends (the sync then only stores them);
+* FSDP: each layer's parameter all_gathers (or, outside layers, each module's) become one flat
+  all_gather, launched one layer ahead (right after the previous layer's wait) and waited on right
+  before its first reader, in the forward and in backward's regathers; each layer's gradient
+  reduce_scatters become one, launched after the layer's last gradient, waited on at the end;
+* a collective computed from non-parameter inputs alone (the loss's count of targets) is launched at
+  its graph's start.
 
 Passes of the DTensor program that become graph properties here:
 
@@ -28,9 +39,13 @@ lowered program keeps what the plan priced. With ``compile=True`` the program is
 decompositions and each graph compiled by inductor's inner compiler (what ``torch.compile`` does
 after Dynamo), which keeps the functional collectives (``all_reduce`` becomes its in-place form).
 
-What changes with the runtime: the backward is one autograd node, so every gradient reaches the
-gradient sync when the backward graph ends and its buckets no longer overlap backward compute; and the
-first call pays the trace (seconds; inductor's compilation: a minute or more on a small CPU).
+What changes with the runtime: the collective counts of FSDP (one gather and one reduce_scatter per
+layer and kind, where DTensor issues one per parameter: ``LoweredProgram.buckets`` says what was
+merged), and overlap that pricing does not count (``planning/pricing.py`` prices the DTensor runtime,
+whose FSDP gathers and reduce_scatters are on the critical path, one per parameter; here the gathers
+are prefetched and the reduce_scatters waited at the end); the gradient all_reduces are the plan's
+buckets either way. The first call pays the trace (seconds; inductor's compilation: a minute or more
+on a small CPU).
 
 Where we diverge from torch's own tools: ``torch.compile`` would add Dynamo's bytecode capture and its
 guards to a program that is already an fx graph with fixed shapes; we hand the graph to AOT autograd
@@ -47,7 +62,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -57,6 +72,11 @@ from torch._functorch.partitioners import default_partition
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autopar.ir.layers import layer_of_path
+
+from .gradient_sync import GradientSync
+from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
+                            launch_from_inputs_first, reduced_in_graph)
 from .reshard import ResavedParameters
 
 COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -69,20 +89,27 @@ COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "al
 class LoweredProgram(nn.Module):
     """``program`` (a stage module of ``build_program``) run as its lowered forward and backward graphs.
 
-    ``parameter_positions``: which arguments are parameter values (what reshard after forward gathers
-    again in backward). ``compile``: inductor compiles the graphs. ``graphs`` holds, per grad mode, the
-    forward and backward graphs of the lowering (for tests and reports); ``fallback`` says why the
-    DTensor program runs instead, when it does.
+    ``parameters``: argument position -> parameter name, for the arguments that are parameter values
+    (what reshard after forward gathers again in backward, and what the gathers and gradient
+    reduce_scatters are bucketed by: ``lower_buckets``). ``grad_sync``: the gradient sync whose
+    reductions move into the backward graph (None: they stay outside, after it; the runtime passes
+    None under gradient accumulation, which reduces once per step). ``compile``: inductor compiles the
+    graphs. ``graphs`` holds, per grad mode, the forward and backward graphs of the lowering (for tests
+    and reports), ``buckets`` what the bucketing merged; ``fallback`` says why the DTensor program runs
+    instead, when it does.
     """
 
-    def __init__(self, program: nn.Module, parameter_positions: Sequence[int], compile: bool = False):
+    def __init__(self, program: nn.Module, parameters: Mapping[int, str], compile: bool = False,
+                 grad_sync: GradientSync | None = None):
         super().__init__()
         self.regathers = isinstance(program, ResavedParameters)
         self.program = program.program if self.regathers else program
         self.dtensor_program = program
-        self.parameter_positions = tuple(parameter_positions)
+        self.parameters = dict(parameters)
         self.compile = compile
+        self.grad_sync = grad_sync
         self.graphs: dict[bool, dict[str, fx.GraphModule]] = {}
+        self.buckets: dict[bool, dict[str, dict[str, list[int]]]] = {}  # as graphs; per kind, each bucket's merges
         self.fallback: str | None = None
         self._lowered: dict[bool, Callable[..., Any]] = {}
 
@@ -103,12 +130,15 @@ class LoweredProgram(nn.Module):
 
     def _lower(self, args: Sequence[Any], grad: bool) -> Callable[..., Any] | None:
         graphs: dict[str, fx.GraphModule] = {}
-        partition = self._partition(flat_positions(args, self.parameter_positions))
+        buckets: dict[str, dict[str, list[int]]] = {}
+        units = self._units(args)
+        partition = self._partition(flat_positions(args, list(self.parameters)))
         try:
             with functorch_config.patch(force_non_lazy_backward_lowering=True):  # a backward failure shows here
                 lowered = aot_module_simplified(
-                    self.program, list(args), fw_compiler=self._keep("forward", graphs),
-                    bw_compiler=self._keep("backward", graphs), inference_compiler=self._keep("forward", graphs),
+                    self._marked(args), list(args), fw_compiler=self._keep("forward", graphs, buckets, units),
+                    bw_compiler=self._keep("backward", graphs, buckets, units),
+                    inference_compiler=self._keep("forward", graphs, buckets, units),
                     partition_fn=partition, decompositions=_inductor_decompositions() if self.compile else None)
         except Exception as exc:  # noqa: BLE001: any failure to trace leaves the DTensor program, said once
             self.fallback = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
@@ -116,12 +146,30 @@ class LoweredProgram(nn.Module):
                           stacklevel=3)
             return None
         self.graphs[grad] = graphs
+        self.buckets[grad] = buckets
         return lowered
 
-    def _keep(self, name: str, graphs: dict[str, fx.GraphModule]) -> Callable[..., Any]:
-        """An AOT compiler that records the graph it is given and runs it (compiled by inductor when
-        ``compile``)."""
+    def _marked(self, args: Sequence[Any]) -> nn.Module:
+        """The program to trace: with ``grad_sync``, the parameters it reduces marked to be reduced in
+        the backward graph (``lower_buckets.reduced_in_graph``)."""
+        if self.grad_sync is None:
+            return self.program
+        synced = {id(p) for p in self.grad_sync.params}
+        return _ReducingProgram(self.program, [i for i in self.parameters if id(args[i]) in synced],
+                                self.grad_sync.reduce_dtype)
+
+    def _units(self, args: Sequence[Any]) -> dict[str, str]:
+        """Parameter placeholder name of the traced graphs (``primals_<i+1>``) -> the unit its gathers
+        and gradient reduce_scatters are bucketed by: its layer, or outside layers its module."""
+        return {f"primals_{k + 1}": layer_of_path(fqn) or fqn.rpartition(".")[0] or fqn
+                for i, fqn in self.parameters.items() for k in flat_positions(args, [i])}
+
+    def _keep(self, name: str, graphs: dict[str, fx.GraphModule], buckets: dict[str, dict[str, list[int]]],
+              units: Mapping[str, str]) -> Callable[..., Any]:
+        """An AOT compiler that records the graph it is given, its collectives bucketed
+        (``bucketed``), and runs it (compiled by inductor when ``compile``)."""
         def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+            buckets[name] = self.bucketed(name, gm, units)
             graphs[name] = gm
             if self.compile:
                 from torch._inductor.compile_fx import compile_fx_inner
@@ -129,6 +177,17 @@ class LoweredProgram(nn.Module):
                 return compile_fx_inner(gm, example_inputs, is_backward=name == "backward")
             return _boxed(gm)
         return compiler
+
+    def bucketed(self, name: str, gm: fx.GraphModule, units: Mapping[str, str]) -> dict[str, list[int]]:
+        """``lower_buckets``' passes on the graph ``name`` (``forward``, ``backward``), in place: per
+        kind, each bucket's count of collectives it replaces (gradient reductions: gradients)."""
+        made = {"all_gather": bucket_parameter_gathers(gm, units)}
+        if name == "backward":
+            made["reduce_scatter"] = bucket_gradient_scatters(gm, units)
+            if self.grad_sync is not None:
+                made["all_reduce"] = bucket_gradient_reductions(gm, self.grad_sync.bucket_bytes)
+        launch_from_inputs_first(gm, units)
+        return {kind: counts for kind, counts in made.items() if counts}
 
     def _partition(self, parameter_primals: Sequence[int]) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
         """AOT autograd's default partition, parameter values recomputed in backward when the DTensor
@@ -139,6 +198,20 @@ class LoweredProgram(nn.Module):
                 recompute_parameter_values(joint, parameter_primals)
             return default_partition(joint, joint_inputs, **kwargs)
         return partition
+
+
+class _ReducingProgram(nn.Module):
+    """``program`` reading the arguments at ``positions`` through ``reduced_in_graph``."""
+
+    def __init__(self, program: nn.Module, positions: Sequence[int], reduce_dtype: torch.dtype | None):
+        super().__init__()
+        self.program = program
+        self.positions = frozenset(positions)
+        self.reduce_dtype = reduce_dtype
+
+    def forward(self, *args: Any) -> Any:
+        return self.program(*(reduced_in_graph(a, self.reduce_dtype) if i in self.positions else a
+                              for i, a in enumerate(args)))
 
 
 def flat_positions(args: Sequence[Any], positions: Sequence[int]) -> list[int]:

@@ -10,8 +10,10 @@ Three kinds of nodes get this treatment, all marked ``"local": true`` in the pla
   queries split on the sequence against the gathered keys and values, whose causal mask is built for
   the true positions of the rank's queries (``attend_locally``: SDPA's ``is_causal`` aligns the mask
   top-left, which is wrong for queries that start at a global offset, or lie in the two chunks of the
-  load-balanced layout, ``sequence_layout.py``), and the views that flatten a sequence split
-  into the rows of ``[batch * seq, ...]`` or back, run on local shards at their local shape.
+  load-balanced layout, ``sequence_layout.py``); or, with its keys and values split on the sequence
+  too, ring attention over the cp group (``ring_attention.py``; ``Plan.cp_attention``); and the views
+  that flatten a sequence split into the rows of ``[batch * seq, ...]`` or back, run on local shards at
+  their local shape.
 
 The node's DTensor inputs become local tensors, the op runs, and its outputs are wrapped back with the
 planned placements. ``to_local``/``from_local`` are differentiable, so autograd reaches every input.
@@ -19,6 +21,7 @@ planned placements. ``to_local``/``from_local`` are differentiable, so autograd 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -35,20 +38,26 @@ from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 
 from .insert_redistributes import mesh_attr
 from .layout import memory_order, wrap_with_layout
+from .ring_attention import ring_attention
 from .sequence_layout import rank_ranges
 
 
 def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
                  layouts: Sequence[tuple[int, ...] | None], *args: Any,
-                 query_ranges: tuple[tuple[int, int], ...] | None = None, **kwargs: Any) -> Any:
+                 query_ranges: tuple[tuple[int, int], ...] | None = None,
+                 ring: tuple[int, tuple[tuple[tuple[int, int], ...], ...]] | None = None, **kwargs: Any) -> Any:
     """``op`` on the local shards of its arguments, its outputs wrapped with ``out_placements``.
     ``query_ranges``: fused attention whose queries are split on the sequence (context parallelism),
     this rank's holding those [start, end) ranges of positions; its whole keys and values get partial
-    gradients (``attend_locally``)."""
-    if query_ranges is not None:
+    gradients (``attend_locally``). ``ring``: (mesh dim, the ranges each of its ranks holds) of fused
+    attention whose keys and values are split there too, run as ring attention over that dim's group."""
+    if ring is not None or query_ranges is not None:
         q, k, v, *rest = args
         k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))
-        op, args = attend_locally, (query_ranges, q, k, v, *rest)
+        if ring is not None:
+            op, args = functools.partial(ring_attention, mesh.get_group(ring[0]), ring[1]), (q, k, v, *rest)
+        else:
+            op, args = attend_locally, (query_ranges, q, k, v, *rest)
     to_local = lambda a: a.to_local() if isinstance(a, DTensor) else a  # noqa: E731
     out = op(*tree_map(to_local, args), **tree_map(to_local, kwargs))
     if isinstance(out, torch.Tensor):
@@ -114,6 +123,23 @@ def _query_ranges(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh, cp
     return ((int(offset[QUERY_DIM]), int(offset[QUERY_DIM]) + int(shape[QUERY_DIM])),)
 
 
+def _ring(node: fx.Node, placements: Sequence[Sequence[str]], mesh: DeviceMesh, cp_layout: str
+          ) -> tuple[int, tuple[tuple[tuple[int, int], ...], ...]] | None:
+    """(mesh dim, the [start, end) ranges of the sequence each rank of it holds) where fused attention's
+    queries and keys (``placements[0]``, ``[1]``) are both split on the sequence: ring attention; None
+    where the keys are whole (gathered before the op, ``attend_locally``)."""
+    split = f"S({QUERY_DIM})"
+    dims = [d for d, (q, k) in enumerate(zip(placements[0], placements[1])) if q == split and k == split]
+    if not dims:
+        return None
+    (dim,) = dims
+    length, size = node.args[0].meta["val"].shape[QUERY_DIM], mesh.size(dim)
+    if cp_layout == LOAD_BALANCED:
+        return dim, tuple(rank_ranges(length, size, r) for r in range(size))
+    chunk = length // size
+    return dim, tuple(((r * chunk, (r + 1) * chunk),) for r in range(size))
+
+
 def _local_shape(node: fx.Node, placements: Sequence[str], mesh: DeviceMesh) -> list[int]:
     """The shape of this rank's shard of ``node``'s output under ``placements`` (plans keep shards even)."""
     shape, _ = compute_local_shape_and_global_offset(tuple(node.meta["val"].shape), mesh,
@@ -138,7 +164,10 @@ def run_locally(gm: fx.GraphModule, ops: Mapping[str, Mapping[str, Any]], mesh: 
             outs = tuple(tuple(p) if p is not None else None for p in ops[node.name]["outputs"])
             ranges = (_query_ranges(node, ops[node.name]["inputs"][0], mesh, cp_layout)
                       if node.target is FUSED_ATTENTION else None)
-            if ranges is not None:
+            ring = _ring(node, ops[node.name]["inputs"], mesh, cp_layout) if ranges is not None else None
+            if ring is not None:
+                node.kwargs = {**node.kwargs, "ring": ring}
+            elif ranges is not None:
                 node.kwargs = {**node.kwargs, "query_ranges": ranges}
             args = (node.args[0], _local_shape(node, outs[0], mesh)) if node.target in VIEWS else node.args
             node.args = (node.target, mesh_node, outs, _layouts(node), *args)

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 from torch.distributed.tensor import DTensor
 
 from autopar.core.axes import MeshAxis
@@ -51,11 +52,21 @@ def rank_ranges(length: int, cp: int, rank: int) -> tuple[tuple[int, int], ...]:
     return tuple((c * size, (c + 1) * size) for c in (rank, 2 * cp - 1 - rank))
 
 
-@functools.lru_cache(maxsize=64)
 def _index(length: int, cp: int, into_layout: bool, device: torch.device) -> torch.Tensor:
-    """``index_select``'s index that puts a sequence of ``length`` into layout order, or back."""
+    """``index_select``'s index that puts a sequence of ``length`` into layout order, or back: made once
+    per shape, or, while a lowering traces the program (``passes/lower.py``), made in the trace, where a
+    tensor made outside it cannot be read."""
+    if detect_fake_mode() is not None:
+        return _made_index(length, cp, into_layout, device)
+    return _kept_index(length, cp, into_layout, device)
+
+
+def _made_index(length: int, cp: int, into_layout: bool, device: torch.device) -> torch.Tensor:
     order = torch.tensor(layout_order(length, cp), device=device)
     return order if into_layout else torch.argsort(order)
+
+
+_kept_index = functools.lru_cache(maxsize=64)(_made_index)
 
 
 def in_layout(x: torch.Tensor, plan: Plan, placements: Sequence[str]) -> torch.Tensor:

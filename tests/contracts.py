@@ -1,7 +1,7 @@
 """The plan-JSON contract of docs/architecture.md "Plan JSON", stated once for the tests that check it."""
 
 PLAN_KEYS = {"schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements", "ops",
-             "predicted", "solver", "precision", "cp_layout"}
+             "predicted", "solver", "precision", "cp_layout", "cp_attention"}
 SECTION_KEYS = {
     "model": {"name", "params", "layers", "flops_per_step"},
     "cluster": {"spec", "devices"},

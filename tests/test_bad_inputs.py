@@ -79,6 +79,9 @@ CASES = [
     Case("plan mlp --cluster 1x2xcpu --fix foo=3", 2, "unknown constraint(s) foo"),
     Case("plan mlp --cluster 1x2xcpu --fix cp=abc", 2, "cp must be a positive integer"),
     Case("plan tiny-llama --cluster 1x4xcpu --fix cp=2,ep=2", 2, "context parallelism is not combined with ep > 1"),
+    Case("plan tiny-llama --cluster 1x2xcpu --fix cp=2,cp_attention=tree", 2,
+         "cp_attention must be one of allgather, ring"),
+    Case("plan tiny-llama --cluster 1x2xcpu --fix cp=1,cp_attention=ring", 2, "it needs cp > 1, got cp=1"),
     Case("reprice plan.json --problem problem.json --cluster 1x4xcpu", 2, "the plan runs on 2 devices"),
     Case("demo --world 0", 2, "--world and --steps must be positive"),
     # no plan fits

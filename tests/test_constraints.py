@@ -18,6 +18,7 @@ GOOD = [  # key, value as given, field, value as held
     ("sp", 1, "sp", 1), ("sp", 0, "sp", 0), ("sp", "true", "sp", 1), ("sp", "False", "sp", 0), ("sp", True, "sp", 1),
     ("fsdp", 0, "zero_stage", 0), ("fsdp", "2", "zero_stage", 2), ("fsdp", 3, "zero_stage", 3),
     ("dp_shard", "4", "dp_shard", 4), ("cp", 1, "cp", 1), ("ep", "4", "ep", 4),
+    ("cp_attention", "Ring", "cp_attention", "ring"), ("cp_attention", "allgather", "cp_attention", "allgather"),
     ("microbatches", "4", "microbatches", 4), ("microbatch_size", 1, "microbatch_size", 1),
     ("schedule", "1F1B", "schedule", "1f1b"), ("schedule", "gpipe", "schedule", "gpipe"),
     ("virtual_stages", 1, "virtual_stages", 1), ("virtual_stages", "3", "virtual_stages", 3),
@@ -66,6 +67,9 @@ def test_good_value_is_held_typed(key, given, name, held):
     ({"memory_gb": "nan"}, "got 'nan'"),
     ({"solver_nodes": 0}, "constraint solver_nodes must be a positive integer, got 0"),
     ({"cp": 2, "ep": 2}, "constraints cp=2 and ep=2: context parallelism is not combined with ep > 1"),
+    ({"cp_attention": "tree"}, "constraint cp_attention must be one of allgather, ring, got 'tree'"),
+    ({"cp": 1, "cp_attention": "ring"}, "constraint cp_attention=ring chooses how attention runs over a sequence "
+                                        "split on cp: it needs cp > 1, got cp=1"),
     ({"ep": 0}, "constraint ep must be a positive integer, got 0"),
     ({"ep": 2, "dp_shard": 2}, "HSDP is not combined with expert parallelism"),
     ({"bogus": 1, "tensor_parallel": 8}, "unknown constraint(s) bogus, tensor_parallel: known are checkpointing, cp"),

@@ -1,4 +1,6 @@
-"""Context parallelism (issue 16): the ``cp`` mesh role, pinned with ``--fix cp=N``, and parity on gloo.
+"""Context parallelism (issue 16): the ``cp`` mesh role, pinned with ``--fix cp=N``, and parity on gloo,
+with keys and values all-gathered (``cp_attention=allgather``, pinned here; the ring:
+``tests/test_ring_attention.py``).
 
 * The free search adds meshes with a ``cp`` dim where activation memory shaped the best plan without
   one: Llama 3 405B on 16,384 H100s chooses cp at 128k tokens, and does not search it at 4k.
@@ -41,6 +43,8 @@ BATCH = 8
 STEPS = 3
 LONG = {"seq": 256}
 """tiny-llama at a few hundred tokens: its preset's 32 raised (the rotary tables follow)."""
+ALLGATHER = {"cp_attention": "allgather"}
+"""Pinned in this file's runs: they gather keys and values (the ring: ``tests/test_ring_attention.py``)."""
 
 
 def _run(name: str, overrides: dict | None, constraints: dict) -> dict:
@@ -56,7 +60,7 @@ def _plan(name: str, constraints: dict, cluster: str, overrides: dict | None = N
 
 # ---- the planner ------------------------------------------------------------------------------------
 def test_pinned_cp_splits_the_sequence_and_gathers_keys_and_values() -> None:
-    plan = _plan("tiny-llama", {"cp": 2}, "1x2xcpu", LONG)
+    plan = _plan("tiny-llama", {"cp": 2, **ALLGATHER}, "1x2xcpu", LONG)
     assert plan["mesh"] == {"shape": [2], "dim_names": ["cp"]}
     assert plan["degrees"]["cp"] == 2 and plan["degrees"]["dp"] == 1
     assert all(spec["placements"] == ["S(1)"] for spec in plan["inputs"].values())
@@ -66,7 +70,7 @@ def test_pinned_cp_splits_the_sequence_and_gathers_keys_and_values() -> None:
                              and op["local"] for op in attention)
     flattening = [op for op in plan["ops"].values() if op["op"] == "aten.view.default" and op.get("local")]
     assert flattening and all({op["inputs"][0][0], op["outputs"][0][0]} == {"S(0)", "S(1)"} for op in flattening)
-    assert plan["cp_layout"] == "load_balanced"
+    assert plan["cp_layout"] == "load_balanced" and plan["cp_attention"] == "allgather"
     assert predicted_collectives(plan)["all_gather"] == predicted_collectives(plan, ["forward"])["all_gather"]
 
 
@@ -164,8 +168,9 @@ def test_cp_is_not_combined_with_expert_parallelism() -> None:
 def test_cp_on_2_ranks_matches_single_process() -> None:
     """The load-balanced layout for tiny-llama (rotary tables) and tiny-gpt (learned position
     embeddings), and tiny-llama's plan with contiguous chunks, as a plan made before load balancing."""
-    contiguous = {**_plan("tiny-llama", {"cp": 2}, "1x2xcpu", LONG), "cp_layout": "contiguous"}
-    results = train_parallel_many(2, [_run("tiny-llama", LONG, {"cp": 2}), _run("tiny-gpt", None, {"cp": 2}),
+    gather = {"cp": 2, **ALLGATHER}
+    contiguous = {**_plan("tiny-llama", gather, "1x2xcpu", LONG), "cp_layout": "contiguous"}
+    results = train_parallel_many(2, [_run("tiny-llama", LONG, gather), _run("tiny-gpt", None, gather),
                                       {**_run("tiny-llama", LONG, {}), "plan": contiguous}])
     llama = train_single("tiny-llama", LONG, BATCH, None, STEPS)
     references = [llama, train_single("tiny-gpt", None, BATCH, None, STEPS), llama]
@@ -180,7 +185,7 @@ def test_cp_on_2_ranks_matches_single_process() -> None:
 def test_cp_with_data_tensor_and_pipeline_parallelism_on_4_ranks_matches_single_process() -> None:
     runs = [{"cp": 2, "dp": 2}, {"cp": 4, "fsdp": 3}, {"cp": 2, "tp": 2}, {"cp": 2, "pp": 2},
             {"cp": 2, "tp": 2, "sp": 1}]
-    results = train_parallel_many(4, [_run("tiny-llama", LONG, c) for c in runs])
+    results = train_parallel_many(4, [_run("tiny-llama", LONG, {**c, **ALLGATHER}) for c in runs])
     reference = train_single("tiny-llama", LONG, BATCH, None, STEPS)
     assert [r.plan["mesh"]["dim_names"] for r in results] == [["dp", "cp"], ["cp"], ["cp", "tp"], ["cp"], ["cp", "tp"]]
     assert results[3].plan["degrees"]["pp"] == 2 and results[4].plan["degrees"]["sp"] == 2
@@ -191,7 +196,7 @@ def test_cp_with_data_tensor_and_pipeline_parallelism_on_4_ranks_matches_single_
 
 def _counted_step(rank: int, world: int) -> dict:
     """One forward, then one step, of tiny-llama under cp=2, counting their collectives."""
-    return counted_step("tiny-llama", LONG, BATCH, {"cp": 2})
+    return counted_step("tiny-llama", LONG, BATCH, {"cp": 2, **ALLGATHER})
 
 
 @pytest.mark.dist

@@ -191,6 +191,23 @@ def test_the_plan_states_capacity_dropped_tokens_and_the_router_assumption(tmp_p
     assert "experts " not in capsys.readouterr().out
 
 
+def test_a_plan_from_a_saved_problem_states_the_routing(tmp_path, capsys) -> None:
+    """``autopar plan --problem``, with no model code to read, states the routing saved with the problem."""
+    first, again, problem = tmp_path / "first.json", tmp_path / "again.json", tmp_path / "problem.json"
+    fix = ["--cluster", "1x2xcpu", "--fix", "ep=2"]
+    assert main(["plan", "tiny-moe", "--global-batch", "4", *fix, "-o", str(first),
+                 "--save-problem", str(problem)]) == 0
+    assert main(["plan", "--problem", str(problem), *fix, "-o", str(again)]) == 0
+    moe = json.loads(first.read_text())["model"]["moe"]
+    assert moe["slots_per_expert"] == 10 and json.loads(again.read_text())["model"]["moe"] == moe
+    saved = json.loads(problem.read_text())
+    saved["model"]["facts"]["moe"]["slots_per_expert"] = "ten"
+    problem.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["plan", "--problem", str(problem), *fix]) == 2
+    assert "model.facts.moe.slots_per_expert: expected an integer" in capsys.readouterr().err
+
+
 def test_reprice_keeps_the_routing_and_the_expert_split(tmp_path) -> None:
     bundle = build_model("tiny-moe", global_batch=BATCH)
     problem = tmp_path / "problem.json"
@@ -269,11 +286,13 @@ def moe_single():
 def test_ep2_matches_single_process(moe_single) -> None:
     """And with tokens dropped (the default capacity, in groups of 8 tokens: 5 slots for 8 tokens x 2
     choices over 4 experts): the capacity is per group, inside a sequence, so each rank drops what one
-    process drops."""
+    process drops. The plans ``autoparallelize`` made state that routing (``model.moe``)."""
     groups = {"group_size": 8}
     result, dropping, hf = train_parallel_many(2, _runs([{"ep": 2}]) + _runs([{"ep": 2}], overrides=groups)
                                                + _hf_runs([{"ep": 2}]))
     assert result.plan["mesh"] == {"shape": [2], "dim_names": ["ep"]}
+    assert result.plan["model"]["moe"]["dropped_tokens"] == "none dropped"
+    assert dropping.plan["model"]["moe"]["slots_per_expert"] == 5 and dropping.plan["model"]["moe"]["group_tokens"] == 8
     result.assert_matches(moe_single)
     dropping.assert_matches(train_single("tiny-moe", groups, BATCH, None, STEPS))
     assert hf.plan["mesh"] == {"shape": [2], "dim_names": ["ep"]}

@@ -2,14 +2,19 @@
 forward and backward run as graphs of local tensor ops with explicit functional collectives.
 
 Numerical parity (docs/architecture.md "Correctness"): 3 SGD steps of the lowered program on 2 ranks
-(data parallelism, FSDP, FSDP with selective checkpointing, tensor parallelism, tensor + sequence
-parallelism, ZeRO-2 with gradient accumulation) and on 4 ranks (FSDP, dp x tp) match single-process
-training: gradients, losses and final parameters. Collective parity: the collectives in the lowered
-graphs are the ones that run (counted by ``CollectiveCounter``), the forward graph's are the plan's
-forward prediction exactly, and the whole step's (graphs plus the gradient sync outside them) are the
-plan's prediction kind by kind, up to the gap ``tests/test_collective_parity.py`` explains for the
-DTensor runtime, which the lowering inherits (it traces that program). All runs of one world share one
-spawn of ranks (``_lowered_runs``), as ``tests/test_parity.py`` does.
+(data parallelism, in fp32 and in bf16 with bf16 gradient reductions, FSDP, FSDP with selective
+checkpointing, tensor parallelism, tensor + sequence parallelism, ZeRO-2 with gradient accumulation)
+and on 4 ranks (FSDP, dp x tp, HSDP) match
+single-process training: gradients, losses and final parameters; the data-parallel and FSDP runs go
+through the bucketing passes (``passes/lower_buckets.py``: gradient all_reduces in the backward graph,
+one gather and one gradient reduce_scatter per layer). Collective parity: the collectives in the
+lowered graphs are the ones that run (counted by ``CollectiveCounter``), the forward graph's are the
+plan's forward prediction exactly, and the whole step's (graphs plus any gradient sync outside them)
+are the plan's prediction kind by kind, both as the lowered program runs it (``lowered_prediction``:
+each bucket of parameter gathers or gradient reduce_scatters counted once), up to the gap
+``tests/test_collective_parity.py`` explains for the DTensor runtime, which the lowering inherits (it
+traces that program). All runs of one world share one spawn of ranks (``_lowered_runs``), as
+``tests/test_parity.py`` does. The bucketing passes are also tested alone on hand-made graphs.
 
 The heavy tier compiles the lowered program with inductor (``compile=True``) and checks both parities
 again; a program that cannot be traced runs unlowered with one warning.
@@ -25,7 +30,7 @@ import torch
 from autopar.inspect.collectives import predicted_collectives
 from autopar.passes.lower import COLLECTIVE_KINDS
 from autopar.testing.parity import AutoparResult, train_single
-from test_collective_parity import BACKWARD_GAPS, as_run_on_gloo
+from test_collective_parity import BACKWARD_GAPS, SHARDED_GAPS, as_run_on_gloo
 
 DISTRIBUTED = [pytest.mark.dist, pytest.mark.slow]
 
@@ -33,13 +38,17 @@ STEPS = 3
 BATCH = 8
 CONFIGS = {2: [("tiny-gpt", {"dp": 2}), ("tiny-gpt", {"dp": 2, "fsdp": 3}), ("tiny-gpt", {"tp": 2}),
                ("tiny-gpt", {"tp": 2, "sp": 1}), ("tiny-gpt", {"dp": 2, "fsdp": 3, "checkpointing": "selective"}),
-               ("tiny-llama", {"dp": 2, "fsdp": 2, "microbatches": 2})],
-           4: [("tiny-gpt", {"dp": 4, "fsdp": 3}), ("tiny-llama", {"dp": 2, "tp": 2})]}
+               ("tiny-llama", {"dp": 2, "fsdp": 2, "microbatches": 2}),
+               ("tiny-gpt", {"dp": 2, "dtype": "bf16", "reduce_dtype": "bf16"})],
+           4: [("tiny-gpt", {"dp": 4, "fsdp": 3}), ("tiny-llama", {"dp": 2, "tp": 2}),
+               ("tiny-gpt", {"dp": 4, "fsdp": 3, "dp_shard": 2})]}
 STEP_GAPS: dict[str, dict[str, int]] = {
     "tiny-gpt {'dp': 2}": BACKWARD_GAPS["tiny-gpt"],
+    "tiny-gpt {'dp': 2, 'dtype': 'bf16', 'reduce_dtype': 'bf16'}": BACKWARD_GAPS["tiny-gpt"],
+    "tiny-gpt {'dp': 4, 'fsdp': 3, 'dp_shard': 2}": SHARDED_GAPS["{'dp': 4, 'fsdp': 3, 'dp_shard': 2}"],
 }
-"""A step's collectives, counted minus predicted, per kind, where they differ: data parallelism's lazy
-reduction of the position embedding's gradient (``tests/test_collective_parity.py``)."""
+"""A step's collectives, counted minus predicted, per kind, where they differ: the lazy reduction of the
+position embedding's gradient under data parallelism and HSDP (``tests/test_collective_parity.py``)."""
 NOT_EXACT = {"tiny-llama {'dp': 2, 'tp': 2}", "tiny-llama {'dp': 2, 'fsdp': 2, 'microbatches': 2}"}
 """Configurations checked for numerical parity only: a 2-D mesh, whose backward the plan does not predict
 exactly on the DTensor runtime either (DTensor's norm backward, ``tests/test_collective_parity.py``),
@@ -71,7 +80,7 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
     with CollectiveCounter() as step:
         pm.step(*batch)
     return {**result, "forward": forward.counts, "step": step.counts, "graphs": pm.program.collectives(),
-            "fallback": pm.program.fallback}
+            "buckets": pm.program.buckets[True], "fallback": pm.program.fallback}
 
 
 def _spawned(world: int, configs: list[tuple[str, dict]], compile: bool = False) -> list[dict[str, Any]]:
@@ -102,10 +111,12 @@ def _plus(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
 
 @pytest.mark.parametrize("world, index", _cases())
 def test_lowered_program_matches_single_process(runs, world: int, index: int) -> None:
+    """Against single-process training (a bf16 plan: mixed precision done by hand, at bf16's tolerances)."""
     run = runs[world][index]
-    name, _ = CONFIGS[world][index]
+    name, constraints = CONFIGS[world][index]
     assert run["fallback"] is None, f"the program was not lowered: {run['fallback']}"
-    AutoparResult.from_ranks(run["ranks"]).assert_matches(train_single(name, None, BATCH, None, STEPS))
+    AutoparResult.from_ranks(run["ranks"]).assert_matches(
+        train_single(name, None, BATCH, None, STEPS, dtype=constraints.get("dtype")))
 
 
 @pytest.mark.parametrize("world, index", _cases(exact_only=True))
@@ -139,14 +150,28 @@ def _as_plan_kinds(counts: Mapping[str, int]) -> dict[str, int]:
 
 
 def _assert_predicted_collectives(run: Mapping[str, Any], config: str) -> None:
-    graphs, plan = run["graphs"], run["plan"]
+    """The lowered program's prediction is the plan's, each bucket of parameter gathers or gradient
+    reduce_scatters (one per layer, or module outside layers, and kind) counted once
+    (``lowered_prediction``)."""
+    graphs, plan, buckets = run["graphs"], run["plan"], run["buckets"]
     assert run["forward"] == graphs["forward"], "the forward ran other collectives than its graph holds"
-    assert graphs["forward"] == as_run_on_gloo(predicted_collectives(plan, ["forward"]))
+    assert graphs["forward"] == lowered_prediction(predicted_collectives(plan, ["forward"]), buckets, ["forward"])
     sync = _minus(run["step"], _plus(graphs["forward"], graphs["backward"]))
     assert set(sync) <= {"all_reduce"} and all(v > 0 for v in sync.values()), (
         f"outside the graphs a step may only all-reduce gradients; it ran {sync}")
-    predicted = as_run_on_gloo(predicted_collectives(plan))
+    predicted = lowered_prediction(predicted_collectives(plan), buckets, ["forward", "backward"])
     assert _minus(run["step"], predicted) == STEP_GAPS.get(config, {}), (run["step"], predicted)
+
+
+def lowered_prediction(predicted: Mapping[str, int], buckets: Mapping[str, Mapping[str, list[int]]],
+                       graphs: list[str]) -> dict[str, int]:
+    """The plan's collective counts as the lowered ``graphs`` run them: a bucket of n parameter gathers
+    or gradient reduce_scatters (``LoweredProgram.buckets``) is one collective, so n - 1 fewer; the
+    gradient all_reduces are the plan's buckets already (the same rule, ``gradient_sync.buckets``)."""
+    merged = {kind: sum(n - 1 for g in graphs for n in buckets.get(g, {}).get(kind, []))
+              for kind in ("all_gather", "reduce_scatter")}
+    counts = as_run_on_gloo(predicted)
+    return {k: v - merged.get(k, 0) for k, v in counts.items() if v - merged.get(k, 0)}
 
 
 class _DataDependent(torch.nn.Module):
@@ -159,10 +184,131 @@ class _DataDependent(torch.nn.Module):
 def test_a_program_that_cannot_be_traced_runs_unlowered_with_one_warning() -> None:
     from autopar.passes.lower import LoweredProgram
 
-    program = LoweredProgram(_DataDependent(), parameter_positions=[])
+    program = LoweredProgram(_DataDependent(), parameters={})
     x = torch.ones(3, requires_grad=True)
     with pytest.warns(UserWarning, match="could not be lowered") as warned:
         (first,) = program(x)
         (second,) = program(x)
     assert len([w for w in warned if "could not be lowered" in str(w.message)]) == 1
     assert program.fallback and first.item() == second.item() == 6.0
+
+
+# ---- the bucketing passes on hand-made graphs (no processes: a fake process group) ----------------
+_aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+
+def _call(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:
+    """A node of ``graph`` with the example value running ``target`` on its inputs' values gives."""
+    node = graph.call_function(target, args)
+    values = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    node.meta["val"] = target(*values)
+    return node
+
+
+def _placeholder(graph: torch.fx.Graph, name: str, value: torch.Tensor) -> torch.fx.Node:
+    node = graph.placeholder(name)
+    node.meta["val"] = value
+    return node
+
+
+def _index(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def test_gradient_reductions_are_bucketed_after_their_last_gradient_and_waited_at_the_end(two_fake_ranks) -> None:
+    """Three marked gradients (one transposed, one in another dtype's reduction) of 48, 12 and 48
+    fp32 elements, reduced in bf16 (2 bytes each) with 150-byte buckets: the first two share a bucket
+    launched right after the second is produced, the third its own; both waited before the output;
+    the values are what the marks compute (a fake group's all_reduce leaves them as they are)."""
+    import torch.distributed as dist
+
+    from autopar.passes.lower_buckets import REDUCE_GRADIENT, bucket_gradient_reductions
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    x = _placeholder(graph, "x", torch.randn(4, 12))
+    a = _call(graph, _aten.mul.Tensor, x, 2.0)
+    b = _call(graph, _aten.sum.dim_IntList, x, [0])
+    c = _call(graph, _aten.t.default, _call(graph, _aten.mul.Tensor, x, 3.0))
+    marks = [_call(graph, REDUCE_GRADIENT, g, group, [2], torch.bfloat16) for g in (a, b, c)]
+    graph.output(tuple(_call(graph, _aten.view.default, m, list(m.meta["val"].shape)) for m in marks))
+    gm = torch.fx.GraphModule({}, graph)
+    inputs = torch.randn(4, 12)
+    expected = gm(inputs)
+
+    assert bucket_gradient_reductions(gm, bucket_bytes=150) == [2, 1]
+    reduces = [n for n in gm.graph.nodes if n.target is _c10d.all_reduce.default]
+    waits = [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
+    order = _index(gm)
+    assert not any(n.target is REDUCE_GRADIENT for n in gm.graph.nodes)
+    assert [order[r] > order[g] for r, g in zip(reduces, (b, c))] == [True, True]
+    assert order[reduces[0]] < order[c], "the first bucket waits for nothing it does not hold"
+    assert all(order[w] > order[c] for w in waits)
+    for got, want in zip(gm(inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_parameter_gathers_are_one_per_unit_prefetched_one_unit_ahead(two_fake_ranks) -> None:
+    """Three parameters' gathers (one through a transposed copy), two in ``blocks.0`` and one in
+    ``blocks.1``, each waited right before its use: one all_gather per unit; ``blocks.1``'s launched
+    right after ``blocks.0``'s wait, before ``blocks.0``'s compute, and waited right before its first
+    reader; the graph still runs, every value in its shape (a fake group gathers no data)."""
+    import torch.distributed as dist
+
+    from autopar.passes.lower_buckets import bucket_parameter_gathers
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    w1 = _placeholder(graph, "primals_1", torch.randn(2, 4))
+    w2 = _placeholder(graph, "primals_3", torch.randn(4, 2))
+    w3 = _placeholder(graph, "primals_5", torch.randn(2, 4))
+    x = _placeholder(graph, "primals_7", torch.randn(3, 4))
+
+    def gathered(source: torch.fx.Node) -> torch.fx.Node:
+        node = graph.call_function(_c10d.all_gather_into_tensor.default, (source, 2, group))
+        node.meta["val"] = torch.cat([source.meta["val"]] * 2)
+        wait = graph.call_function(_c10d.wait_tensor.default, (node,))
+        wait.meta["val"] = node.meta["val"]
+        return wait
+
+    h = _call(graph, _aten.mm.default, x, _call(graph, _aten.t.default, gathered(w1)))
+    transposed = _call(graph, _aten.clone.default, _call(graph, _aten.t.default, w2))
+    h = _call(graph, _aten.mm.default, h, gathered(transposed))
+    graph.output((_call(graph, _aten.mm.default, h, gathered(w3)),))
+    gm = torch.fx.GraphModule({}, graph)
+
+    units = {"primals_1": "blocks.0", "primals_3": "blocks.0", "primals_5": "blocks.1"}
+    assert bucket_parameter_gathers(gm, units) == [2, 1]
+    order = _index(gm)
+    gathers = [n for n in gm.graph.nodes if n.target is _c10d.all_gather_into_tensor.default]
+    waits = [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
+    mms = [n for n in gm.graph.nodes if n.target is _aten.mm.default]
+    assert len(gathers) == len(waits) == 2
+    assert order[waits[0]] < order[gathers[1]] < order[mms[0]], "blocks.1 is gathered while blocks.0 computes"
+    assert order[mms[1]] < order[waits[1]] < order[mms[2]], "blocks.1 is waited on right before its use"
+    (out,) = gm(torch.randn(2, 4), torch.randn(4, 2), torch.randn(2, 4), torch.randn(3, 4))
+    assert out.shape == (3, 4)
+
+
+def test_a_collective_of_inputs_alone_is_launched_first_and_waited_where_it_was() -> None:
+    """An all_gather of a mask of the input is launched before the compute that precedes it, its wait
+    left in place; one of a value computed from a parameter stays where it was."""
+    from autopar.passes.lower_buckets import launch_from_inputs_first
+
+    graph = torch.fx.Graph()
+    w = _placeholder(graph, "primals_1", torch.randn(4, 4))
+    x = _placeholder(graph, "primals_3", torch.randn(3, 4))
+    h = _call(graph, _aten.mm.default, x, w)
+    collectives = []
+    for source in (_call(graph, _aten.ne.Scalar, x, 0.0), _call(graph, _aten.mul.Tensor, w, 2.0)):
+        collectives.append(graph.call_function(_c10d.all_gather_into_tensor.default, (source, 2, "0")))
+        graph.call_function(_c10d.wait_tensor.default, (collectives[-1],))
+    graph.output((h,))
+    gm = torch.fx.GraphModule({}, graph)
+
+    assert launch_from_inputs_first(gm, {"primals_1"}) == 1
+    order = _index(gm)
+    waits = [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
+    assert order[collectives[0]] < order[h] < order[waits[0]]
+    assert order[h] < order[collectives[1]]

@@ -259,6 +259,22 @@ def test_cli_reprice_prints_the_comparison_and_writes_the_plan(cli_files, capsys
     assert autopar.Plan.load(out_file).cluster["spec"] == "1x4xcpu,nvlink=1GBps"
 
 
+def test_cli_reprice_keeps_the_plans_sequence_layout(tmp_path, capsys):
+    """A cp plan made before load balancing (no ``cp_layout``: contiguous chunks) is re-priced as the
+    contiguous plan it is, and a load-balanced one stays load-balanced."""
+    balanced, problem = tmp_path / "balanced.json", tmp_path / "problem.json"
+    assert main(["plan", "tiny-llama", "--cluster", "1x2xcpu", "--global-batch", "4", "--fix", "cp=2",
+                 "-o", str(balanced), "--save-problem", str(problem), "--json"]) == 0
+    old = json.loads(balanced.read_text())
+    assert old.pop("cp_layout") == "load_balanced"
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    for given, layout in (("balanced", "load_balanced"), ("old", "contiguous")):
+        out = tmp_path / f"{given}-repriced.json"
+        assert main(["reprice", str(tmp_path / f"{given}.json"), "--problem", str(problem),
+                     "--cluster", "1x2xcpu,nvlink=1GBps", "-o", str(out)]) == 0
+        assert autopar.Plan.load(out).cp_layout == layout
+
+
 @pytest.mark.parametrize("args, mentions", [
     (["reprice", "{plan}", "--problem", "{problem}", "--cluster", "2x8xH100"], "plan --problem"),
     (["reprice", "{plan}", "--problem", "{bad}", "--cluster", "1x4xcpu"], "bad.json"),

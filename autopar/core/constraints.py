@@ -21,7 +21,7 @@ from numbers import Integral
 from typing import Any, Callable, Mapping
 
 from autopar.core.errors import BadInputError
-from autopar.core.plan import CHECKPOINTING, DTYPES, SCHEDULES
+from autopar.core.plan import CHECKPOINTING, CP_ATTENTIONS, DTYPES, SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
 _ZERO_STAGES_IN_WORDS = ("0 (replicated parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) "
@@ -123,6 +123,10 @@ class Constraints:
     gathers the keys and values). Free, it is searched where activation memory shapes the plan; it needs
     a model with fused attention and 2 x cp dividing the sequence (two chunks per rank, for even causal
     work), and is not combined with ep or HSDP."""
+    cp_attention: str | None = _pinned(_one_of(CP_ATTENTIONS))
+    """How fused attention runs over the sequence split on cp: allgather (the keys and values gathered
+    before it, Llama 3's) or ring (passed around the cp ranks inside it, each exchange behind one block's
+    compute); free, the planner prices both and picks. Needs cp > 1 where cp is pinned."""
     ep: int | None = _pinned(_positive_int)
     """Expert-parallel degree: the ranks of a data-parallel group over which expert weights are split
     (dividing ``dp`` and the number of experts); 1 keeps every expert on every rank."""
@@ -211,6 +215,9 @@ class Constraints:
         if self.sp == 1 and self.tp == 1:
             raise BadInputError("constraint sp=1 splits the norms on the sequence over the tp mesh dim: it needs "
                                 "tp > 1, got tp=1")
+        if self.cp_attention is not None and self.cp == 1:
+            raise BadInputError(f"constraint cp_attention={self.cp_attention} chooses how attention runs over a "
+                                "sequence split on cp: it needs cp > 1, got cp=1")
         if self.dp_shard is not None and self.zero_stage not in (None, 3):
             raise BadInputError(f"constraint dp_shard={self.dp_shard} (HSDP) shards parameters: it needs fsdp=3, "
                                 f"got fsdp={self.zero_stage}")

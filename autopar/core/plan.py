@@ -35,6 +35,12 @@ CONTIGUOUS, LOAD_BALANCED = "contiguous", "load_balanced"
 CP_LAYOUTS = (CONTIGUOUS, LOAD_BALANCED)
 """How a sequence split over cp lies on its ranks (``cp_layout``): rank r holds chunk r of cp (plans
 before load balancing), or chunks r and 2cp-1-r of 2cp, even causal work (``passes/sequence_layout.py``)."""
+ALLGATHER, RING = "allgather", "ring"
+CP_ATTENTIONS = (ALLGATHER, RING)
+"""How fused attention runs over a sequence split on cp (``cp_attention``): its keys and values all-gathered
+before it (Llama 3's context parallelism; plans before the ring), or passed around the cp ring inside it
+(``passes/ring_attention.py``). The planner prices both per op and the ILP picks; the ops' placements say
+which each runs (keys split on the sequence over cp: the ring), and this key says what they chose."""
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
 
@@ -252,6 +258,7 @@ class Plan:
     recomputed_layers: dict[str, str] = field(default_factory=dict)  # MIXED: layer -> a mode but none (others: none)
     precision: Precision | None = None  # absent from plans older than mixed precision: derived from model.dtype
     cp_layout: str = CONTIGUOUS  # one of CP_LAYOUTS; absent from plans older than load balancing: contiguous
+    cp_attention: str = ALLGATHER  # one of CP_ATTENTIONS; absent from plans older than ring attention: allgather
     schema: str = SCHEMA
 
     def __post_init__(self) -> None:
@@ -324,6 +331,9 @@ class Plan:
         self._check_checkpointing(source)
         if self.cp_layout not in CP_LAYOUTS:
             raise PlanFormatError(f"{source}: cp_layout must be one of {', '.join(CP_LAYOUTS)}, got {self.cp_layout!r}")
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise PlanFormatError(f"{source}: cp_attention must be one of {', '.join(CP_ATTENTIONS)}, "
+                                  f"got {self.cp_attention!r}")
 
     def _check_checkpointing(self, source: str) -> None:
         if self.checkpointing not in (*CHECKPOINTING, MIXED):
@@ -376,6 +386,7 @@ _SECTION_TYPES: dict[str, type] = {
     "model": dict, "cluster": dict, "checkpointing": str,
     "placements": dict, "ops": dict, "predicted": dict, "solver": dict, "inputs": dict, "buffers": dict,
     "candidates": list, "explanations": dict, "recomputed_layers": dict, "cp_layout": str,
+    "cp_attention": str,
 }
 _JSON_NAMES = {dict: "object", str: "string", list: "array"}
 _PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "comm_s", "exposed_comm_s", "bubble_s",
@@ -437,10 +448,13 @@ _MOE = _Record({"experts": _INTEGER, "top_k": _INTEGER, "group_tokens": _INTEGER
                 "modules": _ListOf(_TEXT)})
 """``model.moe``: a mixture-of-experts model's routing and capacity, its dropped-token policy, and the router
 imbalance its all_to_alls and expert matmuls are priced under (``models/moe.Routing``)."""
+_MODEL_FACTS = {"dims": _ANY_OBJECT, "moe": _MOE}
+"""What ``model`` states about the model besides its graph, read from its code (config sizes, routing); a
+saved problem keeps them for the plans made from it (``check_model_facts``)."""
 _CONTENTS: dict[str, Any] = {
     "model": _Record({"name": _TEXT, "params": _INTEGER},
                      {"layers": _INTEGER, "flops_per_step": _NUMBER, "graph_fingerprint": _TEXT, "dtype": _TEXT,
-                      "dims": _ANY_OBJECT, "moe": _MOE}),
+                      **_MODEL_FACTS}),
     "cluster": _Record({}, {"spec": _TEXT, "nodes": _INTEGER, "devices_per_node": _INTEGER, "devices": _INTEGER,
                             "device": _TEXT, "intra_bw": _NUMBER, "inter_bw": _NUMBER, "hbm_bytes": _NUMBER,
                             "device_spec": _ANY_OBJECT}),
@@ -462,6 +476,12 @@ _CONTENTS: dict[str, Any] = {
                                                              {"occurrences": _NUMBER})),
                                  "index": _MapOf(_TEXT)}),
 }
+
+
+def check_model_facts(source: str, facts: Any) -> None:
+    """Raise ``PlanFormatError`` naming the first place in ``facts`` (``dims``, ``moe``) that a plan's
+    ``model`` section would refuse."""
+    _check_value(source, "model.facts", facts, _Record({}, _MODEL_FACTS))
 
 
 def _check_value(source: str, where: str, value: Any, spec: Any) -> None:

@@ -85,7 +85,10 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
     lines = [f"  {term['phase']} {term['kind']} over {dim_names[term['mesh_dim']]} ({term['why']} of "
              f"{term['tensor']}): {shown.algorithm}, {shown.layout}",
              f"      {shown.formula}" + (f"  with {given}" if given else "") + f" -> {fmt_seconds(seconds)}"]
-    if term["grad_sync"] and term["kind"] == "all_reduce":
+    if term["kind"] == "send_recv":  # ring attention's exchange (planning/pricing.py, ring_exposed_s)
+        lines.append("      runs behind one block's attention: the op's p2p charge is the part its compute does "
+                     "not hide")
+    elif term["grad_sync"] and term["kind"] == "all_reduce":
         lines.append(f"      bucketed with other gradients: charged its bandwidth term, {fmt_seconds(term['seconds'])}, "
                      "overlapped with backward")
     elif term["grad_sync"]:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from autopar.core.errors import BadInputError
 from autopar.inspect.collectives import KINDS, predicted_collectives
-from autopar.core.plan import CHECKPOINTING, MIXED, Plan
+from autopar.core.plan import CHECKPOINTING, MIXED, RING, Plan
 from autopar.core.units import fmt_bytes
 
 _LAYER = re.compile(r"\.\d+\.")
@@ -94,6 +94,18 @@ def routing_lines(moe: Mapping[str, Any] | None) -> list[str]:
             f"assumes   {moe['assumption']}"]
 
 
+def context_lines(plan: Plan) -> list[str]:
+    """A context-parallel plan's sequence layout and how its attention runs (``cp_layout``,
+    ``cp_attention``), with where to see the price of the other way; none without cp."""
+    if plan.degrees.cp <= 1:
+        return []
+    how = ("keys and values passed around the cp ranks, each exchange behind one block's compute"
+           if plan.cp_attention == RING else "keys and values all-gathered before attention, as Llama 3")
+    attention = next((name for name, op in plan.ops.items() if "scaled_dot_product_attention" in op["op"]), None)
+    why = f"; the other way's price: autopar explain PLAN {attention}" if attention else ""
+    return [f"context   cp={plan.degrees.cp}, {plan.cp_layout} layout, {plan.cp_attention} attention ({how}){why}"]
+
+
 def summarize(plan: Plan) -> str:
     p = plan.predicted
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.dim_names, plan.mesh.shape))
@@ -106,6 +118,7 @@ def summarize(plan: Plan) -> str:
         f"degrees   {degrees}",
         f"schedule  {_schedule_text(plan)}",
         f"precision {precision_text(plan)}",
+        *context_lines(plan),
         *routing_lines(plan.model.get("moe")),
         "",
         f"predicted step {fmt_seconds(p['step_time_s'])}   tokens/s {p['tokens_per_s']:.4g}   MFU {p['mfu'] * 100:.1f}%",

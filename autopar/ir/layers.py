@@ -146,7 +146,13 @@ def layer_of(node: fx.Node) -> str | None:
     """The repeated-layer instance a node belongs to (``layers.3``), or None outside layers."""
     if node.op == "placeholder":
         return None
-    match = _LAYER.match(module_path(node))
+    return layer_of_path(module_path(node))
+
+
+def layer_of_path(path: str) -> str | None:
+    """The repeated-layer instance a module or parameter path is in (``layers.3.attn.q`` -> ``layers.3``),
+    or None outside layers."""
+    match = _LAYER.match(path)
     return match.group(1) if match else None
 
 

@@ -10,7 +10,10 @@ versioned JSON (schema ``autopar.problem/1``; no pickle, so loading one runs no 
   shape, stride and dtype (rebuilt as meta-device tensors, tuples of them for multi-output ops);
 * what each placeholder stands for (parameters, buffers, lifted constants, user inputs), the loss node
   and the tie keys of repeated layers;
-* the model name and a description of the inputs (names, shapes, dtypes).
+* the model name, a description of the inputs (names, shapes, dtypes), and what a plan states about the
+  model that its graph does not show, read from the model's code when it was captured (``facts``: named
+  sizes, ``dims``; a mixture-of-experts model's routing, ``moe``), so a plan made from the file states
+  them too.
 
 A loaded problem plans, re-solves and re-prices exactly like the capture it came from; it cannot run
 (no weights, no Python module): training re-captures the real model.
@@ -22,7 +25,7 @@ import json
 import keyword
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,8 @@ import torch
 from torch import fx
 
 from autopar.ir.capture import CapturedGraph, LayerStack
-from autopar.core.errors import BadInputError
+from autopar.core.errors import BadInputError, PlanFormatError
+from autopar.core.plan import check_model_facts
 from autopar.core.files import read_text, write_atomically
 
 SCHEMA = "autopar.problem/1"
@@ -46,6 +50,7 @@ class SavedProblem:
     captured: CapturedGraph
     model_name: str
     inputs: list[dict[str, Any]]  # per user input: name, shape, dtype (a description for readers)
+    facts: dict[str, Any] = field(default_factory=dict)  # the plan's model facts (``dims``, ``moe``), as saved
 
 
 class _Malformed(Exception):
@@ -54,16 +59,18 @@ class _Malformed(Exception):
 
 # ---- saving ---------------------------------------------------------------------------------------
 
-def save_problem(captured: CapturedGraph, path: str | Path, *, model_name: str) -> None:
-    """Write ``captured`` as ``autopar.problem/1`` JSON to ``path`` atomically (``core/files.py``)."""
-    write_atomically(path, json.dumps(problem_to_dict(captured, model_name), separators=(",", ":")))
+def save_problem(captured: CapturedGraph, path: str | Path, *, model_name: str,
+                 facts: dict[str, Any] | None = None) -> None:
+    """Write ``captured`` as ``autopar.problem/1`` JSON to ``path`` atomically (``core/files.py``), with
+    the model's ``facts`` (``SavedProblem.facts``)."""
+    write_atomically(path, json.dumps(problem_to_dict(captured, model_name, facts), separators=(",", ":")))
 
 
-def problem_to_dict(captured: CapturedGraph, model_name: str) -> dict[str, Any]:
+def problem_to_dict(captured: CapturedGraph, model_name: str, facts: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "torch_version": torch.__version__,
-        "model": {"name": model_name, "inputs": describe_inputs(captured)},
+        "model": {"name": model_name, "inputs": describe_inputs(captured), **({"facts": facts} if facts else {})},
         "nodes": [_node_to_dict(node) for node in captured.graph.nodes],
         "params": captured.params,
         "buffers": captured.buffers,
@@ -193,7 +200,12 @@ def problem_from_dict(data: Any) -> SavedProblem:
     inputs = model.get("inputs", [])
     if not isinstance(inputs, list):
         raise _Malformed(f"'model.inputs' must be a JSON array, got {type(inputs).__name__}")
-    return SavedProblem(captured, str(model.get("name", "model")), inputs)
+    facts = model.get("facts", {})
+    try:
+        check_model_facts("the facts saved with the model", facts)
+    except PlanFormatError as exc:
+        raise _Malformed(str(exc)) from None
+    return SavedProblem(captured, str(model.get("name", "model")), inputs, facts)
 
 
 def _stack(data: Any) -> LayerStack | None:

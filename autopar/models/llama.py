@@ -18,7 +18,6 @@ from autopar.core.errors import BadInputError
 
 from .common import (
     RMSNorm,
-    causal_attention,
     check_positive,
     init_weights,
     merge_heads,
@@ -34,6 +33,7 @@ __all__ = [
     "RMSNorm",
     "rope_tables",
     "apply_rope",
+    "grouped_causal_attention",
 ]
 
 
@@ -93,12 +93,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``[b, nkv, s, hd] -> [b, nkv * n_rep, s, hd]`` via unsqueeze/expand/reshape."""
-    if n_rep == 1:
-        return x
-    b, nkv, s, hd = x.shape
-    return x.unsqueeze(2).expand(b, nkv, n_rep, s, hd).reshape(b, nkv * n_rep, s, hd)
+def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal fused attention of ``q [b, nh, s, hd]`` against ``k, v [b, nkv, s, hd]`` (``nkv`` divides
+    ``nh``): each key-value head serves its group of ``nh / nkv`` consecutive query heads, read where it
+    is, never copied out per query head (grouped attention as Megatron-LM and NeMo run it). One SDPA op
+    with ``enable_gqa``, which autopar captures and prices as any fused attention, and splits on heads
+    where the key-value heads split too (``planning/strategies.LOCAL_RULES``)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[-3] != q.shape[-3])
 
 
 class LlamaAttention(nn.Module):
@@ -120,8 +121,7 @@ class LlamaAttention(nn.Module):
         q = apply_rope(split_heads(self.q_proj(x), self.heads), cos, sin)
         k = apply_rope(split_heads(self.k_proj(x), self.kv_heads), cos, sin)
         v = split_heads(self.v_proj(x), self.kv_heads)
-        n_rep = self.heads // self.kv_heads
-        out = causal_attention(q, _expand_kv(k, n_rep), _expand_kv(v, n_rep))
+        out = grouped_causal_attention(q, k, v)
         return self.o_proj(merge_heads(out))
 
 

@@ -9,10 +9,10 @@ predictions, the solver's figures and the explanations.
 from __future__ import annotations
 from autopar.core.axes import MeshAxis
 from autopar.core.placement import placements_to_strs
-from autopar.core.plan import CONTIGUOUS, LOAD_BALANCED, MIXED, Plan, Precision
+from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MIXED, RING, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
 from autopar.ir.layers import layer_count
-from autopar.ir.capture import CapturedGraph, module_path
+from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
 from autopar.planning.pricing import Pricer, global_flops, is_matmul
@@ -20,7 +20,7 @@ from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
 from autopar.planning.solver import Solution, exposed_grad_sync
 from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
-from autopar.planning.strategies import runs_locally
+from autopar.planning.strategies import rings, runs_locally
 from dataclasses import dataclass
 from typing import Any
 import hashlib
@@ -138,6 +138,7 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
         checkpointing=best.checkpointing,
         recomputed_layers=_recomputed_layers(captured, best),
         cp_layout=LOAD_BALANCED if mesh.size(MeshAxis.CP) > 1 else CONTIGUOUS,
+        cp_attention=_cp_attention(captured, mesh, by_node),
         placements=placements,
         inputs={name: {"placements": placed(name),
                        "shape": list(captured.node(name).meta["val"].shape),
@@ -184,6 +185,15 @@ def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, st
     layers = device_layers(captured, _pipeline_section(captured, best)["stages"], best.staging.stages)
     modes = assign_layer_modes(layers, best.layer_modes)
     return {layer: mode for layer, mode in modes.items() if mode != "none"}
+
+
+def _cp_attention(captured: CapturedGraph, mesh: MeshChoice, by_node: dict) -> str:
+    """``ring`` where the solver ran fused attention as ring attention over the cp dim (its keys split
+    there, ``strategies.rings``), else ``allgather`` (``core/plan.CP_ATTENTIONS``)."""
+    cp_dims = mesh.dims_of(MeshAxis.CP)
+    ringed = any(rings(node, by_node[node.name][1].strategy, d) for node in captured.graph.nodes
+                 if node.target is FUSED_ATTENTION and node.name in by_node for d in cp_dims)
+    return RING if ringed else ALLGATHER
 
 
 def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node: dict, pricer: Pricer

@@ -131,7 +131,8 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
 
     ``strategy_of``: node name -> its chosen Strategy (placeholders included). The collectives are
     the ones pricing charges (``Pricer.edge_collectives`` for resharding each input from its
-    producer's placement, ``Pricer.gradient_collectives`` for partial input gradients). A move the
+    producer's placement, ``Pricer.gradient_collectives`` for partial input gradients,
+    ``Pricer.ring_collectives`` for ring attention's exchanges). A move the
     readers of a value in one region share (one redistribute at run time,
     ``passes/insert_redistributes.py``) is recorded with each of the ``k`` readers at ``share`` 1/k.
     """
@@ -165,6 +166,10 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         gathered = roots[c.slot] is not None and gathers(roots[c.slot], strategy.inputs[c.slot])
         why = "partial gradient, reduced by the gather's backward" if gathered else "partial gradient"
         terms.append(_term(c, why, args[c.slot], captured, pricer, per_microbatch=c.per_microbatch))
+    for c in pricer.ring_collectives(node, strategy):  # keys and values sent in one buffer: twice the keys' bytes
+        term = _term(c, "ring attention: a block of keys and values in one buffer, 2 elements per key element "
+                        "(backward: and of their gradients), passed to the next cp rank", args[1], captured, pricer)
+        terms.append({**term, "element_bytes": 2 * term["element_bytes"]})
     return terms
 
 

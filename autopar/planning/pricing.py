@@ -52,6 +52,10 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
   all_to_all. A partial gradient never needs the backward of R->P, and a value without a gradient
   (inputs, buffers and what is made of them alone: a rotary table's slice) has no backward at all.
+* fused attention over a sequence split on cp (``_charge_context_parallel_attention``): with its keys and
+  values gathered (their edges' all_gather and reduce_scatter), it keeps the gathered copies for
+  backward; as ring attention it keeps its own block and pays the part of its point-to-point exchanges
+  (``ring_collectives``) that the blocks' compute does not hide (``ring_exposed_s``).
 
 Precision: on accelerators activations and parameters are priced in the compute dtype (bf16 by
 default) with ZeRO's mixed-precision accounting of 16 bytes per parameter (2 param + 2 grad + 12
@@ -71,7 +75,9 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
 from autopar.core.placement import Placements, optimizer_shard_dim
-from autopar.planning.strategies import Strategy
+from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
+from autopar.ir.capture import FUSED_ATTENTION
+from autopar.planning.strategies import Strategy, rings
 from autopar.ir.layers import output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -256,7 +262,65 @@ class Pricer:
         cost.output_bytes = sum(nbytes for nbytes, _ in outputs)
         cost.batch_memory = True
         self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds, views=views), cost)
+        if node.target is FUSED_ATTENTION:
+            self._charge_context_parallel_attention(node, strategy, saved, cost)
         return cost
+
+    # ---- context-parallel attention: the keys and values all-gathered, or passed around a ring -----------
+    def _charge_context_parallel_attention(self, node: fx.Node, strategy: Strategy, saved: Sequence[float],
+                                           cost: Cost) -> None:
+        """Fused attention over a sequence split on a cp dim. All-gathered keys and values (their gather
+        and its reduce_scatter are the edge's) are what the kernel saves for backward: beyond the split
+        copies their producers are charged, each rank keeps ``1 - 1/p`` more of them, where the op's
+        output is saved (not recomputed). Ring attention keeps only its own block, and pays the part of
+        its exchanges that its blocks' compute does not hide (``ring_exposed_s``)."""
+        kv = [(a.meta["val"], p) for a, p in zip(tensor_inputs(node)[1:3], strategy.inputs[1:3])]
+        kept = 1.0 if saved and saved[0] > 0 else 0.0
+        for dim, size in enumerate(self.mesh_shape):
+            if size == 1 or not strategy.inputs[0][dim].is_shard(QUERY_DIM):
+                continue
+            if rings(node, strategy, dim):
+                forward, backward = self.ring_exposed_s(node, strategy, dim, cost.kernel)
+                cost.add_comm("p2p", forward + backward)
+                if forward > 0:
+                    cost.forward_comm_s["p2p"] = cost.forward_comm_s.get("p2p", 0.0) + forward
+            elif all(p[dim].is_replicate() for _, p in kv):
+                cost.memory_bytes += kept * (1 - 1 / size) * sum(self.local_bytes(v, p) for v, p in kv)
+
+    def ring_block_bytes(self, node: fx.Node, strategy: Strategy) -> float:
+        """Bytes of one rank's block of keys and values: one ring exchange's message."""
+        return sum(self.local_bytes(a.meta["val"], p) for a, p in zip(tensor_inputs(node)[1:3], strategy.inputs[1:3]))
+
+    def ring_collectives(self, node: fx.Node, strategy: Strategy) -> list["Collective"]:
+        """The exchanges of ring attention (``strategies.rings``) on each mesh dim it rings over, ``p``
+        ranks: forward ``p - 1`` sends of the rank's key-value block, backward ``p - 1`` of them again
+        and ``p`` of the blocks' dK and dV (the last one home to the block's owner), as
+        ``passes/ring_attention.py`` runs them (each a ``batch_isend_irecv`` pair: one send_recv)."""
+        if node.target is not FUSED_ATTENTION:
+            return []
+        found, nbytes = [], self.ring_block_bytes(node, strategy)
+        for dim, size in enumerate(self.mesh_shape):
+            if size > 1 and rings(node, strategy, dim):
+                k_placements = strategy.inputs[1]
+                found += [Collective("send_recv", "forward", nbytes, dim, k_placements)] * (size - 1)
+                found += [Collective("send_recv", "backward", nbytes, dim, k_placements)] * (2 * size - 1)
+        return found
+
+    def ring_exposed_s(self, node: fx.Node, strategy: Strategy, dim: int,
+                       kernel: tuple[float, float, str]) -> tuple[float, float]:
+        """(forward, backward) seconds of ring attention's exchanges over mesh dim ``dim`` not hidden
+        behind compute. Of ``p`` blocks, each exchange runs behind one block's attention (a ``1/p`` share
+        of the op's ``kernel``; backward twice the forward): forward ``p - 1`` exchanges of the key-value
+        block, exposed ``max(0, send - block)`` each; backward ``p - 1`` steps that each exchange a
+        key-value block and a dK-dV block of the same size behind one block's backward,
+        ``max(0, 2 send - 2 block)``, and the last dK-dV block sent home after the last block's compute,
+        behind nothing. A send is the link's ``send_recv`` (``cost_models``) of the block's bytes."""
+        size, group = self.mesh_shape[dim], self.groups[dim]
+        block_s = self.forward_time(kernel) / size
+        send = collective_time("send_recv", self.ring_block_bytes(node, strategy), group)
+        forward = (size - 1) * max(0.0, send - block_s)
+        backward = (size - 1) * max(0.0, 2 * send - 2 * block_s) + send
+        return forward, backward
 
     def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:
         """``elementwise``, or a GEMM's kind by the matrix dimensions of its local operands (the last two

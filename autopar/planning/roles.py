@@ -37,7 +37,8 @@ from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
-from autopar.planning.strategies import KEY_VALUE_SLOTS, StrategyFinder, sequence_view
+from autopar.core.plan import RING
+from autopar.planning.strategies import KEY_VALUE_SLOTS, StrategyFinder, ring_refusal, rings, sequence_view
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 import torch
@@ -73,14 +74,14 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     sharded_on_dp = shard_dims + cp_dims if zero_stage == 3 else []  # FSDP shards over dp x cp (torchtitan)
     ep_dims = mesh.dims_of(MeshAxis.EP)
     pins_buffers.update({i: Replicate() for i in ep_dims})
-    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP)) if cp_dims else (0, 0)
+    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP), constraints.cp_attention) if cp_dims else (0, 0)
     pins_buffers.update({i: Replicate() for i in cp_dims})
     pins_params.update({i: Replicate() for i in cp_dims if zero_stage in (0, 1, 2)})
     pins_inputs = {i: (Shard(0) if n in (*DATA_PARALLEL_AXES, MeshAxis.EP) else
                        Shard(SEQUENCE_DIM) if n == MeshAxis.CP else Replicate()) for i, n in enumerate(mesh.names)}
     param_candidates = _expert_split(captured, shape, pins_params, ep_dims)
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
-    finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows)
+    finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows, cp_attention=constraints.cp_attention)
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
     traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
     batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}
@@ -260,13 +261,20 @@ SEQUENCE_DIM = 1
 """The dim of every user input (tokens and targets, ``[batch, seq]``) that a cp dim splits."""
 
 
-def check_context_parallel(captured: CapturedGraph, cp: int) -> tuple[int, int]:
+def check_context_parallel(captured: CapturedGraph, cp: int, cp_attention: str | None = None) -> tuple[int, int]:
     """(batch, seq) of the user inputs, after refusing a model ``cp`` cannot split: one without fused
     attention (the only op whose sequence split autopar knows), or inputs without a sequence dim that
-    ``2 cp`` divides (the load-balanced layout's chunks, ``passes/sequence_layout.py``), alike in all inputs."""
-    if not any(node.target is FUSED_ATTENTION for node in captured.graph.nodes):
+    ``2 cp`` divides (the load-balanced layout's chunks, ``passes/sequence_layout.py``), alike in all inputs;
+    and ``cp_attention=ring`` pinned where some fused attention cannot ring (``strategies.ring_refusal``)."""
+    attention = [node for node in captured.graph.nodes if node.target is FUSED_ATTENTION]
+    if not attention:
         raise BadInputError(f"constraint cp={cp} splits attention on the sequence, and this model has no fused "
                             "attention (F.scaled_dot_product_attention) op")
+    refused = [(node, ring_refusal(node)) for node in attention if ring_refusal(node)]
+    if cp_attention == RING and refused:
+        node, why = refused[0]
+        raise BadInputError(f"constraint cp_attention=ring: fused attention {node.name} cannot run as ring attention "
+                            f"because of {why}; pin cp_attention=allgather or leave it free")
     shapes = {tuple(captured.node(name).meta["val"].shape[:2]) for name in captured.user_inputs}
     if len(shapes) != 1 or len(next(iter(shapes))) < 2:
         raise BadInputError(f"constraint cp={cp} splits the inputs on their sequence dim (dim 1): every input "
@@ -311,7 +319,8 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
     on dp it stays split on the batch, or whole where that dimension is the sequence itself (of
     ``length``): fused attention reads its keys and values so, and the ILP places their all_gather
     where it is cheapest (before grouped-query attention repeats them, say; its backward
-    reduce-scatters the gradient). Rows flattened from ``[batch, seq]`` (a dimension of
+    reduce-scatters the gradient), unless it runs as ring attention (``strategies.rings``), which reads
+    them split. Rows flattened from ``[batch, seq]`` (a dimension of
     ``batch * length``) are never whole on cp, so they are only read row by row or reduced, which keeps
     the sequence-split views exact (``strategies._sequence_split``). Parameters, buffers and what is made
     of them alone are whole on cp, and reach data ops as a local slice."""
@@ -329,7 +338,8 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
             return True
         if node.name not in on_data:
             return all(p is None or all(p[d].is_replicate() for d in cp_dims) for p in strategy.outputs)
-        gathered = KEY_VALUE_SLOTS if node.target is FUSED_ATTENTION else ()
+        gathered = KEY_VALUE_SLOTS if node.target is FUSED_ATTENTION and not any(
+            rings(node, strategy, d) for d in cp_dims) else ()
         for slot, (arg, placements) in enumerate(zip(tensor_inputs(node), strategy.inputs)):
             if arg.name not in on_data:
                 continue

@@ -10,8 +10,9 @@ runtime will accept.
 Where we diverge: ops in ``LOCAL_RULES`` (fused attention, which DTensor only knows as backend kernels
 such as the CUDA flash variant) get our own rule: the dims listed are independent, so the op can be
 split on any of them on all inputs at once and run on local shards. On a context-parallel mesh dim
-(``StrategyFinder(sequence_dims=...)``) ops also get sequence-split variants (``_sequence_split``):
-fused attention with its queries split and its keys and values whole, and the views between
+(``StrategyFinder(sequence_dims=...)``) ops also get sequence-split variants (``_sequence_splits``):
+fused attention with its queries split and its keys and values whole (all-gathered before it), or all
+of them split (ring attention, without a mask tensor or dropout), and the views between
 ``[batch, seq, ...]`` and its flattened rows keeping the split. Any other op DTensor knows nothing
 about runs replicated, with one warning naming the op;
 strategies that shard a dimension unevenly are dropped (plans keep every shard the same size, so local
@@ -44,6 +45,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 
 from autopar.core.placement import Placements, placement_to_str
+from autopar.core.plan import ALLGATHER, RING
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 from autopar.ir.layers import output_vals, tensor_inputs
@@ -110,11 +112,18 @@ class LocalRule:
 
     independent_dims: tuple[int, ...]
     tensor_inputs: tuple[int, ...]  # the numbers of tensor inputs it takes
+    grouped_inputs: tuple[int, ...] = ()
+    """Inputs split exactly as the output, also on a dim where they are smaller: grouped-query
+    attention's keys and values, whose ``nkv`` heads each serve ``nh / nkv`` query heads, so a rank's
+    query heads find their key-value heads among its own. A split the ``nkv`` heads cannot take (more
+    ranks than key-value heads; multi-query attention's one head) is dropped by ``fits_mesh``: their
+    gradient would be partial over it, which a local op's inputs cannot express."""
 
     def strategies(self, mesh_ndim: int, shapes: Sequence[tuple[int, ...]]) -> list[Strategy]:
         """Every split of the output (``shapes[0]``'s shape) on the independent dims, per mesh dim."""
         one = [Replicate()] + [Shard(d) for d in self.independent_dims]
-        return [Strategy(tuple(_broadcast(combo, shape, shapes[0]) for shape in shapes), (combo,))
+        return [Strategy(tuple(combo if slot in self.grouped_inputs else _broadcast(combo, shape, shapes[0])
+                               for slot, shape in enumerate(shapes)), (combo,))
                 for combo in itertools.product(one, repeat=mesh_ndim)]
 
 
@@ -128,8 +137,9 @@ def _broadcast(placements: tuple[Placement, ...], shape: tuple[int, ...], full: 
 
 LOCAL_RULES: dict[Any, LocalRule] = {
     # q, k, v: [batch, heads, seq, head_dim], and an optional attention mask [batch|1, heads|1, seq, seq]
-    # broadcast to the scores: attention mixes seq and head_dim, never batch or heads.
-    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4)),
+    # broadcast to the scores: attention mixes seq and head_dim, never batch or heads. k and v may have
+    # fewer heads than q (grouped-query attention, ``enable_gqa``): they split with q (``grouped_inputs``).
+    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4), grouped_inputs=(1, 2)),
 }
 
 # ---- context parallelism: the sequence split over a cp mesh dim ---------------------------------------
@@ -149,6 +159,33 @@ def _query_split(strategy: Strategy, dim: int, mask_shape: tuple[int, ...] | Non
     if mask_shape is not None and len(ins) > 3:
         ins[3] = split(ins[3], _broadcast((Shard(QUERY_DIM),), mask_shape, full)[0])
     return Strategy(tuple(ins), (split(strategy.outputs[0], Shard(QUERY_DIM)),))
+
+
+def _ring_split(node: fx.Node, strategy: Strategy, dim: int) -> Strategy | None:
+    """``strategy`` with mesh dim ``dim`` changed to ring attention (``passes/ring_attention.py``): the
+    queries, keys, values and output all split on the sequence, the keys and values passed around the
+    ring inside the op (``Pricer.ring_collectives``). Only without an attention mask tensor and dropout,
+    which the ring does not run; None otherwise."""
+    if ring_refusal(node):
+        return None
+    split = lambda ps: ps[:dim] + (Shard(QUERY_DIM),) + ps[dim + 1:]  # noqa: E731
+    return Strategy(tuple(split(ps) for ps in strategy.inputs), (split(strategy.outputs[0]),))
+
+
+def ring_refusal(node: fx.Node) -> str | None:
+    """Why fused attention ``node`` cannot run as ring attention (a mask tensor, dropout), or None."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    mask, dropout = node.kwargs.get("attn_mask", args[3]), node.kwargs.get("dropout_p", args[4]) or 0.0
+    if mask is not None:
+        return "its attention mask tensor"
+    return f"its dropout ({dropout})" if dropout else None
+
+
+def rings(node: fx.Node, strategy: Strategy, dim: int) -> bool:
+    """Whether ``strategy`` runs fused attention ``node`` as ring attention over mesh dim ``dim``: its
+    keys split on the sequence there (the all-gather variant reads them whole, ``_query_split``)."""
+    return (node.target is FUSED_ATTENTION and strategy.inputs[KEY_VALUE_SLOTS[0]][dim] == Shard(QUERY_DIM)
+            and strategy.inputs[0][dim] == Shard(QUERY_DIM))
 
 
 def merged_dim(before: Sequence[int], after: Sequence[int]) -> int | None:
@@ -179,6 +216,19 @@ def sequence_view(node: fx.Node, rows: tuple[int, int]) -> tuple[int, int] | Non
     into ``[batch * seq, ...]`` or unflattens it back; ``rows`` is (batch, seq) of the user inputs."""
     move = _row_move(node)
     return move[:2] if move is not None and move[2] == rows else None
+
+
+def _sequence_splits(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int, int],
+                     cp_attention: str | None) -> list[Strategy]:
+    """The context-parallel variants of ``strategy`` (whole on mesh dim ``dim``): fused attention's
+    all-gather (``_query_split``) and ring (``_ring_split``) variants, either alone where
+    ``cp_attention`` pins it; a view's sequence split (``_sequence_split``)."""
+    if node.target is not FUSED_ATTENTION:
+        return [v for v in (_sequence_split(node, strategy, dim, rows),) if v is not None]
+    found = [] if cp_attention == RING else [_sequence_split(node, strategy, dim, rows)]
+    found += [] if cp_attention == ALLGATHER else [_ring_split(node, strategy, dim)]
+    whole = all(p is None or p[dim].is_replicate() for p in (*strategy.inputs, *strategy.outputs))
+    return [v for v in found if v is not None] if whole else []
 
 
 def _sequence_split(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int, int]) -> Strategy | None:
@@ -242,13 +292,15 @@ class StrategyFinder:
     """Enumerates node strategies on one mesh shape, caching by op and shapes (layers repeat)."""
 
     def __init__(self, mesh_shape: Sequence[int], copies: Mapping[int, int] | None = None,
-                 sequence_dims: Sequence[int] = (), rows: tuple[int, int] = (0, 0)):
+                 sequence_dims: Sequence[int] = (), rows: tuple[int, int] = (0, 0), cp_attention: str | None = None):
         """``copies``: mesh dims whose placement always repeats another dim's (HSDP's replica dim
         repeats its shard dim): strategies are enumerated without them, then the copies are filled in,
         so such a mesh costs DTensor's enumeration no more than the mesh without them.
         ``sequence_dims``: context-parallel mesh dims, on which the ops also get their sequence-split
-        variants (``_sequence_split``); ``rows``: (batch, seq) of the user inputs there."""
+        variants (``_sequence_splits``); ``rows``: (batch, seq) of the user inputs there; ``cp_attention``:
+        the one variant of fused attention offered there where pinned (``core/plan.CP_ATTENTIONS``), else both."""
         self.mesh_shape = tuple(mesh_shape)
+        self.cp_attention = cp_attention
         self.copies = dict(copies or {})
         self.sequence_dims = tuple(sequence_dims)
         self.rows = rows
@@ -268,8 +320,8 @@ class StrategyFinder:
             if fallback:
                 self._warn_unsupported(node.target)
             for dim in self.sequence_dims:
-                raw = raw + [v for v in (_sequence_split(node, st, dim, self.rows) for st in raw)
-                             if v is not None and v not in raw]
+                raw = raw + [v for st in raw for v in _sequence_splits(node, st, dim, self.rows, self.cp_attention)
+                             if v not in raw]
             fitting = [st for st in raw if self._fits(node, st)]
             self._cache[key] = fitting or [_replicated(node, len(inputs), len(self.mesh_shape))]
         return self._cache[key]

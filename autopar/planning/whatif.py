@@ -37,7 +37,8 @@ from autopar.planning.strategies import Strategy
 
 
 def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) -> Plan:
-    """``plan``'s strategies, unchanged, priced on ``target`` (same number of devices)."""
+    """``plan``'s strategies, unchanged, priced on ``target`` (same number of devices); its sequence
+    layout over cp too (``cp_layout``: a plan made before load balancing keeps its contiguous chunks)."""
     start = time.perf_counter()
     captured = problem.captured if isinstance(problem, SavedProblem) else problem
     check_same_model(plan, captured)
@@ -53,7 +54,7 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) 
                         wall_s=time.perf_counter() - start, variables=0, constraints=0, layer_modes=layer_modes)
     repriced = _planner_plan(captured, target, plan.model["name"], dtype, mesh, staging, priced, solution,
                              time.perf_counter() - start, constraints)
-    return replace(repriced, model={**repriced.model, **_model_facts(plan)})
+    return replace(repriced, model={**repriced.model, **_model_facts(plan)}, cp_layout=plan.cp_layout)
 
 
 def _model_facts(plan: Plan) -> dict:

@@ -86,7 +86,8 @@ class ParallelModule(nn.Module):
         (stage,) = built.stages
         self.redistributes = built.redistributes
         self._placeholders = stage.program.placeholders
-        self.program = (LoweredProgram(stage.module, self._parameter_positions(), compile=compile)
+        in_graph_sync = self._program_params.grad_sync if self.microbatches == 1 else None  # else reduced once, after
+        self.program = (LoweredProgram(stage.module, self._parameter_names(), compile=compile, grad_sync=in_graph_sync)
                         if lowered or compile else stage.module)
 
     # ---- parameters ---------------------------------------------------------------------------
@@ -140,9 +141,10 @@ class ParallelModule(nn.Module):
         self._program_params.end_step()
         return total
 
-    def _parameter_positions(self) -> list[int]:
-        """Which of the program's arguments are parameter values."""
-        return [i for i, name in enumerate(self._placeholders) if name in self.captured.params]
+    def _parameter_names(self) -> dict[int, str]:
+        """Which of the program's arguments are parameter values: position -> parameter name."""
+        return {i: self.captured.params[name] for i, name in enumerate(self._placeholders)
+                if name in self.captured.params}
 
     def _placeholder_values(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool
                             ) -> list[Any]:

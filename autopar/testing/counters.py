@@ -19,11 +19,14 @@ _OP_KINDS = {
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "all_to_all_single": "all_to_all", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
+    "send": "send_recv",
 }
 """Collective ops (functional collectives, and c10d ops such as the gradient sync's ``dist.all_reduce``)
 by the name of the op, to the kinds plans use."""
-_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
-"""Ops of the collective namespaces that move no data (waiting on a collective, wrapping its result)."""
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd", "recv_", "recv_any_source_"}
+"""Ops of the collective namespaces not counted: those that move no data (waiting on a collective,
+wrapping its result), and the receiving half of a point-to-point exchange, counted by its send
+(``send_recv``: ring attention's exchanges, ``passes/ring_attention.py``)."""
 
 
 class CollectiveCounter(TorchDispatchMode):

@@ -1,0 +1,440 @@
+"""Passes on the lowered graphs (``lower.py``): collectives bucketed, issued early, waited on late.
+
+**Gradient all_reduces.** Data parallelism's gradient reductions (DP, HSDP's replica dim, an FSDP
+plan's replicated parameters) are ``GradientSync``'s work in the DTensor runtime, after autograd has
+produced each gradient. In a lowered program the backward is one graph, so the gradients would reach
+``GradientSync`` only when it ends; instead the reduction moves into the graph:
+
+* **marking** (``reduced_in_graph``): before tracing, each parameter ``GradientSync`` reduces passes
+  through ``_ReducedInGraph``, an identity whose backward finds the gradient's partial mesh dims
+  (known while tracing: DTensor placements are static) and replaces the gradient by
+  ``autopar::reduce_gradient`` of its local tensor (the sync's semantics: summed on each partial dim
+  in the reduction dtype, divided by the dim's size where the placement averages, cast back), labelled
+  with the parameter's placements. The AOT wrapper then hands out reduced gradients, which
+  ``GradientSync`` only stores;
+* **bucketing** (``bucket_gradient_reductions``): in the backward graph the marked reductions of one
+  kind (same mesh dims, divisors and reduction dtype) are cut into buckets in the order the graph
+  produces their gradients, by ``gradient_sync.buckets``' rule (``GradientSync.bucket_bytes``, DDP's
+  25 MB), and each bucket becomes one flat ``_c10d_functional.all_reduce`` per partial dim, launched
+  right after its last gradient is produced and waited on just before the graph returns (DDP's
+  overlap with the rest of backward). A bucket is the collective ``GradientSync`` would issue for the
+  same gradients, so the count per step is the plan's prediction (``autopar.inspect.collectives``).
+
+**FSDP.** DTensor gathers every sharded parameter on its own, right before its reader, and its backward
+reduce-scatters every gradient on its own. Per *unit* (a parameter's repeated layer, ``blocks.3``, or
+outside layers its module, as ``fully_shard`` wraps each block and the root):
+
+* ``bucket_parameter_gathers``: the unit's parameter all_gathers (same group and dtype) become one
+  all_gather of their flattened inputs concatenated, launched right after the previous unit's wait
+  (one unit ahead: it runs while that unit computes), its inputs' computation (a cast, a transposed
+  copy: they read the parameter alone) moved up with it, and waited on right before the unit's first
+  reader; each parameter's gathered value is cut out of the rank-major result. The same pass runs on
+  the backward graph, whose regathers (reshard after forward) come in reverse unit order;
+* ``bucket_gradient_scatters``: the unit's gradient reduce_scatters (those whose result becomes one
+  parameter's gradient) become one reduce_scatter of the inputs' rank-major rows concatenated,
+  launched right after the unit's last gradient input is produced, waited on when the graph ends.
+
+**Early launch** (``launch_from_inputs_first``): a collective whose input is computed from graph inputs
+alone, none a parameter (the forward's all_gather of the loss's mask of counted targets), is launched at
+the graph's start, its wait left where it was, so no rank waits on it there.
+
+A unit's bucket is one collective where the plan (which prices the DTensor runtime) counts one per
+parameter; ``LoweredProgram.buckets`` records how many each merged.
+
+Where we diverge from torch: inductor's own bucketing passes (``torch._inductor.fx_passes.bucketing``)
+bucket by size (``bucket_cap_mb``) in compiled graphs; ours run on every lowered program, compiled or
+not, and bucket gathers by the unit FSDP2 would wrap, so a layer's gathered parameters are alive no
+longer than they are with ``fully_shard``.
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Collection, Mapping, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from .gradient_sync import BUCKET_BYTES, buckets
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+
+
+@torch.library.custom_op("autopar::reduce_gradient", mutates_args=())
+def reduce_gradient(grad: torch.Tensor, groups: str, divisors: list[int], reduce_dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """A partial gradient's local tensor reduced as ``GradientSync`` reduces it: in ``reduce_dtype``,
+    summed over each of ``groups`` (process group names, comma-separated) in turn and divided by its
+    divisor (the dim's size where the placement averages, else 1), cast back.
+    ``bucket_gradient_reductions`` replaces every call in a backward graph; this is its meaning."""
+    value = grad.to(reduce_dtype)
+    for group, divisor in zip(groups.split(","), divisors):
+        value = _c10d.wait_tensor(_c10d.all_reduce(value, "sum", group))
+        if divisor != 1:
+            value = value / divisor
+    return value.to(grad.dtype)
+
+
+@reduce_gradient.register_fake
+def _(grad: torch.Tensor, groups: str, divisors: list[int], reduce_dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+REDUCE_GRADIENT = torch.ops.autopar.reduce_gradient.default
+
+
+class _ReducedInGraph(torch.autograd.Function):
+    """Identity forward; backward reduces a partial gradient with ``reduce_gradient`` (placements
+    without the partial dims) and passes any other through."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.reduce_dtype = reduce_dtype
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if not isinstance(grad, DTensor):
+            return grad, None
+        partial = [(d, p.reduce_op) for d, p in enumerate(grad.placements) if isinstance(p, Partial)]
+        if not partial:
+            return grad, None
+        mesh = grad.device_mesh
+        local = grad.to_local()
+        reduced = reduce_gradient(local, ",".join(mesh.get_group(d).group_name for d, _ in partial),
+                                  [mesh.size(d) if op == "avg" else 1 for d, op in partial],
+                                  ctx.reduce_dtype or local.dtype)
+        placements = [Replicate() if isinstance(p, Partial) else p for p in grad.placements]
+        return DTensor.from_local(reduced, mesh, placements, run_check=False), None
+
+
+def reduced_in_graph(value: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """``value`` (a parameter the program reads) marked so that its gradient leaves the backward graph
+    reduced over its partial mesh dims, in ``reduce_dtype`` (None: the gradient's own)."""
+    return _ReducedInGraph.apply(value, reduce_dtype)
+
+
+def bucket_gradient_reductions(gm: fx.GraphModule, bucket_bytes: float = BUCKET_BYTES) -> list[int]:
+    """Replace the ``reduce_gradient`` calls of ``gm`` (a backward graph) by bucketed flat all_reduces,
+    in place; returns each bucket's gradient count, in launch order."""
+    graph = gm.graph
+    kinds: dict[tuple[Any, ...], list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.target is REDUCE_GRADIENT:
+            _, groups, divisors, reduce_dtype = node.args
+            kinds[(tuple(groups.split(",")), tuple(divisors), reduce_dtype)].append(node)
+    output = next(n for n in graph.nodes if n.op == "output")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    made: list[tuple[int, int]] = []
+    for (groups, divisors, reduce_dtype), nodes in kinds.items():
+        nodes.sort(key=lambda n: order[n.args[0]])  # autograd runs the marks last; their gradients are earlier
+        sizes = [_value(n.args[0]).numel() * reduce_dtype.itemsize for n in nodes]
+        for bucket in buckets(sizes, bucket_bytes):
+            members = [nodes[i] for i in bucket]
+            ready = members[-1].args[0]
+            _reduce_bucket(graph, members, ready, groups, divisors, reduce_dtype, output)
+            made.append((order[ready], len(members)))
+    if made:
+        graph.lint()
+        gm.recompile()
+    return [count for _, count in sorted(made)]
+
+
+def _reduce_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, groups: Sequence[str],
+                   divisors: Sequence[int], reduce_dtype: torch.dtype, output: fx.Node) -> None:
+    """One bucket: flattened and concatenated right after its last gradient (``ready``) is produced,
+    the first dim's all_reduce launched there; waited on (and reduced over any further dim, divided)
+    before ``output``, split back into the members' shapes and dtypes, which the marks' users (moved
+    after) read instead."""
+    grads = [n.args[0] for n in members]
+    users = _users_before(members, output)
+    with graph.inserting_before(ready.next):
+        flat = [graph.call_function(_aten.view.default, (_in_memory_order(graph, _cast(graph, g, reduce_dtype), g),
+                                                         [-1])) for g in grads]
+        value = graph.call_function(_c10d.all_reduce.default,
+                                    (graph.call_function(_aten.cat.default, (flat,)), "sum", groups[0]))
+    with graph.inserting_before(output):
+        for i, (group, divisor) in enumerate(zip(groups, divisors)):
+            if i > 0:
+                value = graph.call_function(_c10d.all_reduce.default, (value, "sum", group))
+            value = graph.call_function(_c10d.wait_tensor.default, (value,))
+            if divisor != 1:
+                value = graph.call_function(_aten.div.Scalar, (value, divisor))
+        pieces = graph.call_function(_aten.split_with_sizes.default, (value, [_value(g).numel() for g in grads]))
+        for i, (node, grad) in enumerate(zip(members, grads)):
+            piece = graph.call_function(operator.getitem, (pieces, i))
+            node.replace_all_uses_with(_cast(graph, _shaped_like(graph, piece, grad), _value(grad).dtype, reduce_dtype))
+    for node in members:
+        graph.erase_node(node)
+    for node in users:
+        output.prepend(node)
+
+
+def _memory_order(value: torch.Tensor) -> list[int] | None:
+    """The dims of ``value`` from outermost to innermost in memory, when it is a permutation of a
+    contiguous tensor (a linear layer's weight gradient is a transposed one); else None."""
+    order = sorted(range(value.ndim), key=lambda d: (-value.stride(d), -d))
+    return order if value.permute(order).is_contiguous() else None
+
+
+def _in_memory_order(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
+    """``node`` (laid out as ``like``) permuted to its memory order, so flattening it copies nothing;
+    made contiguous when it is no permutation of a contiguous tensor."""
+    order = _memory_order(_value(like))
+    if order is None:
+        return graph.call_function(_aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+    return node if order == sorted(order) else graph.call_function(_aten.permute.default, (node, order))
+
+
+def _shaped_like(graph: fx.Graph, piece: fx.Node, like: fx.Node) -> fx.Node:
+    """A flat ``piece`` of a bucket viewed with the shape and dim order of ``like`` (``_in_memory_order``'s inverse)."""
+    value = _value(like)
+    order = _memory_order(value) or list(range(value.ndim))
+    shaped = graph.call_function(_aten.view.default, (piece, [value.shape[d] for d in order]))
+    if order == sorted(order):
+        return shaped
+    return graph.call_function(_aten.permute.default, (shaped, [order.index(d) for d in range(value.ndim)]))
+
+
+def _users_before(members: Sequence[fx.Node], output: fx.Node) -> list[fx.Node]:
+    """Every node that reads ``members`` (directly or not) other than ``output``, in graph order."""
+    found: dict[fx.Node, None] = {}
+    stack = list(members)
+    while stack:
+        for user in stack.pop().users:
+            if user is not output and user not in found:
+                found[user] = None
+                stack.append(user)
+    order = {n: i for i, n in enumerate(output.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
+
+
+def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, current: torch.dtype | None = None) -> fx.Node:
+    """``node`` converted to ``dtype`` (itself when it already has it)."""
+    if (current or _value(node).dtype) == dtype:
+        return node
+    return graph.call_function(torch.ops.prims.convert_element_type.default, (node, dtype))
+
+
+def _value(node: fx.Node) -> torch.Tensor:
+    """The example (fake) value AOT autograd recorded for ``node``."""
+    return node.meta["val"]
+
+
+@dataclass
+class _Gather:
+    """A parameter's all_gather in a lowered graph: the collective, its wait, and the ops computing its
+    input from the parameter alone (a cast, a transpose's copy), in graph order."""
+
+    gather: fx.Node
+    wait: fx.Node
+    chain: list[fx.Node]
+
+
+def bucket_parameter_gathers(gm: fx.GraphModule, units: Mapping[str, str]) -> list[int]:
+    """Gather each unit's parameters (``units``: parameter placeholder name -> its layer, or its module
+    outside layers) with one flat all_gather per mesh dim and dtype, in place: each unit's launched
+    right after the previous unit's wait (one unit ahead; the first where it was), waited on right
+    before its first use. Returns each bucket's gather count, in launch order."""
+    graph = gm.graph
+    found: dict[tuple[Any, ...], list[_Gather]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.target is not _c10d.all_gather_into_tensor.default or not _waited_once(node):
+            continue
+        source = _from_one_parameter(node.args[0], units)
+        if source is not None:
+            placeholder, chain = source
+            _, size, group = node.args
+            found[(units[placeholder.name], size, group, _value(node.args[0]).dtype)].append(
+                _Gather(node, next(iter(node.users)), chain))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ordered = sorted(found.items(), key=lambda item: order[item[1][0].gather])
+    previous_wait: fx.Node | None = None
+    for (_, size, group, _), members in ordered:
+        launch = previous_wait.next if previous_wait is not None else members[0].gather
+        previous_wait = _gather_bucket(graph, members, launch, size, group)
+    if ordered:
+        graph.lint()
+        gm.recompile()
+    return [len(members) for _, members in ordered]
+
+
+def _gather_bucket(graph: fx.Graph, members: Sequence[_Gather], launch: fx.Node, size: int, group: str) -> fx.Node:
+    """One unit's gathers as one: inputs computed and flattened, concatenated and gathered before
+    ``launch``; waited on before the first member's wait, each member's gathered value cut out of the
+    rank-major result. Returns the new wait."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted({n for m in members for n in m.chain}, key=order.__getitem__):
+        if order[node] > order[launch]:
+            launch.prepend(node)
+    inputs = [m.gather.args[0] for m in members]
+    with graph.inserting_before(launch):
+        flat = [graph.call_function(_aten.reshape.default, (x, [-1])) for x in inputs]
+        gathered = graph.call_function(_c10d.all_gather_into_tensor.default,
+                                       (graph.call_function(_aten.cat.default, (flat,)), size, group))
+    first_wait = min((m.wait for m in members), key=order.__getitem__)
+    numels = [_value(x).numel() for x in inputs]
+    with graph.inserting_before(first_wait):
+        wait = graph.call_function(_c10d.wait_tensor.default, (gathered,))
+        rows = graph.call_function(_aten.view.default, (wait, [size, sum(numels)]))
+        pieces = graph.call_function(_aten.split_with_sizes.default, (rows, numels, 1))
+        for i, (member, x) in enumerate(zip(members, inputs)):
+            shape = list(_value(x).shape)
+            piece = graph.call_function(operator.getitem, (pieces, i))
+            member.wait.replace_all_uses_with(
+                graph.call_function(_aten.reshape.default, (piece, [size * shape[0], *shape[1:]])))
+    for member in members:
+        graph.erase_node(member.wait)
+        graph.erase_node(member.gather)
+    return wait
+
+
+def bucket_gradient_scatters(gm: fx.GraphModule, units: Mapping[str, str]) -> list[int]:
+    """Reduce-scatter each unit's parameter gradients (``units`` as ``bucket_parameter_gathers``'; the
+    backward graph's outputs are the gradients of the forward's ``primals_<i+1>``, in order) with one
+    flat reduce_scatter per mesh dim, reduction and dtype, in place: launched right after the unit's
+    last gradient is produced, waited on just before the graph returns. Returns each bucket's
+    reduce_scatter count, in launch order."""
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    found: dict[tuple[Any, ...], list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.target is not _c10d.reduce_scatter_tensor.default or not _waited_once(node):
+            continue
+        unit = units.get(_gradient_of(next(iter(node.users)), output) or "")
+        if unit is not None:
+            _, op, size, group = node.args
+            found[(unit, op, size, group, _value(node.args[0]).dtype)].append(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    made = []
+    for (_, op, size, group, _), members in found.items():
+        ready = max((m.args[0] for m in members), key=order.__getitem__)
+        _scatter_bucket(graph, members, ready, op, size, group, output)
+        made.append((order[ready], len(members)))
+    if made:
+        graph.lint()
+        gm.recompile()
+    return [count for _, count in sorted(made)]
+
+
+def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, op: str, size: int, group: str,
+                    output: fx.Node) -> None:
+    """One unit's reduce_scatters as one: each input's rank-major rows concatenated right after
+    ``ready``, reduce-scattered; waited on before ``output``, each member's shard cut out, what read
+    the members' waits moved after."""
+    waits = [next(iter(m.users)) for m in members]
+    users = _users_before(waits, output)
+    inputs = [m.args[0] for m in members]
+    with graph.inserting_before(ready.next):
+        rows = [graph.call_function(_aten.reshape.default, (x, [size, -1])) for x in inputs]
+        flat = graph.call_function(_aten.reshape.default, (graph.call_function(_aten.cat.default, (rows, 1)), [-1]))
+        scattered = graph.call_function(_c10d.reduce_scatter_tensor.default, (flat, op, size, group))
+    with graph.inserting_before(output):
+        wait = graph.call_function(_c10d.wait_tensor.default, (scattered,))
+        shapes = [list(_value(w).shape) for w in waits]
+        pieces = graph.call_function(_aten.split_with_sizes.default, (wait, [_value(w).numel() for w in waits]))
+        for i, (old, shape) in enumerate(zip(waits, shapes)):
+            piece = graph.call_function(operator.getitem, (pieces, i))
+            old.replace_all_uses_with(graph.call_function(_aten.view.default, (piece, shape)))
+    for old, member in zip(waits, members):
+        graph.erase_node(old)
+        graph.erase_node(member)
+    for node in users:
+        output.prepend(node)
+
+
+def _waited_once(collective: fx.Node) -> bool:
+    """Whether ``collective``'s only reader is its ``wait_tensor``."""
+    users = list(collective.users)
+    return len(users) == 1 and users[0].target is _c10d.wait_tensor.default
+
+
+def _from_one_parameter(node: fx.Node, units: Mapping[str, str]) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The parameter placeholder ``node`` is computed from alone (one of ``units``), and the ops in
+    between; None when it reads anything else."""
+    chain: list[fx.Node] = []
+    placeholders: set[fx.Node] = set()
+    stack, seen = [node], {node}
+    while stack:
+        current = stack.pop()
+        if current.op == "placeholder":
+            placeholders.add(current)
+            continue
+        if current.op != "call_function":
+            return None
+        chain.append(current)
+        for source in current.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    if len(placeholders) != 1:
+        return None
+    (placeholder,) = placeholders
+    return (placeholder, chain) if placeholder.name in units else None
+
+
+def _gradient_of(node: fx.Node, output: fx.Node) -> str | None:
+    """The forward placeholder (``primals_<i+1>``) whose gradient ``node`` alone becomes: the one
+    backward output it reaches, through its readers."""
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if user is not output and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    reached = {i for i, value in enumerate(output.args[0]) if value in seen}
+    return f"primals_{reached.pop() + 1}" if len(reached) == 1 else None
+
+
+COLLECTIVES = frozenset({_c10d.all_gather_into_tensor.default, _c10d.all_reduce.default,
+                         _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default})
+
+
+def launch_from_inputs_first(gm: fx.GraphModule, parameters: Collection[str]) -> int:
+    """Launch every collective computed from graph inputs alone, none of them a parameter (in the
+    forward, the loss's mask of counted targets), at the graph's start, with the ops computing its
+    input, in place; its wait stays where it was. Returns how many moved."""
+    graph = gm.graph
+    cursor = next(n for n in graph.nodes if n.op != "placeholder")
+    moved = 0
+    for node in list(graph.nodes):
+        if node.target not in COLLECTIVES or not _waited_once(node):
+            continue
+        chain = _from_inputs(node, parameters)
+        if chain is None:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for step in sorted(chain, key=order.__getitem__):
+            if step is cursor:
+                cursor = cursor.next
+            elif order[step] > order[cursor]:
+                cursor.prepend(step)
+        moved += 1
+    if moved:
+        graph.lint()
+        gm.recompile()
+    return moved
+
+
+def _from_inputs(collective: fx.Node, parameters: Collection[str]) -> list[fx.Node] | None:
+    """``collective`` and the ops computing its inputs when they read graph inputs alone, none in
+    ``parameters``; else None."""
+    chain: list[fx.Node] = []
+    stack, seen = [collective], {collective}
+    while stack:
+        current = stack.pop()
+        if current.op == "placeholder":
+            if current.name in parameters:
+                return None
+            continue
+        if current.op != "call_function" or (current is not collective and current.target in COLLECTIVES):
+            return None
+        chain.append(current)
+        for source in current.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    return chain
