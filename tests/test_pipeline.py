@@ -82,12 +82,16 @@ def test_a_free_schedule_takes_interleaving_where_it_is_faster(gpt8, pp2):
     assert free.pipeline["stages"] == [[0, 2], [2, 4], [4, 6], [6, 8]]  # chunk i on stage i mod 2
 
 
-def test_interleaving_chunks_cut_the_layers_evenly():
+def test_interleaving_chunks_leave_no_chunk_empty_and_no_device_more_layers():
     from autopar.planning.search import interleaving_chunks, runs_interleaved
 
     assert interleaving_chunks(8, 2) == [2, 4]
     assert interleaving_chunks(80, 4) == [2, 4, 5, 10, 20]
     assert interleaving_chunks(6, 4) == []
+    # uneven: Llama 3 405B's 126 layers on 16 stages, 32 chunks of 3-4 or 64 of 1-2 (8 layers a device,
+    # as 1F1B); 48 chunks are priced at 3 layers each, 9 a device
+    assert interleaving_chunks(126, 16) == [2, 4]
+    assert interleaving_chunks(7, 2) == [2]  # chunks of 2, 2, 2, 1: 4 and 3 layers a device
     assert runs_interleaved(8, 2) and runs_interleaved(3, 4) and not runs_interleaved(9, 4)  # rounds of 4 and 5
 
 

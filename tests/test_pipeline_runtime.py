@@ -120,14 +120,17 @@ def test_pp2_by_dp2_and_pp2_by_tp2_match_single_process() -> None:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_llama_pp2_and_interleaved_match_single_process() -> None:
-    four_layers = {"layers": 4}
+    four_layers, seven_layers = {"layers": 4}, {"layers": 7}
     runs = _runs("tiny-llama", [{"pp": 2, "microbatches": 2}])
     runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 4, "schedule": "interleaved"}], overrides=four_layers)
-    llama, interleaved = train_parallel_many(2, runs)
+    runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 4, "schedule": "interleaved"}], overrides=seven_layers)
+    llama, interleaved, uneven = train_parallel_many(2, runs)
     llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
     assert interleaved.plan["pipeline"]["virtual_stages"] == 2
     assert len(interleaved.plan["pipeline"]["stages"]) == 4
     interleaved.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
+    assert uneven.plan["pipeline"]["stages"] == [[0, 2], [2, 4], [4, 6], [6, 7]]  # chunks of unequal layers
+    uneven.assert_matches(train_single("tiny-gpt", seven_layers, BATCH, None, STEPS))
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from autopar.planning.strategies import rings, runs_locally
 from dataclasses import dataclass
 from typing import Any
 import hashlib
-import math
+import itertools
 import torch
 
 
@@ -166,12 +166,16 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
 
 def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any]:
     """Stages as layer ranges ``[first, last + 1)``: ``p`` of them, or ``p v`` model chunks (chunk
-    ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range."""
+    ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range. Chunks
+    differ by at most one layer, the first ones longer (no device holds more than the
+    ``ceil(L / (p v))`` layers a chunk is priced at, and the last stage, which also runs the head and
+    the loss, holds the fewest)."""
     staging, m = best.staging, best.problem.microbatches
     layers = layer_count(captured)
     chunks = staging.stages * staging.chunks
-    per_chunk = math.ceil(layers / chunks) if layers else 0
-    ranges = [[min(i * per_chunk, layers), min((i + 1) * per_chunk, layers)] for i in range(chunks)]
+    sizes = [layers // chunks + (i < layers % chunks) for i in range(chunks)]
+    ends = list(itertools.accumulate(sizes))
+    ranges = [[end - size, end] for size, end in zip(sizes, ends)]
     return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
             "microbatches": m,
             "microbatch_size": (global_batch(captured) or 1) // (m * best.mesh.data_parallel_size)}

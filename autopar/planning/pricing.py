@@ -131,6 +131,14 @@ def with_fields(record: _R, **changes: Any) -> _R:
     return copy
 
 
+def _varies_with_microbatches(cost: Cost) -> bool:
+    """Whether ``Pricer.for_microbatches`` changes ``cost``: a kernel (run per microbatch), activations of
+    the whole batch, or work repeated per microbatch. A resharding of an activation moves the same bytes
+    in ``m`` pieces: its price stays."""
+    return (cost.kernel is not None or cost.batch_memory or cost.repeats_per_microbatch
+            or bool(cost.accumulate_s) or bool(cost.grad_sync_per_microbatch_s))
+
+
 def weighted_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
     """``sum_i w_i c_i`` field by field (flags and the kernel come from the first)."""
     out = with_fields(weighted[0][1], comm_s={}, forward_comm_s={})
@@ -187,6 +195,8 @@ class Pricer:
         return self._per_microbatches[key][1]
 
     def _repriced_for_microbatches(self, cost: Cost, m: int) -> Cost:
+        if not _varies_with_microbatches(cost):
+            return cost
         out = with_fields(cost, comm_s=dict(cost.comm_s), forward_comm_s=dict(cost.forward_comm_s))
         if cost.kernel is not None:
             out.compute_s, last_backward = self._kernel_times(cost.kernel, m)

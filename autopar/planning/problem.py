@@ -193,12 +193,18 @@ class Problem:
                 repriced[id(cost)] = (cost, pricer.for_microbatches(cost, m))  # keeps ``cost`` alive: ids stay unique
             return repriced[id(cost)][1]
 
-        decisions = {k: with_fields(d, options=[with_fields(o, cost=again(o.cost)) for o in d.options])
-                     for k, d in self.decisions.items()}
-        edges = [Edge(e.src, e.src_out, e.dst, e.slot, e.count, {pq: again(c) for pq, c in e.price.items()})
-                 for e in self.edges]
+        def prices(price: dict) -> dict:  # the same dict where no price changes
+            out = {pq: again(c) for pq, c in price.items()}
+            return price if all(out[pq] is c for pq, c in price.items()) else out
+
+        def options(d: Decision) -> Decision:
+            repriced = [o if again(o.cost) is o.cost else with_fields(o, cost=again(o.cost)) for o in d.options]
+            return d if all(a is b for a, b in zip(repriced, d.options)) else with_fields(d, options=repriced)
+
+        decisions = {k: options(d) for k, d in self.decisions.items()}
+        edges = [e if (price := prices(e.price)) is e.price else with_fields(e, price=price) for e in self.edges]
         root_terms = [with_fields(t, delta=again(t.delta)) for t in self.root_terms]
-        shared = [with_fields(g, price={pq: again(c) for pq, c in g.price.items()}) for g in self.shared]
+        shared = [g if (price := prices(g.price)) is g.price else with_fields(g, price=price) for g in self.shared]
         return with_fields(self, decisions=decisions, edges=edges, microbatches=m, root_terms=root_terms, shared=shared)
 
     def settled(self, choice: Mapping[str, int]) -> "Problem":
@@ -233,34 +239,45 @@ class Problem:
         if set(counts) - set(modes.modes) or sum(counts.values()) != modes.layers:
             raise ValueError(f"layer modes {counts} do not give the {modes.layers} layers modes of {modes.modes}")
         share = {m: counts.get(m, 0) / modes.layers for m in modes.modes}
-        decisions = {k: with_fields(d, options=[_settled(o, share, d.count) for o in d.options])
+        decisions = {k: with_fields(d, options=[settled_option(o, share, d.count) for o in d.options])
                      for k, d in self.decisions.items()}
-        again: dict[tuple[int, float], Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
-        edges = [_settled_edge(e, sum(share[m] for m in e.recomputed_under if m in share), again) for e in self.edges]
-        shared = [with_fields(g, price=_rerun_prices(g.price, sum(share[m] for m in g.recomputed_under(self.edges)
-                                                                 if m in share), again))
-                  for g in self.shared]
-        return with_fields(self, decisions=decisions, edges=edges, layer_modes=None, shared=shared)
+        return with_fields(self, decisions=decisions, layer_modes=None, **settled_moves(self.edges, self.shared, share))
 
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
         return (sum(len(d.options) for d in self.decisions.values()), sum(len(e.price) for e in self.edges))
 
 
-def _settled(option: Option, share: dict[str, float], count: float) -> Option:
+def settled_option(option: Option, share: dict[str, float], count: float) -> Option:
+    """``option`` priced once ``share[m]`` of the layers run in mode ``m`` (its ``by_mode`` mixed, plus the
+    working set of each recomputing mode in use; ``count``: the decision's occurrences)."""
     if not option.by_mode:
         return option
     used = [(share[m], c) for m, c in option.by_mode.items() if share[m]]
     working_set = sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
-    if len(used) == 1 and used[0][0] == 1.0 and not working_set:  # every layer in one mode: its price as it is
-        return with_fields(option, cost=used[0][1], by_mode={}, recompute_bytes={})
+    if len(used) == 1 and used[0][0] == 1.0:  # every layer in one mode: its price as it is
+        cost = used[0][1]
+        if working_set:
+            cost = with_fields(cost, memory_bytes=cost.memory_bytes + working_set)
+        return with_fields(option, cost=cost, by_mode={}, recompute_bytes={})
     cost = weighted_cost(used)
     cost.memory_bytes += working_set
     return with_fields(option, cost=cost, by_mode={}, recompute_bytes={})
 
 
-def _settled_edge(edge: Edge, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> Edge:
-    return with_fields(edge, price=_rerun_prices(edge.price, recomputed_share, again), recomputed_under=())
+def settled_moves(edges: list[Edge], shared: list["SharedResharding"], share: dict[str, float]
+                  ) -> dict[str, list]:
+    """``edges`` and ``shared`` moves (keyword arguments of a ``Problem``) once ``share[m]`` of the layers
+    run in mode ``m``: a move into an op recomputed in ``m`` pays its forward collectives again for that
+    share of the layers."""
+    again: dict[tuple[int, float], Cost] = {}  # edge prices are shared Cost objects (Pricer.edge caches them)
+    settled = [with_fields(e, price=_rerun_prices(e.price, sum(share[m] for m in e.recomputed_under if m in share),
+                                                  again), recomputed_under=())
+               for e in edges]
+    moves = [with_fields(g, price=_rerun_prices(g.price, sum(share[m] for m in g.recomputed_under(edges) if m in share),
+                                                again))
+             for g in shared]
+    return {"edges": settled, "shared": moves}
 
 
 def _rerun_prices(prices: dict, recomputed_share: float, again: dict[tuple[int, float], Cost]) -> dict:

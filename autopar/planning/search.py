@@ -42,11 +42,11 @@ from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
-from autopar.planning.pricing import Pricer
+from autopar.planning.pricing import Pricer, with_fields
 from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
-from autopar.planning.solver import NODE_LIMIT, Pruned, infeasible_reason, least_memory, solve
+from autopar.planning.solver import NODE_LIMIT, Pruned, Solution, evaluate, infeasible_reason, least_memory, solve
 from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
@@ -268,7 +268,9 @@ class _MeshSearch:
         best: Candidate | None = None
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
-        for staging in self._stagings(mesh):
+        stagings = self._stagings(mesh)
+        settled = _Settled(mesh.stages > 1 and len(stagings) > 1 and stagings[0].checkpointing == ("none",))
+        for staging in stagings:
             # more recomputation only pays when it lets fewer microbatches fit than less did
             tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
             first = self._first_fitting(tried, staging, memory)
@@ -280,7 +282,8 @@ class _MeshSearch:
                 continue
             fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
             found = self._best_microbatching(mesh, staging, per_m, fitting, pricer,
-                                             min(cutoff_s or float("inf"), best.step_s if best else float("inf")))
+                                             min(cutoff_s or float("inf"), best.step_s if best else float("inf")),
+                                             settled.noting(staging is stagings[0]))
             if isinstance(found, Candidate):
                 best = found
             elif isinstance(found, str):
@@ -395,17 +398,22 @@ class _MeshSearch:
                 self._staged_problems[key] = (problem, stage_problem(problem, self.captured, staging))
         return self._staged_problems[key][1]
 
-    def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s) -> Candidate | MeshChoice | str:
+    def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s,
+                            settled: "_Settled | None" = None) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
-        more microbatches shrink the bubble: larger counts are tried while the step time improves."""
+        more microbatches shrink the bubble: larger counts are tried while the step time improves.
+        ``settled``: the counts no checkpointing mode after the first can win at (skipped), noted while
+        the first mode is searched."""
         best: Candidate | None = None
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
+            if settled is not None and not settled.noting_now and m in settled.counts:
+                continue
             problem = self._staged(per_m[m], staging)
             try:
                 with self.progress.phase("solve"):
-                    solution = solve(problem, self.node_limit, cutoff_s=cutoff_s,
-                                     bubble_fraction=staging.bubble_fraction(problem.microbatches))
+                    solution = self._solve(problem, cutoff_s, staging.bubble_fraction(problem.microbatches),
+                                           settled if settled is not None and settled.noting_now else None)
             except Pruned:
                 continue  # the cutoff counts this count's bubble; more microbatches shrink it
             except NoFeasiblePlanError as exc:
@@ -419,10 +427,61 @@ class _MeshSearch:
         return best if best is not None else (reason or mesh)  # mesh: pruned
 
 
+    def _solve(self, problem: Problem, cutoff_s: float | None, bubble_fraction: float,
+               settled: "_Settled | None") -> Solution:
+        """``solve``; when ``settled`` is given (the first checkpointing mode, none, of several), first
+        without the memory row (4): if even that optimum cannot beat the cutoff, or it fits memory (and
+        so is the optimum with the row too), no mode that recomputes can win at this microbatch count,
+        since recomputation only adds time to every option (``_Settled``)."""
+        if settled is None:
+            return solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
+        try:
+            free = solve(with_fields(problem, memory_capacity_bytes=math.inf), self.node_limit, cutoff_s=cutoff_s,
+                         bubble_fraction=bubble_fraction)
+        except Pruned:
+            settled.counts.add(problem.microbatches)
+            raise
+        except NoFeasiblePlanError:  # the node limit stopped it without a plan: solve with the row as always
+            return solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
+        if evaluate(problem, free.choice)[1] <= problem.memory_capacity_bytes:
+            settled.counts.add(problem.microbatches)
+            return free
+        return solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
+
+
+class _Settled:
+    """The microbatch counts of one pipeline mesh and schedule at which no checkpointing mode but none
+    can win. (Without a pipeline, a mode that recomputes only tries fewer microbatches than none did.)
+
+    Recomputation only adds to an option's price (a forward pass again in backward, and its inputs'
+    forward collectives again), and frees memory. So where the problem without recomputation, solved
+    without its memory row, has an optimum that fits memory anyway, or none that beats the cutoff,
+    every recomputing mode at that count is priced at least as high and is skipped unsolved.
+    ``noting_now``: the search of the first mode (none), which fills ``counts``, is under way."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.counts: set[int] = set()
+        self.noting_now = False
+
+    def noting(self, first_mode: bool) -> "_Settled | None":
+        """Itself for a search of a mode (``first_mode``: none, which notes counts), or None when off."""
+        if not self.enabled:
+            return None
+        self.noting_now = first_mode
+        return self
+
+
 def interleaving_chunks(layers: int, stages: int) -> list[int]:
-    """Model chunks per device the free search tries under interleaved 1F1B: each ``v`` >= 2 that cuts the
-    repeated layers into ``stages x v`` equal chunks, ascending."""
-    return [v for v in range(2, layers // max(1, stages) + 1) if layers % (stages * v) == 0]
+    """Model chunks per device the free search tries under interleaved 1F1B, ascending: each ``v`` >= 2
+    whose ``stages x v`` chunks each hold a layer and are priced at no more layers a device than one
+    chunk per device (``Staging.layers_per_stage``). Chunks need not be equal (the plan's ranges differ
+    by one layer at most, ``assemble._pipeline_section``): Llama 3 405B's 126 layers run interleaved on
+    16 stages (Llama 3 paper, §3.3.2), e.g. as 32 chunks of 3 or 4 layers."""
+    stages = max(1, stages)
+    one_chunk = Staging(stages, layers).layers_per_stage
+    return [v for v in range(2, layers // stages + 1)
+            if Staging(stages, layers, "interleaved", v).layers_per_stage == one_chunk]
 
 
 def runs_interleaved(microbatches: int, stages: int) -> bool:

@@ -76,7 +76,7 @@ from autopar.ir.layers import attention_cores, kept_under_selective, layer_names
 from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
 from autopar.cost_models.pipeline import last_chunk_in_flight, microbatches_in_flight, pipeline_bubble_fraction
 from autopar.planning.pricing import Cost, with_fields
-from autopar.planning.problem import LayerModes, Option, Problem
+from autopar.planning.problem import LayerModes, Option, Problem, settled_moves, settled_option
 
 @dataclass(frozen=True)
 class Staging:
@@ -236,6 +236,7 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     still_held = {m: roles.saved_outside_core if m == "core_attention" else frozenset() for m in modes}
     in_flight = staging.in_flight(problem.microbatches)
     last_in_flight = staging.last_chunk_in_flight(problem.microbatches)
+    one_mode = {modes[0]: 1.0} if len(modes) == 1 else None  # every layer in it: settled here, in one pass
     decisions = {}
     for key, d in problem.decisions.items():
         staged = with_fields(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
@@ -243,6 +244,8 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
             options = [_priced_by_mode(o, {m: (*_treatment(key, o, m, recomputed[m], kept_whole[m]),
                                                key in still_held[m]) for m in modes},
                                        in_flight, staged.count / layers, problem.microbatches) for o in d.options]
+            if one_mode:
+                options = [settled_option(o, one_mode, staged.count) for o in options]
         else:
             held = last_in_flight if key in roles.after_layers else in_flight
             options = [with_fields(o, cost=_held(o.cost, held)) for o in d.options]
@@ -250,8 +253,10 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     edges = [with_fields(e, count=e.count * decisions[e.dst].scale,
                      recomputed_under=tuple(m for m in modes if e.dst in recomputed[m]))
              for e in problem.edges]
-    staged_problem = with_fields(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
-    return staged_problem.with_layer_modes({modes[0]: layers}) if len(modes) == 1 else staged_problem
+    if one_mode:
+        return with_fields(problem, decisions=decisions, layer_modes=None,
+                           **settled_moves(edges, problem.shared, one_mode))
+    return with_fields(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
 
 
 def _treatment(key: str, option: Option, mode: str, recomputed: frozenset[str], kept_whole: frozenset[str]
