@@ -8,14 +8,27 @@ without capturing again. ``autopar.save_checkpoint`` / ``autopar.load_checkpoint
 model and optimizer state in a layout any other plan (another world size, pipeline or ZeRO) loads.
 """
 
+import importlib
+
 from autopar import inspect as _inspect  # noqa: F401  (registers Plan.summary and Plan.explain)
 from autopar.api import autoparallelize, compare, plan, reprice
 from autopar.core.errors import AutoparError, BadInputError, NoFeasiblePlanError, PlanFormatError, UnsupportedModelError
 from autopar.core.plan import Plan
 from autopar.ir.problem_file import SavedProblem, load_problem
-from autopar.runtime.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, load_full_state_dict,
-                                        optimizer_state_dict, save_checkpoint, save_full_state_dict)
-from autopar.runtime.parallel_module import ParallelModule
+
+_RUNTIME = {  # imported on first use: the runtimes pull in the rewrite passes and AOT autograd, which
+    # planning, inspecting plans and re-solving saved problems do not need (a second off every command)
+    "ParallelModule": "autopar.runtime.parallel_module",
+    **{name: "autopar.runtime.checkpoint" for name in (
+        "checkpoint_path", "latest_checkpoint", "load_checkpoint", "load_full_state_dict", "optimizer_state_dict",
+        "save_checkpoint", "save_full_state_dict")},
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RUNTIME:
+        return getattr(importlib.import_module(_RUNTIME[name]), name)
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
 __all__ = [
     "AutoparError", "BadInputError", "NoFeasiblePlanError", "ParallelModule", "Plan", "PlanFormatError",

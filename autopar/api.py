@@ -30,11 +30,10 @@ from autopar.planning.progress import SearchProgress
 from autopar.planning.search import make_plan
 from autopar.ir.problem_file import SavedProblem, save_problem as write_problem_file
 from autopar.cost_models.hardware import preset_for_cuda_name
-from autopar.runtime.fits import device_memory_bytes
-from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
-from autopar.passes.mixed_precision import compute_dtype
 
-if TYPE_CHECKING:  # the pipeline runtime imports torch.distributed.pipelining: only autoparallelize needs it
+if TYPE_CHECKING:  # the runtimes import the rewrite passes, AOT autograd and pipelining: only autoparallelize
+    # needs them, so planning, inspecting and re-solving a saved problem start without them
+    from autopar.runtime.parallel_module import ParallelModule
     from autopar.runtime.pipeline import PipelineParallelModule
 
 
@@ -148,6 +147,9 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
+    from autopar.passes.mixed_precision import compute_dtype
+    from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
+
     m, dtype = the_plan.pipeline.microbatches, compute_dtype(the_plan.precision)
     if m > 1 or dtype is not None:  # the program runs one microbatch at a time, in the compute dtype: capture that
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
@@ -203,6 +205,8 @@ def local_cluster_spec() -> str:
         device = preset_for_cuda_name(name)
         per_node = min(world, torch.cuda.device_count())
         return f"{world // per_node}x{per_node}x{device}"
+    from autopar.runtime.fits import device_memory_bytes
+
     share, _ = device_memory_bytes("cpu")
     return f"1x{world}xcpu,mem={share // 10**6 / 1000}GB"  # rounded down to a megabyte
 

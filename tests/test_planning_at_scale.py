@@ -203,3 +203,52 @@ def test_the_cheap_bound_is_below_the_optimum_and_prunes_before_the_model_is_bui
     monkeypatch.setattr(solver, "Ilp", None)  # pruned by the bound alone: no model is built
     with pytest.raises(solver.Pruned):
         solve(p, cutoff_s=solver.least_time(p) * 0.999)
+
+
+def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch):
+    """tiny-llama at 4,096 tokens in 20 MB a device: the best plan without cp recomputes, so cp meshes are
+    searched; at cp=2 activations fit with no recomputation at every tp, so cp=4 and cp=8 (the same tokens
+    a device, more keys and values gathered) are listed as pruned, never built, and the plan is the one a
+    search of every degree finds."""
+    from autopar.planning import search
+
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    built = []
+    build = search.problem_for
+    monkeypatch.setattr(search, "problem_for", lambda captured, mesh, *a, **k: (built.append(mesh.describe()),
+                                                                              build(captured, mesh, *a, **k))[1])
+    bundle = build_model("tiny-llama", overrides={"seq": 4096}, global_batch=8)
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"memory_gb": 0.02},
+                        example_targets=bundle.example_targets)
+    assert plan.checkpointing != "none" and plan.degrees.cp == 1
+    assert {m.get("cp") for m in built} == {None, 2}
+    assert {"dp": 2, "cp": 4} in plan.solver["pruned_meshes"] and {"cp": 8} in plan.solver["pruned_meshes"]
+    monkeypatch.setattr(search, "_dominated_by_less_cp", lambda mesh, fit_whole: False)
+    every_degree = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn,
+                                {"memory_gb": 0.02}, example_targets=bundle.example_targets)
+    assert any(m.get("cp") == 8 for m in built)
+    assert _without_timings(every_degree) == _without_timings(plan)
+
+
+def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatch):
+    """On a pinned pipeline mesh, a microbatch count none solved, at which none's problem solved without
+    its memory row fits memory (or cannot beat the cutoff), is not solved again in a mode that recomputes
+    (which prices every option at least as high): fewer ILPs, the same plan."""
+    from autopar.planning import search
+
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    solved = []
+    solve_ = search.solve
+    monkeypatch.setattr(search, "solve", lambda problem, *a, **k: (solved.append(problem.microbatches),
+                                                                   solve_(problem, *a, **k))[1])
+    bundle = _bundle("tiny-llama", 8, batch=32)
+    pinned = {"pp": 2, "dp": 8, "schedule": "1f1b", "memory_gb": 0.0025}  # none fits at 4 microbatches, not 1
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn, pinned,
+                        example_targets=bundle.example_targets)
+    with_rule = len(solved)
+    solved.clear()
+    monkeypatch.setattr(search._Settled, "noting", lambda self, first_mode: None)
+    every_count = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn, pinned,
+                               example_targets=bundle.example_targets)
+    assert with_rule < len(solved)
+    assert _without_timings(every_count) == _without_timings(plan)

@@ -41,7 +41,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
-from torch.export.graph_signature import InputKind
 
 from autopar.core.errors import BadInputError, UnsupportedModelError
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
@@ -474,6 +473,8 @@ def _decompositions() -> dict:
 
 
 def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
+    from torch.export.graph_signature import InputKind  # torch.export loads dynamo: only capture needs it
+
     gm = exported.graph_module
     _drop_assertions(gm.graph)
     aliases = _merge_tied(exported)
@@ -524,6 +525,8 @@ def _merge_tied(exported: torch.export.ExportedProgram) -> dict[str, str]:
     ``nn.Module.named_parameters`` keeps the first name only. Keeping that name's placeholder for every
     use gives planning one parameter to place and the runtime one tensor to shard, whose gradient
     autograd sums over both uses, as in the unsharded model."""
+    from torch.export.graph_signature import InputKind
+
     kept: dict[int, fx.Node] = {}
     aliases: dict[str, str] = {}
     nodes = {n.name: n for n in exported.graph_module.graph.nodes if n.op == "placeholder"}

@@ -46,7 +46,7 @@ from autopar.planning.pricing import Pricer, with_fields
 from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
-from autopar.planning.solver import NODE_LIMIT, Pruned, Solution, evaluate, infeasible_reason, least_memory, solve
+from autopar.planning.solver import NODE_LIMIT, Pruned, evaluate, infeasible_reason, least_memory, solve
 from autopar.core.plan import CHECKPOINTING, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
@@ -75,7 +75,8 @@ def make_plan(
                                                                      layer_count(captured), expert_count(captured)))
     progress.candidates = len(meshes)
 
-    def solve_each(meshes: list[MeshChoice]) -> None:
+    def solve_each(meshes: list[MeshChoice]) -> list[tuple[MeshChoice, MeshOutcome]]:
+        searched = []
         for first in range(0, len(meshes), BATCH):
             best = min(results, key=lambda c: c.step_s, default=None)
             batch = []
@@ -87,6 +88,7 @@ def make_plan(
                     batch.append((mesh, best.step_s if best else None))
             with progress.showing(f"search ({workers.count} workers)") if workers.count > 1 else nullcontext():
                 outcomes = workers.map(batch)
+            searched += [(mesh, outcome) for (mesh, _), outcome in zip(batch, outcomes)]
             for outcome in outcomes:
                 shortfall.note(outcome)
                 progress.add_phases(outcome.phases_s)
@@ -101,13 +103,21 @@ def make_plan(
                     results.append(found)
                     progress.found(found.step_s, found.solution.bound_s + (found.step_s - found.solution.objective_s),
                                    " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
+        return searched
 
     with Workers(search.search_mesh, worker_count()) as workers:
         solve_each(meshes)
         if _context_parallel_may_help(constraints, results):
             more = context_parallel_meshes(captured, cluster, constraints, batch_size)
             progress.candidates += len(more)
-            solve_each(more)
+            fit_whole: set[tuple] = set()
+            for degree in sorted({m.size(MeshAxis.CP) for m in more}):
+                group = [m for m in more if m.size(MeshAxis.CP) == degree]
+                kept = [m for m in group if not _dominated_by_less_cp(m, fit_whole)]
+                for _ in range(len(group) - len(kept)):
+                    progress.skipped()
+                pruned += [m for m in group if m not in kept]
+                fit_whole |= {_without_cp(mesh) for mesh, outcome in solve_each(kept) if outcome.fits_whole}
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures, shortfall.closest if not shortfall.solver_failed else None,
                                              constraints))
@@ -129,6 +139,26 @@ def _context_parallel_may_help(constraints: Constraints, results: list[Candidate
         return False
     best = min(results, key=lambda c: c.step_s, default=None)
     return best is None or best.checkpointing != "none"
+
+
+def _without_cp(mesh: MeshChoice) -> tuple:
+    """What a cp mesh is but for its cp and dp degrees: its stages and the sizes of its other dims."""
+    return mesh.stages, tuple((n, s) for n, s in zip(mesh.names, mesh.shape) if n not in (MeshAxis.CP, MeshAxis.DP_SHARD))
+
+
+def _dominated_by_less_cp(mesh: MeshChoice, fit_whole: set[tuple]) -> bool:
+    """Whether a one-stage mesh with a larger ``cp`` degree is skipped unsolved: a one-stage mesh searched
+    before with a smaller degree and otherwise the same dims (``_without_cp``: the same tp, the rest data
+    parallel) fit its activations without recomputation at some microbatch count ``m``.
+
+    At a fixed world, tp and global batch, a device holds the same tokens of a microbatch whatever the cp
+    degree (``B S tp / (world m)``); what a larger degree buys is more microbatch counts (``dp`` shrinks,
+    so ``B / dp`` grows), which only matter while activations do not fit. At ``m`` the larger degree
+    computes the same balanced share of attention, reduces its gradients over the same dp x cp ranks, and
+    gathers more of each sequence's keys and values (``(cp - 1) / cp`` of them, for ``cp`` times as many
+    sequences per device): it costs more and needs more memory; at more microbatches it costs more again
+    (without a pipeline the fewest that fit win, ``_best_microbatching``)."""
+    return _without_cp(mesh) in fit_whole
 
 
 def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constraints: Constraints,
@@ -230,6 +260,7 @@ class _MeshSearch:
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
+        self.fits_whole = False  # one stage, and its smallest placements fit with no recomputation at some count
         self.pid = os.getpid()  # of the process that plans (``search_mesh`` may run in a forked worker)
 
     def search_mesh(self, task: tuple[MeshChoice, float | None]) -> "MeshOutcome":
@@ -240,11 +271,12 @@ class _MeshSearch:
         in_worker = os.getpid() != self.pid
         if in_worker:  # a worker's own clock; its seconds are added to the parent's by ``make_plan``
             self.progress = SearchProgress()
-        self.closest, self.solver_failed = None, False
+        self.closest, self.solver_failed, self.fits_whole = None, False, False
         found = self.run(mesh, cutoff_s)
         if _distributed_optimizer_may_help(self, mesh, found):
             found = _better(found, self.run(mesh, _cutoff(cutoff_s, found), zero_stage=1))
-        return MeshOutcome(found, self.closest, self.solver_failed, self.progress.phases_s if in_worker else {})
+        return MeshOutcome(found, self.closest, self.solver_failed, self.progress.phases_s if in_worker else {},
+                           self.fits_whole)
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None, zero_stage: int | None = None
             ) -> Candidate | MeshChoice | str:
@@ -274,6 +306,8 @@ class _MeshSearch:
             # more recomputation only pays when it lets fewer microbatches fit than less did
             tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
             first = self._first_fitting(tried, staging, memory)
+            if staging.checkpointing == ("none",) and first is not None and tried == counts and mesh.stages == 1:
+                self.fits_whole = True  # activations kept whole fit at some microbatch count, one stage
             if first is None:
                 if tried:
                     self._note_shortfall(mesh, staging, self._staged(memory[tried[-1]], staging))
@@ -346,15 +380,18 @@ class _MeshSearch:
 
     def refine_layer_modes(self, best: Candidate) -> Candidate:
         """``best`` (one checkpointing mode for every layer) re-solved with each layer's mode left to the
-        ILP (``solver.py`` (5)-(8)), on its mesh and microbatch count; the better of the two.
+        ILP (``solver.py`` (5)-(8)) between none and ``best``'s mode, on its mesh and microbatch count;
+        the better of the two: some layers recompute as the winner does and the rest keep their
+        activations (what Megatron-LM's ``--recompute-num-layers`` sets by hand).
 
         The mesh search prices whole-model modes, which keeps each of its ILPs small and fast; the
         per-layer ILP is larger and its memory row makes it a hard knapsack, so it runs once, on the
-        winner, under the node limit; when the limit stops it, its best plan so far still counts."""
+        winner, with two modes (all five made it several times larger: 100 nodes of it took 100 s on
+        a 3-D mesh), under the node limit; when the limit stops it, its best plan so far still counts."""
         if self.constraints.checkpointing is not None or best.checkpointing == "none" \
                 or best.staging.layers_per_stage < 2:
             return best
-        staging = replace(best.staging, checkpointing=CHECKPOINTING)
+        staging = replace(best.staging, checkpointing=("none", best.checkpointing))
         pricer = best.pricer
         whole = problem_for(self.captured, best.mesh, pricer, self.capacity,
                             self._constraints(pricer.zero_stage or None))
@@ -402,23 +439,27 @@ class _MeshSearch:
                             settled: "_Settled | None" = None) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
         more microbatches shrink the bubble: larger counts are tried while the step time improves.
-        ``settled``: the counts no checkpointing mode after the first can win at (skipped), noted while
-        the first mode is searched."""
+        ``settled``: the first checkpointing mode's (none's) problems, noted while it is searched, and
+        the counts they settle for the modes after it (skipped)."""
         best: Candidate | None = None
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
-            if settled is not None and not settled.noting_now and m in settled.counts:
-                continue
             problem = self._staged(per_m[m], staging)
+            bubble = staging.bubble_fraction(problem.microbatches)
+            if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble):
+                continue
             try:
                 with self.progress.phase("solve"):
-                    solution = self._solve(problem, cutoff_s, staging.bubble_fraction(problem.microbatches),
-                                           settled if settled is not None and settled.noting_now else None)
+                    solution = solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble)
             except Pruned:
+                if settled is not None and settled.noting_now:
+                    settled.first[m] = problem
                 continue  # the cutoff counts this count's bubble; more microbatches shrink it
             except NoFeasiblePlanError as exc:
                 reason = str(exc)
                 continue
+            if settled is not None and settled.noting_now:
+                settled.first[m] = problem
             found = with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer)
             if best is not None and found.step_s >= best.step_s:
                 break
@@ -426,46 +467,47 @@ class _MeshSearch:
             cutoff_s = min(cutoff_s, found.step_s)
         return best if best is not None else (reason or mesh)  # mesh: pruned
 
-
-    def _solve(self, problem: Problem, cutoff_s: float | None, bubble_fraction: float,
-               settled: "_Settled | None") -> Solution:
-        """``solve``; when ``settled`` is given (the first checkpointing mode, none, of several), first
-        without the memory row (4): if even that optimum cannot beat the cutoff, or it fits memory (and
-        so is the optimum with the row too), no mode that recomputes can win at this microbatch count,
-        since recomputation only adds time to every option (``_Settled``)."""
-        if settled is None:
-            return solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
-        try:
-            free = solve(with_fields(problem, memory_capacity_bytes=math.inf), self.node_limit, cutoff_s=cutoff_s,
-                         bubble_fraction=bubble_fraction)
-        except Pruned:
-            settled.counts.add(problem.microbatches)
-            raise
-        except NoFeasiblePlanError:  # the node limit stopped it without a plan: solve with the row as always
-            return solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
-        if evaluate(problem, free.choice)[1] <= problem.memory_capacity_bytes:
-            settled.counts.add(problem.microbatches)
-            return free
-        return solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
+    def _settled_by_none(self, settled: "_Settled", m: int, cutoff_s: float, bubble_fraction: float) -> bool:
+        """Whether a mode that recomputes is skipped at ``m`` microbatches: none solved ``m`` (a plan, or
+        none beating the cutoff then), and its problem solved without the memory row either cannot beat
+        ``cutoff_s`` or has an optimum that fits memory anyway (so it is none's plan at ``m``). One solve,
+        the first time a later mode reaches ``m``, in place of up to one per later mode (``_Settled``)."""
+        if m not in settled.first:
+            return False
+        if m not in settled.known:
+            problem = settled.first[m]
+            with self.progress.phase("solve"):
+                try:
+                    free = solve(with_fields(problem, memory_capacity_bytes=math.inf), self.node_limit,
+                                 cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
+                    settled.known[m] = evaluate(problem, free.choice)[1] <= problem.memory_capacity_bytes
+                except Pruned:
+                    settled.known[m] = True  # the cutoff only falls as the search goes on
+                except NoFeasiblePlanError:  # the node limit stopped it without a plan
+                    settled.known[m] = False
+        return settled.known[m]
 
 
 class _Settled:
-    """The microbatch counts of one pipeline mesh and schedule at which no checkpointing mode but none
-    can win. (Without a pipeline, a mode that recomputes only tries fewer microbatches than none did.)
+    """Of one pipeline mesh and schedule, the microbatch counts at which no checkpointing mode but the
+    first (none) can win. (Without a pipeline, a mode that recomputes only tries fewer microbatches than
+    none did.)
 
     Recomputation only adds to an option's price (a forward pass again in backward, and its inputs'
-    forward collectives again), and frees memory. So where the problem without recomputation, solved
-    without its memory row, has an optimum that fits memory anyway, or none that beats the cutoff,
-    every recomputing mode at that count is priced at least as high and is skipped unsolved.
-    ``noting_now``: the search of the first mode (none), which fills ``counts``, is under way."""
+    forward collectives again), and frees memory. So where none's problem at a count, solved without
+    its memory row, has an optimum that fits memory anyway (none's own plan there) or none that beats
+    the cutoff, every recomputing mode at that count is priced at least as high and is skipped unsolved.
+    ``first``: none's staged problem at each count it solved; ``known``: the counts checked, and whether
+    they are settled; ``noting_now``: the search of none, which fills ``first``, is under way."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.counts: set[int] = set()
+        self.first: dict[int, Problem] = {}
+        self.known: dict[int, bool] = {}
         self.noting_now = False
 
     def noting(self, first_mode: bool) -> "_Settled | None":
-        """Itself for a search of a mode (``first_mode``: none, which notes counts), or None when off."""
+        """Itself for a search of a mode (``first_mode``: none, which notes its problems), or None when off."""
         if not self.enabled:
             return None
         self.noting_now = first_mode
@@ -526,12 +568,14 @@ def _pipeline_microbatch_counts(fitting: list[int], stages: int) -> list[int]:
 class MeshOutcome:
     """What one mesh's search (``_MeshSearch.search_mesh``) sends back: the best candidate, the mesh itself
     when its bound could not win, or why nothing fit; the configuration there that came closest to fitting
-    memory, whether the solver failed on one that should have fit, and a worker's phase seconds."""
+    memory, whether the solver failed on one that should have fit, a worker's phase seconds, and whether
+    activations fit there without recomputation (``_dominated_by_less_cp``)."""
 
     found: "Candidate | MeshChoice | str"
     closest: "MemoryShortfall | None"
     solver_failed: bool
     phases_s: Mapping[str, float]
+    fits_whole: bool = False  # one stage, its smallest placements fit with no recomputation at some count
 
 
 class _Shortfalls:
