@@ -235,6 +235,8 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
         fixed["sp"] = int(run.sequence_parallel)
     if run.pp > 1 and run.vp > 1:
         fixed["virtual_stages"] = run.vp
+    if run.cp > 1 and run.cp_attention:
+        fixed["cp_attention"] = run.cp_attention
     return fixed
 
 

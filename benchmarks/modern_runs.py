@@ -110,6 +110,9 @@ class ModernRun:
     """Published HBM capacity where it differs from the catalog's."""
     sequence_parallel: bool = True
     """Whether tensor parallelism also split the norms and the residual stream on the sequence."""
+    cp_attention: str = ""
+    """How context parallelism attended, where the source says: "allgather" (keys and values gathered) or
+    "ring" (exchanged block by block); "" leaves it to the planner."""
 
     @property
     def moe(self) -> str:
@@ -319,10 +322,12 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               notes="as llama3-405b/8192xH100"),
     ModernRun(name="llama3-405b-long-cp16/16384xH100", **LLAMA3_405B, seq=131072, global_batch=128, micro_batch=0,
               gpus=16384, device="H100", tp=8, pp=16, vp=1, cp=16, ep=1, data_parallel="fsdp", recompute="",
+              cp_attention="allgather",
               recompute_as_published="not stated", precision="bf16", metric="tflops_per_gpu", published=380,
               published_mfu=0.38,
               source=LLAMA3_PAPER + ", row 16,384 GPUs (TP 8, CP 16, PP 16, DP 8, seq 131072, 16M tokens/batch)",
-              notes="long-context stage; global batch = 16M tokens / 131072"),
+              notes="long-context stage; global batch = 16M tokens / 131072; the paper's context parallelism "
+                    "all-gathers the keys and values (§3.3.2)"),
     # ---- MoE runs (priced) and FP8 runs (recorded, not priced) ------------------------------------------
     ModernRun(name="gpt-oss-120b/64xH100", **GPT_OSS_120B, seq=4096, global_batch=512, micro_batch=4, gpus=64,
               device="H100", tp=1, pp=4, vp=1, cp=1, ep=8, data_parallel="distributed-optimizer", recompute="",
