@@ -82,23 +82,22 @@ def sequence_region(captured: CapturedGraph, sites: list[NormSite]) -> dict[str,
 def sequence_parallel_rule(captured: CapturedGraph, tp_dims: list[int], sp: int | None
                            ) -> Callable[[fx.Node, Strategy], bool]:
     """The planner's ``allow`` rule for constraint ``sp``: with 1, the norms and the residual stream
-    keep their output split on the sequence dim over every tp mesh dim; with 0, no norm output is;
-    unpinned (None), or without a tp dim, the solver chooses."""
+    keep their output split on the sequence dim over every tp mesh dim; with 0, none of them is split
+    over a tp dim at all (on the sequence, or on the batch where a microbatch's samples divide by tp:
+    Megatron-LM without sequence parallelism runs the norms, dropouts and residual adds whole on each
+    tp rank); unpinned (None), or without a tp dim, the solver chooses."""
     if sp is None or not tp_dims:
         return lambda node, strategy: True
-    sites = norm_sites(captured)
-    if sp:
-        constrained = sequence_region(captured, sites)
-    else:
-        constrained = {name: site.seq_dim for site in sites for name in site.nodes}
+    constrained = sequence_region(captured, norm_sites(captured))
 
     def allow(node: fx.Node, strategy: Strategy) -> bool:
         dim = constrained.get(node.name)
         out = strategy.outputs[0] if strategy.outputs else None
         if dim is None or out is None:
             return True
-        on_sequence = [out[d] == Shard(dim) for d in tp_dims]
-        return all(on_sequence) if sp else not any(on_sequence)
+        if not sp:
+            return not any(out[d].is_shard() for d in tp_dims)
+        return all(out[d] == Shard(dim) for d in tp_dims)
 
     return allow
 
