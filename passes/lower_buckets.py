@@ -137,8 +137,14 @@ def bucket_gradient_reductions(gm: fx.GraphModule, bucket_bytes: float = BUCKET_
             ready = members[-1].args[0]
             _reduce_bucket(graph, members, ready, groups, divisors, reduce_dtype, output)
             made.append((order[ready], len(members)))
+    return _recompiled(gm, made)
+
+
+def _recompiled(gm: fx.GraphModule, made: list[tuple[int, int]]) -> list[int]:
+    """``gm`` recompiled where a pass merged collectives (``made``: each bucket's (position, members)),
+    and the members of each bucket in graph order."""
     if made:
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return [count for _, count in sorted(made)]
 
@@ -314,10 +320,7 @@ def bucket_gradient_scatters(gm: fx.GraphModule, units: Mapping[str, str]) -> li
         ready = max((m.args[0] for m in members), key=order.__getitem__)
         _scatter_bucket(graph, members, ready, op, size, group, output)
         made.append((order[ready], len(members)))
-    if made:
-        graph.lint()
-        gm.recompile()
-    return [count for _, count in sorted(made)]
+    return _recompiled(gm, made)
 
 
 def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, op: str, size: int, group: str,
