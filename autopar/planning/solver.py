@@ -101,6 +101,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, NamedTuple
 
 from ortools.math_opt import model_pb2
+from ortools.math_opt.solvers import highs_pb2
 from ortools.math_opt.python import mathopt
 
 from autopar.core.errors import NoFeasiblePlanError
@@ -211,8 +212,13 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
 
 
 def _parameters(node_limit: int) -> mathopt.SolveParameters:
-    """The relative gap, the node limit and no output (stdout belongs to ``--json``)."""
-    return mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit)
+    """The relative gap, the node limit, no output (stdout belongs to ``--json``) and one HiGHS thread: the
+    planner already searches meshes in parallel processes (``workers.py``), and HiGHS's own threads mostly
+    wait on each other there (the 20 ILPs of a pinned Llama 3 70B took 3.9 s of wall time for 1.8 s of
+    CPU with HiGHS's default threads on the 2-core development machine, 1.9 s with one; the same
+    solutions)."""
+    return mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit,
+                                   highs=highs_pb2.HighsOptionsProto(int_options={"threads": 1}))
 
 
 class Ilp:
