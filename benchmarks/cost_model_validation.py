@@ -207,14 +207,17 @@ that on average (the plan states the assumption, ``model.moe.assumption``)."""
 def moe_overrides(run: ModernRun) -> dict[str, object]:
     """The MoE family's dims for ``run``. Its attention has heads of ``hidden / heads``, even; where the
     published heads are of another width (GPT-OSS: 64 of 64 on a 2,880 residual) it gets the most heads,
-    no more than published and a multiple of ``kv_heads``, that split ``hidden`` evenly."""
+    no more than published and a multiple of ``kv_heads``, that split ``hidden`` evenly. Under context
+    parallelism the tokens are routed in groups of a rank's chunk (``seq / 2 cp``, which autopar needs:
+    ``roles.check_groups_within_a_chunk``); at capacity factor 1 the price is the same for any group size."""
     heads = run.heads
     if run.head_dim and run.head_dim * run.heads != run.hidden:
         heads = max(h for h in range(run.kv_heads, run.heads + 1, run.kv_heads)
                     if run.hidden % h == 0 and (run.hidden // h) % 2 == 0)
     return {"layers": run.layers, "hidden": run.hidden, "heads": heads, "kv_heads": run.kv_heads,
             "vocab": run.vocab, "ffn_hidden": run.ffn_hidden, "seq": run.seq, "experts": run.experts,
-            "top_k": run.top_k, "capacity_factor": MOE_CAPACITY_FACTOR}
+            "top_k": run.top_k, "capacity_factor": MOE_CAPACITY_FACTOR,
+            **({"group_size": run.seq // (2 * run.cp)} if run.cp > 1 else {})}
 
 
 def modern_cluster(run: ModernRun) -> str:
@@ -267,8 +270,6 @@ def price_modern(run: ModernRun) -> dict:
                                 example_targets=bundle.example_targets, constraints=constraints)
         except (BadInputError, NoFeasiblePlanError) as err:
             refusals.append(f"{_fix_text(constraints)}: {type(err).__name__}: {err}")
-            if "not implemented" in str(err):  # cp/ep: no fallback changes that
-                break
             continue
         return {"status": "priced", "fix": _fix_text(constraints), "refusals": refusals,
                 "plan_wall_s": time.perf_counter() - start, **plan_terms(plan, run)}

@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from .hardware import SMALLEST_RATE, DeviceSpec, get_device
+from .hardware import LARGEST_AMOUNT, SMALLEST_RATE, DeviceSpec, get_device
 
 EXPECTED_FORM = "expected NxGxTYPE like 4x8xH100 (optionally ',ib=400Gbps,nvlink=900GBps,mem=80GB')"
 
@@ -225,11 +225,6 @@ def parse_size(text: str) -> int:
         raise ValueError(f"bad memory size {text!r}: expected a number with GB, GiB, TB or TiB "
                          "(bare number = GB)")
     return int(_positive(text, float(match.group(1)) * _SIZE_UNITS[unit]))
-
-
-LARGEST_AMOUNT = 2.0**53
-"""The largest byte count or bytes per second a cluster may state (9 PB, 9 PB/s): beyond it a figure is a
-typo, and a plan, which records the cluster, keeps numbers below 2**63."""
 
 
 def _positive(text: str, value: float) -> float:

@@ -154,10 +154,12 @@ class DeviceSpec:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"device name must be a non-empty string, got {self.name!r}")
         object.__setattr__(self, "peak_flops", _validated_flops(self.name, self.peak_flops))
-        if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
-            raise ValueError(f"device {self.name}: hbm_bytes must be a positive int, got {self.hbm_bytes!r}")
+        if not isinstance(self.hbm_bytes, int) or isinstance(self.hbm_bytes, bool) \
+                or not 0 < self.hbm_bytes <= LARGEST_AMOUNT:
+            raise ValueError(f"device {self.name}: hbm_bytes must be a positive int, at most {LARGEST_AMOUNT:.3g}, "
+                             f"got {self.hbm_bytes!r}")
         for attr in ("hbm_bw", "nvlink_bw", "net_bw"):
-            _require_positive(self.name, attr, getattr(self, attr))
+            _require_positive(self.name, attr, getattr(self, attr), LARGEST_AMOUNT)
         for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s", "host_op_s",
                      "host_update_op_s", "redistribute_s"):
             _require_non_negative(self.name, attr, getattr(self, attr))
@@ -197,7 +199,8 @@ class DeviceSpec:
             raise ValueError(f"bad device dict: unknown keys {unknown}, missing keys {missing}; "
                              f"expected exactly {sorted(names)}")
         values = dict(data)
-        values["hbm_bytes"] = int(values["hbm_bytes"])
+        if isinstance(values["hbm_bytes"], float) and values["hbm_bytes"].is_integer():  # 8e10 in a file
+            values["hbm_bytes"] = int(values["hbm_bytes"])
         return cls(**values)
 
 
@@ -219,15 +222,28 @@ typo, and the seconds priced from it (1e160 s for a bandwidth of 1e-167 B/s) ove
 solver can hold."""
 
 
-def _require_positive(name: str, attr: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not value >= SMALLEST_RATE or value == float("inf"):
-        raise ValueError(f"device {name}: {attr} must be a finite number of at least {SMALLEST_RATE:g}, "
-                         f"got {value!r}")
+LARGEST_AMOUNT = 2.0**53
+"""The largest byte count or bytes per second a device or cluster may state (9 PB, 9 PB/s): beyond it a
+figure is a typo, and a plan, which records the cluster, keeps numbers below 2**63."""
+LONGEST_FIXED_S = 3600.0
+"""The longest fixed time (a latency, a launch, a dispatch) a device may state: an hour is a typo, and the
+step times priced from it stay far below what a plan holds."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_positive(name: str, attr: str, value: Any, largest: float = float("inf")) -> None:
+    if not _is_number(value) or not SMALLEST_RATE <= value <= largest or value == float("inf"):
+        raise ValueError(f"device {name}: {attr} must be a finite number of at least {SMALLEST_RATE:g}"
+                         + (f" and at most {largest:.3g}" if largest < float("inf") else "") + f", got {value!r}")
 
 
 def _require_non_negative(name: str, attr: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
-        raise ValueError(f"device {name}: {attr} must be a non-negative finite number, got {value!r}")
+    if not _is_number(value) or not 0 <= value <= LONGEST_FIXED_S:
+        raise ValueError(f"device {name}: {attr} must be a non-negative number of seconds, at most "
+                         f"{LONGEST_FIXED_S:g}, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------

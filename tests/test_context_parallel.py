@@ -7,8 +7,8 @@ with keys and values all-gathered (``cp_attention=allgather``, pinned here; the 
 * The planner: a pinned ``cp`` gets a ``cp`` mesh dim over which the inputs are split on the sequence,
   parameters stay whole (or, under FSDP, sharded over dp x cp), fused attention reads its queries split and its keys and values gathered, and
   the views that flatten the sequence into rows keep it split (run locally); through the CLI, and
-  ``show``; with pipeline stages. Refused: a model without fused attention, a ``2 cp`` that does not
-  divide the sequence, ``cp`` with expert parallelism.
+  ``show``; with pipeline stages; with HSDP (parameters sharded over dp x cp in a replica group). Refused: a model without fused attention, a ``2 cp`` that does not
+  divide the sequence. With expert parallelism: ``tests/test_cp_ep.py``.
 * The load-balanced layout (``passes/sequence_layout.py``): rank r holds chunks r and 2cp-1-r of 2cp,
   so causal attention is priced as an even share of its work (as under dp); the plan says so
   (``cp_layout``), and a plan without the key (made before it) reads, and runs, as contiguous chunks.
@@ -17,8 +17,9 @@ with keys and values all-gathered (``cp_attention=allgather``, pinned here; the 
   training (the causal mask of each rank's two chunks of queries by their true positions, the rotary
   tables' and tiny-gpt's position embeddings' rows picked for the rank's chunks, the gathered keys in
   true order and their reduce-scattered gradients, the loss averaged over every token); and cp=2 x tp=2
-  (with and without sequence parallelism over tp), and cp=2 x pp=2 (1F1B; each stage's program reorders
-  its own rotary rows).
+  (with and without sequence parallelism over tp), cp=2 x pp=2 (1F1B; each stage's program reorders
+  its own rotary rows), and HSDP: dp_replicate=2 x cp=2 (parameters sharded over cp, replicated across
+  the replica groups).
   The collectives a cp=2 step runs are exactly the plan's, forward and backward (the rotary tables'
   slices, which have no gradient, gather nothing in backward, and are priced so).
 """
@@ -31,7 +32,6 @@ import pytest
 
 import autopar
 from autopar.cli import main
-from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.models import build_model
 from autopar.inspect.collectives import predicted_collectives
@@ -157,9 +157,21 @@ def test_cp_composes_with_pipeline_stages() -> None:
     assert plan["cp_layout"] == "load_balanced" and len(plan["pipeline"]["stages"]) == 2
 
 
-def test_cp_is_not_combined_with_expert_parallelism() -> None:
-    with pytest.raises(BadInputError, match="cp=2 and ep=2: context parallelism is not combined with ep"):
-        Constraints.parse("cp=2,ep=2")
+def test_cp_composes_with_expert_parallelism() -> None:
+    """The expert dim beside cp, carved from the data-parallel ranks (Megatron-Core's way): the batch and
+    the experts split over ep, the sequence over cp (parity and counts: ``tests/test_cp_ep.py``)."""
+    plan = _plan("tiny-moe", {"cp": 2, "ep": 2}, "1x4xcpu", {"seq": 32, "group_size": 4})
+    assert plan["mesh"] == {"shape": [2, 2], "dim_names": ["cp", "ep"]} and plan["degrees"]["ep"] == 2
+    assert plan["cp_layout"] == "load_balanced"
+
+
+def test_cp_composes_with_hsdp() -> None:
+    """HSDP beside cp: parameters sharded over dp x cp inside a replica group, replicated across them."""
+    plan = _plan("tiny-llama", {"cp": 2, "dp": 4, "dp_shard": 2, **ALLGATHER}, "1x8xcpu", LONG)
+    assert plan["mesh"] == {"shape": [2, 2, 2], "dim_names": ["dp_replicate", "dp", "cp"]}
+    assert plan["degrees"]["dp_replicate"] == 2 and plan["degrees"]["fsdp"] == 4
+    matrices = [p for name, p in plan["placements"].items() if name.endswith("proj.weight")]
+    assert matrices and all(p[0] == "R" and p[1] == p[2] and p[1].startswith("S(") for p in matrices)
 
 
 # ---- parity on gloo ---------------------------------------------------------------------------------
@@ -184,10 +196,12 @@ def test_cp_on_2_ranks_matches_single_process() -> None:
 @pytest.mark.slow
 def test_cp_with_data_tensor_and_pipeline_parallelism_on_4_ranks_matches_single_process() -> None:
     runs = [{"cp": 2, "dp": 2}, {"cp": 4, "fsdp": 3}, {"cp": 2, "tp": 2}, {"cp": 2, "pp": 2},
-            {"cp": 2, "tp": 2, "sp": 1}]
+            {"cp": 2, "tp": 2, "sp": 1}, {"cp": 2, "dp": 2, "dp_shard": 1}]
     results = train_parallel_many(4, [_run("tiny-llama", LONG, {**c, **ALLGATHER}) for c in runs])
     reference = train_single("tiny-llama", LONG, BATCH, None, STEPS)
-    assert [r.plan["mesh"]["dim_names"] for r in results] == [["dp", "cp"], ["cp"], ["cp", "tp"], ["cp"], ["cp", "tp"]]
+    assert [r.plan["mesh"]["dim_names"] for r in results] == [["dp", "cp"], ["cp"], ["cp", "tp"], ["cp"], ["cp", "tp"],
+                                                              ["dp_replicate", "cp"]]
+    assert results[5].plan["degrees"]["fsdp"] == 2  # HSDP: sharded over cp, replicated across the 2 replicas
     assert results[3].plan["degrees"]["pp"] == 2 and results[4].plan["degrees"]["sp"] == 2
     assert results[1].plan["degrees"]["fsdp"] == 4  # parameters sharded over cp, gathered before use
     for result in results:
@@ -209,6 +223,25 @@ def test_cp_runs_the_predicted_collectives() -> None:
     plan = counted[0]["plan"]
     forward, step = predicted_collectives(plan, ["forward"]), predicted_collectives(plan)
     assert forward["all_gather"] >= 2 * plan["model"]["layers"] and step["reduce_scatter"] == 2 * plan["model"]["layers"]
+    for c in counted:
+        assert c["forward"] == forward, (c["forward"], forward)
+        assert c["step"] == step, (c["step"], step)
+
+
+def _counted_hsdp_step(rank: int, world: int) -> dict:
+    """One forward, then one step, of tiny-llama under HSDP with cp: dp_replicate=2 x cp=2."""
+    return counted_step("tiny-llama", LONG, BATCH, {"cp": 2, "dp": 2, "dp_shard": 1, **ALLGATHER})
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_cp_with_hsdp_runs_the_predicted_collectives() -> None:
+    """The parameters' gathers over cp and their gradients' reduce-scatters there and all-reduces across
+    the replica groups, beside the keys' and values' gathers, are the plan's."""
+    counted = run_on_ranks(_counted_hsdp_step, 4)
+    plan = counted[0]["plan"]
+    assert plan["mesh"]["dim_names"] == ["dp_replicate", "cp"]
+    forward, step = predicted_collectives(plan, ["forward"]), predicted_collectives(plan)
     for c in counted:
         assert c["forward"] == forward, (c["forward"], forward)
         assert c["step"] == step, (c["step"], step)

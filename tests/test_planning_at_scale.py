@@ -252,3 +252,25 @@ def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatc
                                example_targets=bundle.example_targets)
     assert with_rule < len(solved)
     assert _without_timings(every_count) == _without_timings(plan)
+
+
+def test_a_cp_degree_the_model_cannot_split_fails_its_mesh_not_the_search():
+    """A free search that tries a ``cp`` degree whose chunks are shorter than the model's routing groups
+    (tiny-moe routed in groups of 8 tokens at 32 tokens: chunks of 8 at cp=2, of 4 at cp=4) records that
+    mesh as one that does not fit, with the reason, and goes on; pinned, the same degree is refused."""
+    from autopar.core.axes import MeshAxis
+    from autopar.core.errors import BadInputError
+    from autopar.planning.progress import SearchProgress
+    from autopar.planning.search import _MeshSearch, context_parallel_meshes
+
+    bundle = build_model("tiny-moe", overrides={"seq": 32, "group_size": 8}, global_batch=8)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    cluster = parse_cluster("1x8xcpu")
+    search = _MeshSearch(captured, cluster, "fp32", 1e9, 8, Constraints(), SearchProgress())
+    meshes = context_parallel_meshes(captured, cluster, Constraints(), 8)
+    cp4 = next(m for m in meshes if m.size(MeshAxis.CP) == 4)
+    found = search.run(cp4, None)
+    assert isinstance(found, str) and "consecutive tokens" in found
+    with pytest.raises(BadInputError, match="consecutive tokens"):
+        autopar.plan(bundle.model, bundle.example_inputs, "1x8xcpu", bundle.loss_fn, {"cp": 4},
+                     example_targets=bundle.example_targets)

@@ -122,7 +122,8 @@ class Constraints:
     """Context-parallel degree: the ranks each sequence is split over (on its sequence dim; fused attention
     gathers the keys and values). Free, it is searched where activation memory shapes the plan; it needs
     a model with fused attention and 2 x cp dividing the sequence (two chunks per rank, for even causal
-    work), and is not combined with ep or HSDP."""
+    work). It composes with ``ep`` (a mixture-of-experts model's routing groups within a rank's chunks of
+    ``seq / 2 cp`` tokens) and HSDP (parameters sharded over ``dp x cp``, replicated across replica groups)."""
     cp_attention: str | None = _pinned(_one_of(CP_ATTENTIONS))
     """How fused attention runs over the sequence split on cp: allgather (the keys and values gathered
     before it, Llama 3's) or ring (passed around the cp ranks inside it, each exchange behind one block's
@@ -162,7 +163,6 @@ class Constraints:
             value = getattr(self, f.name)
             if value is not None:  # frozen: the checked value replaces the given one (e.g. "2" -> 2)
                 object.__setattr__(self, f.name, f.metadata["check"](_key(f), value))
-        self._refuse_unimplemented()
         self._refuse_contradictions()
         if self.virtual_stages is not None and self.virtual_stages > 1:
             object.__setattr__(self, "schedule", "interleaved")
@@ -204,13 +204,6 @@ class Constraints:
         return 2 if self.schedule == "interleaved" else 1
 
     # ---- checks across fields -------------------------------------------------------------------------------
-    def _refuse_unimplemented(self) -> None:
-        if self.cp not in (None, 1):
-            for key in ("ep", "dp_shard"):
-                if getattr(self, key) not in (None, 1):
-                    raise BadInputError(f"constraints cp={self.cp} and {key}={getattr(self, key)}: context "
-                                        f"parallelism is not combined with {key} > 1 in this version; pin one of them")
-
     def _refuse_contradictions(self) -> None:
         if self.sp == 1 and self.tp == 1:
             raise BadInputError("constraint sp=1 splits the norms on the sequence over the tp mesh dim: it needs "

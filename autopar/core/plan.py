@@ -11,10 +11,11 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar
 
+from autopar.core.axes import MeshAxis
 from autopar.core.errors import PlanFormatError
 from autopar.core.files import read_text, write_atomically
 from autopar.core.placement import str_to_placement
@@ -41,6 +42,7 @@ CP_ATTENTIONS = (ALLGATHER, RING)
 before it (Llama 3's context parallelism; plans before the ring), or passed around the cp ring inside it
 (``passes/ring_attention.py``). The planner prices both per op and the ILP picks; the ops' placements say
 which each runs (keys split on the sequence over cp: the ring), and this key says what they chose."""
+_AXIS_NAMES = tuple(axis.value for axis in MeshAxis)
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
 
@@ -66,7 +68,7 @@ class _Section(Mapping[str, Any]):
         name = cls.json_name
         if not isinstance(data, Mapping):
             raise PlanFormatError(f"{source}: '{name}' must be a JSON object, got {type(data).__name__}")
-        missing = [k for k in cls._required if k not in data]
+        missing = [k for k in cls._required if data.get(k) is None]
         if missing:
             raise PlanFormatError(f"{source}: {name} is missing {', '.join(missing)}")
         known = {f.name for f in fields(cls)} - {"extra"}
@@ -127,6 +129,10 @@ class Mesh(_Section):
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in self.shape):
             raise PlanFormatError(f"{source}: mesh needs 'shape' (positive ints) and 'dim_names' lists of equal "
                                   "length")
+        names = [n for n in self.dim_names if isinstance(n, str) and n in _AXIS_NAMES]
+        if len(set(names)) != len(self.dim_names):
+            raise PlanFormatError(f"{source}: mesh.dim_names must be distinct names among {', '.join(_AXIS_NAMES)}, "
+                                  f"got {_short(self.dim_names)}")
 
     @property
     def ndim(self) -> int:
@@ -168,8 +174,9 @@ class Degrees(_Section):
         return super().parse(data, source)
 
     def check(self, source: str) -> None:
-        for key in self._keys():
-            _positive_int(source, f"degrees.{key}", getattr(self, key))
+        for f in fields(self):
+            if f.name != "extra" and (f.default is MISSING or getattr(self, f.name) is not None):
+                _positive_int(source, f"degrees.{f.name}", getattr(self, f.name))
         if self.zero is not None and self.zero > 3:
             raise PlanFormatError(f"{source}: degrees.zero is a ZeRO stage 1-3, got {self.zero}")
 
@@ -189,6 +196,11 @@ class Pipeline(_Section):
 
     def check(self, source: str) -> None:
         _positive_int(source, "pipeline.microbatches", self.microbatches)
+        _positive_int(source, "pipeline.microbatch_size", self.microbatch_size)
+        if self.virtual_stages is not None:
+            _positive_int(source, "pipeline.virtual_stages", self.virtual_stages)
+        if not isinstance(self.schedule, str):
+            raise PlanFormatError(f"{source}: pipeline.schedule must be a string, got {_short(self.schedule)}")
         if not isinstance(self.stages, list) or not all(
                 isinstance(r, list) and len(r) == 2 and all(isinstance(i, int) for i in r) for r in self.stages):
             raise PlanFormatError(f"{source}: pipeline.stages must list [first, end) layer ranges")
@@ -264,10 +276,15 @@ class Plan:
     def __post_init__(self) -> None:
         """Sections given as JSON objects (``from_dict``, plan assembly) become their typed values."""
         if self.precision is None:
-            dtype = self.model.get("dtype", "fp32") if isinstance(self.model, Mapping) else "fp32"
+            dtype = self.model_dtype if isinstance(self.model, Mapping) else "fp32"
             object.__setattr__(self, "precision", Precision.of(str(dtype)))
         for name, kind in _SECTIONS.items():
             object.__setattr__(self, name, kind.parse(getattr(self, name), "plan"))
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model was planned in (``model.dtype``): fp32 in plans that do not say."""
+        return self.model.get("dtype", "fp32")
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -326,6 +343,8 @@ class Plan:
             for i, pls in enumerate([*op["inputs"], *op["outputs"]]):
                 if pls is not None:
                     _check_placements(source, f"ops[{node!r}] placement {i}", pls, len(shape))
+            for i, term in enumerate(op.get("collectives", [])):
+                _check_collective(source, f"ops[{node!r}].collectives[{i}]", term, len(shape))
         for name, spec in self.inputs.items():
             _check_placements(source, f"placement of input {name!r}", spec["placements"], len(shape))
         self._check_checkpointing(source)
@@ -403,6 +422,12 @@ def _check_placements(source: str, what: str, pls: Any, ndim: int) -> None:
             raise PlanFormatError(f"{source}: {what}: {exc}") from None
 
 
+def _check_collective(source: str, where: str, term: Mapping[str, Any], ndim: int) -> None:
+    if not all(0 <= d < ndim for d in [term["mesh_dim"], *term["sharded_on"]]) or len(term["group"]) != 3:
+        raise PlanFormatError(f"{source}: {where}: mesh_dim and sharded_on must index the {ndim} mesh dims and "
+                              "group list [ranks, ranks per node, nodes]")
+
+
 # ---- what the readers of a plan (show, explain, report, export, the runtime) rely on in its sections --------
 @dataclass(frozen=True)
 class _Record:
@@ -427,16 +452,25 @@ class _OrNull:
     spec: Any
 
 
+@dataclass(frozen=True)
+class _OneOf:
+    values: tuple[str, ...]
+
+
 _NUMBER, _INTEGER, _TEXT, _FLAG, _ANY_OBJECT, _ANY_LIST = "number", "integer", "string", "boolean", "object", "array"
+_POSITIVE = "positive number"  # a number that divides: a step time, a bandwidth
+_COUNT = "positive integer"  # devices, nodes
 _LARGEST = 2**63  # a number a plan holds fits a float and an int64
-_PLACEMENTS = _OrNull(_ListOf(_TEXT))  # checked against the mesh by ``_check_placements``
+_PLACEMENTS = _ListOf(_TEXT)  # checked against the mesh by ``_check_placements``
 _SECONDS_BY_KIND = _MapOf(_NUMBER)
 _COLLECTIVE = _Record(
-    {"kind": _TEXT, "phase": _TEXT, "tensor": _TEXT, "mesh_dim": _INTEGER, "nbytes": _NUMBER, "seconds": _NUMBER},
-    {"why": _TEXT, "shape": _ListOf(_INTEGER), "element_bytes": _NUMBER, "sharded_on": _ANY_LIST,
-     "group": _ListOf(_INTEGER), "grad_sync": _FLAG, "per_microbatch": _FLAG, "share": _NUMBER})
+    {"kind": _TEXT, "phase": _TEXT, "tensor": _TEXT, "mesh_dim": _INTEGER, "nbytes": _NUMBER, "seconds": _NUMBER,
+     "why": _TEXT, "shape": _ListOf(_INTEGER), "element_bytes": _POSITIVE, "sharded_on": _ListOf(_INTEGER),
+     "group": _ListOf(_COUNT), "grad_sync": _FLAG, "per_microbatch": _FLAG, "share": _POSITIVE})
+"""One collective of an op (``planning/explanations.py`` writes every key): ``mesh_dim`` and ``sharded_on``
+index the mesh (``Plan.validate``), ``group`` is [ranks, ranks per node, nodes]."""
 _OP = _Record(
-    {"op": _TEXT, "module": _TEXT, "inputs": _ListOf(_PLACEMENTS), "outputs": _ListOf(_PLACEMENTS)},
+    {"op": _TEXT, "module": _TEXT, "inputs": _ListOf(_PLACEMENTS), "outputs": _ListOf(_OrNull(_PLACEMENTS))},
     {"decision": _TEXT, "collectives": _ListOf(_COLLECTIVE), "count": _NUMBER, "local": _FLAG,
      "cost": _Record({}, {"compute_s": _NUMBER, "comm_s": _SECONDS_BY_KIND, "grad_sync_s": _NUMBER,
                           "memory_bytes": _NUMBER})})
@@ -453,14 +487,15 @@ _MODEL_FACTS = {"dims": _ANY_OBJECT, "moe": _MOE}
 saved problem keeps them for the plans made from it (``check_model_facts``)."""
 _CONTENTS: dict[str, Any] = {
     "model": _Record({"name": _TEXT, "params": _INTEGER},
-                     {"layers": _INTEGER, "flops_per_step": _NUMBER, "graph_fingerprint": _TEXT, "dtype": _TEXT,
-                      **_MODEL_FACTS}),
-    "cluster": _Record({}, {"spec": _TEXT, "nodes": _INTEGER, "devices_per_node": _INTEGER, "devices": _INTEGER,
-                            "device": _TEXT, "intra_bw": _NUMBER, "inter_bw": _NUMBER, "hbm_bytes": _NUMBER,
-                            "device_spec": _ANY_OBJECT}),
+                     {"layers": _INTEGER, "flops_per_step": _NUMBER, "graph_fingerprint": _TEXT,
+                      "dtype": _OneOf(DTYPES), **_MODEL_FACTS}),
+    "cluster": _Record({"spec": _TEXT, "devices": _COUNT, "intra_bw": _POSITIVE, "inter_bw": _POSITIVE,
+                        "device_spec": _Record({"intra_latency_s": _NUMBER, "inter_latency_s": _NUMBER,
+                                                "base_latency_s": _NUMBER})},
+                       {"nodes": _COUNT, "devices_per_node": _COUNT, "device": _TEXT, "hbm_bytes": _NUMBER}),
     "ops": _MapOf(_OP),
     "predicted": _Record({key: _NUMBER for key in _PREDICTED_KEYS if key not in ("comm_s", "memory_bytes")}
-                         | {"comm_s": _SECONDS_BY_KIND, "memory_bytes": _MapOf(_NUMBER)},
+                         | {"step_time_s": _POSITIVE, "comm_s": _SECONDS_BY_KIND, "memory_bytes": _MapOf(_NUMBER)},
                          {"grad_sync_s": _NUMBER, "memory_capacity_bytes": _NUMBER, "optimizer_s": _NUMBER}),
     "solver": _Record({"status": _TEXT, "gap": _NUMBER, "wall_s": _NUMBER, "variables": _INTEGER,
                        "constraints": _INTEGER},
@@ -509,6 +544,10 @@ def _check_value(source: str, where: str, value: Any, spec: Any) -> None:
 
 
 def _holds(value: Any, spec: Any) -> bool:
+    if spec == _POSITIVE:
+        return _holds(value, _NUMBER) and value > 0
+    if spec == _COUNT:
+        return _holds(value, _INTEGER) and value > 0
     if spec == _NUMBER:
         return (isinstance(value, int) and not isinstance(value, bool) and abs(value) < _LARGEST) or \
             (isinstance(value, float) and math.isfinite(value) and abs(value) < _LARGEST)
@@ -518,6 +557,8 @@ def _holds(value: Any, spec: Any) -> bool:
         return isinstance(value, list)
     if isinstance(spec, (_MapOf, _Record)) or spec == _ANY_OBJECT:
         return isinstance(value, dict)
+    if isinstance(spec, _OneOf):
+        return value in spec.values
     return isinstance(value, {_TEXT: str, _FLAG: bool}[spec])
 
 
@@ -526,7 +567,10 @@ def _described(spec: Any) -> str:
         return "an array"
     if isinstance(spec, (_MapOf, _Record)) or spec == _ANY_OBJECT:
         return "an object"
-    return {_NUMBER: "a finite number", _INTEGER: "an integer"}.get(spec, f"a {spec}")
+    if isinstance(spec, _OneOf):
+        return "one of " + ", ".join(spec.values)
+    return {_NUMBER: "a finite number", _POSITIVE: "a finite positive number", _COUNT: "a positive integer",
+            _INTEGER: "an integer"}.get(spec, f"a {spec}")
 
 
 def _short(value: Any) -> str:

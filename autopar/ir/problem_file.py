@@ -41,6 +41,7 @@ SCHEMA = "autopar.problem/1"
 _PYTHON_TARGETS = {"operator": operator, "math": math}  # the only non-aten callables a target may name
 _TORCH_ENUMS = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
 _SIZE_BITS = 48  # a tensor dim or stride in a problem file is below 2**48 (a product of a few stays in int64)
+_LEAST_TRACED = 3  # layers of a stack traced: the first, the last, and those sharing the rest (LayerStack.weight)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ def problem_from_dict(data: Any) -> SavedProblem:
         stack=_stack(data.get("stack")),
     )
     _check_references(captured)
+    if captured.stack is not None:
+        _check_stack(captured)
     _check_values(captured.graph)
     model = _typed(data, "model", dict)
     inputs = model.get("inputs", [])
@@ -216,9 +219,19 @@ def _stack(data: Any) -> LayerStack | None:
             or not all(isinstance(data.get(k), int) and not isinstance(data.get(k), bool) for k in ("layers", "traced")):
         raise _Malformed(f"'stack' must be {{\"path\": str, \"layers\": int, \"traced\": int}}, got {data!r}")
     stack = LayerStack(data["path"], data["layers"], data["traced"])
-    if not 0 < stack.traced <= stack.layers < 2**_SIZE_BITS:
-        raise _Malformed(f"'stack' traces {stack.traced} of {stack.layers} layers")
+    if not _LEAST_TRACED <= stack.traced < stack.layers < 2**_SIZE_BITS:
+        raise _Malformed(f"'stack' traces {stack.traced} of {stack.layers} layers: a stack traces at least "
+                         f"{_LEAST_TRACED} of its layers, and fewer than all")
     return stack
+
+
+def _check_stack(captured: CapturedGraph) -> None:
+    """Every node inside the stack lies in one of its traced layers."""
+    for node in captured.graph.nodes:
+        index = captured.traced_layer(node.name)
+        if index is not None and index >= captured.stack.traced:
+            raise _Malformed(f"node {node.name!r} lies in layer {index} of '{captured.stack.path}', which "
+                             f"traces {captured.stack.traced}")
 
 
 def _typed(data: dict, key: str, kind: type) -> Any:
@@ -247,8 +260,9 @@ def _graph_from_records(records: list) -> fx.Graph:
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
             raise _Malformed(f"{where}: {type(exc).__name__}: {exc}") from None
         env[node.name] = node
-    if not any(n.op == "output" for n in graph.nodes):
-        raise _Malformed("the graph has no output node")
+    ops = [n.op for n in graph.nodes]
+    if ops.count("output") != 1 or ops[-1] != "output":
+        raise _Malformed("the graph must end in its one output node")
     return graph
 
 
@@ -265,6 +279,8 @@ def _node_from_record(graph: fx.Graph, record: dict, env: dict[str, fx.Node]) ->
         raise _Malformed(f"args must be a list, got {type(args).__name__}")
     if op == "placeholder" and (args or kwargs):
         raise _Malformed(f"placeholder {name!r} takes no arguments")  # fx would write them as defaults
+    if op == "output" and (len(args) != 1 or kwargs):
+        raise _Malformed(f"the output node takes one argument (what the step returns), got {len(args)}")
     node = graph.create_node(op, target, tuple(args), kwargs, name=name)
     if node.name != name:
         raise _Malformed(f"duplicate or invalid node name {name!r}")

@@ -25,7 +25,9 @@ captures it on fake tensors and DTensor's strategies split it:
 
 Splitting the expert weights on their expert dim over a mesh dim and the dispatched tokens
 ``[E, g x C, d]`` on the same dim is expert parallelism; moving them from the group split to the expert
-split and back are the two all_to_alls (``planning/roles.py``, role ``ep``). The model returns
+split and back are the two all_to_alls (``planning/roles.py``, role ``ep``). The tokens are grouped
+through their rows (``[b, seq, d] -> [b x seq, d] -> [g, s, d]``), so under context parallelism a rank's
+sequence shard is grouped on the rank when groups lie within its chunks. The model returns
 ``(logits, aux_loss)``; ``moe_loss`` adds them. ``routing_facts`` is what a plan states about the
 routing (``Plan.model["moe"]``: capacity, dropped-token policy, the router imbalance the price holds).
 """
@@ -252,12 +254,12 @@ class MoEFeedForward(nn.Module):
         cfg = self.config
         b, seq, d = x.shape
         s = _group_tokens(cfg, seq)
-        x = x.reshape(b * seq // s, s, d)
+        x = x.reshape(b * seq, d).reshape(b * seq // s, s, d)  # via rows: a sequence split over cp stays local
         probs = self.router(x).softmax(dim=-1)
         index, gates = route(probs, cfg.top_k)
         routed, where = dispatch(x, index, cfg.experts, capacity(cfg, s))
         y = combine(self.experts(routed), where, gates)
-        return y.reshape(b, seq, d), _balance_loss(probs, index)
+        return y.reshape(b * seq, d).reshape(b, seq, d), _balance_loss(probs, index)
 
     def routing(self, seq: int) -> Routing:
         """The layer's routing on sequences of ``seq`` tokens (``routing_facts``)."""

@@ -69,7 +69,9 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
     (its all_reduces are on the critical path) and ``pp`` divides the node count (a stage spans whole
     nodes, so only stage-to-stage transfers cross the network; Narayanan et al., SC21). With
     ``experts`` (the number of experts every expert weight is split into; 0 for a dense model), each
-    data-parallel group is also tried with an ``ep`` dim (``expert_degrees``)."""
+    data-parallel group is also tried with an ``ep`` dim (``expert_degrees``), which a ``cp`` dim goes
+    outside of: ``cp x ep``, so the ep all_to_alls move the dispatched tokens of a value split on the same
+    dim over cp without gathering it (DTensor moves the innermost split of a dim in place)."""
     world = cluster.world_size
     cp = constraints.cp or 1  # context parallelism: the search tries each degree as pinned
     fixed = {"pp": constraints.pp, "dp": constraints.dp, "tp": constraints.tp}  # pinned degrees, by constraint key
@@ -93,10 +95,8 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
                     raise BadInputError(f"global batch {batch} is not divisible by dp={dp}")
                 continue
             for replicas, ep in _data_parallel_splits(cluster, constraints, dp, tp, experts):
-                if cp > 1 and (replicas > 1 or ep > 1):
-                    continue  # nor with HSDP or expert parallelism
                 named = ((MeshAxis.DP_REPLICATE, replicas), (MeshAxis.DP_SHARD, dp // (replicas * ep)),
-                         (MeshAxis.EP, ep), (MeshAxis.CP, cp), (MeshAxis.TP, tp))
+                         (MeshAxis.CP, cp), (MeshAxis.EP, ep), (MeshAxis.TP, tp))
                 dims = tuple((n, s) for n, s in named if s > 1) or ((MeshAxis.DP_SHARD, 1),)
                 out.append(MeshChoice(dims, pp))
     if not out and constraints.ep not in (None, 1):
@@ -105,8 +105,7 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
                             f"mesh of the {world} devices of {cluster.spec} has one")
     if not out and cp > 1:
         raise BadInputError(f"constraint cp={cp}: no mesh of the {world} devices of {cluster.spec} has a cp dim "
-                            "(context parallelism runs without ep or HSDP, the global batch divisible by "
-                            "dp = devices / (pp x cp x tp))")
+                            "(the global batch divisible by dp = devices / (pp x cp x tp))")
     if not out and constraints.sp == 1:
         raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
                             f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"

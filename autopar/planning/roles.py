@@ -22,7 +22,8 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
   data). Data may be split over it on its batch dimension or on its expert dimension
   (``expert_dims``: traced from the expert weights, forward to the combine and back to the dispatch),
   so the ILP itself places the all_to_alls that move the dispatched tokens from the batch split to the
-  expert split and back (``_tokens_split_on_batch_or_expert``).
+  expert split and back (``_tokens_split_on_batch_or_expert``). Beside a ``cp`` dim (``cp x ep``), a
+  rank's tokens are a sequence shard, routed in groups within its chunks (``check_groups_within_a_chunk``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
-from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, CapturedGraph, view_root
+from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, CapturedGraph, view_root
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
 from autopar.core.plan import RING
-from autopar.planning.strategies import KEY_VALUE_SLOTS, StrategyFinder, ring_refusal, rings, sequence_view
+from autopar.planning.strategies import (KEY_VALUE_SLOTS, StrategyFinder, merged_dim, ring_refusal, rings,
+                                         sequence_view)
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 import torch
@@ -86,6 +88,8 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
     batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}
     seq = sequence_dims(captured, on_data, cp_dims[0], finder) if cp_dims else {}
+    if cp_dims:
+        check_groups_within_a_chunk(captured, mesh.size(MeshAxis.CP), on_data, seq, rows)
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
@@ -265,7 +269,8 @@ def check_context_parallel(captured: CapturedGraph, cp: int, cp_attention: str |
     """(batch, seq) of the user inputs, after refusing a model ``cp`` cannot split: one without fused
     attention (the only op whose sequence split autopar knows), or inputs without a sequence dim that
     ``2 cp`` divides (the load-balanced layout's chunks, ``passes/sequence_layout.py``), alike in all inputs;
-    and ``cp_attention=ring`` pinned where some fused attention cannot ring (``strategies.ring_refusal``)."""
+    ``cp_attention=ring`` pinned where some fused attention cannot ring (``strategies.ring_refusal``); and a
+    prefix sum along the sequence (``_refuse_prefix_sums_along``)."""
     attention = [node for node in captured.graph.nodes if node.target is FUSED_ATTENTION]
     if not attention:
         raise BadInputError(f"constraint cp={cp} splits attention on the sequence, and this model has no fused "
@@ -283,7 +288,25 @@ def check_context_parallel(captured: CapturedGraph, cp: int, cp_attention: str |
     if seq % (2 * cp):
         raise BadInputError(f"constraint cp={cp} cuts the sequence into 2 x cp = {2 * cp} chunks (two per rank, "
                             f"for even causal work), which does not divide the sequence length {seq}")
+    _refuse_prefix_sums_along(captured, seq, cp)
     return batch, seq
+
+
+PREFIX_SUMS = (torch.ops.aten.cumsum.default,)
+"""Ops whose every output depends on all of the dim they run along."""
+
+
+def _refuse_prefix_sums_along(captured: CapturedGraph, seq: int, cp: int) -> None:
+    """Refuse a model summing its data along the sequence (a prefix sum over a dim of ``seq``): a
+    mixture-of-experts layer routing a whole sequence as one group (``models/moe.py``, ``group_size`` 0),
+    which a rank holding chunks of the sequence cannot run."""
+    on_data = _downstream_of(captured.graph, set(captured.user_inputs))
+    for node in captured.graph.nodes:
+        if node.target in PREFIX_SUMS and node.name in on_data and \
+                node.args[0].meta["val"].shape[node.args[1]] == seq:
+            raise BadInputError(f"constraint cp={cp} splits the sequence, and {node.name} sums along all of it "
+                                "(a mixture-of-experts layer routing a whole sequence as one group): set a "
+                                "group_size dividing seq / (2 x cp)")
 
 
 def sequence_dims(captured: CapturedGraph, on_data: set[str], cp_dim: int, finder: StrategyFinder
@@ -351,6 +374,37 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
         return out is None or not isinstance(val, torch.Tensor) or val.ndim == 0 or placed(out, (node.name, 0), val)
 
     return allow
+
+
+def check_groups_within_a_chunk(captured: CapturedGraph, cp: int, on_data: set[str],
+                                seq: dict[tuple[str, int], int | None], rows: tuple[int, int]) -> None:
+    """Refuse a ``cp`` under which a view cuts a sequence dim (``sequence_dims``) into groups
+    (``[n] -> [n / g, g]``: a mixture-of-experts layer's routing groups, ``models/moe.py``) that do not lie
+    within one of a rank's chunks of consecutive positions (``passes/sequence_layout.py``: ``seq / 2 cp``
+    tokens of a sample). Within a chunk, each rank's groups are true groups and the view runs on local
+    shards; a larger group would route tokens of a rank's two chunks together."""
+    batch, length = rows
+    chunk = length // (2 * cp)
+    for node in captured.graph.nodes:
+        cut = _cut_dim(node) if node.name in on_data and sequence_view(node, rows) is None else None
+        if cut is None or seq.get(_value_of(node.args[0])) != cut[0]:
+            continue
+        size, group = cut[1:]
+        if size in (length, batch * length) and chunk % group:  # a dim of tokens (a sequence, or its rows)
+            raise BadInputError(f"constraint cp={cp} gives each rank chunks of seq / (2 x cp) = {chunk} consecutive "
+                                f"tokens, and {node.name} groups {group} consecutive tokens (a mixture-of-experts "
+                                "layer's routing group): use a group_size dividing the chunk, or a smaller cp")
+
+
+def _cut_dim(node: fx.Node) -> tuple[int, int, int] | None:
+    """For a view cutting an input dim into two (``[n] -> [n / g, g]``): (that dim, ``n``, ``g``)."""
+    if node.target not in VIEWS or not isinstance(node.args[0], fx.Node):
+        return None
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return None
+    a = merged_dim(tuple(after.shape), tuple(before.shape))
+    return None if a is None else (a, int(before.shape[a]), int(after.shape[a + 1]))
 
 
 # ---- expert parallelism ------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def _dominated_by_less_cp(mesh: MeshChoice, fit_whole: set[tuple]) -> bool:
 def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constraints: Constraints,
                             batch: int | None) -> list[MeshChoice]:
     """The meshes of every ``cp`` degree above 1 that divides the world and whose ``2 cp`` chunks divide
-    the sequence, as if pinned (``mesh_candidates``: no ``ep`` or HSDP), on one stage unless ``pp`` is
+    the sequence, as if pinned (``mesh_candidates``, HSDP and ``ep`` meshes included), on one stage unless ``pp`` is
     pinned (free, pipelines with cp would multiply the meshes solved: seven times as many for Llama 3
     405B on 16,384 GPUs); none for a model context parallelism cannot split (``roles.check_context_parallel``)."""
     try:
@@ -292,8 +292,13 @@ class _MeshSearch:
             return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
         pricer = pricer_for(self.cluster, mesh, self.dtype, constraints)
         self._staged_problems.clear()  # one mesh's at a time
-        with self.progress.phase("build"):
-            whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints)
+        try:
+            with self.progress.phase("build"):
+                whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints)
+        except BadInputError as exc:  # a cp degree the search chose that the model cannot split
+            if self.constraints.cp is not None or mesh.size(MeshAxis.CP) == 1:
+                raise
+            return f"mesh {mesh.describe()}: {exc}"
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
         # the problems without edges: memory reads only decisions (``least_memory``), and they are cheap to stage
         memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[], shared=[]), pricer, self.progress)

@@ -44,7 +44,7 @@ def reprice(plan: Plan, problem: SavedProblem | CapturedGraph, target: Cluster) 
     check_same_model(plan, captured)
     check_same_world(plan, target)
     mesh = _plan_mesh(plan)
-    (staging, layer_modes), dtype = _staging(plan, captured), plan.model["dtype"]
+    (staging, layer_modes), dtype = _staging(plan, captured), plan.model_dtype
     constraints = _pricing_constraints(plan)
     priced = _planner_problem(captured, target, mesh, staging, dtype, plan.pipeline.microbatches,
                               constraints).with_layer_modes(layer_modes)
