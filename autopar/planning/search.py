@@ -164,9 +164,11 @@ def _dominated_by_less_cp(mesh: MeshChoice, fit_whole: set[tuple]) -> bool:
 def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constraints: Constraints,
                             batch: int | None) -> list[MeshChoice]:
     """The meshes of every ``cp`` degree above 1 that divides the world and whose ``2 cp`` chunks divide
-    the sequence, as if pinned (``mesh_candidates``, HSDP and ``ep`` meshes included), on one stage unless ``pp`` is
-    pinned (free, pipelines with cp would multiply the meshes solved: seven times as many for Llama 3
-    405B on 16,384 GPUs); none for a model context parallelism cannot split (``roles.check_context_parallel``)."""
+    the sequence, as if pinned (``mesh_candidates``), on one stage unless ``pp`` is pinned (free, pipelines
+    with cp would multiply the meshes solved: seven times as many for Llama 3 405B on 16,384 GPUs), and with
+    HSDP only where ``dp_shard`` is pinned (its replica groups shrink as cp grows, so no smaller degree
+    rules a larger one out, ``_dominated_by_less_cp``, and they doubled the meshes of that search: 30 s
+    against 23); none for a model context parallelism cannot split (``roles.check_context_parallel``)."""
     try:
         _, seq = check_context_parallel(captured, 1)
     except BadInputError:
@@ -179,7 +181,8 @@ def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constrain
             pinned = replace(constraints, cp=cp)
             found += [m for m in _sequence_splits(captured, pinned, mesh_candidates(cluster, pinned, batch,
                                                                                    layer_count(captured)))
-                      if m.stages == 1 or constraints.pp is not None]
+                      if (m.stages == 1 or constraints.pp is not None)
+                      and (m.size(MeshAxis.DP_REPLICATE) == 1 or constraints.dp_shard is not None)]
         except BadInputError:  # no mesh has this cp degree (the batch, a pinned degree, sp=1)
             continue
     return found
