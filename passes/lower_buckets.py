@@ -51,7 +51,7 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -358,6 +358,16 @@ def _waited_once(collective: fx.Node) -> bool:
 def _from_one_parameter(node: fx.Node, units: Mapping[str, str]) -> tuple[fx.Node, list[fx.Node]] | None:
     """The parameter placeholder ``node`` is computed from alone (one of ``units``), and the ops in
     between; None when it reads anything else."""
+    found = _computed_from(node, lambda current: current.op != "call_function")
+    if found is None or len(found[1]) != 1:
+        return None
+    chain, (placeholder,) = found
+    return (placeholder, chain) if placeholder.name in units else None
+
+
+def _computed_from(node: fx.Node, ends: Callable[[fx.Node], bool]) -> tuple[list[fx.Node], set[fx.Node]] | None:
+    """``node`` and the ops upstream of it, and the placeholders they read; None where an op upstream
+    ``ends`` the walk."""
     chain: list[fx.Node] = []
     placeholders: set[fx.Node] = set()
     stack, seen = [node], {node}
@@ -366,17 +376,14 @@ def _from_one_parameter(node: fx.Node, units: Mapping[str, str]) -> tuple[fx.Nod
         if current.op == "placeholder":
             placeholders.add(current)
             continue
-        if current.op != "call_function":
+        if ends(current):
             return None
         chain.append(current)
         for source in current.all_input_nodes:
             if source not in seen:
                 seen.add(source)
                 stack.append(source)
-    if len(placeholders) != 1:
-        return None
-    (placeholder,) = placeholders
-    return (placeholder, chain) if placeholder.name in units else None
+    return chain, placeholders
 
 
 def _gradient_of(node: fx.Node, output: fx.Node) -> str | None:
@@ -425,19 +432,8 @@ def launch_from_inputs_first(gm: fx.GraphModule, parameters: Collection[str]) ->
 def _from_inputs(collective: fx.Node, parameters: Collection[str]) -> list[fx.Node] | None:
     """``collective`` and the ops computing its inputs when they read graph inputs alone, none in
     ``parameters``; else None."""
-    chain: list[fx.Node] = []
-    stack, seen = [collective], {collective}
-    while stack:
-        current = stack.pop()
-        if current.op == "placeholder":
-            if current.name in parameters:
-                return None
-            continue
-        if current.op != "call_function" or (current is not collective and current.target in COLLECTIVES):
-            return None
-        chain.append(current)
-        for source in current.all_input_nodes:
-            if source not in seen:
-                seen.add(source)
-                stack.append(source)
-    return chain
+    found = _computed_from(collective, lambda current: current.op != "call_function" or (
+        current is not collective and current.target in COLLECTIVES))
+    if found is None or any(p.name in parameters for p in found[1]):
+        return None
+    return found[0]
