@@ -198,7 +198,7 @@ class Problem:
             return price if all(out[pq] is c for pq, c in price.items()) else out
 
         def options(d: Decision) -> Decision:
-            repriced = [o if again(o.cost) is o.cost else with_fields(o, cost=again(o.cost)) for o in d.options]
+            repriced = [o if (cost := again(o.cost)) is o.cost else with_fields(o, cost=cost) for o in d.options]
             return d if all(a is b for a, b in zip(repriced, d.options)) else with_fields(d, options=repriced)
 
         decisions = {k: options(d) for k, d in self.decisions.items()}

@@ -452,10 +452,10 @@ class _MeshSearch:
         best: Candidate | None = None
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
-            problem = self._staged(per_m[m], staging)
-            bubble = staging.bubble_fraction(problem.microbatches)
+            bubble = staging.bubble_fraction(m)
             if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble):
                 continue
+            problem = self._staged(per_m[m], staging)
             try:
                 with self.progress.phase("solve"):
                     solution = solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble)
