@@ -394,8 +394,8 @@ class _MeshSearch:
 
         The mesh search prices whole-model modes, which keeps each of its ILPs small and fast; the
         per-layer ILP is larger and its memory row makes it a hard knapsack, so it runs once, on the
-        winner, with two modes (all five made it several times larger: 100 nodes of it took 100 s on
-        a 3-D mesh), under the node limit; when the limit stops it, its best plan so far still counts."""
+        winner, with two modes (all five made it 1.7x larger: 22,191 variables against 13,389 on a 3-D cp
+        mesh, whose 100 nodes took 100 s under the profiler), under the node limit; when the limit stops it, its best plan so far still counts."""
         if self.constraints.checkpointing is not None or best.checkpointing == "none" \
                 or best.staging.layers_per_stage < 2:
             return best
