@@ -47,7 +47,7 @@ from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.core.plan import CHECKPOINTING
 from autopar.cost_models.hardware import DEVICES
 from autopar.models import ModelBundle, build_model
-from modern_runs import GATED_MLPS, MODERN_RUNS, ModernRun, model_flops_per_sequence
+from modern_runs import MODERN_RUNS, ModernRun, model_flops_per_sequence
 
 SEQ, VOCAB = 2048, 51200
 RESULTS = Path(__file__).parent / "results"
@@ -181,10 +181,10 @@ def zero_stages(run: ModernRun) -> tuple[int, ...]:
 
 
 def modern_bundle(run: ModernRun) -> ModelBundle:
-    """The built-in model closest to ``run``: Llama (RMSNorm, RoPE, GQA, gated MLP) or GPT (LayerNorm,
-    GELU MLP, fused attention), or for an MoE run the MoE family (Llama attention, top-k routed gated
-    experts; ``moe_overrides``). A two-matrix squared-ReLU MLP (Nemotron-4) is priced as Llama's gated MLP
-    of 2/3 the width, which has the same weights and matmul FLOPs."""
+    """The built-in model closest to ``run``: Llama (RoPE, GQA; its MLP and norm as the run's: SwiGLU or
+    Nemotron-4's squared ReLU, RMSNorm or LayerNorm, which ``LlamaConfig`` checks) or GPT (LayerNorm, GELU
+    MLP, fused attention), or for an MoE run the MoE family (Llama attention, top-k routed gated experts;
+    ``moe_overrides``)."""
     if run.experts:
         return build_model("mixtral-8x7b", global_batch=run.global_batch, overrides=moe_overrides(run))
     if run.mlp == "gelu":
@@ -193,9 +193,9 @@ def modern_bundle(run: ModernRun) -> ModelBundle:
         overrides = {"layers": run.layers, "hidden": run.hidden, "heads": run.heads, "vocab": run.vocab,
                      "seq": run.seq, "mlp_ratio": run.ffn_hidden // run.hidden}
         return build_model("gpt3-175b", global_batch=run.global_batch, overrides=overrides)
-    ffn = run.ffn_hidden if run.mlp in GATED_MLPS else run.ffn_hidden * 2 // 3
     overrides = {"layers": run.layers, "hidden": run.hidden, "heads": run.heads, "kv_heads": run.kv_heads,
-                 "vocab": run.vocab, "ffn_hidden": ffn, "seq": run.seq}
+                 "vocab": run.vocab, "ffn_hidden": run.ffn_hidden, "seq": run.seq, "mlp": run.mlp,
+                 "norm": run.norm}
     return build_model("llama3-8b", global_batch=run.global_batch, overrides=overrides)
 
 
@@ -236,10 +236,14 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
         fixed["checkpointing"] = checkpointing
     if run.tp > 1:
         fixed["sp"] = int(run.sequence_parallel)
+    if run.pipeline_schedule:  # as the run scheduled it: the free search would also try zero bubble
+        fixed["schedule"] = run.pipeline_schedule
     if run.pp > 1 and run.vp > 1:
         fixed["virtual_stages"] = run.vp
     if run.cp > 1 and run.cp_attention:
         fixed["cp_attention"] = run.cp_attention
+    if run.reduce_dtype:
+        fixed["reduce_dtype"] = run.reduce_dtype
     return fixed
 
 

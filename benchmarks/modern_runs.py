@@ -67,6 +67,8 @@ class ModernRun:
     """Vocabulary as the run padded it."""
     mlp: str
     """"swiglu" or "gated-gelu" (three matrices), "gelu" or "squared-relu" (two)."""
+    norm: str
+    """"rmsnorm" or "layernorm"."""
     seq: int
     global_batch: int
     micro_batch: int
@@ -113,6 +115,20 @@ class ModernRun:
     cp_attention: str = ""
     """How context parallelism attended, where the source says: "allgather" (keys and values gathered) or
     "ring" (exchanged block by block); "" leaves it to the planner."""
+    reduce_dtype: str = ""
+    """Dtype of the data-parallel gradient reductions where the source states it ("bf16": NeMo's
+    ``optim.grad_sync_dtype: bf16``, Megatron-Core's ``grad_reduce_in_fp32 = False``); "" leaves autopar's
+    default (fp32, Megatron-Core's ``grad_reduce_in_fp32`` under bf16)."""
+    schedule: str = ""
+    """The pipeline schedule where it differs from Megatron-Core's (1F1B, interleaved where ``vp`` > 1):
+    "interleaved" with its chunks unstated (the Llama 3 paper's modified interleaved 1F1B)."""
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule the run used, as an autopar name ("" without a pipeline)."""
+        if self.pp == 1:
+            return ""
+        return self.schedule or ("interleaved" if self.vp > 1 else "1f1b")
 
     @property
     def moe(self) -> str:
@@ -161,36 +177,38 @@ def matmul_weights(run: ModernRun) -> int:
 # GPT-3 175B as NeMo ran it (DGXC v24.11.1 nemo_megatron/gpt3_175b_hydra.yaml: 96 layers, hidden 12288,
 # 96 heads, ffn 49152, GPT-2 BPE vocabulary 50257 padded to a multiple of 128 x TP 4 = 50688).
 GPT3_175B = dict(model="GPT-3 175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn_hidden=49152,
-                 vocab=50688, mlp="gelu")
-# Nemotron-4 (DGXC v24.11.1 nemotron/nemotron4-15b-synth.yaml, nemotron4-340b-synth.yaml: no bias,
-# squared-ReLU MLP, RoPE, 8 query groups, 256k SentencePiece vocabulary nemotron_2_256k.model).
+                 vocab=50688, mlp="gelu", norm="layernorm")
+# Nemotron-4 (DGXC v24.11.1 nemotron/nemotron4-15b-synth.yaml, nemotron4-340b-synth.yaml: ffn_hidden_size
+# 24576 and 73728, "activation: squared-relu" (two matrices), "normalization: layernorm1p" (LayerNorm with
+# a zero-centred scale), "bias: false", RoPE with "rotary_percentage: 0.5" (priced as rotating whole heads),
+# 8 query groups, 256k SentencePiece vocabulary nemotron_2_256k.model).
 NEMOTRON4_15B = dict(model="Nemotron-4 15B", layers=32, hidden=6144, heads=48, kv_heads=8, ffn_hidden=24576,
-                     vocab=256000, mlp="squared-relu")
+                     vocab=256000, mlp="squared-relu", norm="layernorm")
 NEMOTRON4_340B = dict(model="Nemotron-4 340B", layers=96, hidden=18432, heads=96, kv_heads=8, ffn_hidden=73728,
-                      vocab=256000, mlp="squared-relu")
+                      vocab=256000, mlp="squared-relu", norm="layernorm")
 # Llama 3 / 3.1 (Llama 3 paper Table 3; vocabulary 128256) and Llama 2 70B (vocabulary 32000).
 LLAMA3_8B = dict(model="Llama 3.1 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
-                 vocab=128256, mlp="swiglu")
+                 vocab=128256, mlp="swiglu", norm="rmsnorm")
 LLAMA3_70B = dict(model="Llama 3.1 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
-                  vocab=128256, mlp="swiglu")
+                  vocab=128256, mlp="swiglu", norm="rmsnorm")
 LLAMA3_405B = dict(model="Llama 3.1 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
-                   vocab=128256, mlp="swiglu")
+                   vocab=128256, mlp="swiglu", norm="rmsnorm")
 LLAMA2_70B = dict(model="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
-                  vocab=32000, mlp="swiglu")
+                  vocab=32000, mlp="swiglu", norm="rmsnorm")
 # MoE. Grok-1: xai-org/grok-1 run.py (64 layers, emb 48 x 128, 48 query and 8 kv
 # heads, vocabulary 128 x 1024, 8 experts, 2 selected) and model.py (gated GELU expert of width
 # ffn_size(6144, widening_factor 8) = 8 x 6144 x 2/3 = 32768). GPT-OSS 120B: huggingface.co/openai/gpt-oss-120b
 # config.json (36 layers, hidden 2880, 64 query heads of 64 and 8 kv heads, experts of width 2880, 128
 # experts, 4 per token, vocabulary 201088; alternate layers attend over a 128-token sliding window).
 GROK1 = dict(model="Grok-1 314B (MoE)", layers=64, hidden=6144, heads=48, kv_heads=8, ffn_hidden=32768,
-             vocab=131072, mlp="gated-gelu", experts=8, top_k=2)
-GPT_OSS_RECIPES = ("NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/recipes/gpt_oss/gpt_oss.py (pretraining: "
-                   "distributed_fused_adam, the distributed optimizer) and "
-                   "scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py"
-                   "@0501207b95dbbd00a8e0686ca0cc4f053a1fd87e (set_gpt_oss_common_configs: "
-                   "moe_router_force_load_balancing=True)")
+             vocab=131072, mlp="gated-gelu", norm="rmsnorm", experts=8, top_k=2)
+GPT_OSS_RECIPES = ("NVIDIA-NeMo/Megatron-Bridge@00b7660be0254ac6f95f44164ddd0c3e9cc798ed (the table's commit): "
+                   "src/megatron/bridge/recipes/gpt_oss/gpt_oss.py (pretraining: distributed_fused_adam, "
+                   "use_distributed_optimizer=True) and scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py "
+                   "(set_gpt_oss_common_configs: grad_reduce_in_fp32 = False for mixed_precision and ddp, i.e. "
+                   "gradients reduced in bf16; moe_router_force_load_balancing=True)")
 GPT_OSS_120B = dict(model="GPT-OSS 120B (MoE)", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
-                    ffn_hidden=2880, vocab=201088, mlp="swiglu", experts=128, top_k=4)
+                    ffn_hidden=2880, vocab=201088, mlp="swiglu", norm="rmsnorm", experts=128, top_k=4)
 
 
 def _nemo_h100(run_name: str, dims: dict, **fields: object) -> ModernRun:
@@ -204,14 +222,15 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
     # ---- NeMo / Megatron-Core on DGX H100, BF16, seconds per step as published -----------------------
     _nemo_h100("gpt3-175b/128xH100", GPT3_175B, seq=2048, global_batch=256, micro_batch=1, gpus=128,
                tp=4, pp=8, vp=12, recompute="none", recompute_as_published="activations_checkpoint_granularity: null",
-               published=8.91, published_mfu=0.4993,
+               published=8.91, published_mfu=0.4993, reduce_dtype="bf16",
                source=f"{DGXC_V24_11}:nemo_megatron/README_175b.md, table 'NeMo Megatron 24.11 BF16 (TP=4,PP=8, "
                       "MBS=1, VP=12, SEQ=2048)', column 128x H100 (GBS=256); config nemo_megatron/gpt3_175b_hydra.yaml",
-               notes="distributed_fused_adam (ZeRO-1) with overlapped grad and param sync; sequence parallel; "
+               notes="distributed_fused_adam (ZeRO-1) with overlapped grad and param sync, grad_sync_dtype: bf16; "
+                     "sequence parallel; "
                      "TP communication overlap (ub_tp_comm_overlap)"),
     _nemo_h100("gpt3-175b/512xH100", GPT3_175B, seq=2048, global_batch=1024, micro_batch=1, gpus=512,
                tp=4, pp=8, vp=12, recompute="none", recompute_as_published="activations_checkpoint_granularity: null",
-               published=9.09, published_mfu=0.4894,
+               published=9.09, published_mfu=0.4894, reduce_dtype="bf16",
                source=f"{DGXC_V24_11}:nemo_megatron/README_175b.md, same table, column 512x H100 (GBS=1024)",
                notes="as gpt3-175b/128xH100, weak-scaled"),
     _nemo_h100("nemotron4-15b/16xH100", NEMOTRON4_15B, seq=4096, global_batch=64, micro_batch=4, gpus=16,
@@ -228,14 +247,16 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
     _nemo_h100("nemotron4-340b/128xH100", NEMOTRON4_340B, seq=4096, global_batch=32, micro_batch=1, gpus=128,
                tp=8, pp=8, vp=12, recompute="core_attention",
                recompute_as_published="activations_checkpoint_granularity: selective", published=4.61,
-               published_mfu=0.5538,
+               published_mfu=0.5538, reduce_dtype="bf16",
                source=f"{DGXC_V24_11}:nemotron/README_340b.md, table 'Nemotron4 340b 24.11 BF16 (TP=8, PP=8, MBS=1, "
                       "GA=16, VP=12)', column 128x H100 (GBS=32); config nemotron/nemotron4-340b-synth.yaml",
-               notes="distributed_fused_adam; sequence parallel; no TP communication overlap"),
+               notes="distributed_fused_adam with grad_sync_dtype: bf16 and its state in bf16 (optim.dtype: bf16, "
+                     "which autopar does not model: it prices fp32 master weights and moments); sequence parallel; "
+                     "no TP communication overlap"),
     _nemo_h100("nemotron4-340b/1024xH100", NEMOTRON4_340B, seq=4096, global_batch=256, micro_batch=1, gpus=1024,
                tp=8, pp=8, vp=12, recompute="core_attention",
                recompute_as_published="activations_checkpoint_granularity: selective", published=4.73,
-               published_mfu=0.5398,
+               published_mfu=0.5398, reduce_dtype="bf16",
                source=f"{DGXC_V24_11}:nemotron/README_340b.md, same table, column 1024x H100 (GBS=256)",
                notes="as nemotron4-340b/128xH100, weak-scaled"),
     _nemo_h100("llama3.1-8b-cp2/8xH100", LLAMA3_8B, seq=8192, global_batch=128, micro_batch=1, gpus=8,
@@ -313,13 +334,13 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               published_mfu=0.43, source=LLAMA3_PAPER + ", row 8,192 GPUs (TP 8, CP 1, PP 16, DP 64, 16M tokens/batch)",
               notes="global batch = 16M tokens / 8192; the paper's FLOP count is not stated (NeMo's is used); "
                     "its pipeline schedule is a modified interleaved 1F1B with an unstated number of chunks; "
-                    "microbatch, recomputation and schedule are left to the planner"),
+                    "microbatch, recomputation and the chunks are left to the planner", schedule="interleaved"),
     ModernRun(name="llama3-405b/16384xH100", **LLAMA3_405B, seq=8192, global_batch=2048, micro_batch=0, gpus=16384,
               device="H100", tp=8, pp=16, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="",
               recompute_as_published="not stated", precision="bf16", metric="tflops_per_gpu", published=400,
               published_mfu=0.41,
               source=LLAMA3_PAPER + ", row 16,384 GPUs (TP 8, CP 1, PP 16, DP 128, 16M tokens/batch)",
-              notes="as llama3-405b/8192xH100"),
+              notes="as llama3-405b/8192xH100", schedule="interleaved"),
     ModernRun(name="llama3-405b-long-cp16/16384xH100", **LLAMA3_405B, seq=131072, global_batch=128, micro_batch=0,
               gpus=16384, device="H100", tp=8, pp=16, vp=1, cp=16, ep=1, data_parallel="fsdp", recompute="",
               cp_attention="allgather",
@@ -327,22 +348,29 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               published_mfu=0.38,
               source=LLAMA3_PAPER + ", row 16,384 GPUs (TP 8, CP 16, PP 16, DP 8, seq 131072, 16M tokens/batch)",
               notes="long-context stage; global batch = 16M tokens / 131072; the paper's context parallelism "
-                    "all-gathers the keys and values (§3.3.2)"),
+                    "all-gathers the keys and values (§3.3.2)", schedule="interleaved"),
     # ---- MoE runs (priced) and FP8 runs (recorded, not priced) ------------------------------------------
     ModernRun(name="gpt-oss-120b/64xH100", **GPT_OSS_120B, seq=4096, global_batch=512, micro_batch=4, gpus=64,
               device="H100", tp=1, pp=4, vp=1, cp=1, ep=8, data_parallel="distributed-optimizer", recompute="",
               recompute_as_published="not stated", precision="bf16", metric="tokens_per_s_per_gpu", published=5630,
+              reduce_dtype="bf16",
               source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-H100', row 'GPT OSS 120B' (BF16)",
               notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table; "
+                    "recomputation left free: the H100 preset at the table's commit (scripts/performance/configs/"
+                    "gpt_oss/gpt_oss_workload_base_configs.py) recomputes recompute_modules=['layernorm', 'moe_act'] "
+                    "but at micro_batch_size 1, not the table's 4, so it is not the published run's; "
                     "priced with 48 heads of 60 (the MoE family's heads split the 2,880 residual) and full "
-                    f"attention in every layer; the distributed optimizer and balanced routing: {GPT_OSS_RECIPES}"),
+                    f"attention in every layer; the distributed optimizer, bf16 gradient reductions and balanced "
+                    f"routing: {GPT_OSS_RECIPES}"),
     ModernRun(name="gpt-oss-120b/64xB200", **GPT_OSS_120B, seq=4096, global_batch=512, micro_batch=4, gpus=64,
               device="B200", tp=1, pp=1, vp=1, cp=1, ep=8, data_parallel="distributed-optimizer", recompute="",
               recompute_as_published="not stated", precision="bf16", metric="tokens_per_s_per_gpu", published=8213,
+              reduce_dtype="bf16",
               source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'GPT OSS 120B' (BF16)",
               notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table; "
                     "priced with 48 heads of 60 (the MoE family's heads split the 2,880 residual) and full "
-                    f"attention in every layer; the distributed optimizer and balanced routing: {GPT_OSS_RECIPES}"),
+                    f"attention in every layer; the distributed optimizer, bf16 gradient reductions and balanced "
+                    f"routing: {GPT_OSS_RECIPES}"),
     ModernRun(name="llama3-8b-fp8/8xB200", **LLAMA3_8B, seq=8192, global_batch=128, micro_batch=2, gpus=8,
               device="B200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="ddp", recompute="",
               recompute_as_published="not stated", precision="fp8", metric="tokens_per_s_per_gpu", published=30624,

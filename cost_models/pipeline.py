@@ -9,38 +9,211 @@ Schedules: ``gpipe`` (all forwards, then all backwards; Huang et al. 2019), ``1f
 one backward; Narayanan et al., SOSP 2019), ``interleaved`` (1F1B over ``chunks`` model chunks per
 device; Narayanan et al., SC21). With one stage there is no pipeline: no bubble, and each
 microbatch's backward follows its forward (gradient accumulation), so one is in flight.
+
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) split each backward
+into an input-gradient step (B, which the previous stage waits for) and a weight-gradient step (W, which
+nobody waits for and which fills the bubbles). Their bubble depends on how long F, B and W take, so
+they have no formula here: ``zero_bubble`` (torch's ``ScheduleInterleavedZeroBubble``, the paper's
+ZB-1p over ``chunks`` chunks per device) is priced by running torch's own action table (the schedule's
+``pipeline_order``, ``torch_schedule_order``) through ``simulate``, with each chunk's F, B and W taking
+``F_B_W`` of a microbatch's work. Torch's first stage has no input gradient to send, so it skips B and
+runs the whole backward as its W; the simulation does the same. Activations are held from a
+microbatch's F until its W (or whole backward) ends.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 from .symbolic import BUBBLE_FRACTION, LAST_CHUNK_IN_FLIGHT, MICROBATCHES_IN_FLIGHT, compile_expr, m, p, v
 
-SCHEDULES = tuple(BUBBLE_FRACTION)
+SIMULATED = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
+"""Schedules priced by simulating torch's action table: name -> the class of
+``torch.distributed.pipelining.schedules`` that builds it (and that the runtime runs)."""
+SCHEDULES = (*BUBBLE_FRACTION, *SIMULATED)
+MULTI_CHUNK = ("interleaved", *SIMULATED)
+"""Schedules that may run several model chunks per device."""
+F_B_W = (1.0, 1.0, 1.0)
+"""Durations of one chunk's forward, input-gradient and weight-gradient step of a microbatch, in any
+unit: equal, as for a transformer layer's matmuls, each of which runs once in each step (Qi et al.
+2024, §2; the assumption under which torch's zero-bubble schedules have no bubble)."""
 
 
 def pipeline_bubble_fraction(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
-    """Idle share of the ideal step time: ``(p-1)/m`` (GPipe, 1F1B), ``(p-1)/(v m)`` (interleaved)."""
+    """Idle share of the ideal step time: ``(p-1)/m`` (GPipe, 1F1B), ``(p-1)/(v m)`` (interleaved);
+    zero-bubble schedules: simulated (``simulated_schedule``)."""
+    if schedule in SIMULATED and _checked(schedule, stages, microbatches, chunks) > 1:
+        return simulated_schedule(schedule, stages, microbatches, chunks).bubble_fraction
     _checked(schedule, stages, microbatches, chunks)
     return float(_compiled("bubble", schedule)(stages, microbatches, chunks))
 
 
 def microbatches_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the first stage holds at once: ``m`` (GPipe), ``min(p, m)``
-    (1F1B), ``min(p, m) (1 + (p-1)/(p v))`` (interleaved); 1 with a single stage."""
+    (1F1B), ``min(p, m) (1 + (p-1)/(p v))`` (interleaved); zero-bubble schedules: the most any
+    device holds in the simulation; 1 with a single stage."""
     if _checked(schedule, stages, microbatches, chunks) == 1:
         return 1.0
+    if schedule in SIMULATED:
+        return simulated_schedule(schedule, stages, microbatches, chunks).in_flight
     return float(_compiled("in_flight", schedule)(stages, microbatches, chunks))
 
 
 def last_chunk_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the model's last chunk (final norm, head, loss) holds at once:
-    ``m`` (GPipe), 1 (1F1B, interleaved: its backward follows its forward); 1 with a single stage."""
+    ``m`` (GPipe), 1 (1F1B, interleaved: its backward follows its forward); zero-bubble schedules:
+    simulated (the last chunk's W waits to fill a bubble); 1 with a single stage."""
     if _checked(schedule, stages, microbatches, chunks) == 1:
         return 1.0
+    if schedule in SIMULATED:
+        return simulated_schedule(schedule, stages, microbatches, chunks).last_in_flight
     return float(_compiled("last_in_flight", schedule)(stages, microbatches, chunks))
+
+
+# ---- simulating an action table ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Action:
+    """One step of a device's schedule: ``kind`` F (forward), B (input gradient), W (weight gradient) or
+    BW (the whole backward) of ``microbatch`` on model chunk ``stage`` (0 .. p v - 1)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class SimulatedSchedule:
+    """What ``simulate`` finds: the step's length, its idle share and the activations held."""
+
+    makespan: float  # from the first forward to the last step's end, on the busiest device
+    work: float  # one device's compute (every device has the same)
+    in_flight: float  # most microbatches whose activations one device holds at once, in stages' worth
+    last_in_flight: int  # most microbatches the model's last chunk holds at once
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the ideal step time (one device's work), as ``pipeline_bubble_fraction``."""
+        return self.makespan / self.work - 1.0
+
+
+def simulate(order: Mapping[int, Sequence[Action | None]], chunks: int,
+             durations: tuple[float, float, float] = F_B_W) -> SimulatedSchedule:
+    """Run each device's actions (``order``: device -> its actions in order, None for an idle slot) as
+    soon as the device is free and their inputs are ready: a forward after the previous chunk's forward
+    of that microbatch, an input gradient (B or BW) after the next chunk's of it (the last chunk's,
+    after its own forward), a W after its B. ``durations``: one chunk's F, B and W; BW takes B + W, and
+    the first chunk's B (none to send) takes 0 and its W the whole backward, as torch runs them.
+    Transfers are free. Raises ValueError if the actions wait on each other (an invalid table)."""
+    forward, backward_input, weight = durations
+    last = max(a.stage for actions in order.values() for a in actions if a is not None)
+    cost = {"F": forward, "B": backward_input, "W": weight, "BW": backward_input + weight}
+    first_cost = {**cost, "B": 0.0, "W": backward_input + weight}
+    done: dict[tuple[int, str, int], float] = {}  # (chunk, F or B, microbatch) -> end time
+    queues = {rank: [a for a in actions if a is not None] for rank, actions in order.items()}
+    position, free = dict.fromkeys(order, 0), dict.fromkeys(order, 0.0)
+    held = {rank: _Held() for rank in order}
+    last_held = _Held()
+    while any(position[r] < len(queues[r]) for r in order):
+        progressed = False
+        for rank in order:
+            while position[rank] < len(queues[rank]):
+                action = queues[rank][position[rank]]
+                ready = _ready_at(action, last, done)
+                if ready is None:
+                    break
+                start = max(free[rank], ready)
+                end = start + (first_cost if action.stage == 0 else cost)[action.kind]
+                free[rank] = end
+                position[rank] += 1
+                progressed = True
+                if action.kind != "W":
+                    done[(action.stage, "F" if action.kind == "F" else "B", action.microbatch)] = end
+                change = {"F": (start, 1), "W": (end, -1), "BW": (end, -1)}.get(action.kind)
+                if change is not None:  # a forward holds its activations, the end of its backward frees them
+                    held[rank].change(*change)
+                    if action.stage == last:
+                        last_held.change(*change)
+        if not progressed:
+            raise ValueError("pipeline schedule's actions wait on each other: not a valid action table")
+    work = sum(cost[a.kind] if a.stage else first_cost[a.kind] for a in queues[next(iter(order))])
+    return SimulatedSchedule(max(free.values()), work, max(h.most() for h in held.values()) / chunks,
+                             int(last_held.most()))
+
+
+def _ready_at(action: Action, last: int, done: Mapping[tuple[int, str, int], float]) -> float | None:
+    """When ``action``'s inputs are ready, or None while one is not."""
+    if action.kind == "F":
+        needed = [(action.stage - 1, "F", action.microbatch)] if action.stage > 0 else []
+    elif action.kind == "W":
+        needed = [(action.stage, "B", action.microbatch)]
+    elif action.stage == last:
+        needed = [(action.stage, "F", action.microbatch)]
+    else:
+        needed = [(action.stage + 1, "B", action.microbatch)]
+    if any(key not in done for key in needed):
+        return None
+    return max((done[key] for key in needed), default=0.0)
+
+
+class _Held:
+    """Activations held over time: +1 at a forward's start, -1 at its backward's end."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, int]] = []
+
+    def change(self, at: float, by: int) -> None:
+        self.events.append((at, by))
+
+    def most(self) -> float:
+        count = best = 0
+        for _, by in sorted(self.events):  # at equal times a release (-1) sorts before a new forward
+            count += by
+            best = max(best, count)
+        return best
+
+
+def schedule_available(schedule: str) -> bool:
+    """Whether the installed torch has ``schedule`` (the simulated ones are torch classes; the others
+    always run)."""
+    if schedule not in SIMULATED:
+        return schedule in SCHEDULES
+    from torch.distributed.pipelining import schedules
+
+    return hasattr(schedules, SIMULATED[schedule])
+
+
+@functools.cache
+def simulated_schedule(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> SimulatedSchedule:
+    """``simulate`` of torch's action table of ``schedule`` (``SIMULATED``) with ``F_B_W``."""
+    _checked(schedule, stages, microbatches, chunks)
+    return simulate(torch_schedule_order(SIMULATED.get(schedule, schedule), stages, microbatches, chunks), chunks)
+
+
+def torch_schedule_order(torch_class: str, stages: int, microbatches: int, chunks: int) -> dict[int, list[Action]]:
+    """Device -> its actions, as torch's schedule class ``torch_class`` (of
+    ``torch.distributed.pipelining.schedules``, one that takes a list of stages) orders them for ``stages``
+    devices of ``chunks`` chunks each. The table is the schedule object's ``pipeline_order``, which
+    torch computes for every device when it is built; the stages it is built with are stand-ins carrying
+    only the sizes it reads, so no process group is needed. Raises ValueError where torch refuses the
+    sizes (e.g. microbatches not a multiple of its rounds) or does not have the class."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, torch_class, None)
+    if cls is None:
+        raise ValueError(f"pipeline schedule {torch_class} is not in the installed torch")
+    placeholders = [SimpleNamespace(num_stages=stages * chunks, group_size=stages, group_rank=0,
+                                    stage_index=i * stages, submod=None) for i in range(chunks)]
+    # the table only: torch's lowering of it to sends and receives (most of the build's time) is skipped
+    table_only = type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": lambda self, *args, **kwargs: None})
+    built = table_only(placeholders, microbatches, loss_fn=lambda output, target: output)
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
+    return {rank: [Action(a.stage_index, kinds[a.computation_type.name], a.microbatch_index)
+                   for a in actions if a is not None]
+            for rank, actions in built.pipeline_order.items()}
 
 
 @functools.cache
@@ -57,6 +230,7 @@ def _checked(schedule: str, stages: int, microbatches: int, chunks: int) -> int:
     for name, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"pipeline {name} must be a positive int, got {value!r}")
-    if chunks > 1 and schedule != "interleaved":
-        raise ValueError(f"chunks={chunks} needs the interleaved schedule, got {schedule!r}")
+    if chunks > 1 and schedule not in MULTI_CHUNK:
+        raise ValueError(f"chunks={chunks} needs a schedule of several chunks a device "
+                         f"({', '.join(MULTI_CHUNK)}), got {schedule!r}")
     return stages

@@ -3,7 +3,8 @@
 A parameter replicated on a mesh dim where its users split the batch (data parallelism) ends backward
 with a *partial* gradient on that dim: each rank holds its batch shard's contribution. We reduce those
 in flat buckets (PyTorch DDP's idea: few large collectives beat many small ones, and a bucket's
-all_reduce runs while backward computes the next gradients), one bucket list per set of mesh dims,
+all_reduce runs while backward computes the next gradients; DDP's sizes, a first bucket of 1 MB and
+25 MB after it), one bucket list per set of mesh dims,
 then store each gradient with its parameter's placements so the optimizer sees plain replicated or
 sharded DTensors. A bucket is reduced in ``reduce_dtype`` when one is given (the plan's
 ``precision.reduce``: fp32 gradients summed in bf16 move half the bytes) and cast back after.
@@ -21,24 +22,34 @@ from torch.distributed.tensor import DTensor, Partial
 
 BUCKET_BYTES = 25 * 2**20
 """Bucket size, PyTorch DDP's default ``bucket_cap_mb=25``."""
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket's size, DDP's (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MB): it holds the
+first gradients backward produces, so its all_reduce starts early and runs while backward goes on,
+where a first bucket of 25 MB would wait for most of backward (a small model's whole)."""
+
+
+def bucket_cap(launched: int, bucket_bytes: float = BUCKET_BYTES) -> float:
+    """The size of the bucket filled after ``launched`` earlier ones of the same step and group: the
+    first ``FIRST_BUCKET_BYTES`` (``bucket_bytes`` when smaller), the rest ``bucket_bytes``."""
+    return min(FIRST_BUCKET_BYTES, bucket_bytes) if launched == 0 else bucket_bytes
 
 
 def closes_bucket(bucket_size: float, nbytes: float, bucket_bytes: float = BUCKET_BYTES) -> bool:
     """Whether a gradient of ``nbytes`` closes the open bucket of ``bucket_size`` bytes (and opens the
-    next): it would take a non-empty bucket past ``bucket_bytes``. A gradient larger than that is a
-    bucket of its own."""
+    next): it would take a non-empty bucket past ``bucket_bytes`` (that bucket's ``bucket_cap``). A
+    gradient larger than that is a bucket of its own."""
     return bucket_size > 0 and bucket_size + nbytes > bucket_bytes
 
 
 def buckets(sizes: Sequence[float], bucket_bytes: float = BUCKET_BYTES) -> list[list[int]]:
     """Indices of ``sizes`` (gradient bytes, in the order they are filed) grouped into buckets by
-    ``closes_bucket``, the rule ``GradientSync`` applies as gradients arrive; ``autopar.inspect.collectives``
-    counts a plan's gradient all_reduces with it."""
+    ``closes_bucket`` with each bucket's ``bucket_cap``, the rule ``GradientSync`` applies as gradients
+    arrive; ``autopar.inspect.collectives`` counts a plan's gradient all_reduces with it."""
     found: list[list[int]] = []
     bucket: list[int] = []
     size = 0.0
     for i, nbytes in enumerate(sizes):
-        if closes_bucket(size, nbytes, bucket_bytes):
+        if closes_bucket(size, nbytes, bucket_cap(len(found), bucket_bytes)):
             found.append(bucket)
             bucket, size = [], 0.0
         bucket.append(i)
@@ -121,7 +132,8 @@ class GradientSync:
             return
         local = p.grad.to_local()
         nbytes = local.numel() * (self.reduce_dtype or local.dtype).itemsize
-        if closes_bucket(self._open_bytes[partial], nbytes, self.bucket_bytes):
+        launched = sum(r.partial == partial for r in self._launched)
+        if closes_bucket(self._open_bytes[partial], nbytes, bucket_cap(launched, self.bucket_bytes)):
             self._launch(partial)
         self._open[partial].append((p, local))
         self._open_bytes[partial] += nbytes

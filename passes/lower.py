@@ -21,8 +21,13 @@ step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
   all_gather, launched one layer ahead (right after the previous layer's wait) and waited on right
   before its first reader, in the forward and in backward's regathers; each layer's gradient
   reduce_scatters become one, launched after the layer's last gradient, waited on at the end;
+* a gathered value only summed whole (the loss's global mean: its per-token losses and its mask of
+  counted targets) becomes the all_reduce of the local sum (``reduce_gathered_sums``);
 * a collective computed from non-parameter inputs alone (the loss's count of targets) is launched at
-  its graph's start.
+  its graph's start;
+
+and ``lower_simplify.py`` removes the ops that compute nothing (identity views, detaches, transposes of
+transposes, unread attention forwards) that the trace through DTensor leaves.
 
 Passes of the DTensor program that become graph properties here:
 
@@ -76,7 +81,8 @@ from autopar.ir.layers import layer_of_path
 
 from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
-                            launch_from_inputs_first, reduced_in_graph)
+                            launch_from_inputs_first, reduce_gathered_sums, reduced_in_graph)
+from .lower_simplify import simplify_local_ops
 from .reshard import ResavedParameters
 
 COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -179,14 +185,17 @@ class LoweredProgram(nn.Module):
         return compiler
 
     def bucketed(self, name: str, gm: fx.GraphModule, units: Mapping[str, str]) -> dict[str, list[int]]:
-        """``lower_buckets``' passes on the graph ``name`` (``forward``, ``backward``), in place: per
-        kind, each bucket's count of collectives it replaces (gradient reductions: gradients)."""
+        """``lower_buckets``' and ``lower_simplify``'s passes on the graph ``name`` (``forward``,
+        ``backward``), in place: per kind, each bucket's count of collectives it replaces (gradient
+        reductions: gradients); ``summed_gather``: a 1 per all_gather run as an all_reduce instead."""
         made = {"all_gather": bucket_parameter_gathers(gm, units)}
         if name == "backward":
             made["reduce_scatter"] = bucket_gradient_scatters(gm, units)
             if self.grad_sync is not None:
                 made["all_reduce"] = bucket_gradient_reductions(gm, self.grad_sync.bucket_bytes)
+        made["summed_gather"] = [1] * reduce_gathered_sums(gm)
         launch_from_inputs_first(gm, units)
+        simplify_local_ops(gm)
         return {kind: counts for kind, counts in made.items() if counts}
 
     def _partition(self, parameter_primals: Sequence[int]) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:

@@ -14,8 +14,8 @@ produced each gradient. In a lowered program the backward is one graph, so the g
   ``GradientSync`` only stores;
 * **bucketing** (``bucket_gradient_reductions``): in the backward graph the marked reductions of one
   kind (same mesh dims, divisors and reduction dtype) are cut into buckets in the order the graph
-  produces their gradients, by ``gradient_sync.buckets``' rule (``GradientSync.bucket_bytes``, DDP's
-  25 MB), and each bucket becomes one flat ``_c10d_functional.all_reduce`` per partial dim, launched
+  produces their gradients, by ``gradient_sync.buckets``' rule (DDP's: a first bucket of 1 MB, then
+  ``GradientSync.bucket_bytes``, 25 MB), and each bucket becomes one flat ``_c10d_functional.all_reduce`` per partial dim, launched
   right after its last gradient is produced and waited on just before the graph returns (DDP's
   overlap with the rest of backward). A bucket is the collective ``GradientSync`` would issue for the
   same gradients, so the count per step is the plan's prediction (``autopar.inspect.collectives``).
@@ -33,6 +33,10 @@ outside layers its module, as ``fully_shard`` wraps each block and the root):
 * ``bucket_gradient_scatters``: the unit's gradient reduce_scatters (those whose result becomes one
   parameter's gradient) become one reduce_scatter of the inputs' rank-major rows concatenated,
   launched right after the unit's last gradient input is produced, waited on when the graph ends.
+
+**Sums of gathers** (``reduce_gathered_sums``): a gathered value read only by the sum of all its
+elements (the loss's global mean gathers its per-token losses and its mask of counted targets so) is
+replaced by the all_reduce of the local value's sum: one number per rank instead of every token's.
 
 **Early launch** (``launch_from_inputs_first``): a collective whose input is computed from graph inputs
 alone, none a parameter (the forward's all_gather of the loss's mask of counted targets), is launched at
@@ -137,15 +141,13 @@ def bucket_gradient_reductions(gm: fx.GraphModule, bucket_bytes: float = BUCKET_
             ready = members[-1].args[0]
             _reduce_bucket(graph, members, ready, groups, divisors, reduce_dtype, output)
             made.append((order[ready], len(members)))
-    return _recompiled(gm, made)
+    return _bucket_sizes(gm, made)
 
 
-def _recompiled(gm: fx.GraphModule, made: list[tuple[int, int]]) -> list[int]:
+def _bucket_sizes(gm: fx.GraphModule, made: list[tuple[int, int]]) -> list[int]:
     """``gm`` recompiled where a pass merged collectives (``made``: each bucket's (position, members)),
     and the members of each bucket in graph order."""
-    if made:
-        gm.graph.lint()
-        gm.recompile()
+    recompiled(gm, len(made))
     return [count for _, count in sorted(made)]
 
 
@@ -199,6 +201,8 @@ def _shaped_like(graph: fx.Graph, piece: fx.Node, like: fx.Node) -> fx.Node:
     """A flat ``piece`` of a bucket viewed with the shape and dim order of ``like`` (``_in_memory_order``'s inverse)."""
     value = _value(like)
     order = _memory_order(value) or list(range(value.ndim))
+    if value.ndim == 1:
+        return piece
     shaped = graph.call_function(_aten.view.default, (piece, [value.shape[d] for d in order]))
     if order == sorted(order):
         return shaped
@@ -262,9 +266,7 @@ def bucket_parameter_gathers(gm: fx.GraphModule, units: Mapping[str, str]) -> li
     for (_, size, group, _), members in ordered:
         launch = previous_wait.next if previous_wait is not None else members[0].gather
         previous_wait = _gather_bucket(graph, members, launch, size, group)
-    if ordered:
-        graph.lint()
-        gm.recompile()
+    recompiled(gm, len(ordered))
     return [len(members) for _, members in ordered]
 
 
@@ -320,7 +322,7 @@ def bucket_gradient_scatters(gm: fx.GraphModule, units: Mapping[str, str]) -> li
         ready = max((m.args[0] for m in members), key=order.__getitem__)
         _scatter_bucket(graph, members, ready, op, size, group, output)
         made.append((order[ready], len(members)))
-    return _recompiled(gm, made)
+    return _bucket_sizes(gm, made)
 
 
 def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, op: str, size: int, group: str,
@@ -399,6 +401,83 @@ def _gradient_of(node: fx.Node, output: fx.Node) -> str | None:
     return f"primals_{reached.pop() + 1}" if len(reached) == 1 else None
 
 
+_FULL_SUMS = frozenset({_aten.sum.dim_IntList, _aten.sum.default})
+
+
+def reduce_gathered_sums(gm: fx.GraphModule) -> int:
+    """Replace every all_gather whose gathered value is only summed whole by the all_reduce of the local
+    value's sum, in place: launched where the gather was, waited on where the sum was. Returns how
+    many.
+
+    A rank-major gather concatenates the ranks' values along dim 0, so the sum of all its elements is
+    the sum of the ranks' sums. The plan gathers a global mean's per-token values this way (DTensor
+    offers no partial strategy for ``sum.dim_IntList(x, [])``, the form the loss's ``mean`` takes in the
+    captured graph); an all_reduce of one number instead moves no per-token data and skips the
+    gathered buffer. The sum's order of additions changes (ranks' sums added last), not its value
+    beyond rounding."""
+    graph = gm.graph
+    replaced = 0
+    for gather in list(graph.nodes):
+        if gather.target is not _c10d.all_gather_into_tensor.default or not _waited_once(gather):
+            continue
+        total = _summed_whole(next(iter(gather.users)))
+        if total is None:
+            continue
+        source, _, group = gather.args
+        with graph.inserting_before(gather):
+            local = graph.call_function(total.target, (source, *total.args[1:]), dict(total.kwargs))
+            reduced = graph.call_function(_c10d.all_reduce.default, (local, "sum", group))
+        with graph.inserting_before(total):
+            wait = graph.call_function(_c10d.wait_tensor.default, (reduced,))
+        for node in (local, reduced, wait):
+            node.meta["val"] = total.meta["val"]
+        total.replace_all_uses_with(wait)
+        dropped = [total]
+        while dropped[-1] is not gather:
+            dropped.append(dropped[-1].args[0])
+        for node in dropped:
+            graph.erase_node(node)
+        replaced += 1
+    return recompiled(gm, replaced)
+
+
+def _summed_whole(wait: fx.Node) -> fx.Node | None:
+    """The sum of every element of the gathered value ``wait`` (read alone, maybe through a slice of
+    dim 0 that keeps every row), when that is its only reader; else None."""
+    value = wait
+    (reader,) = value.users if len(value.users) == 1 else (None,)
+    if reader is not None and reader.target is _aten.slice.Tensor and _keeps_all_rows(reader):
+        value = reader
+        (reader,) = value.users if len(value.users) == 1 else (None,)
+    if reader is None or reader.target not in _FULL_SUMS or reader.args[0] is not value:
+        return None
+    if reader.target is _aten.sum.dim_IntList:
+        dims = reader.args[1] if len(reader.args) > 1 else reader.kwargs.get("dim")
+        keepdim = reader.args[2] if len(reader.args) > 2 else reader.kwargs.get("keepdim", False)
+        ndim = _value(value).ndim
+        if keepdim or sorted(d % max(ndim, 1) for d in (dims or [])) not in ([], list(range(ndim))):
+            return None
+    return reader
+
+
+def _keeps_all_rows(node: fx.Node) -> bool:
+    """Whether ``node`` (``aten.slice.Tensor``) keeps every row of its input's dim 0, in order."""
+    if node.kwargs:
+        return False
+    source, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    rows = _value(source).shape[0]
+    return dim == 0 and (start or 0) == 0 and (end is None or end >= rows) and step == 1
+
+
+def recompiled(gm: fx.GraphModule, changes: int) -> int:
+    """After a pass made ``changes`` rewrites of ``gm``'s graph (none: nothing to do), check the graph and
+    regenerate its code; returns ``changes``."""
+    if changes:
+        gm.graph.lint()
+        gm.recompile()
+    return changes
+
+
 COLLECTIVES = frozenset({_c10d.all_gather_into_tensor.default, _c10d.all_reduce.default,
                          _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default})
 
@@ -423,10 +502,7 @@ def launch_from_inputs_first(gm: fx.GraphModule, parameters: Collection[str]) ->
             elif order[step] > order[cursor]:
                 cursor.prepend(step)
         moved += 1
-    if moved:
-        graph.lint()
-        gm.recompile()
-    return moved
+    return recompiled(gm, moved)
 
 
 def _from_inputs(collective: fx.Node, parameters: Collection[str]) -> list[fx.Node] | None:

@@ -85,7 +85,7 @@ CASES = [
     Case("plan mlp --cluster 1000000000x8xH100", 2, "autopar plans clusters of up to"),
     Case("plan tiny-gpt --cluster 1x2xcpu --seq -5", 2, "seq must be >= 1"),
     Case("plan mlp --cluster 1x2xcpu --global-batch 0", 2, "--global-batch must be positive"),
-    Case("plan mlp --cluster 1x2xcpu --set layers=abc", 2, "bad override item 'layers=abc'"),
+    Case("plan mlp --cluster 1x2xcpu --set layers=abc", 2, "override layers='abc': expected int"),
     Case("plan mlp --cluster 1x2xcpu --set layers=0", 2, "layers must be >= 1"),
     Case("plan mlp --cluster 1x2xcpu --set foo=3", 2, "unknown override(s) foo"),
     Case("plan mlp --cluster 1x2xcpu --fix foo=3", 2, "unknown constraint(s) foo"),

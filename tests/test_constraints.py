@@ -58,7 +58,7 @@ def test_good_value_is_held_typed(key, given, name, held):
     ({"fsdp": 4}, "constraint fsdp must be a ZeRO stage: 0 (replicated parameters, DDP)"),
     ({"fsdp": "three"}, "got 'three'"),
     ({"fsdp": True}, "constraint fsdp must be a ZeRO stage"),
-    ({"schedule": "zigzag"}, "constraint schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"),
+    ({"schedule": "zigzag"}, "constraint schedule must be one of gpipe, 1f1b, interleaved, zero_bubble, got 'zigzag'"),
     ({"checkpointing": "some"}, "constraint checkpointing must be one of none, core_attention, selective, "
                                 "save_dot_except_mlpwi, full, got 'some'"),
     ({"dtype": "int8"}, "constraint dtype must be one of fp32, bf16, fp16, got 'int8'"),
@@ -84,7 +84,7 @@ def test_bad_value_is_named_with_what_was_expected(constraints, message):
     ({"sp": 1, "tp": 1}, "sp=1 splits the norms on the sequence over the tp mesh dim: it needs tp > 1"),
     ({"dp_shard": 2, "fsdp": 1}, "dp_shard=2 (HSDP) shards parameters: it needs fsdp=3, got fsdp=1"),
     ({"microbatches": 2, "microbatch_size": 1}, "pin one of them"),
-    ({"virtual_stages": 2, "schedule": "1f1b"}, "virtual_stages=2 needs schedule=interleaved"),
+    ({"virtual_stages": 2, "schedule": "1f1b"}, "virtual_stages=2 needs schedule=interleaved or zero_bubble"),
     ({"virtual_stages": 1, "schedule": "interleaved"}, "virtual_stages must be at least 2 with schedule=interleaved"),
 ])
 def test_contradicting_constraints_are_refused(constraints, message):

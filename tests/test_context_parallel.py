@@ -130,13 +130,13 @@ def test_free_search_chooses_cp_for_a_long_sequence(tmp_path, capsys) -> None:
 
 @pytest.mark.slow
 def test_free_search_leaves_cp_out_at_a_short_sequence(tmp_path, capsys) -> None:
-    """The same model at 4k tokens: activations nearly fit whole (the best plan, a 16-stage pipeline,
-    recomputed the first layer of each stage alone, where 1F1B keeps the most microbatches in flight, on
-    2026-12-02), and splitting the sequence would only add the gathers of keys and values: cp is not chosen."""
+    """The same model at 4k tokens: activations nearly fit whole (the best plan, a 64-stage zero-bubble
+    pipeline, recomputes selectively, on 2026-12-02), and splitting the sequence would only add the
+    gathers of keys and values: cp is not chosen."""
     plan = _cli_plan(tmp_path, "llama3-405b", "--cluster", "2048x8xH100", "--global-batch", "2048",
                      "--seq", "4096")
     assert plan["degrees"]["cp"] == 1 and "cp" not in plan["mesh"]["dim_names"]
-    assert plan["checkpointing"] in ("none", "mixed")
+    assert plan["checkpointing"] != "full"
 
 
 def test_cp_refuses_a_model_without_fused_attention() -> None:

@@ -22,6 +22,7 @@ again; a program that cannot be traced runs unlowered with one warning.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping
 
 import pytest
@@ -166,11 +167,15 @@ def _assert_predicted_collectives(run: Mapping[str, Any], config: str) -> None:
 def lowered_prediction(predicted: Mapping[str, int], buckets: Mapping[str, Mapping[str, list[int]]],
                        graphs: list[str]) -> dict[str, int]:
     """The plan's collective counts as the lowered ``graphs`` run them: a bucket of n parameter gathers
-    or gradient reduce_scatters (``LoweredProgram.buckets``) is one collective, so n - 1 fewer; the
-    gradient all_reduces are the plan's buckets already (the same rule, ``gradient_sync.buckets``)."""
+    or gradient reduce_scatters (``LoweredProgram.buckets``) is one collective, so n - 1 fewer; a gather
+    only summed whole (``summed_gather``: the loss's mean) is an all_reduce; the gradient all_reduces
+    are the plan's buckets already (the same rule, ``gradient_sync.buckets``)."""
     merged = {kind: sum(n - 1 for g in graphs for n in buckets.get(g, {}).get(kind, []))
               for kind in ("all_gather", "reduce_scatter")}
+    summed = sum(len(buckets.get(g, {}).get("summed_gather", [])) for g in graphs)
     counts = as_run_on_gloo(predicted)
+    counts = {**counts, "all_reduce": counts.get("all_reduce", 0) + summed}
+    merged["all_gather"] += summed
     return {k: v - merged.get(k, 0) for k, v in counts.items() if v - merged.get(k, 0)}
 
 
@@ -312,3 +317,90 @@ def test_a_collective_of_inputs_alone_is_launched_first_and_waited_where_it_was(
     waits = [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
     assert order[collectives[0]] < order[h] < order[waits[0]]
     assert order[h] < order[collectives[1]]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_data_parallel_step_reduces_the_loss_mean_without_gathering_tokens(runs) -> None:
+    """Under data parallelism the lowered forward all-reduces the loss's two numbers (the sum of the
+    per-token losses and the count of targets) and gathers nothing; the backward all-reduces the
+    gradients' buckets and nothing else."""
+    name, constraints = CONFIGS[2][0]
+    assert (name, constraints) == ("tiny-gpt", {"dp": 2})
+    run = runs[2][0]
+    buckets = len(run["buckets"]["backward"]["all_reduce"])
+    assert run["graphs"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": buckets}}
+    assert run["buckets"]["forward"] == {"summed_gather": [1, 1]}
+
+
+def test_a_gather_summed_whole_becomes_an_all_reduce_of_the_local_sum(two_fake_ranks) -> None:
+    """A gathered value read only by a sum of all its elements (through the slice that keeps every
+    row) becomes the local sum, all-reduced where the gather was launched and waited where the sum
+    was; a gather summed over one dim only stays (a fake group's all_reduce leaves the value as it is)."""
+    import torch.distributed as dist
+
+    from autopar.passes.lower_buckets import reduce_gathered_sums
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    x = _placeholder(graph, "x", torch.randn(4, 3))
+    gathered = []
+    for source in (x, _call(graph, _aten.mul.Tensor, x, 2.0)):
+        node = graph.call_function(_c10d.all_gather_into_tensor.default, (source, 2, group))
+        node.meta["val"] = torch.cat([source.meta["val"]] * 2)
+        wait = graph.call_function(_c10d.wait_tensor.default, (node,))
+        wait.meta["val"] = node.meta["val"]
+        gathered.append(wait)
+    h = _call(graph, _aten.mul.Tensor, x, 3.0)
+    total = _call(graph, _aten.sum.dim_IntList, _call(graph, _aten.slice.Tensor, gathered[0], 0, 0, 8), [])
+    per_column = _call(graph, _aten.sum.dim_IntList, gathered[1], [0])
+    graph.output((_call(graph, _aten.mul.Tensor, total, 2.0), per_column, h))
+    gm = torch.fx.GraphModule({}, graph)
+
+    assert reduce_gathered_sums(gm) == 1
+    order = _index(gm)
+    (reduce,) = [n for n in gm.graph.nodes if n.target is _c10d.all_reduce.default]
+    assert len([n for n in gm.graph.nodes if n.target is _c10d.all_gather_into_tensor.default]) == 1
+    assert reduce.args[0].target is _aten.sum.dim_IntList and reduce.args[0].args[0].name == "x"
+    (wait,) = reduce.users
+    assert order[reduce] < order[h] < order[wait]
+    inputs = torch.randn(4, 3)
+    torch.testing.assert_close(gm(inputs)[0], inputs.sum() * 2)
+
+
+def test_simplifying_drops_ops_that_compute_nothing_and_keeps_the_values() -> None:
+    """Identity views, detaches, a transpose of a transpose, a view of a view, a whole filled buffer
+    cut to one piece and an attention forward no op reads: removed or made smaller; the outputs equal."""
+    from autopar.passes.lower_simplify import simplify_local_ops
+
+    graph = torch.fx.Graph()
+    x = _placeholder(graph, "x", torch.randn(4, 6))
+    q = _placeholder(graph, "q", torch.randn(1, 2, 4, 8))
+    same = _call(graph, _aten.detach.default, _call(graph, _aten.view.default, x, [4, 6]))
+    back = _call(graph, _aten.permute.default, _call(graph, _aten.t.default, same), [1, 0])
+    twice = _call(graph, _aten.view.default, _call(graph, _aten.view.default, back, [24]), [6, 4])
+    zeros = _call(graph, _aten.split.Tensor, _call(graph, _aten.new_zeros.default, x, [8, 6]), 4)
+    piece = _call(graph, _aten.clone.default, _call(graph, operator.getitem, zeros, 0))
+    _call(graph, _aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, True)
+    graph.output((_call(graph, _aten.mm.default, twice, _call(graph, _aten.add.Tensor, back, piece)),))
+    gm = torch.fx.GraphModule({}, graph)
+    inputs = (torch.randn(4, 6), torch.randn(1, 2, 4, 8))
+    expected = gm(*inputs)
+
+    assert simplify_local_ops(gm) == 9
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [_aten.view.default, _aten.new_zeros.default, _aten.add.Tensor, _aten.mm.default]
+    (fill,) = [n for n in gm.graph.nodes if n.target is _aten.new_zeros.default]
+    assert list(fill.args[1]) == [4, 6]
+    torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
+
+
+def test_the_first_gradient_bucket_is_ddps_one_megabyte_and_the_rest_the_bucket_size() -> None:
+    """``gradient_sync.buckets`` (GradientSync's, the lowered graphs' and the plan's count): the first
+    bucket closes past 1 MB, the later ones past the bucket size; a bucket size under 1 MB applies to
+    every bucket."""
+    from autopar.passes.gradient_sync import buckets
+
+    mb = 2**20
+    assert buckets([0.4 * mb, 0.4 * mb, 0.4 * mb, 10 * mb, 10 * mb, 10 * mb]) == [[0, 1], [2, 3, 4], [5]]
+    assert buckets([60.0, 60.0, 60.0], bucket_bytes=150) == [[0, 1], [2]]

@@ -180,11 +180,21 @@ def test_parse_overrides_values() -> None:
     assert parse_overrides(None) == {} and parse_overrides("") == {}
 
 
-@pytest.mark.parametrize("text,bad", [("layers", "layers"), ("layers=2,hidden=abc", "hidden=abc"),
-                                      ("=3", "=3"), ("a=", "a="), ("x=1,x=2", "x=2")])
+@pytest.mark.parametrize("text,bad", [("layers", "layers"), ("=3", "=3"), ("a=", "a="), ("x=1,x=2", "x=2")])
 def test_parse_overrides_errors(text: str, bad: str) -> None:
     with pytest.raises(ValueError, match=bad):
         parse_overrides(text)
+
+
+def test_a_word_override_is_checked_against_its_field() -> None:
+    """A value that is no number or boolean is text: fine for a text field (``mlp``, ``attention``), an error
+    naming the item and the expected type for a numeric one."""
+    assert parse_overrides("mlp=squared-relu,hidden=abc") == {"mlp": "squared-relu", "hidden": "abc"}
+    with pytest.raises(ValueError, match=r"override hidden='abc': expected int"):
+        build_model("tiny-llama", overrides=parse_overrides("hidden=abc"))
+    with pytest.raises(ValueError, match=r"override mlp=2: expected str"):
+        build_model("tiny-llama", overrides=parse_overrides("mlp=2"))
+    assert build_model("tiny-gpt", overrides=parse_overrides("attention=eager")).config.attention == "eager"
 
 
 def test_build_with_overrides() -> None:

@@ -19,6 +19,8 @@ from autopar.core.axes import MeshAxis
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for, problem_for
 from autopar.planning.stages import Staging, layer_roles, stage_problem
+from autopar.cost_models.pipeline import (Action, last_chunk_in_flight, microbatches_in_flight,
+                                          pipeline_bubble_fraction, simulate, torch_schedule_order)
 from autopar.api import reprice
 
 CLUSTER = "4x8xA100-80GB"
@@ -44,6 +46,57 @@ def test_bubble_fraction_is_p_minus_1_over_v_m():
     assert Staging(4, 8, "1f1b").bubble_fraction(12) == pytest.approx(3 / 12)
     assert Staging(4, 8, "interleaved", chunks=2).bubble_fraction(12) == pytest.approx(3 / 24)
     assert Staging(1, 8).bubble_fraction(5) == 0
+
+
+# ---- schedules simulated from torch's action tables ---------------------------------------------
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 12), (8, 16)])
+def test_the_closed_forms_match_a_simulation_of_torchs_schedules(stages, microbatches):
+    """``cost_models/pipeline.py``'s formulas against ``simulate`` of torch's own tables: GPipe (torch's
+    looped BFS over one chunk a device), 1F1B (its interleaved schedule at one chunk, whose bubble is
+    1F1B's) and interleaved 1F1B over two chunks, whose activations in flight are Korthikanti et al.'s."""
+    def simulated(torch_class: str, chunks: int):
+        return simulate(torch_schedule_order(torch_class, stages, microbatches, chunks), chunks)
+    gpipe, one_f_one_b = simulated("ScheduleLoopedBFS", 1), simulated("ScheduleInterleaved1F1B", 1)
+    interleaved = simulated("ScheduleInterleaved1F1B", 2)
+    assert gpipe.bubble_fraction == pytest.approx(pipeline_bubble_fraction("gpipe", stages, microbatches))
+    assert gpipe.in_flight == microbatches_in_flight("gpipe", stages, microbatches) == microbatches
+    assert gpipe.last_in_flight == last_chunk_in_flight("gpipe", stages, microbatches)
+    assert one_f_one_b.bubble_fraction == pytest.approx(pipeline_bubble_fraction("1f1b", stages, microbatches))
+    assert interleaved.bubble_fraction == pytest.approx(pipeline_bubble_fraction("interleaved", stages, microbatches, 2))
+    assert interleaved.in_flight == pytest.approx(microbatches_in_flight("interleaved", stages, microbatches, 2))
+    assert interleaved.last_in_flight == last_chunk_in_flight("interleaved", stages, microbatches, 2) == 1
+
+
+@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 4, 1), (4, 8, 1), (8, 16, 1), (4, 8, 2), (8, 32, 2)])
+def test_zero_bubble_is_priced_from_torchs_table(stages, microbatches, chunks):
+    """torch's ``ScheduleInterleavedZeroBubble`` (ZB-1p) simulated with equal F, B and W: the bubble of
+    Qi et al. (2024, §3.1), ``(p - 1)(T_F + T_B - T_W)`` against 1F1B's ``(p - 1)(T_F + T_B + T_W)``, a
+    third of 1F1B's at as many chunks; ``p`` microbatches in flight as under 1F1B, and the last chunk's
+    held until their deferred weight gradients run."""
+    one_f_one_b = pipeline_bubble_fraction("interleaved" if chunks > 1 else "1f1b", stages, microbatches, chunks)
+    assert Staging(stages, 8, "zero_bubble", chunks).bubble_fraction(microbatches) == pytest.approx(one_f_one_b / 3)
+    assert microbatches_in_flight("zero_bubble", stages, microbatches, chunks) == stages
+    assert last_chunk_in_flight("zero_bubble", stages, microbatches, chunks) == stages
+
+
+def test_zero_bubble_depends_on_the_split_of_the_backward():
+    """Weight-gradient steps fill the bubble only as far as they last: with none (W = 0) the zero-bubble
+    table is as slow as 1F1B; with a backward of B = 2 and W = 1 the bubble is Qi et al.'s
+    ``(p - 1)(F + B - W) / (m (F + B + W))``."""
+    order = torch_schedule_order("ScheduleInterleavedZeroBubble", 4, 8, 1)
+    assert simulate(order, 1, (1.0, 1.0, 0.0)).bubble_fraction == pytest.approx(3 / 8)
+    assert simulate(order, 1, (1.0, 2.0, 1.0)).bubble_fraction == pytest.approx(3 * 2 / (8 * 4))
+
+
+def test_a_table_whose_actions_wait_on_each_other_is_refused():
+    backward_first = {0: [Action(0, "B", 0), Action(0, "F", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
+    with pytest.raises(ValueError, match="wait on each other"):
+        simulate(backward_first, 1)
+    with pytest.raises(ValueError, match="microbatches to be a multiple"):
+        pipeline_bubble_fraction("zero_bubble", 4, 9)  # torch runs 9 microbatches on 4 stages in 2 rounds: refused
+    with pytest.raises(ValueError, match="chunks=2 needs a schedule of several chunks"):
+        pipeline_bubble_fraction("1f1b", 4, 8, 2)
 
 
 def test_layers_per_stage_round_up():
@@ -72,14 +125,50 @@ def pp2(gpt8):
     return _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "1f1b"})
 
 
-def test_a_free_schedule_takes_interleaving_where_it_is_faster(gpt8, pp2):
+@pytest.fixture(scope="module")
+def interleaved2(gpt8):
+    return _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "interleaved", "virtual_stages": 2})
+
+
+@pytest.fixture(scope="module")
+def zero_bubble(gpt8):
+    return _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "zero_bubble"})
+
+
+def test_a_free_schedule_takes_the_fastest_schedule_priced(gpt8, pp2, interleaved2, zero_bubble):
     """With the schedule free, the search tries interleaved 1F1B with 2, 4, ... chunks per device after
-    1F1B: on this pipeline two chunks halve a bubble that costs more than the sends they add."""
+    1F1B, then torch's zero-bubble schedule with 1, 2, ... chunks: on this pipeline the bubble costs
+    more than the sends more chunks add, and zero bubble's is a third of 1F1B's at as many chunks."""
     free = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8})
-    assert free.pipeline["schedule"] == "interleaved" and free.pipeline["virtual_stages"] == 2
-    assert free.predicted["step_time_s"] < pp2.predicted["step_time_s"]
-    assert free.predicted["bubble_s"] == pytest.approx(pp2.predicted["bubble_s"] / 2, rel=0.05)
+    assert free.pipeline["schedule"] == "zero_bubble" and free.pipeline["virtual_stages"] == 2
+    assert free.predicted["step_time_s"] < min(p.predicted["step_time_s"] for p in (pp2, interleaved2, zero_bubble))
+    assert free.predicted["bubble_s"] == pytest.approx(interleaved2.predicted["bubble_s"] / 3, rel=0.05)
     assert free.pipeline["stages"] == [[0, 2], [2, 4], [4, 6], [6, 8]]  # chunk i on stage i mod 2
+
+
+def test_interleaved_pinned_without_chunks_searches_them(gpt8):
+    """``schedule=interleaved`` with no ``virtual_stages`` (a published run whose chunks are unstated) is
+    searched from 2 chunks up as the free search does, never leaving interleaved 1F1B: at 2 microbatches
+    the bubble is large, and 4 chunks of one layer beat 2 (half the bubble for twice the sends)."""
+    fixed = {"pp": 2, "tp": 8, "microbatches": 2, "schedule": "interleaved"}
+    searched = _plan(gpt8, fixed)
+    two, four = (_plan(gpt8, {**fixed, "virtual_stages": v}) for v in (2, 4))
+    assert four.predicted["step_time_s"] < two.predicted["step_time_s"]
+    assert searched.pipeline["schedule"] == "interleaved" and searched.pipeline["virtual_stages"] == 4
+    assert searched.predicted["step_time_s"] == pytest.approx(four.predicted["step_time_s"], rel=1e-12)
+
+
+def test_a_pinned_zero_bubble_schedule_prices_a_smaller_bubble_than_1f1b(pp2, zero_bubble):
+    """The same degrees and microbatches: torch's zero-bubble schedule (ZB-1p, Qi et al. 2024) fills
+    1F1B's bubble with weight-gradient steps, leaving a third of it with forward, input- and
+    weight-gradient steps equally long (``cost_models.pipeline.F_B_W``), for the head's activations
+    held until its deferred weight gradients run: more memory than 1F1B."""
+    assert zero_bubble.degrees == pp2.degrees and zero_bubble.pipeline["stages"] == pp2.pipeline["stages"]
+    assert zero_bubble.pipeline["schedule"] == "zero_bubble" and zero_bubble.pipeline["virtual_stages"] == 1
+    assert zero_bubble.predicted["bubble_s"] == pytest.approx(pp2.predicted["bubble_s"] / 3, rel=0.05)
+    assert zero_bubble.predicted["step_time_s"] < pp2.predicted["step_time_s"]
+    assert zero_bubble.predicted["peak_memory_bytes"] > pp2.predicted["peak_memory_bytes"]
+    assert "pp=2 zero_bubble" in zero_bubble.summary()
 
 
 def test_interleaving_chunks_leave_no_chunk_empty_and_no_device_more_layers():
@@ -129,11 +218,11 @@ def test_a_stage_holds_its_share_of_the_layers(gpt8, pp2):
     assert ratio == pytest.approx((in_layers / 2 + outside) / (in_layers + outside), rel=1e-6)
 
 
-def test_interleaving_shrinks_the_bubble(gpt8, pp2):
-    inter = _plan(gpt8, {"pp": 2, "tp": 8, "microbatches": 8, "schedule": "interleaved", "virtual_stages": 2})
+def test_interleaving_shrinks_the_bubble(pp2, interleaved2):
+    inter = interleaved2
     assert inter.pipeline["schedule"] == "interleaved" and inter.pipeline["virtual_stages"] == 2
     assert inter.pipeline["stages"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
-    assert inter.predicted["bubble_s"] < 0.6 * pp2.predicted["bubble_s"]
+    assert inter.predicted["bubble_s"] == pytest.approx(pp2.predicted["bubble_s"] / 2, rel=0.05)
     assert inter.predicted["comm_s"]["p2p"] == pytest.approx(2 * pp2.predicted["comm_s"]["p2p"], rel=0.01)
 
 
@@ -219,7 +308,7 @@ def test_fixed_pipeline_through_the_cli(tmp_path):
 @pytest.mark.parametrize("constraints, match", [
     ({"pp": 16}, r"pp=16: the model has only 8 repeated layers"),
     ({"pp": 3}, r"pp=3 does not divide the 32 devices"),
-    ({"schedule": "zigzag"}, r"schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"),
+    ({"schedule": "zigzag"}, r"schedule must be one of gpipe, 1f1b, interleaved, zero_bubble, got 'zigzag'"),
 ])
 def test_bad_pipeline_constraints(gpt8, constraints, match):
     with pytest.raises(BadInputError, match=match):

@@ -8,7 +8,13 @@
   single-process training of the same seed and batches: every gradient after the first backward (all
   stages, gathered) within rtol 1e-4 / atol 1e-5, per-step loss within rtol 1e-4 on every rank,
   gathered final parameters (all stages) within atol 1e-5; and pp=2 x dp=2 with the data-parallel
-  dim sharding the optimizer state (ZeRO-1), also the gradients (ZeRO-2), or the parameters (FSDP).
+  dim sharding the optimizer state (ZeRO-1), also the gradients (ZeRO-2), or the parameters (FSDP);
+* torch's zero-bubble schedule (``ScheduleInterleavedZeroBubble``: each backward split into its input-
+  and weight-gradient steps), under the same check: pp=2 with one and two chunks a device and with full
+  checkpointing on 2 ranks; pp=2 x dp=2 under ZeRO-2 (whose reduce_scatter runs from the post-accumulate
+  hooks that torch's weight step bypasses: ``AccumulatingStage``), pp=2 x tp=2, and pp=2 x dp=2 under
+  ZeRO-1 in bf16 (whose chunks read compute-dtype copies of the optimizer's parameters: the leaves
+  ``StageModule.parameters()`` hands torch's split) on 4.
 """
 
 from __future__ import annotations
@@ -143,3 +149,46 @@ def test_zero_and_fsdp_inside_pipeline_stages_match_single_process() -> None:
     for constraints, result in zip(stages, results):
         assert result.plan["degrees"]["pp"] == 2 and result.plan["degrees"]["zero"] == constraints["fsdp"]
         result.assert_matches(reference)
+
+
+def test_the_runtime_runs_the_zero_bubble_schedule_the_planner_prices() -> None:
+    """The schedules' names agree where the layers keep them apart (cost_models imports nothing of autopar)."""
+    from autopar.core.plan import MULTI_CHUNK_SCHEDULES, SCHEDULES as NAMES
+    from autopar.cost_models import pipeline as priced
+    from autopar.runtime.pipeline import SCHEDULES, ZERO_BUBBLE
+
+    assert ZERO_BUBBLE == priced.SIMULATED and priced.SCHEDULES == NAMES == tuple(SCHEDULES)
+    assert priced.MULTI_CHUNK == MULTI_CHUNK_SCHEDULES
+    assert {name: SCHEDULES[name].__name__ for name in ZERO_BUBBLE} == ZERO_BUBBLE  # torch 2.13 has it
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_zero_bubble_pp2_matches_single_process() -> None:
+    four_layers = {"layers": 4}
+    zero_bubble = {"pp": 2, "schedule": "zero_bubble"}
+    runs = _runs("tiny-gpt", [{**zero_bubble, "microbatches": 4, "checkpointing": "none"}])
+    runs += _runs("tiny-gpt", [{**zero_bubble, "microbatches": 4, "virtual_stages": 2}], overrides=four_layers)
+    runs += _runs("tiny-llama", [{**zero_bubble, "microbatches": 2, "checkpointing": "full"}])
+    one_chunk, two_chunks, llama = train_parallel_many(2, runs)
+    for result in (one_chunk, two_chunks, llama):
+        assert result.plan["pipeline"]["schedule"] == "zero_bubble"
+    assert two_chunks.plan["pipeline"]["virtual_stages"] == 2 and len(two_chunks.plan["pipeline"]["stages"]) == 4
+    one_chunk.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS))
+    two_chunks.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
+    llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_zero_bubble_with_zero_tp_and_mixed_precision_matches_single_process() -> None:
+    zero_bubble = {"pp": 2, "microbatches": 2, "schedule": "zero_bubble"}
+    zero2, tp, bf16 = train_parallel_many(4, _runs("tiny-gpt", [{**zero_bubble, "dp": 2, "fsdp": 2},
+                                                                {**zero_bubble, "tp": 2},
+                                                                {**zero_bubble, "dp": 2, "fsdp": 1, "dtype": "bf16"}]))
+    reference = train_single("tiny-gpt", None, BATCH, None, STEPS)
+    assert zero2.plan["degrees"]["zero"] == 2 and tp.plan["degrees"]["tp"] == 2 and bf16.plan["degrees"]["zero"] == 1
+    assert bf16.plan["precision"]["compute"] == "bf16"
+    zero2.assert_matches(reference)
+    tp.assert_matches(reference)
+    bf16.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS, dtype="bf16"))

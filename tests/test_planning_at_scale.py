@@ -230,28 +230,53 @@ def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch
     assert _without_timings(every_degree) == _without_timings(plan)
 
 
-def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatch):
-    """On a pinned pipeline mesh, a microbatch count none solved, at which none's problem solved without
-    its memory row fits memory (or cannot beat the cutoff), is not solved again in a mode that recomputes
-    (which prices every option at least as high): fewer ILPs, the same plan."""
+def _pinned_70b_solves(monkeypatch) -> tuple[object, list[int]]:
+    """Llama 3 70B pinned to pp=4 x dp=4 x tp=8 on 128 H100s (its schedule and checkpointing free): the
+    plan and the microbatch count of every ILP its search solved."""
     from autopar.planning import search
 
     monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
-    solved = []
+    solved: list[int] = []
     solve_ = search.solve
     monkeypatch.setattr(search, "solve", lambda problem, *a, **k: (solved.append(problem.microbatches),
                                                                    solve_(problem, *a, **k))[1])
-    bundle = _bundle("tiny-llama", 8, batch=32)
-    pinned = {"pp": 2, "dp": 8, "schedule": "1f1b", "memory_gb": 0.0018}  # recomputing modes fit where none does not
-    plan = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn, pinned,
-                        example_targets=bundle.example_targets)
-    with_rule = len(solved)
-    solved.clear()
+    bundle = build_model("llama3-70b", global_batch=512, seq=4096, device="meta")
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "16x8xH100", bundle.loss_fn,
+                        {"pp": 4, "dp": 4, "tp": 8}, example_targets=bundle.example_targets)
+    return plan, list(solved)  # a copy: a later call's wrapper calls this one's
+
+
+def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatch):
+    """On a pinned pipeline mesh, at a microbatch count where none's problem solved without its memory
+    row fits memory, or cannot beat the cutoff even with the least time a mode's recomputation adds,
+    that mode is not solved (recomputation prices every option at least as high): fewer ILPs, the same
+    plan. (On Llama 3 70B: none fits 64 and 128 microbatches; the recomputing modes' 4 to 32 are
+    settled by one solve of none's relaxation each.)"""
+    from autopar.planning import search
+
+    plan, with_rule = _pinned_70b_solves(monkeypatch)
     monkeypatch.setattr(search._Settled, "noting", lambda self, first_mode: None)
-    every_count = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn, pinned,
-                               example_targets=bundle.example_targets)
-    assert with_rule < len(solved)
+    every_count, without = _pinned_70b_solves(monkeypatch)
+    assert len(with_rule) < len(without)
     assert _without_timings(every_count) == _without_timings(plan)
+
+
+def test_other_schedules_reuse_the_solution_of_the_counts_1f1b_solved(monkeypatch):
+    """Interleaved and zero-bubble schedules hold more microbatches' activations than 1F1B at the same
+    count and layers a device, and their ILP has the same objective: where 1F1B's optimum at a count fits
+    their memory it is theirs, and where its bound cannot beat the cutoff neither can they. The pinned
+    70B's free schedule search then solves fewer ILPs, to the step time solving every schedule gives.
+    (The placements may differ where the ILP has several optima: a solve of the other schedule's memory
+    row breaks their ties its own way.)"""
+    from autopar.planning import search
+
+    plan, reusing = _pinned_70b_solves(monkeypatch)
+    monkeypatch.setattr(search._MeshSearch, "_solved_before", lambda self, *args: None)
+    solving_all, every = _pinned_70b_solves(monkeypatch)
+    assert plan.pipeline["schedule"] != "1f1b"  # another schedule won, on a reused solution
+    assert len(reusing) < len(every)
+    assert (plan.degrees, plan.pipeline) == (solving_all.degrees, solving_all.pipeline)
+    assert plan.predicted["step_time_s"] == pytest.approx(solving_all.predicted["step_time_s"], rel=1e-12)
 
 
 def test_a_cp_degree_the_model_cannot_split_fails_its_mesh_not_the_search():

@@ -21,7 +21,7 @@ from numbers import Integral
 from typing import Any, Callable, Mapping
 
 from autopar.core.errors import BadInputError
-from autopar.core.plan import CHECKPOINTING, CP_ATTENTIONS, DTYPES, SCHEDULES
+from autopar.core.plan import CHECKPOINTING, CP_ATTENTIONS, DTYPES, MULTI_CHUNK_SCHEDULES, SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
 _ZERO_STAGES_IN_WORDS = ("0 (replicated parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) "
@@ -136,9 +136,11 @@ class Constraints:
     microbatch_size: int | None = _pinned(_positive_int)
     """Sequences per microbatch on each data-parallel rank; pin this or ``microbatches``, not both."""
     schedule: str | None = _pinned(_one_of(SCHEDULES))
-    """Pipeline schedule: gpipe, 1f1b (the default) or interleaved (any case)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved or zero_bubble (any case); free, the planner prices
+    1f1b, interleaved and zero_bubble and picks."""
     virtual_stages: int | None = _pinned(_positive_int)
-    """Model chunks per pipeline stage; more than 1 means ``schedule=interleaved`` (whose default is 2)."""
+    """Model chunks per pipeline stage; more than 1 means ``schedule=interleaved`` (whose default is 2)
+    unless ``schedule=zero_bubble`` is pinned (whose default is 1)."""
     checkpointing: str | None = _pinned(_one_of(CHECKPOINTING))
     """Activation checkpointing of every repeated layer: none, core_attention (Megatron-LM's selective:
     the attention core recomputed), selective (PyTorch's: all but linear layers and fused attention
@@ -164,7 +166,7 @@ class Constraints:
             if value is not None:  # frozen: the checked value replaces the given one (e.g. "2" -> 2)
                 object.__setattr__(self, f.name, f.metadata["check"](_key(f), value))
         self._refuse_contradictions()
-        if self.virtual_stages is not None and self.virtual_stages > 1:
+        if self.virtual_stages is not None and self.virtual_stages > 1 and self.schedule is None:
             object.__setattr__(self, "schedule", "interleaved")
 
     # ---- boundaries ------------------------------------------------------------------------------------
@@ -222,8 +224,10 @@ class Constraints:
                                 "fixes the other)")
         if self.schedule == "interleaved" and self.model_chunks < 2:
             raise BadInputError("constraint virtual_stages must be at least 2 with schedule=interleaved")
-        if self.virtual_stages is not None and self.virtual_stages > 1 and self.schedule not in (None, "interleaved"):
-            raise BadInputError(f"constraint virtual_stages={self.virtual_stages} needs schedule=interleaved")
+        if self.virtual_stages is not None and self.virtual_stages > 1 \
+                and self.schedule not in (None, *MULTI_CHUNK_SCHEDULES):
+            raise BadInputError(f"constraint virtual_stages={self.virtual_stages} needs schedule="
+                                f"{' or '.join(MULTI_CHUNK_SCHEDULES)}")
 
 
 def _key(f: Any) -> str:

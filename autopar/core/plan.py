@@ -28,8 +28,11 @@ CHECKPOINTING = ("none", "core_attention", "selective", "save_dot_except_mlpwi",
 ``save_dot_except_mlpwi`` MaxText's policy of that name (selective, an MLP's input projections recomputed too)."""
 SELECTIVE_MODES = ("selective", "save_dot_except_mlpwi")
 """Modes run by torch's selective activation checkpointing over a whole layer, keeping kept-list ops' outputs."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-"""Pipeline schedules a plan may name (priced in ``cost_models/pipeline.py``, run by ``runtime/pipeline.py``)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+"""Pipeline schedules a plan may name (priced in ``cost_models/pipeline.py``, run by ``runtime/pipeline.py``):
+``zero_bubble`` is torch's ``ScheduleInterleavedZeroBubble`` (Qi et al., ICLR 2024), one or more chunks a device."""
+MULTI_CHUNK_SCHEDULES = ("interleaved", "zero_bubble")
+"""Schedules that may run several model chunks (``virtual_stages``) per device."""
 MIXED = "mixed"
 """``checkpointing`` of a plan whose layers run in different modes, listed in ``recomputed_layers``."""
 CONTIGUOUS, LOAD_BALANCED = "contiguous", "load_balanced"

@@ -1,9 +1,17 @@
 """Llama-3 style decoder-only transformer.
 
-Token embedding, pre-RMSNorm blocks with rotary (rotate-half, from cached
-cos/sin buffers) grouped-query attention and a SwiGLU MLP, a final RMSNorm and
+Token embedding, pre-norm blocks with rotary (rotate-half, from cached
+cos/sin buffers) grouped-query attention and an MLP, a final norm and
 an ``lm_head``. No biases anywhere. Written with export-friendly ops only
 (see :mod:`autopar.models.common`).
+
+The MLP and the norm are Llama's by default (SwiGLU, RMSNorm); ``mlp="squared-relu"`` and
+``norm="layernorm"`` give Nemotron-4's instead (Parmar et al., "Nemotron-4 15B Technical Report",
+arXiv:2402.16819, section 2: "squared ReLU activations in the MLP layers, no bias terms"; its NeMo
+configs, e.g. NVIDIA/dgxc-benchmarking nemotron/nemotron4-340b-synth.yaml: ``activation: squared-relu``,
+``normalization: layernorm1p``, ``bias: false``). ``layernorm1p`` stores the LayerNorm scale as
+``weight - 1`` (zero-centred); that reparametrisation changes neither the ops nor their cost, so the
+plain LayerNorm stands for it.
 """
 
 from __future__ import annotations
@@ -30,11 +38,21 @@ __all__ = [
     "LlamaBlock",
     "LlamaAttention",
     "SwiGLU",
+    "SquaredReLUMLP",
     "RMSNorm",
+    "MLP_KINDS",
+    "NORM_KINDS",
     "rope_tables",
     "apply_rope",
     "grouped_causal_attention",
 ]
+
+
+MLP_KINDS = ("swiglu", "squared-relu")
+"""``swiglu``: ``w2(silu(w1 x) * w3 x)``, three matrices (Llama); ``squared-relu``: ``w2(relu(w1 x)^2)``,
+two matrices (Nemotron-4)."""
+NORM_KINDS = ("rmsnorm", "layernorm")
+"""``rmsnorm``: RMSNorm (Llama); ``layernorm``: LayerNorm without bias (Nemotron-4)."""
 
 
 @dataclass
@@ -47,12 +65,16 @@ class LlamaConfig:
     kv_heads: int  # key/value heads (grouped-query attention); must divide heads
     vocab: int  # vocabulary size
     seq: int  # maximum sequence length (size of the rotary tables)
-    ffn_hidden: int  # SwiGLU inner width
+    ffn_hidden: int  # MLP inner width
     rope_theta: float = 500000.0  # rotary embedding base
-    norm_eps: float = 1e-5  # RMSNorm epsilon
+    norm_eps: float = 1e-5  # norm epsilon
+    mlp: str = "swiglu"  # one of MLP_KINDS
+    norm: str = "rmsnorm"  # one of NORM_KINDS
 
     def __post_init__(self) -> None:
         check_positive(self, ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden"))
+        _check_choice("mlp", self.mlp, MLP_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
         if self.hidden % self.heads:
             raise BadInputError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
@@ -64,6 +86,12 @@ class LlamaConfig:
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden // self.heads
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise BadInputError naming ``name`` and the valid ``choices`` unless ``value`` is one of them."""
+    if value not in choices:
+        raise BadInputError(f"{name}={value!r}: expected one of {', '.join(choices)}")
 
 
 def rope_tables(
@@ -138,15 +166,40 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+class SquaredReLUMLP(nn.Module):
+    """Two-matrix MLP with a squared ReLU: ``w2(relu(w1 x)^2)`` (So et al., "Primer", NeurIPS 2021;
+    Nemotron-4's MLP)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)).square())
+
+
+def make_mlp(cfg: LlamaConfig) -> nn.Module:
+    """The MLP ``cfg.mlp`` names."""
+    return SwiGLU(cfg) if cfg.mlp == "swiglu" else SquaredReLUMLP(cfg)
+
+
+def make_norm(cfg: LlamaConfig) -> nn.Module:
+    """The norm ``cfg.norm`` names, over ``cfg.hidden``."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=False)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
         self.attn = LlamaAttention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -168,7 +221,7 @@ class Llama(nn.Module):
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
-        self.norm_f = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -43,7 +43,7 @@ from torch import nn
 
 from autopar.core.errors import BadInputError
 
-from .common import INIT_STD, RMSNorm, check_positive, init_weights, lm_loss
+from .common import INIT_STD, RMSNorm, check_positive, init_weights, is_meta, lm_loss
 from .llama import LlamaAttention, LlamaConfig, rope_tables
 
 __all__ = ["MoEConfig", "MoE", "MoEBlock", "MoEFeedForward", "Experts", "Dispatch", "Routing", "moe_loss",
@@ -154,7 +154,9 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Every expert weight ~ N(0, INIT_STD), as the Linear layers of the other families."""
+        """Every expert weight ~ N(0, INIT_STD), as the Linear layers of the other families (none on meta)."""
+        if is_meta(self):
+            return
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, mean=0.0, std=INIT_STD)
 

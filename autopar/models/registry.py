@@ -51,7 +51,7 @@ __all__ = [
     "parse_overrides",
 ]
 
-OverrideValue = int | float | bool
+OverrideValue = int | float | bool | str
 
 
 class UnknownModelError(BadInputError):
@@ -163,8 +163,9 @@ _FAMILIES: dict[str, _Family] = {
 
 # --------------------------------------------------------------------------- overrides
 
-def _parse_value(key: str, text: str) -> OverrideValue:
-    """``true/false`` -> bool, then int, then float; a BadInputError naming the item otherwise."""
+def _parse_value(text: str) -> OverrideValue:
+    """``true/false`` -> bool, then int, then float, else the text itself (a choice such as
+    ``mlp=squared-relu``; the config field's type checks it when the model is built, ``_coerce``)."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -173,18 +174,18 @@ def _parse_value(key: str, text: str) -> OverrideValue:
             return convert(text)
         except ValueError:
             pass
-    item = f"{key}={text}"
-    raise BadInputError(f"bad override item {item!r}: value must be an int, float, true or false")
+    return text
 
 
 def parse_overrides(text: str | None) -> dict[str, OverrideValue]:
-    """Parse ``"layers=2,hidden=64,bias=false"`` into a dict of typed values.
+    """Parse ``"layers=2,hidden=64,bias=false,mlp=squared-relu"`` into a dict of typed values.
 
-    Values are ``true``/``false`` (bool), ints, or floats (``1e-6``). Empty or
+    Values are ``true``/``false`` (bool), ints, floats (``1e-6``) or else text (``squared-relu``):
+    whether a value suits its field is checked against the model's config when it is built. Empty or
     None text gives ``{}``. A malformed or repeated item raises BadInputError naming it
     (the ``key=value,...`` text of ``--set`` is that of ``--fix``: ``split_pairs``).
     """
-    return {key: _parse_value(key, raw) for key, raw in split_pairs(text, "override").items()}
+    return {key: _parse_value(raw) for key, raw in split_pairs(text, "override").items()}
 
 
 def _coerce(key: str, value: Any, kind: Any) -> Any:
@@ -200,6 +201,9 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
     else:
         return value
     raise BadInputError(f"override {key}={value!r}: expected {kind.__name__}")

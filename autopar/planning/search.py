@@ -40,14 +40,15 @@ from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
+from autopar.cost_models.pipeline import schedule_available
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
 from autopar.planning.pricing import Pricer, with_fields
 from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
-from autopar.planning.solver import NODE_LIMIT, Pruned, evaluate, infeasible_reason, least_memory, solve
-from autopar.core.plan import CHECKPOINTING, Plan
+from autopar.planning.solver import NODE_LIMIT, Pruned, Solution, evaluate, infeasible_reason, least_memory, solve
+from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
@@ -260,6 +261,7 @@ class _MeshSearch:
         self.capacity, self.batch, self.constraints = capacity, batch, constraints
         self.progress = progress
         self._staged_problems: dict[tuple[int, Staging], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
+        self._solved: dict[tuple[int, tuple[str, ...], int], tuple[Staging, Solution]] = {}  # ``_solved_before``
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
@@ -293,8 +295,14 @@ class _MeshSearch:
             pinned = ", ".join(f"{k}={v}" for k, v in self.constraints.to_dict().items()
                                if k in ("microbatches", "microbatch_size"))
             return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
+        if mesh.stages > 1 and self.constraints.schedule in MULTI_CHUNK_SCHEDULES:
+            counts = [m for m in counts if runs_interleaved(m, mesh.stages)]
+            if not counts:
+                return (f"schedule {self.constraints.schedule} runs m microbatches in max(1, m // {mesh.stages}) "
+                        f"rounds of equal size: no count of global batch {self.batch} over dp={dp} does")
         pricer = pricer_for(self.cluster, mesh, self.dtype, constraints)
         self._staged_problems.clear()  # one mesh's at a time
+        self._solved.clear()
         try:
             with self.progress.phase("build"):
                 whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints)
@@ -309,7 +317,8 @@ class _MeshSearch:
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
         stagings = self._stagings(mesh)
-        settled = _Settled(mesh.stages > 1 and len(stagings) > 1 and stagings[0].checkpointing == ("none",))
+        settled = _Settled(mesh.stages > 1 and len(stagings) > 1 and stagings[0].checkpointing == ("none",),
+                           stagings[0], per_m)
         for staging in stagings:
             # more recomputation only pays when it lets fewer microbatches fit than less did
             tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
@@ -336,6 +345,9 @@ class _MeshSearch:
             fewest_fitting = fitting[0]
         if best is not None and mesh.stages > 1 and self.constraints.schedule is None:
             best = self._interleaved(mesh, best, counts, per_m, memory, pricer, cutoff_s)
+            best = self._zero_bubble(mesh, best, counts, per_m, memory, pricer, cutoff_s)
+        elif best is not None and mesh.stages > 1 and self._chunks_free():
+            best = self._interleaved(mesh, best, counts, per_m, memory, pricer, cutoff_s)
         if best is not None:
             return best
         return mesh if was_pruned or not reason else reason
@@ -350,6 +362,8 @@ class _MeshSearch:
         holds every microbatch's activations, so it never wins here."""
         allowed = [m for m in counts if runs_interleaved(m, mesh.stages)]
         for chunks in interleaving_chunks(best.staging.layers, mesh.stages):
+            if chunks == best.staging.chunks:
+                continue  # solved: interleaved pinned with its chunks free (``_chunks_free``)
             cutoff = min(cutoff_s or float("inf"), best.step_s)
             if best.step_s - best.bubble_s * (1 - 1 / chunks) >= cutoff:
                 continue
@@ -363,6 +377,41 @@ class _MeshSearch:
                     break
                 best = found
         return best
+
+    def _zero_bubble(self, mesh: MeshChoice, best: Candidate, counts: list[int], per_m: "_MicrobatchProblems",
+                     memory: "_MicrobatchProblems", pricer: Pricer, cutoff_s: float | None) -> Candidate:
+        """``best`` (1F1B or interleaved, the schedule free) against torch's zero-bubble schedule
+        (``ScheduleInterleavedZeroBubble``, where the installed torch has it) with ``v`` = 1, 2, ... chunks
+        per device, in ``best``'s checkpointing mode, until a ``v`` no longer fits or its plan is slower
+        than the one before. Its bubble (simulated from torch's table, ``cost_models/pipeline.py``) is
+        about a third of 1F1B's at ``v`` = 1, for the last chunk's activations held until its deferred
+        weight gradients run; a ``v`` whose step could not win with that saving at ``best``'s
+        microbatch count is not solved."""
+        if not schedule_available("zero_bubble"):
+            return best
+        allowed = [m for m in counts if runs_interleaved(m, mesh.stages)]
+        m, previous = best.problem.microbatches, math.inf
+        for chunks in [1, *interleaving_chunks(best.staging.layers, mesh.stages)]:
+            cutoff = min(cutoff_s or math.inf, best.step_s)
+            staging = replace(best.staging, schedule="zero_bubble", chunks=chunks)
+            if m in allowed and best.step_s - best.bubble_s * (
+                    1 - staging.bubble_fraction(m) / best.staging.bubble_fraction(m)) >= cutoff:
+                continue
+            first = self._first_fitting(allowed, staging, memory)
+            if first is None:
+                break  # more chunks hold more activations in flight: fewer fit
+            found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff)
+            if isinstance(found, Candidate):
+                if found.step_s >= previous:
+                    break
+                previous = found.step_s
+                best = found if found.step_s < best.step_s else best
+        return best
+
+    def _chunks_free(self) -> bool:
+        """Whether the schedule is pinned to interleaved 1F1B with its chunks a device left free (the search
+        starts at 2, ``Constraints.model_chunks``, and tries more as ``_interleaved`` does)."""
+        return self.constraints.schedule == "interleaved" and self.constraints.virtual_stages is None
 
     def _constraints(self, zero_stage: int | None) -> Constraints:
         """The constraints, with ``zero_stage`` (when given) as the ZeRO stage."""
@@ -453,12 +502,18 @@ class _MeshSearch:
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
             bubble = staging.bubble_fraction(m)
-            if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble):
-                continue
             problem = self._staged(per_m[m], staging)
+            if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble,
+                                                                                         problem):
+                continue
             try:
-                with self.progress.phase("solve"):
-                    solution = solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble)
+                solution = self._solved_before(per_m[m], staging, problem, cutoff_s)
+                if solution is None:
+                    with self.progress.phase("solve"):
+                        solution = solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble)
+                    self._solved[_solved_key(per_m[m], staging)] = (staging, solution)
+                elif with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer).step_s >= cutoff_s:
+                    raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
             except Pruned:
                 if settled is not None and settled.noting_now:
                     settled.first[m] = problem
@@ -475,25 +530,77 @@ class _MeshSearch:
             cutoff_s = min(cutoff_s, found.step_s)
         return best if best is not None else (reason or mesh)  # mesh: pruned
 
-    def _settled_by_none(self, settled: "_Settled", m: int, cutoff_s: float, bubble_fraction: float) -> bool:
-        """Whether a mode that recomputes is skipped at ``m`` microbatches: none solved ``m`` (a plan, or
-        none beating the cutoff then), and its problem solved without the memory row either cannot beat
-        ``cutoff_s`` or has an optimum that fits memory anyway (so it is none's plan at ``m``). One solve,
-        the first time a later mode reaches ``m``, in place of up to one per later mode (``_Settled``)."""
+    def _solved_before(self, unstaged: Problem, staging: Staging, problem: Problem, cutoff_s: float
+                       ) -> Solution | None:
+        """The solution of ``unstaged`` under another schedule of the same checkpointing mode and layers a
+        device, where it is ``problem``'s (``unstaged`` under ``staging``) too, else None; ``Pruned`` where
+        that solution's bound shows ``problem`` cannot beat ``cutoff_s``.
+
+        A schedule changes only how many microbatches' activations a device holds (``Staging.in_flight``,
+        ``last_chunk_in_flight``); the objective (a microbatch's work) is the same, and the bubble and the
+        stage transfers are added after the solve (``assemble.with_pipeline_time``). Where ``staging``
+        holds at least as many as the schedule solved before, every plan that fits now fitted then, so the
+        earlier optimum is still optimal if it fits ``problem``'s memory, and its bound still bounds
+        ``problem``'s objective, which the step time only exceeds. Interleaved and zero-bubble schedules,
+        tried after 1F1B on the winner's counts, are then priced or pruned without solving again."""
+        earlier = self._solved.get(_solved_key(unstaged, staging))
+        if earlier is None:
+            return None
+        before, solution = earlier
+        m = unstaged.microbatches
+        if staging.in_flight(m) < before.in_flight(m) or staging.last_chunk_in_flight(m) < before.last_chunk_in_flight(m):
+            return None
+        if solution.bound_s >= cutoff_s:
+            raise Pruned(f"mesh {problem.mesh_shape}: its objective is at least {solution.bound_s:.6g} s")
+        return solution if evaluate(problem, solution.choice)[1] <= problem.memory_capacity_bytes else None
+
+    def _settled_by_none(self, settled: "_Settled", m: int, cutoff_s: float, bubble_fraction: float,
+                         problem: Problem) -> bool:
+        """Whether ``problem``, a mode that recomputes at ``m`` microbatches, is skipped unsolved: none's
+        problem at ``m``, solved without its memory row, has an optimum that fits memory anyway (so it is
+        none's plan at ``m``), or cannot beat ``cutoff_s`` even with the least time ``problem``'s
+        recomputation adds to any of its plans (``_least_step_of_mode``). One solve, the first time a
+        later mode reaches ``m``, in place of up to one per later mode (``_Settled``)."""
         if m not in settled.first:
-            return False
+            settled.first[m] = self._staged(settled.per_m[m], settled.staging)
+        none = settled.first[m]
         if m not in settled.known:
-            problem = settled.first[m]
             with self.progress.phase("solve"):
                 try:
-                    free = solve(with_fields(problem, memory_capacity_bytes=math.inf), self.node_limit,
+                    free = solve(with_fields(none, memory_capacity_bytes=math.inf), self.node_limit,
                                  cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
-                    settled.known[m] = evaluate(problem, free.choice)[1] <= problem.memory_capacity_bytes
+                    fits = evaluate(none, free.choice)[1] <= none.memory_capacity_bytes
+                    settled.known[m] = (fits, free.bound_s)
                 except Pruned:
-                    settled.known[m] = True  # the cutoff only falls as the search goes on
+                    settled.known[m] = (True, math.inf)  # the cutoff only falls as the search goes on
                 except NoFeasiblePlanError:  # the node limit stopped it without a plan
-                    settled.known[m] = False
-        return settled.known[m]
+                    settled.known[m] = (False, 0.0)
+        fits, least_objective = settled.known[m]
+        return fits or _least_step_of_mode(none, least_objective, problem, bubble_fraction) >= cutoff_s
+
+
+def _solved_key(unstaged: Problem, staging: Staging) -> tuple[int, tuple[str, ...], int]:
+    """What a solution of ``unstaged`` under ``staging`` is shared by (``_MeshSearch._solved_before``): the
+    problem (one per microbatch count and pricer), the checkpointing mode and the layers a device holds."""
+    return id(unstaged), staging.checkpointing, staging.layers_per_stage
+
+
+def _least_step_of_mode(none: Problem, least_objective_s: float, mode: Problem, bubble_fraction: float) -> float:
+    """A lower bound of the step time of any plan of ``mode`` (a recomputing mode's problem at the count
+    of ``none``, none's problem, whose objective is at least ``least_objective_s`` without a memory row).
+
+    A plan's step under a bubble ``f`` is ``(1 + f) (objective - z) + z`` (``solver.add_cutoff``), at
+    least ``(1 + f) objective - f Z`` where ``Z`` bounds the exposed gradient sync ``z`` (constraint (3):
+    every decision's largest sync less the backward compute that hides it). Recomputing adds, per option, forward time ``R`` that the step stretches by ``1 + f``
+    and whose backward share (``R / m``, at most) may hide ``beta R / m`` more of the sync: at least
+    ``(1 + f - beta / m) R``, and ``R`` is at least each decision's smallest addition."""
+    beta = none.overlap_fraction
+    most_sync = max(0.0, sum(d.count * max(o.cost.grad_sync_s - beta * o.cost.backward_compute_s for o in d.options)
+                             for d in none.decisions.values()))
+    added = sum(d.count * min(o.cost.exposed_s - n.cost.exposed_s for o, n in zip(d.options, none.decisions[key].options))
+                for key, d in mode.decisions.items())
+    stretch = max(0.0, 1.0 + bubble_fraction - beta / none.microbatches)
+    return (1.0 + bubble_fraction) * least_objective_s - bubble_fraction * most_sync + stretch * added
 
 
 class _Settled:
@@ -505,13 +612,15 @@ class _Settled:
     forward collectives again), and frees memory. So where none's problem at a count, solved without
     its memory row, has an optimum that fits memory anyway (none's own plan there) or none that beats
     the cutoff, every recomputing mode at that count is priced at least as high and is skipped unsolved.
-    ``first``: none's staged problem at each count it solved; ``known``: the counts checked, and whether
-    they are settled; ``noting_now``: the search of none, which fills ``first``, is under way."""
+    ``staging``: none's; ``per_m``: the mesh's problems per count, which none's are staged from;
+    ``first``: none's staged problem at each count it solved or a later mode reached; ``known``: the
+    counts checked, whether none's optimum there fits memory and a lower bound of that optimum;
+    ``noting_now``: the search of none, which fills ``first``, is under way."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, staging: Staging, per_m: "_MicrobatchProblems"):
+        self.enabled, self.staging, self.per_m = enabled, staging, per_m
         self.first: dict[int, Problem] = {}
-        self.known: dict[int, bool] = {}
+        self.known: dict[int, tuple[bool, float]] = {}
         self.noting_now = False
 
     def noting(self, first_mode: bool) -> "_Settled | None":
@@ -535,8 +644,8 @@ def interleaving_chunks(layers: int, stages: int) -> list[int]:
 
 
 def runs_interleaved(microbatches: int, stages: int) -> bool:
-    """Whether torch's ``ScheduleInterleaved1F1B`` takes ``microbatches`` on ``stages``: it runs them in
-    ``max(1, m // p)`` rounds of equal size."""
+    """Whether torch's ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` take
+    ``microbatches`` on ``stages``: they run them in ``max(1, m // p)`` rounds of equal size."""
     return microbatches % max(1, microbatches // stages) == 0
 
 

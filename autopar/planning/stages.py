@@ -17,7 +17,10 @@ Activations kept for backward are held for every microbatch in flight on the fir
 GPipe, ``min(p, m)`` for 1F1B, ``min(p, m) (1 + (p - 1) / (p v))`` interleaved (Korthikanti et al.
 2022, §4.2.3), 1 without a pipeline. The ops after the last layer (final norm, head, loss: the last
 chunk's) are held for the microbatches in flight there instead: ``m`` for GPipe, 1 for 1F1B and
-interleaved, whose last chunk runs each backward right after its forward. A large vocabulary's logits
+interleaved, whose last chunk runs each backward right after its forward. Under torch's zero-bubble
+schedule (Qi et al. 2024) both are simulated from its action table (``cost_models/pipeline.py``): ``p``
+on the first stage, and ``p`` on the last chunk too, whose weight gradients wait to fill the bubble.
+A large vocabulary's logits
 are then charged once, not ``p`` times; the sum stays a bound of every stage's memory (the first holds
 its layers and the embedding at ``min(p, m)``, the last its layers at fewer and the head at one).
 
@@ -84,8 +87,8 @@ class Staging:
 
     stages: int = 1  # p, pipeline-parallel degree
     layers: int = 0  # L, repeated layers of the model
-    schedule: str = "none"  # none (p = 1) | gpipe | 1f1b | interleaved
-    chunks: int = 1  # v, model chunks per device (interleaved only)
+    schedule: str = "none"  # none (p = 1) | gpipe | 1f1b | interleaved | zero_bubble
+    chunks: int = 1  # v, model chunks per device (interleaved and zero_bubble only)
     checkpointing: tuple[str, ...] = ("none",)  # modes a layer may run in: one pins it, several are solved
 
     @property

@@ -16,8 +16,9 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
    value (``DTensor.from_local`` with the global shape), values it sends are brought off any
    ``Partial`` placement and sent as local shards (``split_stages.Boundary``).
    ``torch.distributed.pipelining`` ``PipelineStage`` (with static shapes, so no shape-inference
-   round) and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run the microbatches
-   over the pipeline process group; the stage's gradients are synchronized in buckets over the stage
+   round) and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
+   ``ScheduleInterleavedZeroBubble`` run the microbatches over the pipeline process group; the stage's
+   gradients are synchronized in buckets over the stage
    mesh (``GradientSync``, armed for ``m`` accumulations: each bucket's all_reduce starts during the
    last microbatch's backward on that stage, as ``ParallelModule`` overlaps it and as pricing assumes).
 3. **ZeRO-1/2 inside a stage** (``plan.degrees.zero`` 1 or 2, Megatron-LM's distributed optimizer with
@@ -28,6 +29,16 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
 4. **Mixed precision** (``plan.precision``): the stage's optimizer parameters are fp32 masters and its
    chunks read compute-dtype copies made before each schedule step (``passes/mixed_precision.py``'s
    ``ProgramParameters``, as in ``ParallelModule``).
+
+Zero bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024; torch's
+``ScheduleInterleavedZeroBubble``) splits each chunk's backward into an input-gradient step, which the
+previous chunk waits for, and a weight-gradient step run later in the bubbles. Torch splits the autograd
+graph at the chunk module's ``parameters()``, so a ``StageModule``'s are the leaves its program reads this
+step (under ZeRO with mixed precision, compute-dtype copies, not the optimizer's parameters); its input-
+gradient step detaches the chunk's outputs in place, so they are copies, never views
+(``DTensor.to_local``'s); and its weight-gradient step writes ``.grad`` itself instead of through
+autograd's accumulation, so ``AccumulatingStage`` runs the hooks the gradient sync and ZeRO-2 take
+gradients from (without it a later stage's gradients are never reduced).
 
 Where we diverge from pipelining's usual use: the loss is part of the last chunk's graph (it was
 captured with the model), so the schedule's ``loss_fn`` only scales it by ``1 / m``, the schedule's
@@ -47,10 +58,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import BadInputError
-from autopar.core.plan import Plan
+from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
@@ -60,7 +72,14 @@ from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import check_user_inputs, microbatch_shape, user_input
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+ZERO_BUBBLE = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
+"""Zero-bubble schedules (Qi et al., ICLR 2024: backward split into input- and weight-gradient steps) by
+the name of torch's class, run where the installed torch has it."""
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             **{name: getattr(torch_schedules, cls) for name, cls in ZERO_BUBBLE.items()
+                if hasattr(torch_schedules, cls)}}
+"""Schedule name -> the torch class that runs it (``MULTI_CHUNK_SCHEDULES`` take a list of stages, a
+rank's chunks; the others one stage a rank)."""
 
 
 class StageModule(nn.Module):
@@ -77,12 +96,18 @@ class StageModule(nn.Module):
         self.program = stage.module
         self.placeholders = stage.program.placeholders
         self.inputs, self.outputs = stage.received, stage.sent
-        self.stage_params = nn.ParameterList(v for v in values.values() if isinstance(v, nn.Parameter))
         self.values = dict(values)  # placeholder name -> parameter / buffer / constant (DTensors)
         self._user_input = user_input
         self.user_names = user_names
         self.reads = [n for n in self.placeholders if n in user_names]  # user inputs this chunk reads
         self.mesh = mesh
+        self.copies_outputs = False  # set under schedules that detach the outputs in place (``_schedule``)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The leaves the chunk's program reads this step (``PipelineParallelModule._read_parameters``: under
+        ZeRO with mixed precision, compute-dtype copies of the optimizer's parameters), each once: what
+        a zero-bubble schedule's input-gradient step splits the backward at (``stage_backward_input``)."""
+        return iter({id(v): v for v in self.values.values() if isinstance(v, nn.Parameter)}.values())
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.index == 0:
@@ -91,7 +116,34 @@ class StageModule(nn.Module):
             received, users = [b.to_dtensor(x, self.mesh) for b, x in zip(self.inputs, args)], kwargs
         values = [self.values[n] if n in self.values else self._user_input(n, users[n]) for n in self.placeholders]
         outs = tuple(b.to_local(v) for b, v in zip(self.outputs, self.program(*received, *values)))
+        if self.copies_outputs:
+            outs = tuple(out.clone() if out._is_view() else out for out in outs)
         return outs[0] if len(outs) == 1 else outs
+
+
+class AccumulatingStage(PipelineStage):
+    """A ``PipelineStage`` whose weight-gradient step (a zero-bubble schedule's W) files gradients as
+    autograd's accumulation does. Torch's ``stage_backward_weight`` computes them with ``autograd.grad``
+    and adds them to ``.grad`` itself, so the parameters' post-accumulate-grad hooks, where
+    ``GradientSync`` and ZeRO take each gradient (``passes/gradient_sync.py``, ``passes/zero.py``), would
+    not run: they are run here for every gradient the step changed that autograd did not accumulate (on
+    the first stage, whose W is a whole backward, autograd did)."""
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        params = list(self.submod.parameters())
+        before = [(p.grad, p.grad._version if p.grad is not None else None) for p in params]
+        accumulated: set[int] = set()
+        handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.add(id(p))) for p in params]
+        try:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for p, (grad, version) in zip(params, before):
+            changed = p.grad is not grad or (grad is not None and grad._version != version)
+            if changed and id(p) not in accumulated:  # torch keeps a tensor's hooks in this attribute
+                for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
+                    hook(p)
 
 
 class PipelineParallelModule(nn.Module):
@@ -211,17 +263,22 @@ class PipelineParallelModule(nn.Module):
 
     def _schedule(self, num_chunks: int) -> Any:
         kind = self.plan.pipeline.schedule
+        if kind in ZERO_BUBBLE and kind not in SCHEDULES:
+            raise BadInputError(f"pipeline schedule {kind!r} runs as torch's {ZERO_BUBBLE[kind]}, which torch "
+                                f"{torch.__version__} does not have: plan again with another schedule")
         if kind not in SCHEDULES:
             raise BadInputError(f"pipeline schedule {kind!r} is not one this runtime runs ({', '.join(SCHEDULES)})")
         device = torch.device(self.mesh.device_type)
-        stages = [PipelineStage(chunk, chunk.index, num_chunks, device, group=self.pp_group,
+        for chunk in self.chunks:  # torch's input-gradient step detaches a chunk's outputs in place: no views
+            chunk.copies_outputs = kind in ZERO_BUBBLE
+        stages = [AccumulatingStage(chunk, chunk.index, num_chunks, device, group=self.pp_group,
                                 input_args=self._example_inputs(chunk),
                                 output_args=tuple(b.local_meta(self.mesh) for b in chunk.outputs))
                   for chunk in self.chunks]
         m = self.microbatches
         scale = lambda loss, _microbatch: loss / m  # noqa: E731  (the loss is computed in the last chunk)
-        if kind == "interleaved":
-            return ScheduleInterleaved1F1B(stages, m, loss_fn=scale, scale_grads=False)
+        if kind in MULTI_CHUNK_SCHEDULES:
+            return SCHEDULES[kind](stages, m, loss_fn=scale, scale_grads=False)
         (stage,) = stages
         return SCHEDULES[kind](stage, m, loss_fn=scale, scale_grads=False)
 

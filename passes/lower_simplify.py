@@ -1,0 +1,173 @@
+"""Fewer host ops in the lowered graphs (``lower.py``): what AOT autograd leaves of DTensor's bookkeeping.
+
+An uncompiled lowered graph runs op by op from Python, each op a dispatch of a few microseconds, so an
+op that computes nothing still costs its dispatch. Traced through DTensor, the rank's graphs hold many:
+each parameter's local tensor is viewed to its own shape (``to_local``/``from_local``), values saved for
+backward are detached, a linear layer's weight gradient is transposed twice (``t`` of ``t``, or
+``permute(t(x), [1, 0])``), and views follow views. ``simplify_local_ops`` removes them in place:
+
+* **identity views**: ``view``/``reshape``/``_unsafe_view`` to the input's own shape, ``alias`` and
+  ``detach`` (the graphs are functional and run without autograd inside AOT autograd's function), read
+  as their input;
+* **view chains**: a view of a view reads the first view's input, when its fake value says the shape is
+  reachable from there directly;
+* **transpose pairs**: a 2-d transpose (``t`` or ``permute [1, 0]``) of a 2-d transpose is its input;
+* **unread ops** without effect are erased, and so is an attention forward without dropout that no op
+  reads (AOT's backward graph keeps each layer's: the kernel is tagged random for its dropout).
+
+Also, from DTensor's backward of a replicated factory read as a shard (``new_zeros`` of the global shape,
+split, this rank's piece cloned: a whole global buffer filled to keep one rank's rows), **sliced fills**
+become a ``new_zeros`` of the piece's shape.
+
+Where we diverge from torch: inductor (``compile=True``) removes the same ops in its own lowering
+(``torch._inductor.fx_passes.post_grad``' noop removal), so these passes matter for the uncompiled
+program; they run for both so that one graph is counted and bucketed either way. ``torch.fx``'s
+``eliminate_dead_code`` would keep the unread attention (random ops are impure to it).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from .lower_buckets import recompiled
+
+_aten = torch.ops.aten
+
+_SHAPE_VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
+_IDENTITIES = frozenset({_aten.alias.default, _aten.detach.default})
+_TRANSPOSES = frozenset({_aten.t.default, _aten.permute.default, _aten.transpose.int})
+
+
+def simplify_local_ops(gm: fx.GraphModule) -> int:
+    """``lower_simplify``'s rewrites on ``gm``, in place (recompiled when any applied); returns how many
+    ops they removed."""
+    graph = gm.graph
+    before = len(graph.nodes)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        replacement = _simpler(node)
+        if replacement is not None and replacement is not node:
+            node.replace_all_uses_with(replacement)
+    _erase_unused(graph)
+    removed = before - len(graph.nodes)
+    return recompiled(gm, removed)
+
+
+def _simpler(node: fx.Node) -> fx.Node | None:
+    """What ``node`` may read as instead (a node it reads, or a new, cheaper node), or None."""
+    if node.target in _IDENTITIES:
+        return node.args[0]
+    if node.target in _SHAPE_VIEWS:
+        return _simpler_view(node)
+    if _is_2d_transpose(node) and _is_2d_transpose(node.args[0]):
+        return node.args[0].args[0]
+    if node.target is _aten.clone.default and not node.kwargs:
+        return _sliced_fill(node)
+    return None
+
+
+def _simpler_view(node: fx.Node) -> fx.Node | None:
+    """The input of a view to its own shape, or the first view's input for a view of a view that can
+    view that input directly (``node`` then reads it: the first view may become unused)."""
+    source = node.args[0]
+    if (isinstance(source, fx.Node) and source.target in _SHAPE_VIEWS and node.target in _SHAPE_VIEWS
+            and list(source.args[1]) == list(node.args[1])):
+        return source  # a view to the shape its input was just viewed as (a pass's node, without a fake value)
+    if not isinstance(source, fx.Node) or "val" not in source.meta or "val" not in node.meta:
+        return None
+    value = node.meta["val"]
+    if _same_layout(source.meta["val"], value):
+        return source
+    origin = source.args[0] if source.target in _SHAPE_VIEWS else None
+    if isinstance(origin, fx.Node) and "val" in origin.meta:
+        if _same_layout(origin.meta["val"], value):
+            return origin
+        if _viewable(origin.meta["val"], list(value.shape)):
+            node.args = (origin, *node.args[1:])
+    return None
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` may stand for ``a`` as it is (same shape, strides and dtype)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+
+
+def _viewable(value: torch.Tensor, shape: list[int]) -> bool:
+    """Whether ``value`` (a fake tensor) can be viewed as ``shape`` without a copy."""
+    probe = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    try:
+        probe.view(shape)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _is_2d_transpose(node: object) -> bool:
+    """Whether ``node`` swaps the two dims of a 2-d value."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _TRANSPOSES:
+        return False
+    value = node.meta.get("val")
+    if value is None or value.ndim != 2:
+        return False
+    if node.target is _aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target is _aten.transpose.int:
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return True
+
+
+_FILLS = frozenset({_aten.new_zeros.default})
+_ATTENTIONS = frozenset({_aten._scaled_dot_product_flash_attention_for_cpu.default,
+                         _aten._scaled_dot_product_efficient_attention.default,
+                         _aten._scaled_dot_product_flash_attention.default})
+"""Fused attention kernels, tagged random for their ``dropout_p``."""
+
+
+def _sliced_fill(clone: fx.Node) -> fx.Node | None:
+    """``clone(split(new_zeros(x, shape), n)[i])`` as ``new_zeros(x, piece's shape)``: one rank's piece of
+    a filled buffer, filled alone."""
+    piece = clone.args[0]
+    if not (isinstance(piece, fx.Node) and piece.target is operator.getitem):
+        return None
+    split = piece.args[0]
+    if not (isinstance(split, fx.Node) and split.target is _aten.split.Tensor):
+        return None
+    fill = split.args[0]
+    if not (isinstance(fill, fx.Node) and fill.target in _FILLS):
+        return None
+    shape = list(clone.meta["val"].shape)
+    graph = clone.graph
+    with graph.inserting_before(clone):
+        smaller = graph.call_function(fill.target, (fill.args[0], shape), dict(fill.kwargs))
+    smaller.meta.update(clone.meta)
+    return smaller
+
+
+def _erase_unused(graph: fx.Graph) -> None:
+    """Erase the ops no node reads that have no effect (their inputs then too, when unused in turn)."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and node.op == "call_function" and _effect_free(node):
+            graph.erase_node(node)
+
+
+def _effect_free(node: fx.Node) -> bool:
+    """Whether dropping ``node`` changes nothing but its own result: not a collective or its wait, not
+    impure by ``torch.fx`` (mutations; random ops, which advance the generator), except an attention
+    without dropout (AOT's backward graph keeps each layer's attention forward, unread: its kernel is
+    tagged random for its dropout)."""
+    if getattr(node.target, "namespace", None) == "_c10d_functional":
+        return False
+    if node.target in _ATTENTIONS:
+        return _argument(node, "dropout_p") == 0.0
+    return not node.is_impure()
+
+
+def _argument(node: fx.Node, name: str) -> object:
+    """The value ``node`` passes its op's argument ``name`` (positional, keyword or the default)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, arg.default_value)
+    raise KeyError(name)
