@@ -162,6 +162,10 @@ def autoparallelize(
             warnings.warn("autopar: pipeline plans run on the DTensor runtime; lowered= and compile= are ignored",
                           stacklevel=2)
         return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory)
+    if the_plan.predicted.get("runtime") == "lowered" and not (lowered or compile):
+        warnings.warn("autopar: the plan was priced for the lowered runtime (constraint runtime=lowered) and runs "
+                      "on DTensor: its FSDP gradient reductions will not overlap backward as priced; pass "
+                      "lowered=True", stacklevel=2)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory,
                           lowered=lowered, compile=compile)
 

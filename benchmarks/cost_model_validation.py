@@ -244,7 +244,18 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
         fixed["cp_attention"] = run.cp_attention
     if run.reduce_dtype:
         fixed["reduce_dtype"] = run.reduce_dtype
+    if overlaps_fsdp_reductions(run):
+        fixed["runtime"] = "lowered"
     return fixed
+
+
+def overlaps_fsdp_reductions(run: ModernRun) -> bool:
+    """Whether ``run`` is priced on autopar's lowered runtime: one-stage FSDP. Its frameworks reduce-scatter
+    each layer's gradients as backward produces them, overlapped with the rest of backward (MaxText: XLA's
+    async collectives; torchtitan: FSDP2's reduce-scatter stream), as autopar's lowered program does
+    (``passes/lower_buckets.bucket_gradient_scatters``); the DTensor runtime runs them inside backward.
+    The runtime changes no other price, and lowered programs run neither pipelines nor ring attention."""
+    return run.data_parallel == "fsdp" and run.pp == 1
 
 
 def configurations(run: ModernRun) -> list[dict[str, object]]:

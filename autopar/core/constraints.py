@@ -21,7 +21,8 @@ from numbers import Integral
 from typing import Any, Callable, Mapping
 
 from autopar.core.errors import BadInputError
-from autopar.core.plan import CHECKPOINTING, CP_ATTENTIONS, DTYPES, MULTI_CHUNK_SCHEDULES, SCHEDULES
+from autopar.core.plan import (CHECKPOINTING, CP_ATTENTIONS, DTYPES, LOWERED, MULTI_CHUNK_SCHEDULES, RING, RUNTIMES,
+                               SCHEDULES)
 
 ZERO_STAGES = (0, 1, 2, 3)
 _ZERO_STAGES_IN_WORDS = ("0 (replicated parameters, DDP), 1 (sharded optimizer state), 2 (and gradients) "
@@ -159,6 +160,15 @@ class Constraints:
     """Dtype of the gradient reductions outside the program (data parallelism's all_reduce, ZeRO-1/2's
     reduce_scatter, a tied weight's sum across stages): free, fp32 (Megatron-LM's and torchtitan's
     default under bf16); bf16 or fp16 halves their bytes at the cost of summing in that precision."""
+    runtime: str | None = _pinned(_one_of(RUNTIMES))
+    """The runtime the plan will run on, which the price assumes (``predicted.runtime``): dtensor (free:
+    ``autoparallelize``'s default, collectives where each op needs them) or lowered
+    (``autoparallelize(..., lowered=True)``: an FSDP layer's gradient reduce_scatter is launched as soon as
+    its gradients exist and its backward regather a layer ahead, both hiding behind backward's compute,
+    priced like data parallelism's bucketed all_reduce; the forward's gathers stay on the critical path).
+    Lowered programs have one stage and no ring attention: it needs pp = 1 (free, pipeline
+    meshes are priced on DTensor) and gathers keys and values under context parallelism (``cp_attention``
+    allgather; ring refused)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -213,6 +223,9 @@ class Constraints:
         if self.cp_attention is not None and self.cp == 1:
             raise BadInputError(f"constraint cp_attention={self.cp_attention} chooses how attention runs over a "
                                 "sequence split on cp: it needs cp > 1, got cp=1")
+        if self.runtime == LOWERED and (self.pp not in (None, 1) or self.cp_attention == RING):
+            raise BadInputError(f"constraint runtime=lowered: a lowered program has one stage and gathers keys and "
+                                f"values for context parallelism; got pp={self.pp}, cp_attention={self.cp_attention}")
         if self.dp_shard is not None and self.zero_stage not in (None, 3):
             raise BadInputError(f"constraint dp_shard={self.dp_shard} (HSDP) shards parameters: it needs fsdp=3, "
                                 f"got fsdp={self.zero_stage}")

@@ -45,6 +45,13 @@ CP_ATTENTIONS = (ALLGATHER, RING)
 before it (Llama 3's context parallelism; plans before the ring), or passed around the cp ring inside it
 (``passes/ring_attention.py``). The planner prices both per op and the ILP picks; the ops' placements say
 which each runs (keys split on the sequence over cp: the ring), and this key says what they chose."""
+DTENSOR, LOWERED = "dtensor", "lowered"
+RUNTIMES = (DTENSOR, LOWERED)
+"""The runtime a plan's prediction assumes (``predicted.runtime``): DTensor's per-op dispatch (the default
+of ``autoparallelize``), whose collectives run where each op needs them, or the lowered program
+(``autoparallelize(..., lowered=True)``, ``passes/lower.py``), which launches each layer's FSDP gradient
+reduce_scatter as soon as its gradients exist and waits on it when backward ends, and issues its backward
+regathers a layer ahead. Plans without the key assumed DTensor."""
 _AXIS_NAMES = tuple(axis.value for axis in MeshAxis)
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
@@ -499,7 +506,8 @@ _CONTENTS: dict[str, Any] = {
     "ops": _MapOf(_OP),
     "predicted": _Record({key: _NUMBER for key in _PREDICTED_KEYS if key not in ("comm_s", "memory_bytes")}
                          | {"step_time_s": _POSITIVE, "comm_s": _SECONDS_BY_KIND, "memory_bytes": _MapOf(_NUMBER)},
-                         {"grad_sync_s": _NUMBER, "memory_capacity_bytes": _NUMBER, "optimizer_s": _NUMBER}),
+                         {"grad_sync_s": _NUMBER, "memory_capacity_bytes": _NUMBER, "optimizer_s": _NUMBER,
+                          "runtime": _OneOf(RUNTIMES)}),
     "solver": _Record({"status": _TEXT, "gap": _NUMBER, "wall_s": _NUMBER, "variables": _INTEGER,
                        "constraints": _INTEGER},
                       {"objective": _NUMBER, "bound": _NUMBER, "search_wall_s": _NUMBER, "nodes": _INTEGER,

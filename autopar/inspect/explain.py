@@ -91,6 +91,9 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
     elif term["grad_sync"] and term["kind"] == "all_reduce":
         lines.append(f"      bucketed with other gradients: charged its bandwidth term, {fmt_seconds(term['seconds'])}, "
                      "overlapped with backward")
+    elif term["grad_sync"] and plan_data["predicted"].get("runtime") == "lowered" and term["kind"] == "reduce_scatter":
+        lines.append("      gradient sync, overlapped with backward: ZeRO's (passes/zero.py), or FSDP's as the lowered "
+                     "runtime runs it (passes/lower_buckets.py)")
     elif term["grad_sync"]:
         lines.append("      ZeRO gradient sync (passes/zero.py), overlapped with backward")
     elif term.get("share", 1.0) < 1:  # pricing: one collective for all the readers (a move, or a reduction)

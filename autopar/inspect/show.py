@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from autopar.core.errors import BadInputError
 from autopar.inspect.collectives import KINDS, predicted_collectives
-from autopar.core.plan import CHECKPOINTING, MIXED, RING, Plan
+from autopar.core.plan import CHECKPOINTING, LOWERED, MIXED, RING, Plan
 from autopar.core.units import fmt_bytes
 
 _LAYER = re.compile(r"\.\d+\.")
@@ -132,6 +132,9 @@ def summarize(plan: Plan) -> str:
     lines.append(f"  exposed comm     {fmt_seconds(p['exposed_comm_s'])}"
                  f"   (gradient sync {fmt_seconds(p.get('grad_sync_s', 0.0))}, overlapped with backward)")
     lines += _collective_count_line(plan)
+    if p.get("runtime") == LOWERED:
+        lines.append("  priced for the lowered runtime (autoparallelize(..., lowered=True)): FSDP gradient "
+                     "reduce_scatters and backward regathers overlapped with backward, in the gradient sync")
     mem = p["memory_bytes"]
     cap = p.get("memory_capacity_bytes", 0)
     lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "

@@ -298,6 +298,7 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         q = chosen[edge.dst].edge_key(edge.slot)
         for kind, s in edge.price[(p, q)].comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + edge.count * s
+        sync += edge.count * edge.price[(p, q)].grad_sync_s  # a regather overlapped with backward
     for g in problem.shared:
         carried = [problem.edges[e] for e in g.edges]
         pairs = [(chosen[e.src].strategy.outputs[e.src_out], chosen[e.dst].edge_key(e.slot)) for e in carried]
@@ -325,6 +326,7 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         "memory_bytes": {k: int(v) for k, v in memory.items()},
         "memory_capacity_bytes": problem.memory_capacity_bytes,
         "optimizer_s": _optimizer_s(captured, problem, chosen, pricer),
+        "runtime": pricer.runtime,  # what the prices assume runs the plan (core.plan.RUNTIMES)
     }
 
 

@@ -22,7 +22,7 @@ from torch import fx
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
-from autopar.planning.pricing import Collective, Pricer, gathers
+from autopar.planning.pricing import Collective, Cost, Pricer, gathers
 from autopar.planning.problem import (Problem, RootSharding, gradient_root, partial_gradient_share,
                                       read_through_views, source_of)
 from autopar.planning.strategies import Strategy
@@ -42,9 +42,9 @@ def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str,
         trial = dict(choice)
         trial[key] = k
         delta = decision.count * (option.cost.exposed_s - decision.options[chosen].cost.exposed_s)
-        delta += _edge_delta(problem, choice, trial, key)
+        edges, edge_sync = _edge_delta(problem, choice, trial, key)
         exposed, sync = _root_change(problem, root_terms, choice, trial)
-        delta += exposed + _sync_delta(problem, decision, chosen, k, z_now, sync)
+        delta += edges + exposed + _sync_delta(problem, decision, chosen, k, z_now, sync + edge_sync)
         rows.append({
             "strategy": option.strategy.describe(),
             "chosen": k == chosen,
@@ -57,23 +57,27 @@ def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str,
     return rows[:top]
 
 
-def _edge_delta(problem: Problem, before: Mapping[str, int], after: Mapping[str, int], key: str) -> float:
-    delta = 0.0
+def _edge_delta(problem: Problem, before: Mapping[str, int], after: Mapping[str, int], key: str
+                ) -> tuple[float, float]:
+    """(exposed, gradient sync) seconds the edges touching ``key`` change by from ``before`` to ``after``."""
+    delta = sync = 0.0
     for edge in problem.edges:
         if key not in (edge.src, edge.dst):
             continue
-        delta += edge.count * (_edge_price(problem, edge, after) - _edge_price(problem, edge, before))
+        now, then = _edge_cost(problem, edge, after), _edge_cost(problem, edge, before)
+        delta += edge.count * (now.exposed_s - then.exposed_s)
+        sync += edge.count * (now.grad_sync_s - then.grad_sync_s)
     for g in problem.shared:  # moves several edges share (``problem.SharedResharding``)
         if any(key in (problem.edges[e].src, problem.edges[e].dst) for e in g.edges):
             delta += g.count(problem.edges) * (sum(c.exposed_s for c in g.taken(problem, after))
                                                - sum(c.exposed_s for c in g.taken(problem, before)))
-    return delta
+    return delta, sync
 
 
-def _edge_price(problem: Problem, edge, choice: Mapping[str, int]) -> float:
+def _edge_cost(problem: Problem, edge, choice: Mapping[str, int]) -> Cost:
     p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
     q = problem.decisions[edge.dst].options[choice[edge.dst]].edge_key(edge.slot)
-    return edge.price[(p, q)].exposed_s
+    return edge.price[(p, q)]
 
 
 def _root_change(problem: Problem, root_terms: Sequence[RootSharding], before: Mapping[str, int],
@@ -96,7 +100,7 @@ def _exposed_sync(problem: Problem, choice: Mapping[str, int]) -> float:
     for key, d in problem.decisions.items():
         c = d.options[choice[key]].cost
         total += d.count * (c.grad_sync_s - problem.overlap_fraction * c.backward_compute_s)
-    return total
+    return total + sum(edge.count * _edge_cost(problem, edge, choice).grad_sync_s for edge in problem.edges)
 
 
 def _sync_delta(problem: Problem, decision, chosen: int, k: int, z_now: float, elsewhere: float = 0.0) -> float:

@@ -31,6 +31,11 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   (``passes/reshard.py``, FSDP's reshard-after-forward), so such an edge's forward collectives run
   again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
   re-gathers once, as part of its recompute).
+* on the lowered runtime (``runtime``, constraint ``runtime=lowered``) an FSDP parameter's backward
+  regather (an all_gather, ``_prefetched``) and its gradient reduce_scatter (``_overlapped_where_lowered``)
+  are issued ahead of their use and waited on late (``passes/lower_buckets.py``): gradient sync, hidden
+  behind backward's compute with the rest of it (the ILP's constraint (3)). The forward's gathers, which
+  that runtime issues a layer ahead too, stay on the critical path: (3) holds backward compute only.
 * a parameter sharded where it is stored and gathered to be read (FSDP) has its gradient reduced by
   the gather's backward, on the critical path (a reduce_scatter onto the shard), not by the gradient
   sync: ``Pricer.node`` prices the sync of an ungathered parameter and ``gathered_root_delta`` the
@@ -75,6 +80,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
 from autopar.core.placement import Placements, optimizer_shard_dim
+from autopar.core.plan import DTENSOR, LOWERED
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION
 from autopar.planning.strategies import Strategy, rings
@@ -169,8 +175,10 @@ class Pricer:
     """
 
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
-                 zero_stage: int = 0, dp_dims: Sequence[int] = (), reduce_dtype: str = "fp32"):
+                 zero_stage: int = 0, dp_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
+                 runtime: str = DTENSOR):
         self.cluster = cluster
+        self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
         self.reduce_dtype = reduce_dtype  # of the gradient reductions outside the program (core.plan.Precision)
@@ -449,8 +457,8 @@ class Pricer:
                 continue  # any other activation's partial gradient is priced on its edge (``edge_collectives``)
             partial = self._partial_dims(val, placements, out)
             if gathered:  # reduced by the gather's backward, in the reduction dtype (reshard.gather_parameter)
-                found += self.partial_reduction(val, placements, partial, 1.0, root, slot,
-                                                nbytes=self.reduced_gradient_bytes(val, placements))
+                found += self._overlapped_where_lowered(self.partial_reduction(
+                    val, placements, partial, 1.0, root, slot, nbytes=self.reduced_gradient_bytes(val, placements)))
                 continue
             reduced, zero_dims = self.reduced_gradient_bytes(val, placements), self._zero_dims(val, placements)
             for dim in partial:
@@ -460,6 +468,18 @@ class Pricer:
                     found.append(Collective("all_reduce", "backward", reduced, dim, placements, grad_sync=True,
                                             slot=slot))
         return found
+
+    def _overlapped_where_lowered(self, reductions: list["Collective"]) -> list["Collective"]:
+        """An FSDP parameter's gradient reductions as the runtime runs them. On DTensor they stay on the
+        critical path. The lowered program (``passes/lower_buckets.bucket_gradient_scatters``) launches a
+        layer's gradient reduce_scatter as soon as its last gradient exists and waits on it when backward
+        ends, so it hides behind the rest of backward as data parallelism's buckets do: a gradient sync,
+        redone in every microbatch's backward (priced, conservatively, behind the last one's compute).
+        HSDP's replica-dim all_reduce stays inside backward's critical path on either runtime."""
+        if self.runtime != LOWERED:
+            return reductions
+        return [replace(c, grad_sync=True, per_microbatch=True) if c.kind == "reduce_scatter" else c
+                for c in reductions]
 
     def grad_partial_dims(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str],
                           views: Sequence[float | None] = ()) -> tuple[tuple[int, ...], ...]:
@@ -616,10 +636,22 @@ class Pricer:
         cost = Cost(repeats_per_microbatch=per_microbatch)
         for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared, gradient):
             seconds = self.collective_seconds(c)
+            if per_microbatch and self._prefetched(c):
+                cost.grad_sync_s += seconds
+                cost.grad_sync_per_microbatch_s += seconds
+                continue
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
         return cost
+
+    def _prefetched(self, c: "Collective") -> bool:
+        """Whether ``c``, a move of a parameter, overlaps backward's compute where the runtime runs it: the
+        lowered program's backward regathers of an FSDP layer (``passes/lower_buckets.bucket_parameter_gathers``)
+        are one all_gather a layer, issued a layer ahead, so they share the gradient sync's budget (they
+        run on the same links while backward computes). The forward's gathers, prefetched alike, have no
+        such budget in the ILP (constraint (3) holds backward compute only) and stay on the critical path."""
+        return self.runtime == LOWERED and c.regather and c.kind == "all_gather"
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
                          grad_partial: tuple[int, ...] = (), regathered: bool = False,

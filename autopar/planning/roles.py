@@ -38,7 +38,7 @@ from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
-from autopar.core.plan import RING
+from autopar.core.plan import ALLGATHER, DTENSOR, LOWERED, RING
 from autopar.planning.strategies import (KEY_VALUE_SLOTS, StrategyFinder, merged_dim, ring_refusal, rings,
                                          sequence_view)
 from torch import fx
@@ -53,10 +53,13 @@ the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."
 
 
 def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Constraints) -> Pricer:
-    """The pricer of one stage of ``mesh``; ``fsdp`` 1 or 2 pins ZeRO-1/2 optimizer (and gradient) sharding."""
+    """The pricer of one stage of ``mesh``; ``fsdp`` 1 or 2 pins ZeRO-1/2 optimizer (and gradient) sharding;
+    ``runtime=lowered`` prices the lowered program where it runs (one stage), DTensor elsewhere."""
     zero = constraints.zero_stage if constraints.zero_stage in (1, 2) else 0
+    runtime = LOWERED if constraints.runtime == LOWERED and mesh.stages == 1 else DTENSOR
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
-                  dp_dims=mesh.dims_of(*DATA_PARALLEL_AXES), reduce_dtype=constraints.reduce_dtype or "fp32")
+                  dp_dims=mesh.dims_of(*DATA_PARALLEL_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
+                  runtime=runtime)
 
 
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
@@ -76,14 +79,16 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     sharded_on_dp = shard_dims + cp_dims if zero_stage == 3 else []  # FSDP shards over dp x cp (torchtitan)
     ep_dims = mesh.dims_of(MeshAxis.EP)
     pins_buffers.update({i: Replicate() for i in ep_dims})
-    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP), constraints.cp_attention) if cp_dims else (0, 0)
+    # the lowered program runs no ring attention (eager only): its keys and values are gathered
+    cp_attention = constraints.cp_attention or (ALLGATHER if pricer.runtime == LOWERED else None)
+    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP), cp_attention) if cp_dims else (0, 0)
     pins_buffers.update({i: Replicate() for i in cp_dims})
     pins_params.update({i: Replicate() for i in cp_dims if zero_stage in (0, 1, 2)})
     pins_inputs = {i: (Shard(0) if n in (*DATA_PARALLEL_AXES, MeshAxis.EP) else
                        Shard(SEQUENCE_DIM) if n == MeshAxis.CP else Replicate()) for i, n in enumerate(mesh.names)}
     param_candidates = _expert_split(captured, shape, pins_params, ep_dims)
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
-    finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows, cp_attention=constraints.cp_attention)
+    finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows, cp_attention=cp_attention)
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
     traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
     batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}

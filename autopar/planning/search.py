@@ -9,7 +9,9 @@ whole model (``plan.CHECKPOINTING``, none to full: more recomputation only when 
 microbatches fit) and
 microbatch counts (without a pipeline the fewest that fit; with one, larger counts while the bubble
 shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
-the pipeline. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
+the pipeline; then, with the schedule free, interleaved 1F1B and zero bubble with more model chunks a
+device (``_schedules``, ``_more_chunks``). A pipeline mesh is pruned only by the least bubble of the
+schedules still to try there (``least_bubble``), never by 1F1B's alone. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
 a decision of the ILP: recomputing some layers, not all, often fits at less cost.
 Unless the ZeRO stage is pinned, a data-parallel mesh whose plan had to recompute or shard parameters
 to fit (or where nothing fit) is searched again with the optimizer state sharded over data parallelism
@@ -40,7 +42,7 @@ from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
-from autopar.cost_models.pipeline import schedule_available
+from autopar.cost_models.pipeline import SIMULATED, schedule_available
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
 from autopar.planning.pricing import Pricer, with_fields
@@ -82,7 +84,7 @@ def make_plan(
             best = min(results, key=lambda c: c.step_s, default=None)
             batch = []
             for mesh in meshes[first:first + BATCH]:
-                if constraints.pp is None and _pipeline_cannot_win(mesh, best, batch_size):
+                if constraints.pp is None and _pipeline_cannot_win(mesh, best, search.least_bubble(mesh)):
                     pruned.append(mesh)
                     progress.skipped()
                 else:
@@ -236,19 +238,18 @@ def _sequence_splits(captured: CapturedGraph, constraints: Constraints, meshes: 
     return kept
 
 
-def _pipeline_cannot_win(mesh: MeshChoice, best: Candidate | None, batch: int | None) -> bool:
+def _pipeline_cannot_win(mesh: MeshChoice, best: Candidate | None, least_bubble: float) -> bool:
     """Whether a free pipeline mesh is skipped unsolved (a pinned ``pp`` is always solved).
 
-    A pipeline pays a bubble of at least ``(p - 1) / m_max`` of its compute and wins only by removing
-    communication (data-parallel gathers and syncs across nodes, tensor parallelism wider than a
-    node): when the best plan so far exposes less communication than that bubble, the mesh is
-    skipped. (Skipping pipelines wherever a single-stage plan fits is unsound: a 162B GPT on 64 A100s
-    fits as FSDP x TP, yet pp=8 x tp=8 is 11% faster; ``benchmarks/cost_model_validation.py``.)"""
+    A pipeline pays a bubble of at least ``least_bubble`` of its compute (``_MeshSearch.least_bubble``:
+    the least of the schedules its search may pick) and wins only by removing communication
+    (data-parallel gathers and syncs across nodes, tensor parallelism wider than a node): when the best
+    plan so far exposes less communication than that bubble, the mesh is skipped. (Skipping pipelines
+    wherever a single-stage plan fits is unsound: a 162B GPT on 64 A100s fits as FSDP x TP, yet pp=8 x
+    tp=8 is 11% faster; ``benchmarks/cost_model_validation.py``.)"""
     if mesh.stages == 1 or best is None:
         return False
-    most_microbatches = (batch or 1) // mesh.data_parallel_size
-    compute = best.compute_s
-    return compute * (mesh.stages - 1) / max(1, most_microbatches) >= best.step_s - compute
+    return math.isfinite(least_bubble) and best.compute_s * least_bubble >= best.step_s - best.compute_s
 
 
 class _MeshSearch:
@@ -295,8 +296,8 @@ class _MeshSearch:
             pinned = ", ".join(f"{k}={v}" for k, v in self.constraints.to_dict().items()
                                if k in ("microbatches", "microbatch_size"))
             return f"global batch {self.batch} cannot be cut into {pinned} x dp={dp}"
-        if mesh.stages > 1 and self.constraints.schedule in MULTI_CHUNK_SCHEDULES:
-            counts = [m for m in counts if runs_interleaved(m, mesh.stages)]
+        if mesh.stages > 1 and self.constraints.schedule is not None:
+            counts = _runnable_counts(counts, self.constraints.schedule, mesh.stages)
             if not counts:
                 return (f"schedule {self.constraints.schedule} runs m microbatches in max(1, m // {mesh.stages}) "
                         f"rounds of equal size: no count of global batch {self.batch} over dp={dp} does")
@@ -317,6 +318,7 @@ class _MeshSearch:
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
         stagings = self._stagings(mesh)
+        least_bubble = self.least_bubble(mesh, after_first=True)
         settled = _Settled(mesh.stages > 1 and len(stagings) > 1 and stagings[0].checkpointing == ("none",),
                            stagings[0], per_m)
         for staging in stagings:
@@ -334,72 +336,93 @@ class _MeshSearch:
             fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
             found = self._best_microbatching(mesh, staging, per_m, fitting, pricer,
                                              min(cutoff_s or float("inf"), best.step_s if best else float("inf")),
-                                             settled.noting(staging is stagings[0]))
+                                             settled.noting(staging is stagings[0]), least_bubble)
             if isinstance(found, Candidate):
-                best = found
+                # its cutoff row stretched the least bubble (``least_bubble``), so it may be slower than ``best``
+                best = found if best is None or found.step_s < best.step_s else best
             elif isinstance(found, str):
                 reason, self.solver_failed = found, True
                 continue  # its bound without edges fit, the problem did not: let more recomputation try these counts
             else:
                 was_pruned = True
             fewest_fitting = fitting[0]
-        if best is not None and mesh.stages > 1 and self.constraints.schedule is None:
-            best = self._interleaved(mesh, best, counts, per_m, memory, pricer, cutoff_s)
-            best = self._zero_bubble(mesh, best, counts, per_m, memory, pricer, cutoff_s)
-        elif best is not None and mesh.stages > 1 and self._chunks_free():
-            best = self._interleaved(mesh, best, counts, per_m, memory, pricer, cutoff_s)
-        if best is not None:
+        if best is not None and mesh.stages > 1:
+            for schedule, chunk_counts in self._schedules(best.staging.layers, mesh.stages):
+                best = self._more_chunks(mesh, best, schedule, chunk_counts, counts, per_m, memory, pricer, cutoff_s)
+        if best is not None and best.step_s < (cutoff_s or math.inf):
             return best
-        return mesh if was_pruned or not reason else reason
+        return mesh if was_pruned or best is not None or not reason else reason
 
-    def _interleaved(self, mesh: MeshChoice, best: Candidate, counts: list[int], per_m: "_MicrobatchProblems",
-                     memory: "_MicrobatchProblems", pricer: Pricer, cutoff_s: float | None) -> Candidate:
-        """``best`` (1F1B, the schedule free) against interleaved 1F1B with ``v`` = 2, 3, ... model chunks per
-        device (``interleaving_chunks``), in ``best``'s checkpointing mode, until a ``v`` no longer fits or
-        its plan is slower than the one before. ``v`` chunks divide the bubble by ``v`` for ``v`` times the
-        stage-to-stage sends and more activations in flight; a ``v`` whose step could not win even with that
-        whole saving and no more sends is not solved. GPipe is not tried: its bubble is 1F1B's and it
-        holds every microbatch's activations, so it never wins here."""
-        allowed = [m for m in counts if runs_interleaved(m, mesh.stages)]
-        for chunks in interleaving_chunks(best.staging.layers, mesh.stages):
-            if chunks == best.staging.chunks:
-                continue  # solved: interleaved pinned with its chunks free (``_chunks_free``)
-            cutoff = min(cutoff_s or float("inf"), best.step_s)
-            if best.step_s - best.bubble_s * (1 - 1 / chunks) >= cutoff:
-                continue
-            staging = replace(best.staging, schedule="interleaved", chunks=chunks)
-            first = self._first_fitting(allowed, staging, memory)
-            if first is None:
-                break  # more chunks hold more activations in flight: fewer fit
-            found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff)
-            if isinstance(found, Candidate):
-                if found.step_s >= best.step_s:
-                    break
-                best = found
-        return best
+    def _schedules(self, layers: int, stages: int) -> list[tuple[str, list[int]]]:
+        """The pipeline schedules a mesh of ``stages`` stages is searched under, each with the model chunks a
+        device it tries, in the order they are tried: the first is the one ``_stagings`` starts from.
 
-    def _zero_bubble(self, mesh: MeshChoice, best: Candidate, counts: list[int], per_m: "_MicrobatchProblems",
-                     memory: "_MicrobatchProblems", pricer: Pricer, cutoff_s: float | None) -> Candidate:
-        """``best`` (1F1B or interleaved, the schedule free) against torch's zero-bubble schedule
-        (``ScheduleInterleavedZeroBubble``, where the installed torch has it) with ``v`` = 1, 2, ... chunks
-        per device, in ``best``'s checkpointing mode, until a ``v`` no longer fits or its plan is slower
-        than the one before. Its bubble (simulated from torch's table, ``cost_models/pipeline.py``) is
-        about a third of 1F1B's at ``v`` = 1, for the last chunk's activations held until its deferred
-        weight gradients run; a ``v`` whose step could not win with that saving at ``best``'s
-        microbatch count is not solved."""
-        if not schedule_available("zero_bubble"):
-            return best
-        allowed = [m for m in counts if runs_interleaved(m, mesh.stages)]
+        A pinned schedule with its chunks (``virtual_stages``) is the only one; interleaved 1F1B pinned
+        without them tries ``interleaving_chunks`` from 2 on. With the schedule free: 1F1B, then
+        torch's zero-bubble schedule with 1 chunk and as many as interleaved may have (where the installed
+        torch has it), then interleaved 1F1B (``interleaving_chunks``): zero bubble's third of the bubble
+        at as many chunks makes it the likelier winner, whose step then prunes the interleaved tries that
+        cannot beat it (a zero-bubble plan may still lose to an interleaved one on memory: it holds the
+        last chunk's activations for ``p`` microbatches). GPipe is not tried: its bubble is 1F1B's and it
+        holds every microbatch's activations, so it never wins."""
+        more = interleaving_chunks(layers, stages)
+        if self.constraints.schedule is None:
+            zero_bubble = [("zero_bubble", [1, *more])] if schedule_available("zero_bubble") else []
+            return [("1f1b", [1]), *zero_bubble, ("interleaved", more)]
+        if self._chunks_free():
+            return [("interleaved", sorted({self.constraints.model_chunks, *more}))]
+        return [(self.constraints.pipeline_schedule, [self.constraints.model_chunks])]
+
+    def least_bubble(self, mesh: MeshChoice, after_first: bool = False) -> float:
+        """The least bubble fraction a pipeline on ``mesh`` can have under the schedules its search may pick
+        (``_schedules``; ``after_first``: only those ``_more_chunks`` tries after the first), each at its
+        most chunks and at the most microbatches the batch allows it (a bubble only shrinks as they grow:
+        ``(p - 1) / (v m)``, and zero bubble's simulation likewise). Infinite where there are none.
+
+        The search prunes a pipeline mesh by it: at 1F1B's counts the ILP's cutoff row stretches a plan
+        by this bubble, not 1F1B's, so a mesh 1F1B cannot win on is still searched under the schedules
+        with less bubble (zero bubble has about a third of 1F1B's), and ``_pipeline_cannot_win`` skips
+        a mesh unsolved only where no schedule could win."""
+        if mesh.stages == 1:
+            return 0.0
+        counts = microbatch_counts(self.batch, mesh.data_parallel_size, self.constraints)
+        layers = layer_count(self.captured)
+        schedules = self._schedules(layers, mesh.stages)
+        if after_first:
+            first, *rest = schedules
+            schedules = [(first[0], first[1][1:]), *rest]
+        least = math.inf
+        for schedule, chunk_counts in schedules:
+            allowed = _runnable_counts(counts, schedule, mesh.stages)
+            if allowed and chunk_counts:
+                least = min(least, Staging(mesh.stages, layers, schedule, max(chunk_counts)).bubble_fraction(allowed[-1]))
+        return least
+
+    def _more_chunks(self, mesh: MeshChoice, best: Candidate, schedule: str, chunk_counts: list[int],
+                     counts: list[int], per_m: "_MicrobatchProblems", memory: "_MicrobatchProblems", pricer: Pricer,
+                     cutoff_s: float | None) -> Candidate:
+        """``best`` against ``schedule`` with each of ``chunk_counts`` model chunks per device (ascending), in
+        ``best``'s checkpointing mode, until a count no longer fits (more chunks hold more activations in
+        flight) or its plan is slower than the one before under ``schedule``. Interleaving ``v`` chunks
+        divides the bubble by ``v`` for ``v`` times the stage-to-stage sends; zero bubble (simulated from
+        torch's table, ``cost_models/pipeline.py``) has about a third of 1F1B's bubble at equal ``v``, for
+        the last chunk's activations held until its deferred weight gradients run. A count whose step
+        could not beat ``best`` even with that bubble's whole saving at ``best``'s microbatch count, and
+        no more sends, is not solved."""
+        allowed = _runnable_counts(counts, schedule, mesh.stages)
         m, previous = best.problem.microbatches, math.inf
-        for chunks in [1, *interleaving_chunks(best.staging.layers, mesh.stages)]:
+        for chunks in chunk_counts:
+            if (schedule, chunks) == (best.staging.schedule, best.staging.chunks):
+                previous = best.step_s  # solved (the first schedule ``_stagings`` searched)
+                continue
             cutoff = min(cutoff_s or math.inf, best.step_s)
-            staging = replace(best.staging, schedule="zero_bubble", chunks=chunks)
-            if m in allowed and best.step_s - best.bubble_s * (
+            staging = replace(best.staging, schedule=schedule, chunks=chunks)
+            if (m in allowed or schedule not in SIMULATED) and best.step_s - best.bubble_s * (
                     1 - staging.bubble_fraction(m) / best.staging.bubble_fraction(m)) >= cutoff:
                 continue
             first = self._first_fitting(allowed, staging, memory)
             if first is None:
-                break  # more chunks hold more activations in flight: fewer fit
+                break
             found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff)
             if isinstance(found, Candidate):
                 if found.step_s >= previous:
@@ -410,7 +433,7 @@ class _MeshSearch:
 
     def _chunks_free(self) -> bool:
         """Whether the schedule is pinned to interleaved 1F1B with its chunks a device left free (the search
-        starts at 2, ``Constraints.model_chunks``, and tries more as ``_interleaved`` does)."""
+        starts at 2, ``Constraints.model_chunks``, and tries more as ``_more_chunks`` does)."""
         return self.constraints.schedule == "interleaved" and self.constraints.virtual_stages is None
 
     def _constraints(self, zero_stage: int | None) -> Constraints:
@@ -493,7 +516,8 @@ class _MeshSearch:
         return self._staged_problems[key][1]
 
     def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s,
-                            settled: "_Settled | None" = None) -> Candidate | MeshChoice | str:
+                            settled: "_Settled | None" = None, least_bubble: float = math.inf
+                            ) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
         more microbatches shrink the bubble: larger counts are tried while the step time improves.
         ``settled``: the first checkpointing mode's (none's) problems, noted while it is searched, and
@@ -501,7 +525,7 @@ class _MeshSearch:
         best: Candidate | None = None
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
-            bubble = staging.bubble_fraction(m)
+            bubble = min(staging.bubble_fraction(m), least_bubble)  # what the cutoff stretches
             problem = self._staged(per_m[m], staging)
             if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble,
                                                                                          problem):
@@ -641,6 +665,14 @@ def interleaving_chunks(layers: int, stages: int) -> list[int]:
     one_chunk = Staging(stages, layers).layers_per_stage
     return [v for v in range(2, layers // stages + 1)
             if Staging(stages, layers, "interleaved", v).layers_per_stage == one_chunk]
+
+
+def _runnable_counts(counts: list[int], schedule: str, stages: int) -> list[int]:
+    """The microbatch counts of ``counts`` that ``schedule`` runs on ``stages`` stages (``runs_interleaved``
+    for the schedules with model chunks; every count for the others)."""
+    if schedule not in MULTI_CHUNK_SCHEDULES:
+        return counts
+    return [m for m in counts if runs_interleaved(m, stages)]
 
 
 def runs_interleaved(microbatches: int, stages: int) -> bool:

@@ -32,7 +32,10 @@ Constraints::
     (1) sum_k x_dk = 1                                          one option per decision
     (2) sum_q y_epq = sum_{k: out_i(u,k) = p} x_uk   for all p   edges agree with their producer
         sum_p y_epq = sum_{k: in_j(v,k)  = q} x_vk   for all q   ... and with their consumer
-    (3) z >= sum_dk n_d g_dk x_dk - beta * sum_dk n_d b_dk x_dk  gradient sync hides behind backward
+    (3) z >= sum_dk n_d g_dk x_dk + sum_epq n_e g_e(p,q) y_epq - beta * sum_dk n_d b_dk x_dk
+                                                                gradient sync hides behind backward (g_e:
+                                                                a parameter's regather the lowered runtime
+                                                                issues ahead, ``edge_sync_terms``)
     (4) sum_dk n_d M_dk x_dk <= capacity                        memory of every device (add_memory_constraint)
     (5) sum_m n_m = L;  n_m <= L a_m                            every layer has one mode
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
@@ -175,7 +178,7 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     u = add_recompute_edge_variables(model, problem, y, n)
     moves = add_shared_move_variables(model, problem, y, n)
     terms = priced_terms(problem, x, w) + add_root_sharding_variables(model, problem, x)
-    z = add_overlap_constraint(model, terms, problem.overlap_fraction)
+    z = add_overlap_constraint(model, terms + edge_sync_terms(problem, y), problem.overlap_fraction)
     add_memory_constraint(model, problem, terms, v)
     objective = set_objective(model, problem, terms, y, u, z, moves)
     if cutoff_s is not None:
@@ -437,6 +440,13 @@ def add_overlap_constraint(model: Ilp, terms: list, overlap_fraction: float):
     return z
 
 
+def edge_sync_terms(problem: Problem, y: Mapping[int, list]) -> list:
+    """(variable, cost, occurrences) of the edge pairs that carry gradient sync for (3): a parameter's
+    backward regather the runtime overlaps with backward (``Pricer._prefetched``); none on DTensor."""
+    return [(var, cost, edge.count) for e_idx, edge in enumerate(problem.edges)
+            for var, cost in zip(y[e_idx], edge.price.values()) if cost.grad_sync_s]
+
+
 def add_memory_constraint(model: Ilp, problem: Problem, terms: list, v: Mapping) -> None:
     """Constraint (4), with the working sets of (7)."""
     weighted = _weighted(terms, lambda c: c.memory_bytes / _GIB)
@@ -510,6 +520,7 @@ def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
         c = d.options[choice[key]].cost
         sync += d.count * c.grad_sync_s
         hide += d.count * problem.overlap_fraction * c.backward_compute_s
+    sync += sum(edge.count * edge.price[edge_pair(problem, edge, choice)].grad_sync_s for edge in problem.edges)
     return max(0.0, sync - hide)
 
 

@@ -1,0 +1,171 @@
+"""Pricing for the lowered runtime (constraint ``runtime=lowered``): an FSDP layer's gradient
+reduce_scatter, which ``passes/lower_buckets.bucket_gradient_scatters`` launches as soon as the layer's
+gradients exist and waits on when backward ends, and its parameters' backward regather, issued a layer
+ahead (``bucket_parameter_gathers``), are priced as gradient sync hidden behind backward (the ILP's
+constraint (3)); on DTensor (the default) both stay on the critical path. The forward's gathers stay
+there on either runtime."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+
+import autopar
+from autopar.core.constraints import Constraints
+from autopar.core.errors import BadInputError
+from autopar.cost_models import parse_cluster
+from autopar.ir.capture import capture
+from autopar.models import build_model
+from autopar.planning.meshes import MeshAxis, MeshChoice
+from autopar.planning.pricing import Collective
+from autopar.planning.roles import pricer_for
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+CLUSTER = "1x8xH100"
+FSDP_ON_8 = {"dp": 8, "tp": 1, "fsdp": 3, "microbatches": 1, "checkpointing": "none"}
+
+
+def _plan(runtime: str, **more) -> autopar.Plan:
+    bundle = build_model("tiny-llama", global_batch=8)
+    return autopar.plan(bundle.model, bundle.example_inputs, CLUSTER, bundle.loss_fn,
+                        example_targets=bundle.example_targets,
+                        constraints={**FSDP_ON_8, "runtime": runtime, **more})
+
+
+def test_runtime_constraint_refuses_what_lowered_programs_do_not_run():
+    for text in ("runtime=lowered,pp=2", "runtime=lowered,cp=2,cp_attention=ring", "runtime=eager"):
+        with pytest.raises(BadInputError, match="runtime"):
+            Constraints.parse(text)
+
+
+def test_lowered_fsdp_reduce_scatter_is_a_gradient_sync_of_its_formula():
+    """One [1024, 1024] parameter sharded over 8 H100s of one node, its fp32 gradient reduce-scattered:
+    on the NVLink ring that is base + 7 alpha + 7/8 * 4 MiB / B seconds, an overlapped sync under the
+    lowered runtime, every microbatch; on DTensor a critical-path collective."""
+    cluster = parse_cluster(CLUSTER)
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1)
+    lowered = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=lowered"))
+    dtensor = pricer_for(cluster, mesh, "bf16", Constraints())
+    assert (lowered.runtime, dtensor.runtime) == ("lowered", "dtensor")
+    nbytes = 1024 * 1024 * 4
+    scatter = Collective("reduce_scatter", "backward", nbytes, 0, (Replicate(),), slot=1)
+    replica_sum = Collective("all_reduce", "backward", nbytes, 0, (Replicate(),), slot=1)
+    assert dtensor._overlapped_where_lowered([scatter, replica_sum]) == [scatter, replica_sum]
+    hidden, kept = lowered._overlapped_where_lowered([scatter, replica_sum])
+    assert hidden.grad_sync and hidden.per_microbatch and kept == replica_sum
+    group = lowered.groups[0]
+    by_hand = group.base_latency_s + 7 * group.intra_latency_s + 7 / 8 * nbytes / group.intra_bw
+    assert lowered.collective_seconds(hidden) == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_lowered_regather_of_a_parameter_is_a_gradient_sync_of_its_formula():
+    """The same parameter gathered from its shard for an op that saves it: its forward all_gather stays on
+    the critical path, its backward regather (7/8 * 2 MiB in bf16 on the ring) moves to the sync."""
+    cluster = parse_cluster(CLUSTER)
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1)
+    lowered = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=lowered"))
+    dtensor = pricer_for(cluster, mesh, "bf16", Constraints())
+    weight = torch.empty(1024, 1024, device="meta")
+    group = lowered.groups[0]
+    gather = group.base_latency_s + 7 * group.intra_latency_s + 7 / 8 * 1024 * 1024 * 2 / group.intra_bw
+    on_lowered = lowered.edge(weight, (Shard(0),), (Replicate(),), per_microbatch=True, regathered=True)
+    on_dtensor = dtensor.edge(weight, (Shard(0),), (Replicate(),), per_microbatch=True, regathered=True)
+    assert on_dtensor.comm_s == pytest.approx({"all_gather": 2 * gather}, rel=1e-9) and on_dtensor.grad_sync_s == 0
+    assert on_lowered.comm_s == pytest.approx({"all_gather": gather}, rel=1e-9)
+    assert on_lowered.grad_sync_s == on_lowered.grad_sync_per_microbatch_s == pytest.approx(gather, rel=1e-9)
+    not_saved = lowered.edge(weight, (Shard(0),), (Replicate(),), per_microbatch=True)
+    assert not_saved.grad_sync_s == 0 and not_saved.comm_s == on_lowered.comm_s
+
+
+def test_plan_on_lowered_runtime_hides_reduce_scatters_and_regathers_behind_backward():
+    dtensor, lowered = _plan("dtensor"), _plan("lowered")
+    d, lo = dtensor.predicted, lowered.predicted
+    scattered = d["comm_s"]["reduce_scatter"]
+    regathered = d["comm_s"]["all_gather"] - lo["comm_s"]["all_gather"]
+    assert scattered > 0 and lo["comm_s"]["reduce_scatter"] == 0.0
+    # weights an op saves (the matmuls') are gathered twice, others (the embedding's) once: at most half
+    assert 0 < regathered <= d["comm_s"]["all_gather"] / 2 * (1 + 1e-9)
+    assert (d["runtime"], lo["runtime"]) == ("dtensor", "lowered")
+    assert lo["grad_sync_s"] == pytest.approx(d["grad_sync_s"] + scattered + regathered, rel=1e-6)
+    assert lo["compute_s"] == pytest.approx(d["compute_s"], rel=1e-9)
+    assert lowered.placements == dtensor.placements
+    # the step changes by the exposed communication alone: the reduce_scatters and regathers left the
+    # critical path and only the part of the sync that backward's compute cannot cover came back
+    assert lo["step_time_s"] - d["step_time_s"] == pytest.approx(lo["exposed_comm_s"] - d["exposed_comm_s"], abs=1e-12)
+    assert d["exposed_comm_s"] - scattered - regathered <= lo["exposed_comm_s"] + 1e-12
+    assert lo["step_time_s"] < d["step_time_s"]
+    assert "priced for the lowered runtime" in lowered.summary()
+    assert "priced for the lowered runtime" not in dtensor.summary()
+    assert math.isclose(autopar.Plan.from_dict(json.loads(lowered.to_json())).predicted["step_time_s"], lo["step_time_s"])
+
+
+def test_reprice_keeps_the_runtime_the_plan_was_priced_for():
+    bundle = build_model("tiny-llama", global_batch=8)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    lowered = _plan("lowered")
+    again = autopar.reprice(lowered, captured, CLUSTER)
+    assert again.predicted["runtime"] == "lowered"
+    assert again.predicted["step_time_s"] == pytest.approx(lowered.predicted["step_time_s"], rel=1e-6)
+
+
+def test_pipeline_meshes_are_priced_on_dtensor():
+    """A lowered program has one stage: with pp free, a pipeline mesh is priced as DTensor runs it."""
+    cluster = parse_cluster(CLUSTER)
+    staged = MeshChoice(((MeshAxis.DP_SHARD, 4),), 2)
+    assert pricer_for(cluster, staged, "bf16", Constraints.parse("runtime=lowered")).runtime == "dtensor"
+
+
+def test_context_parallel_attention_on_the_lowered_runtime_gathers_keys_and_values():
+    """Ring attention runs eager only (a lowered program falls back to DTensor): not offered there."""
+    assert _plan("lowered", dp=4, cp=2, fsdp=3).cp_attention == "allgather"
+
+
+def test_solver_and_explanations_count_a_regather_in_the_gradient_sync():
+    """A hand-sized problem: parameter ``w`` replicated (its gradient all-reduced, 1 ms of sync) or sharded
+    (gathered for ``mm``, 0.4 ms forward, its 0.4 ms regather and 0.5 ms reduce_scatter overlapped as the
+    lowered runtime runs them); backward hides 0.5 ms of sync. Replicated: 2 + max(0, 1 - 0.5) = 2.5 ms.
+    Sharded: 2 + 0.4 + max(0, 0.5 + 0.4 - 0.5) = 2.8 ms; were the regather not counted in the sync it would
+    be 2.4 ms and win. The ILP, ``evaluate`` and each alternative's ``delta_s`` agree."""
+    from autopar.planning.explanations import explanations
+    from autopar.planning.pricing import Cost
+    from autopar.planning.problem import Decision, Edge, Option, Problem, RootSharding
+    from autopar.planning.solver import evaluate, solve
+    from autopar.planning.strategies import Strategy
+
+    r, s0 = (Replicate(),), (Shard(0),)
+    w = Decision("w", ["w"], [Option(Strategy((), (r,)), Cost(memory_bytes=4.0)),
+                              Option(Strategy((), (s0,)), Cost(memory_bytes=1.0))])
+    mm = Decision("mm", ["mm"], [Option(Strategy((r,), (s0,)), Cost(compute_s=2e-3, backward_compute_s=1e-3,
+                                                                       grad_sync_s=1e-3))])
+    edge = Edge("w", 0, "mm", 0, 1, {(r, (r, ())): Cost(),
+                                     (s0, (r, ())): Cost(comm_s={"all_gather": 4e-4}, grad_sync_s=4e-4)})
+    term = RootSharding("mm", frozenset({0}), 0, "w", frozenset({1}), 1.0, Cost(grad_sync_s=5e-4 - 1e-3))
+    problem = Problem((4,), {"w": w, "mm": mm}, [edge], 1e30, 0.5, root_terms=[term])
+    assert evaluate(problem, {"w": 0, "mm": 0})[0] == pytest.approx(2.5e-3)
+    assert evaluate(problem, {"w": 1, "mm": 0})[0] == pytest.approx(2.8e-3)
+    solution = solve(problem)
+    assert solution.choice["w"] == 0 and solution.objective_s == pytest.approx(2.5e-3)
+    for chosen in (0, 1):
+        choice = {"w": chosen, "mm": 0}
+        rows = explanations(problem, choice, {})["decisions"]["w"]["alternatives"]
+        other = next(row for row in rows if not row["chosen"])
+        change = evaluate(problem, {"w": 1 - chosen, "mm": 0})[0] - evaluate(problem, choice)[0]
+        assert other["delta_s"] == pytest.approx(change, abs=1e-15)
+
+
+def test_a_plan_priced_for_the_lowered_runtime_warns_when_run_on_dtensor(two_fake_ranks):
+    bundle = build_model("tiny-llama", global_batch=8)
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
+                        example_targets=bundle.example_targets,
+                        constraints={"dp": 2, "fsdp": 3, "runtime": "lowered"})
+    assert plan.predicted["runtime"] == "lowered"
+    with pytest.warns(UserWarning, match="priced for the lowered runtime"):
+        autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
+                                example_targets=bundle.example_targets, check_memory=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
+                                example_targets=bundle.example_targets, check_memory=False, lowered=True)
