@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import autopar
+from contracts import assert_alternatives_priced_exactly
 from autopar.models import build_model
 
 
@@ -61,7 +62,6 @@ def test_an_alternative_placement_of_a_parameter_is_priced_with_its_readers_grad
     sharded, the gradient sync is replaced by the gather's reduce_scatter."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from autopar.planning.explanations import explanations
     from autopar.planning.pricing import Cost
     from autopar.planning.problem import Decision, Edge, Option, Problem, RootSharding
     from autopar.planning.solver import evaluate
@@ -76,11 +76,6 @@ def test_an_alternative_placement_of_a_parameter_is_priced_with_its_readers_grad
     term = RootSharding("mm", frozenset({0}), 0, "w", frozenset({1}), 1.0,
                         Cost(comm_s={"reduce_scatter": 5e-4}, grad_sync_s=-1e-3))
     problem = Problem((4,), {"w": w, "mm": mm}, [edge], 1e30, 0.5, root_terms=[term])
-    for chosen in (0, 1):
-        choice = {"w": chosen, "mm": 0}
-        rows = explanations(problem, choice, {})["decisions"]["w"]["alternatives"]
-        other = next(row for row in rows if not row["chosen"])
-        change = evaluate(problem, {"w": 1 - chosen, "mm": 0})[0] - evaluate(problem, choice)[0]
-        assert other["delta_s"] == pytest.approx(change, abs=1e-15)
+    assert_alternatives_priced_exactly(problem, "w", {"mm": 0})
     assert evaluate(problem, {"w": 1, "mm": 0})[0] == pytest.approx(2e-3 + 4e-4 + 5e-4)
     assert evaluate(problem, {"w": 0, "mm": 0})[0] == pytest.approx(2e-3 + 1e-3 - 0.5 * 1e-3)

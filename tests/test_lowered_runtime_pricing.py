@@ -21,6 +21,7 @@ from autopar.models import build_model
 from autopar.planning.meshes import MeshAxis, MeshChoice
 from autopar.planning.pricing import Collective
 from autopar.planning.roles import pricer_for
+from contracts import assert_alternatives_priced_exactly
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -129,7 +130,6 @@ def test_solver_and_explanations_count_a_regather_in_the_gradient_sync():
     lowered runtime runs them); backward hides 0.5 ms of sync. Replicated: 2 + max(0, 1 - 0.5) = 2.5 ms.
     Sharded: 2 + 0.4 + max(0, 0.5 + 0.4 - 0.5) = 2.8 ms; were the regather not counted in the sync it would
     be 2.4 ms and win. The ILP, ``evaluate`` and each alternative's ``delta_s`` agree."""
-    from autopar.planning.explanations import explanations
     from autopar.planning.pricing import Cost
     from autopar.planning.problem import Decision, Edge, Option, Problem, RootSharding
     from autopar.planning.solver import evaluate, solve
@@ -148,12 +148,7 @@ def test_solver_and_explanations_count_a_regather_in_the_gradient_sync():
     assert evaluate(problem, {"w": 1, "mm": 0})[0] == pytest.approx(2.8e-3)
     solution = solve(problem)
     assert solution.choice["w"] == 0 and solution.objective_s == pytest.approx(2.5e-3)
-    for chosen in (0, 1):
-        choice = {"w": chosen, "mm": 0}
-        rows = explanations(problem, choice, {})["decisions"]["w"]["alternatives"]
-        other = next(row for row in rows if not row["chosen"])
-        change = evaluate(problem, {"w": 1 - chosen, "mm": 0})[0] - evaluate(problem, choice)[0]
-        assert other["delta_s"] == pytest.approx(change, abs=1e-15)
+    assert_alternatives_priced_exactly(problem, "w", {"mm": 0})
 
 
 def test_a_plan_priced_for_the_lowered_runtime_warns_when_run_on_dtensor(two_fake_ranks):
