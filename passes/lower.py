@@ -25,6 +25,10 @@ step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
   counted targets) becomes the all_reduce of the local sum (``reduce_gathered_sums``);
 * a collective computed from non-parameter inputs alone (the loss's count of targets) is launched at
   its graph's start;
+* the loss's end, from the wait on its all-reduced sum on, leaves the forward graph
+  (``defer_output_waits``): ``start`` returns the loss unfinished and ``finish`` waits and computes it,
+  which ``forward`` does at once and ``ParallelModule.step`` after backward (as DDP, whose ranks meet
+  only in the gradient buckets' waits; uncompiled programs only);
 
 and ``lower_simplify.py`` removes the ops that compute nothing (identity views, detaches, transposes of
 transposes, unread attention forwards) that the trace through DTensor leaves.
@@ -71,6 +75,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
@@ -81,7 +88,7 @@ from autopar.ir.layers import layer_of_path
 
 from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
-                            launch_from_inputs_first, reduce_gathered_sums, reduced_in_graph)
+                            defer_output_waits, launch_from_inputs_first, reduce_gathered_sums, reduced_in_graph)
 from .lower_simplify import simplify_local_ops
 from .reshard import ResavedParameters
 
@@ -102,7 +109,8 @@ class LoweredProgram(nn.Module):
     None under gradient accumulation, which reduces once per step). ``compile``: inductor compiles the
     graphs. ``graphs`` holds, per grad mode, the forward and backward graphs of the lowering (for tests
     and reports), ``buckets`` what the bucketing merged; ``fallback`` says why the DTensor program runs
-    instead, when it does.
+    instead, when it does. ``local`` (position -> spec) the parameters read as local tensors, their
+    gradients stored as DTensors with the parameter's spec (``_local_parameters``).
     """
 
     def __init__(self, program: nn.Module, parameters: Mapping[int, str], compile: bool = False,
@@ -118,38 +126,86 @@ class LoweredProgram(nn.Module):
         self.buckets: dict[bool, dict[str, dict[str, list[int]]]] = {}  # as graphs; per kind, each bucket's merges
         self.fallback: str | None = None
         self._lowered: dict[bool, Callable[..., Any]] = {}
+        self.deferred: dict[bool, fx.GraphModule] = {}  # as graphs: the loss's end, run by ``finish``
+        self._pending: tuple[torch.Tensor, fx.GraphModule, list[Any]] | None = None
+        self.local: dict[int, DTensorSpec] | None = None  # as the class says; set at the first call
 
     def forward(self, *args: Any) -> Any:
+        outputs = self.start(*args)
+        self.finish()
+        return outputs
+
+    def start(self, *args: Any) -> Any:
+        """The program's outputs, the loss's last reduction possibly still in flight: its value may be
+        read only after ``finish()`` (which ``forward`` calls at once; ``ParallelModule.step`` after
+        backward, which does not read it)."""
         if self.fallback is not None:
             return self.dtensor_program(*args)
         grad = torch.is_grad_enabled()
+        if self.local is None:
+            self.local = self._local_parameters(args)
+        inputs = [_local_leaf(a) if i in self.local else a for i, a in enumerate(args)]
         if grad not in self._lowered:
-            lowered = self._lower(args, grad)
+            lowered = self._lower(args, inputs, grad)
+            if lowered is None and self.local and not self._lowered and self.fallback is not None:
+                self.local, self.fallback, inputs = {}, None, list(args)  # traced again, parameters as DTensors
+                lowered = self._lower(args, inputs, grad)
             if lowered is None:
                 return self.dtensor_program(*args)
             self._lowered[grad] = lowered
-        return self._lowered[grad](*args)
+        return self._lowered[grad](*inputs)
+
+    def finish(self) -> None:
+        """Complete the loss of the last ``start``: wait on its reduction and compute its value from
+        there (``lower_buckets.defer_output_waits``' graph), written into the loss ``start`` returned."""
+        if self._pending is None:
+            return
+        slot, epilogue, inputs = self._pending
+        self._pending = None
+        with torch.no_grad():
+            slot.copy_(epilogue(*inputs))
 
     def collectives(self, grad: bool = True) -> dict[str, dict[str, int]]:
         """Per graph (``forward``, ``backward``), the collectives one run of it issues, per kind."""
         return {name: graph_collectives(gm) for name, gm in self.graphs.get(grad, {}).items()}
 
-    def _lower(self, args: Sequence[Any], grad: bool) -> Callable[..., Any] | None:
+    def _local_parameters(self, args: Sequence[Any]) -> dict[int, DTensorSpec]:
+        """Argument position -> its parameter's spec, for the parameters the program reads as local
+        tensors (``_local_leaf``): those the in-graph gradient sync reduces (their gradients leave the
+        graph in the parameter's placements), when they are DTensor leaves. Their gradients are then
+        plain tensors, made DTensors once, with the spec, where AOT's wrapper would make each a DTensor
+        and autograd accumulate it through DTensor's dispatch (about 0.1 ms a gradient). Where that
+        trace fails (seen when a process traces a program after others: the joint graph returns the
+        loss's device mesh as an output of its own, a tangent; cause not pinned down), ``start`` traces
+        the program again with every parameter a DTensor."""
+        if self.grad_sync is None:
+            return {}
+        synced = {id(p) for p in self.grad_sync.params}
+        local = {i: args[i]._spec for i in self.parameters if id(args[i]) in synced and isinstance(args[i], DTensor)
+                 and args[i].is_leaf and args[i].requires_grad}
+        meshes = [a.device_mesh for a in args if isinstance(a, DTensor)]
+        kept = [a for i, a in enumerate(args) if isinstance(a, DTensor) and i not in local]
+        one_mesh = all(mesh == meshes[0] for mesh in meshes)
+        return local if one_mesh and kept else {}  # the traced mesh is a kept DTensor's: _ReducingProgram
+
+    def _lower(self, args: Sequence[Any], inputs: Sequence[Any], grad: bool) -> Callable[..., Any] | None:
+        """The program traced for ``args`` (the DTensor program's), called with ``inputs`` (``start``'s)."""
         graphs: dict[str, fx.GraphModule] = {}
         buckets: dict[str, dict[str, list[int]]] = {}
-        units = self._units(args)
-        partition = self._partition(flat_positions(args, list(self.parameters)))
+        units = self._units(inputs)
+        partition = self._partition(flat_positions(inputs, list(self.parameters)))
         try:
             with functorch_config.patch(force_non_lazy_backward_lowering=True):  # a backward failure shows here
                 lowered = aot_module_simplified(
-                    self._marked(args), list(args), fw_compiler=self._keep("forward", graphs, buckets, units),
-                    bw_compiler=self._keep("backward", graphs, buckets, units),
-                    inference_compiler=self._keep("forward", graphs, buckets, units),
+                    self._marked(args), list(inputs), fw_compiler=self._keep("forward", graphs, buckets, units, grad),
+                    bw_compiler=self._keep("backward", graphs, buckets, units, grad),
+                    inference_compiler=self._keep("forward", graphs, buckets, units, grad),
                     partition_fn=partition, decompositions=_inductor_decompositions() if self.compile else None)
         except Exception as exc:  # noqa: BLE001: any failure to trace leaves the DTensor program, said once
             self.fallback = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            warnings.warn(f"autopar: the program could not be lowered ({self.fallback}); running it on DTensor",
-                          stacklevel=3)
+            if not self.local or self._lowered:  # else traced again with DTensor parameters first (``start``)
+                warnings.warn(f"autopar: the program could not be lowered ({self.fallback}); running it on DTensor",
+                              stacklevel=4)
             return None
         self.graphs[grad] = graphs
         self.buckets[grad] = buckets
@@ -162,7 +218,7 @@ class LoweredProgram(nn.Module):
             return self.program
         synced = {id(p) for p in self.grad_sync.params}
         return _ReducingProgram(self.program, [i for i in self.parameters if id(args[i]) in synced],
-                                self.grad_sync.reduce_dtype)
+                                self.grad_sync.reduce_dtype, self.local or {})
 
     def _units(self, args: Sequence[Any]) -> dict[str, str]:
         """Parameter placeholder name of the traced graphs (``primals_<i+1>``) -> the unit its gathers
@@ -171,9 +227,10 @@ class LoweredProgram(nn.Module):
                 for i, fqn in self.parameters.items() for k in flat_positions(args, [i])}
 
     def _keep(self, name: str, graphs: dict[str, fx.GraphModule], buckets: dict[str, dict[str, list[int]]],
-              units: Mapping[str, str]) -> Callable[..., Any]:
+              units: Mapping[str, str], grad: bool) -> Callable[..., Any]:
         """An AOT compiler that records the graph it is given, its collectives bucketed
-        (``bucketed``), and runs it (compiled by inductor when ``compile``)."""
+        (``bucketed``), and runs it (compiled by inductor when ``compile``; else a forward's loss
+        finished by ``finish``, ``defer_output_waits``: kept in ``deferred[grad]``)."""
         def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
             buckets[name] = self.bucketed(name, gm, units)
             graphs[name] = gm
@@ -181,8 +238,28 @@ class LoweredProgram(nn.Module):
                 from torch._inductor.compile_fx import compile_fx_inner
 
                 return compile_fx_inner(gm, example_inputs, is_backward=name == "backward")
-            return _boxed(gm)
+            epilogue = defer_output_waits(gm) if name == "forward" else None
+            if epilogue is None:
+                return _boxed(gm)
+            self.deferred[grad] = epilogue
+            return self._deferring(gm, epilogue)
         return compiler
+
+    def _deferring(self, gm: fx.GraphModule, epilogue: fx.GraphModule) -> Callable[..., Any]:
+        """``gm`` (a forward graph ``defer_output_waits`` rewrote: its loss, output 0, is finished by
+        ``epilogue`` from the values ``gm`` returns after its own outputs) run as AOT autograd calls it,
+        the loss's end kept for ``finish``. The program returns its loss first and mutates no input
+        (``build_program``'s programs are functional), so AOT's wrapper hands out that slot as the loss."""
+        run = _boxed(gm)
+        extra = len(epilogue.graph.find_nodes(op="placeholder"))
+
+        def deferring(args: list[Any]) -> Any:
+            outputs = run(args)
+            own, inputs = outputs[:len(outputs) - extra], list(outputs[len(outputs) - extra:])
+            self._pending = (own[0], epilogue, inputs)
+            return own
+        deferring._boxed_call = True  # type: ignore[attr-defined]
+        return deferring
 
     def bucketed(self, name: str, gm: fx.GraphModule, units: Mapping[str, str]) -> dict[str, list[int]]:
         """``lower_buckets``' and ``lower_simplify``'s passes on the graph ``name`` (``forward``,
@@ -210,17 +287,45 @@ class LoweredProgram(nn.Module):
 
 
 class _ReducingProgram(nn.Module):
-    """``program`` reading the arguments at ``positions`` through ``reduced_in_graph``."""
+    """``program`` reading the arguments at ``positions`` through ``reduced_in_graph``; those at
+    ``local``'s positions come as local tensors, made DTensors with their spec first."""
 
-    def __init__(self, program: nn.Module, positions: Sequence[int], reduce_dtype: torch.dtype | None):
+    def __init__(self, program: nn.Module, positions: Sequence[int], reduce_dtype: torch.dtype | None,
+                 local: Mapping[int, DTensorSpec]):
         super().__init__()
         self.program = program
         self.positions = frozenset(positions)
         self.reduce_dtype = reduce_dtype
+        self.local = dict(local)
 
     def forward(self, *args: Any) -> Any:
+        if self.local:  # the arguments' one mesh, as traced (a real one beside it would be a second mesh)
+            mesh = next(a.device_mesh for i, a in enumerate(args) if isinstance(a, DTensor) and i not in self.local)
+        values = [_from_local(a, mesh, self.local[i]) if i in self.local else a for i, a in enumerate(args)]
         return self.program(*(reduced_in_graph(a, self.reduce_dtype) if i in self.positions else a
-                              for i, a in enumerate(args)))
+                              for i, a in enumerate(values)))
+
+
+def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTensor:
+    """``local`` as the DTensor of ``spec`` on ``mesh``; its gradient leaves in ``spec``'s placements (what
+    a reduced gradient has: ``DTensor.from_local``'s backward redistributes to them otherwise)."""
+    return DTensor.from_local(local, mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def _local_leaf(param: DTensor) -> torch.Tensor:
+    """A leaf on ``param``'s local tensor whose gradient, once accumulated, becomes ``param``'s as a
+    DTensor with ``param``'s spec (added to the one it holds), so the program's backward hands out a
+    plain tensor."""
+    leaf = param._local_tensor.detach().requires_grad_(torch.is_grad_enabled())
+    if leaf.requires_grad:
+        leaf.register_post_accumulate_grad_hook(lambda local: _store_gradient(param, local))
+    return leaf
+
+
+def _store_gradient(param: DTensor, local: torch.Tensor) -> None:
+    grad = DTensor(local.grad, param._spec, requires_grad=False)
+    local.grad = None
+    param.grad = grad if param.grad is None else param.grad + grad
 
 
 def flat_positions(args: Sequence[Any], positions: Sequence[int]) -> list[int]:

@@ -42,6 +42,10 @@ replaced by the all_reduce of the local value's sum: one number per rank instead
 alone, none a parameter (the forward's all_gather of the loss's mask of counted targets), is launched at
 the graph's start, its wait left where it was, so no rank waits on it there.
 
+**Deferred loss** (``defer_output_waits``): the ops only the loss reads, from the wait on its
+all-reduced sum on, move out of the forward graph into a graph of their own, run after backward, so
+no rank waits for the others at the end of its forward.
+
 A unit's bucket is one collective where the plan (which prices the DTensor runtime) counts one per
 parameter; ``LoweredProgram.buckets`` records how many each merged.
 
@@ -513,3 +517,58 @@ def _from_inputs(collective: fx.Node, parameters: Collection[str]) -> list[fx.No
     if found is None or any(p.name in parameters for p in found[1]):
         return None
     return found[0]
+
+
+def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | None:
+    """Move the end of the computation of ``gm``'s output ``slot`` (the loss) out of ``gm``, from the waits
+    of its collectives on, in place: the ops only that output reads (up to, not including, collective
+    launches), when they wait on a collective. ``gm`` then returns in that slot an empty tensor of the
+    output's shape and dtype, and after its own outputs the values those ops read (the launched, unwaited
+    collective among them); returns the moved ops as a graph of those values (in that order) to the
+    output's value, or None (nothing moved) when no wait is among them.
+
+    The forward's last op is the loss's global mean, a division of its all-reduced sum: waiting there
+    makes every rank wait for the slowest one at the end of its forward, where DDP's ranks meet only
+    in the gradient buckets' waits at the end of backward. Run the returned graph after backward and
+    write its value into the slot (``LoweredProgram.finish``), and the loss costs no wait of its own."""
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = list(output.args[0])
+    value = outputs[slot]
+    if not isinstance(value, fx.Node) or value.op != "call_function" or len(value.users) != 1 or outputs.count(value) != 1:
+        return None
+    tail = _read_only_by(value)
+    if not any(n.target is _c10d.wait_tensor.default for n in tail):
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moved = sorted(tail, key=order.__getitem__)
+    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in tail}, key=order.__getitem__)
+    epilogue = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = epilogue.placeholder(node.name)
+        env[node].meta["val"] = node.meta.get("val")
+    for node in moved:
+        env[node] = epilogue.node_copy(node, env.__getitem__)
+    epilogue.output(env[value])
+    fake = _value(value)
+    with graph.inserting_before(output):
+        empty = graph.call_function(_aten.empty.memory_format, (list(fake.shape),),
+                                    {"dtype": fake.dtype, "device": fake.device})
+    empty.meta["val"] = fake
+    outputs[slot] = empty
+    output.args = (tuple(outputs) + tuple(inputs),)
+    for node in reversed(moved):
+        graph.erase_node(node)
+    recompiled(gm, 1)
+    return fx.GraphModule(gm, epilogue)
+
+
+def _read_only_by(value: fx.Node) -> set[fx.Node]:
+    """``value`` and the ops upstream of it that nothing else reads, collective launches excluded."""
+    tail = {value}
+    nodes = list(value.graph.nodes)
+    for node in reversed(nodes[:nodes.index(value)]):
+        if node.op == "call_function" and node.target not in COLLECTIVES and node.users and set(node.users) <= tail:
+            tail.add(node)
+    return tail

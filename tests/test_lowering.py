@@ -67,21 +67,35 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
     from autopar.testing.counters import CollectiveCounter
     from autopar.testing.parity import batches, build, train_module
 
+    from torch.distributed.tensor import DTensor
+
     bundle = build(name, None, BATCH, None, seed=0)
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, constraints=constraints, lowered=True,
                                  compile=compile)
     result = train_module(pm, bundle, STEPS, 0, rank)
     (batch,) = batches(bundle, 1, seed=0)
+    forward_loss = None
     with CollectiveCounter() as forward:
         if pm.microbatches == 1:  # a forward pass takes one microbatch
-            pm(*batch)
+            forward_loss = pm(*batch).to_local().item()
     for p in pm.parameters():  # a step onto held gradients would add partial ones to them, one all_reduce each
         p.grad = None
     with CollectiveCounter() as step:
-        pm.step(*batch)
+        step_loss = pm.step(*batch).item()
     return {**result, "forward": forward.counts, "step": step.counts, "graphs": pm.program.collectives(),
-            "buckets": pm.program.buckets[True], "fallback": pm.program.fallback}
+            "buckets": pm.program.buckets[True], "fallback": pm.program.fallback, "forward_loss": forward_loss,
+            "step_loss": step_loss, "waits": _waits(pm.program), "local_parameters": len(pm.program.local or {}),
+            "parameters": len(list(pm.parameters())), "gradients_placed": all(
+                isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in pm.parameters())}
+
+
+def _waits(program: Any) -> dict[str, int]:
+    """The waits on collectives in the lowered forward graph and in the loss's deferred end."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    graphs = {"forward": program.graphs.get(True, {}).get("forward"), "deferred": program.deferred.get(True)}
+    return {name: len(gm.graph.find_nodes(op="call_function", target=wait)) for name, gm in graphs.items()
+            if gm is not None}
 
 
 def _spawned(world: int, configs: list[tuple[str, dict]], compile: bool = False) -> list[dict[str, Any]]:
@@ -333,6 +347,37 @@ def test_a_data_parallel_step_reduces_the_loss_mean_without_gathering_tokens(run
     assert run["buckets"]["forward"] == {"summed_gather": [1, 1]}
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_forward_returns_before_the_losss_sum_is_reduced_and_step_reads_it_after_backward(runs) -> None:
+    """Under data parallelism the lowered forward graph waits only on the count of targets (launched at
+    its start, read by backward); the loss's all-reduced sum is waited on in the deferred graph, which
+    ``step`` runs after backward and ``forward()`` before it returns: both report the same loss for the
+    same batch on every rank."""
+    run = runs[2][0]
+    assert CONFIGS[2][0] == ("tiny-gpt", {"dp": 2})
+    assert run["waits"] == {"forward": 1, "deferred": 1}
+    for rank in run["ranks"]:
+        assert rank["step_loss"] == rank["forward_loss"] == run["forward_loss"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_gradients(runs) -> None:
+    """Under data parallelism (the gradient sync in the backward graph; the rank's first program traced)
+    every parameter is traced as its local tensor and its gradient stored as a DTensor in the
+    parameter's placements; under gradient accumulation (sync outside the graph) parameters stay
+    DTensor inputs; every configuration leaves each gradient in its parameter's placements (where the
+    trace with local parameters fails, ``LoweredProgram.start`` traces again with DTensors)."""
+    assert CONFIGS[2][0] == ("tiny-gpt", {"dp": 2})
+    assert runs[2][0]["local_parameters"] == runs[2][0]["parameters"]
+    for world, configs in CONFIGS.items():
+        for (name, constraints), run in zip(configs, runs[world]):
+            if constraints.get("microbatches", 1) > 1:
+                assert run["local_parameters"] == 0, (name, constraints)
+            assert run["gradients_placed"], (name, constraints)
+
+
 def test_a_gather_summed_whole_becomes_an_all_reduce_of_the_local_sum(two_fake_ranks) -> None:
     """A gathered value read only by a sum of all its elements (through the slice that keeps every
     row) becomes the local sum, all-reduced where the gather was launched and waited where the sum
@@ -404,3 +449,34 @@ def test_the_first_gradient_bucket_is_ddps_one_megabyte_and_the_rest_the_bucket_
     mb = 2**20
     assert buckets([0.4 * mb, 0.4 * mb, 0.4 * mb, 10 * mb, 10 * mb, 10 * mb]) == [[0, 1], [2, 3, 4], [5]]
     assert buckets([60.0, 60.0, 60.0], bucket_bytes=150) == [[0, 1], [2]]
+
+
+def test_the_losss_wait_and_what_follows_move_out_of_the_forward_graph(two_fake_ranks) -> None:
+    """A loss = (all-reduced sum) / count, the count also saved for backward: the forward graph keeps
+    the sum's launch and returns, in the loss's slot, an empty tensor, then the unwaited sum and the
+    count; the graph returned waits and divides, giving the loss the graph computed before. An output
+    computed with no wait stays."""
+    import torch.distributed as dist
+
+    from autopar.passes.lower_buckets import defer_output_waits
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    x = _placeholder(graph, "x", torch.randn(4, 3))
+    count = _call(graph, _aten.sum.default, _call(graph, _aten.ne.Scalar, x, 0.0))
+    reduced = _call(graph, _c10d.all_reduce.default, _call(graph, _aten.sum.default, x), "sum", group)
+    loss = _call(graph, _aten.div.Tensor, _call(graph, _c10d.wait_tensor.default, reduced), count)
+    graph.output((loss, count))
+    gm = torch.fx.GraphModule({}, graph)
+    inputs = torch.randn(4, 3)
+    (expected, _) = gm(inputs)
+
+    epilogue = defer_output_waits(gm)
+    assert epilogue is not None
+    assert not [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
+    assert [n.target for n in epilogue.graph.nodes if n.op == "call_function"] == [_c10d.wait_tensor.default,
+                                                                                   _aten.div.Tensor]
+    empty, saved, *read = gm(inputs)
+    assert empty.shape == expected.shape and len(read) == 2 and saved in read
+    torch.testing.assert_close(epilogue(*read), expected, rtol=0, atol=0)
+    assert defer_output_waits(gm) is None, "an output computed with no wait stays"

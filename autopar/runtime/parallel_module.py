@@ -10,7 +10,8 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting, in
   parameters are gathered again in backward and the recomputed layers run under
   ``torch.utils.checkpoint``, as the plan priced them;
 * ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
-  with the last microbatch's backward;
+  with the last microbatch's backward (a lowered program's loss is read after backward: its global
+  sum is waited on there, ``LoweredProgram.start``);
 * under ZeRO-1/2 (``plan.degrees.zero``) ``parameters()`` are dp-sharded copies the program's
   replicated parameters are gathered from before each step, and gradients are reduce-scattered onto
   them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it;
@@ -111,11 +112,19 @@ class ParallelModule(nn.Module):
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
         return self._run_program(self._program_params.begin_step(), inputs, local)
 
-    def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool
-                     ) -> DTensor:
+    def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
+                     deferred: bool = False) -> DTensor:
+        """The program's loss; ``deferred``: a lowered program's may still be reducing, readable after
+        ``_finish_loss`` (``LoweredProgram.start``)."""
         args = self._placeholder_values(params, inputs, local)
-        (loss,) = self.program(*args)
+        lowered = isinstance(self.program, LoweredProgram)
+        (loss,) = self.program.start(*args) if deferred and lowered else self.program(*args)
         return loss
+
+    def _finish_loss(self) -> None:
+        """Complete the loss of a deferred ``_run_program``."""
+        if isinstance(self.program, LoweredProgram):
+            self.program.finish()
 
     @property
     def microbatches(self) -> int:
@@ -133,10 +142,11 @@ class ParallelModule(nn.Module):
         total = torch.zeros(())
         params = self._program_params.begin_step()
         for i, piece in enumerate(zip(*(torch.chunk(a, m, dim=0) for a in args))):
-            loss = self._run_program(params, piece, local).to_local()
+            loss = self._run_program(params, piece, local, deferred=True).to_local()
             if i == m - 1:
                 self._program_params.arm()  # reduce gradients as the last backward produces them
             (loss / m).backward()
+            self._finish_loss()  # the loss's reduction waited on after backward, as DDP's ranks meet only there
             total = total + loss.detach().float() / m
         self._program_params.end_step()
         return total
