@@ -23,7 +23,7 @@ from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
 from autopar.planning.pricing import Collective, Cost, Pricer, gathers
-from autopar.planning.problem import (Problem, RootSharding, gradient_root, partial_gradient_share,
+from autopar.planning.problem import (Problem, RootSharding, edge_pair, gradient_root, partial_gradient_share,
                                       read_through_views, source_of)
 from autopar.planning.strategies import Strategy
 
@@ -75,9 +75,7 @@ def _edge_delta(problem: Problem, before: Mapping[str, int], after: Mapping[str,
 
 
 def _edge_cost(problem: Problem, edge, choice: Mapping[str, int]) -> Cost:
-    p = problem.decisions[edge.src].options[choice[edge.src]].strategy.outputs[edge.src_out]
-    q = problem.decisions[edge.dst].options[choice[edge.dst]].edge_key(edge.slot)
-    return edge.price[(p, q)]
+    return edge.price[edge_pair(problem, edge, choice)]
 
 
 def _root_change(problem: Problem, root_terms: Sequence[RootSharding], before: Mapping[str, int],

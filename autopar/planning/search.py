@@ -11,8 +11,9 @@ microbatch counts (without a pipeline the fewest that fit; with one, larger coun
 shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to price one device of
 the pipeline; then, with the schedule free, interleaved 1F1B and zero bubble with more model chunks a
 device (``_schedules``, ``_more_chunks``). A pipeline mesh is pruned only by the least bubble of the
-schedules still to try there (``least_bubble``), never by 1F1B's alone. When the best plan recomputes, ``refine_layer_modes`` re-solves it with each layer's mode
-a decision of the ILP: recomputing some layers, not all, often fits at less cost.
+schedules still to try there (``least_bubble``), never by 1F1B's alone. When the best plan recomputes,
+``refine_layer_modes`` re-solves it with each layer's mode a decision of the ILP: recomputing some
+layers, not all, often fits at less cost.
 Unless the ZeRO stage is pinned, a data-parallel mesh whose plan had to recompute or shard parameters
 to fit (or where nothing fit) is searched again with the optimizer state sharded over data parallelism
 (ZeRO-1, Megatron-LM's distributed optimizer): it frees 12 bytes of state per parameter for a
