@@ -215,13 +215,17 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
 
 
 def _parameters(node_limit: int) -> mathopt.SolveParameters:
-    """The relative gap, the node limit, no output (stdout belongs to ``--json``) and one HiGHS thread: the
-    planner already searches meshes in parallel processes (``workers.py``), and HiGHS's own threads mostly
-    wait on each other there (the 20 ILPs of a pinned Llama 3 70B took 3.9 s of wall time for 1.8 s of
-    CPU with HiGHS's default threads on the 2-core development machine, 1.9 s with one; the same
-    solutions)."""
+    """The relative gap, the node limit, no output (stdout belongs to ``--json``), one HiGHS thread and no
+    HiGHS presolve. One thread: the planner already searches meshes in parallel processes
+    (``workers.py``), and HiGHS's own threads mostly wait on each other there (the 20 ILPs of a pinned
+    Llama 3 70B took 3.9 s of wall time for 1.8 s of CPU with HiGHS's default threads on the 2-core
+    development machine, 1.9 s with one; the same solutions). No presolve: the ILPs are small and already
+    reduced (identical layers are one decision), and presolve cost more than it saved: the 209 ILPs of
+    Llama 3 70B on 1,024 H100s took 59.3 s with it and 30.8 s without, to the same plan; the slowest
+    one, a cutoff proven unbeatable, 10.0 s against 2.4 s (1,511 nodes against 18)."""
     return mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit,
-                                   highs=highs_pb2.HighsOptionsProto(int_options={"threads": 1}))
+                                   highs=highs_pb2.HighsOptionsProto(int_options={"threads": 1},
+                                                                      string_options={"presolve": "off"}))
 
 
 class Ilp:
