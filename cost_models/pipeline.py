@@ -50,6 +50,21 @@ def pipeline_bubble_fraction(schedule: str, stages: int, microbatches: int, chun
     return float(_compiled("bubble", schedule)(stages, microbatches, chunks))
 
 
+def least_bubble_fraction(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """A lower bound of ``pipeline_bubble_fraction`` that simulates nothing: the formula itself where the
+    schedule has one; for a simulated schedule, ``(p - 1) F / (v m (F + B + W))`` (``F_B_W``). In
+    ``simulate``'s model every device does ``v m (F + B + W)`` of work, and the last device's first action,
+    a forward of its first stage (stage ``p - 1`` at the least), waits for that microbatch's forwards on
+    the ``p - 1`` stages before it, so its work ends no earlier than ``(p - 1) F`` after the ideal. It
+    equals the simulated bubble of torch's zero-bubble schedule wherever ``m >= p`` (tested), and costs
+    nothing where the simulation of a table of tens of thousands of actions costs a second or more; the
+    planner prunes with it (``search._MeshSearch.least_bubble``)."""
+    if schedule in SIMULATED and _checked(schedule, stages, microbatches, chunks) > 1:
+        forward, backward_input, weight = F_B_W
+        return (stages - 1) * forward / (chunks * microbatches * (forward + backward_input + weight))
+    return pipeline_bubble_fraction(schedule, stages, microbatches, chunks)
+
+
 def microbatches_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the first stage holds at once: ``m`` (GPipe), ``min(p, m)``
     (1F1B), ``min(p, m) (1 + (p-1)/(p v))`` (interleaved); zero-bubble schedules: the most any

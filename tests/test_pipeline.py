@@ -19,7 +19,7 @@ from autopar.core.axes import MeshAxis
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for, problem_for
 from autopar.planning.stages import Staging, layer_roles, stage_problem
-from autopar.cost_models.pipeline import (Action, last_chunk_in_flight, microbatches_in_flight,
+from autopar.cost_models.pipeline import (Action, last_chunk_in_flight, least_bubble_fraction, microbatches_in_flight,
                                           pipeline_bubble_fraction, simulate, torch_schedule_order)
 from autopar.api import reprice
 
@@ -78,6 +78,24 @@ def test_zero_bubble_is_priced_from_torchs_table(stages, microbatches, chunks):
     assert Staging(stages, 8, "zero_bubble", chunks).bubble_fraction(microbatches) == pytest.approx(one_f_one_b / 3)
     assert microbatches_in_flight("zero_bubble", stages, microbatches, chunks) == stages
     assert last_chunk_in_flight("zero_bubble", stages, microbatches, chunks) == stages
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_the_least_bubble_bounds_the_simulated_one_and_meets_it_with_a_microbatch_per_stage(stages):
+    """``least_bubble_fraction`` (what the search prunes pipelines by, simulating nothing) is at most
+    the simulated bubble of torch's zero-bubble table at every size it runs, equal to it once there are
+    at least as many microbatches as stages, and the formula itself for the schedules that have one."""
+    for chunks in (1, 2, 3):
+        for microbatches in (1, 2, 4, 8, 16):
+            if microbatches % max(1, microbatches // stages):
+                continue  # torch runs them in rounds of equal size
+            simulated = pipeline_bubble_fraction("zero_bubble", stages, microbatches, chunks)
+            least = least_bubble_fraction("zero_bubble", stages, microbatches, chunks)
+            assert least <= simulated + 1e-12
+            if microbatches >= stages:
+                assert least == pytest.approx(simulated)
+    assert least_bubble_fraction("interleaved", stages, 8, 2) == pipeline_bubble_fraction("interleaved", stages, 8, 2)
+    assert Staging(1, 8, "zero_bubble", 2).least_bubble_fraction(8) == 0.0
 
 
 def test_zero_bubble_depends_on_the_split_of_the_backward():

@@ -378,7 +378,9 @@ class _MeshSearch:
         """The least bubble fraction a pipeline on ``mesh`` can have under the schedules its search may pick
         (``_schedules``; ``after_first``: only those ``_more_chunks`` tries after the first), each at its
         most chunks and at the most microbatches the batch allows it (a bubble only shrinks as they grow:
-        ``(p - 1) / (v m)``, and zero bubble's simulation likewise). Infinite where there are none.
+        ``(p - 1) / (v m)``, and zero bubble's ``(p - 1) / (3 v m)`` lower bound, which is its simulated
+        bubble there, ``Staging.least_bubble_fraction``: simulating the largest tables cost seconds a
+        mesh). Infinite where there are none.
 
         The search prunes a pipeline mesh by it: at 1F1B's counts the ILP's cutoff row stretches a plan
         by this bubble, not 1F1B's, so a mesh 1F1B cannot win on is still searched under the schedules
@@ -396,7 +398,8 @@ class _MeshSearch:
         for schedule, chunk_counts in schedules:
             allowed = _runnable_counts(counts, schedule, mesh.stages)
             if allowed and chunk_counts:
-                least = min(least, Staging(mesh.stages, layers, schedule, max(chunk_counts)).bubble_fraction(allowed[-1]))
+                staging = Staging(mesh.stages, layers, schedule, max(chunk_counts))
+                least = min(least, staging.least_bubble_fraction(allowed[-1]))
         return least
 
     def _more_chunks(self, mesh: MeshChoice, best: Candidate, schedule: str, chunk_counts: list[int],
@@ -419,7 +422,7 @@ class _MeshSearch:
             cutoff = min(cutoff_s or math.inf, best.step_s)
             staging = replace(best.staging, schedule=schedule, chunks=chunks)
             if (m in allowed or schedule not in SIMULATED) and best.step_s - best.bubble_s * (
-                    1 - staging.bubble_fraction(m) / best.staging.bubble_fraction(m)) >= cutoff:
+                    1 - staging.least_bubble_fraction(m) / best.staging.bubble_fraction(m)) >= cutoff:
                 continue
             first = self._first_fitting(allowed, staging, memory)
             if first is None:

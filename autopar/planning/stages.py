@@ -77,7 +77,8 @@ from torch import fx
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import attention_cores, kept_under_selective, layer_names, layer_of, widens
 from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
-from autopar.cost_models.pipeline import last_chunk_in_flight, microbatches_in_flight, pipeline_bubble_fraction
+from autopar.cost_models.pipeline import (last_chunk_in_flight, least_bubble_fraction, microbatches_in_flight,
+                                          pipeline_bubble_fraction)
 from autopar.planning.pricing import Cost, with_fields
 from autopar.planning.problem import LayerModes, Option, Problem, settled_moves, settled_option
 
@@ -119,6 +120,12 @@ class Staging:
         if self.stages == 1:
             return 0.0
         return pipeline_bubble_fraction(self.schedule, self.stages, microbatches, self.chunks)
+
+    def least_bubble_fraction(self, microbatches: int) -> float:
+        """A lower bound of ``bubble_fraction`` that simulates no schedule (``least_bubble_fraction``)."""
+        if self.stages == 1:
+            return 0.0
+        return least_bubble_fraction(self.schedule, self.stages, microbatches, self.chunks)
 
 
 def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int) -> list[list[str]]:
