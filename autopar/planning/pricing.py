@@ -70,12 +70,12 @@ AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Sequence, TypeVar
+from typing import Any, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import fx
 from torch.distributed.tensor import Placement, Replicate
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
@@ -87,9 +87,21 @@ from autopar.planning.strategies import Strategy, rings
 from autopar.ir.layers import output_vals, tensor_inputs
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention
+_SDPA_IS_CAUSAL_ARG = 5  # query, key, value, attn_mask, dropout_p, is_causal
 _MATMUL_PACKETS = set(flop_registry) | {_SDPA}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MATMUL_BACKWARD_RATIO = 2.0
+"""Backward FLOPs over forward FLOPs of a matmul: the input's and the weight's gradient, one product each."""
 _R = TypeVar("_R")
+
+
+class Kernel(NamedTuple):
+    """One op's forward kernel on the whole batch, and how much more work its backward does."""
+
+    flops: float
+    moved: float  # HBM bytes
+    kind: str  # ``cost_models.compute`` op kind
+    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs
 
 
 @dataclass
@@ -103,7 +115,7 @@ class Cost:
     memory_bytes: float = 0.0  # per device
     output_bytes: float = 0.0  # per device, all of an op's outputs (what selective checkpointing keeps)
     backward_compute_s: float = 0.0  # part of compute_s that runs in backward (overlap budget)
-    kernel: tuple[float, float, str] | None = None  # forward (flops, bytes moved, kind) on the whole batch
+    kernel: Kernel | None = None  # forward kernel on the whole batch
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
     forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
@@ -220,15 +232,16 @@ class Pricer:
             out.forward_comm_s = {k: v * m for k, v in cost.forward_comm_s.items()}
         return out
 
-    def _kernel_times(self, kernel: tuple[float, float, str], m: int) -> tuple[float, float]:
-        """(forward + backward, backward) seconds of a kernel run once per microbatch; backward = 2x forward."""
+    def _kernel_times(self, kernel: Kernel, m: int) -> tuple[float, float]:
+        """(forward + backward, backward) seconds of a kernel run once per microbatch; backward is the
+        kernel's ``backward_ratio`` times its forward (2 for a matmul)."""
         forward = self.forward_time(kernel, m)
-        return 3 * forward, 2 * forward
+        backward = kernel.backward_ratio * forward
+        return forward + backward, backward
 
-    def forward_time(self, kernel: tuple[float, float, str], m: int = 1) -> float:
+    def forward_time(self, kernel: Kernel, m: int = 1) -> float:
         """Forward seconds of a kernel (priced on the whole batch) run once per microbatch, m times."""
-        flops, moved, kind = kernel
-        return m * compute_time(flops / m, moved / m, self.cluster.device, self.dtype, kind)
+        return m * compute_time(kernel.flops / m, kernel.moved / m, self.cluster.device, self.dtype, kernel.kind)
 
     # ---- sizes -------------------------------------------------------------------------------
     def element_bytes(self, val: torch.Tensor) -> int:
@@ -266,13 +279,13 @@ class Pricer:
         cost = Cost()
         if getattr(node.target, "is_view", False):
             # a view moves no data and its memory is its base's, but the runtime dispatches it
-            cost.kernel = (0.0, 0.0, "elementwise")
+            cost.kernel = Kernel(0.0, 0.0, "elementwise")
             cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
             return cost
         split = self._work_divisor(strategy)
-        flops = global_flops(node) / split
+        flops = kernel_flops(node) / split
         moved = self._bytes_moved(node, strategy)
-        cost.kernel = (flops, moved, self._kernel_kind(node, strategy))
+        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy), backward_ratio(node))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -325,19 +338,19 @@ class Pricer:
         return found
 
     def ring_exposed_s(self, node: fx.Node, strategy: Strategy, dim: int,
-                       kernel: tuple[float, float, str]) -> tuple[float, float]:
+                       kernel: Kernel) -> tuple[float, float]:
         """(forward, backward) seconds of ring attention's exchanges over mesh dim ``dim`` not hidden
         behind compute. Of ``p`` blocks, each exchange runs behind one block's attention (a ``1/p`` share
-        of the op's ``kernel``; backward twice the forward): forward ``p - 1`` exchanges of the key-value
-        block, exposed ``max(0, send - block)`` each; backward ``p - 1`` steps that each exchange a
-        key-value block and a dK-dV block of the same size behind one block's backward,
-        ``max(0, 2 send - 2 block)``, and the last dK-dV block sent home after the last block's compute,
-        behind nothing. A send is the link's ``send_recv`` (``cost_models``) of the block's bytes."""
+        of the op's ``kernel``; backward ``r = kernel.backward_ratio`` times the forward): forward ``p - 1``
+        exchanges of the key-value block, exposed ``max(0, send - block)`` each; backward ``p - 1`` steps
+        that each exchange a key-value block and a dK-dV block of the same size behind one block's
+        backward, ``max(0, 2 send - r block)``, and the last dK-dV block sent home after the last block's
+        compute, behind nothing. A send is the link's ``send_recv`` (``cost_models``) of the block's bytes."""
         size, group = self.mesh_shape[dim], self.groups[dim]
         block_s = self.forward_time(kernel) / size
         send = collective_time("send_recv", self.ring_block_bytes(node, strategy), group)
         forward = (size - 1) * max(0.0, send - block_s)
-        backward = (size - 1) * max(0.0, 2 * send - 2 * block_s) + send
+        backward = (size - 1) * max(0.0, 2 * send - kernel.backward_ratio * block_s) + send
         return forward, backward
 
     def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:
@@ -776,6 +789,48 @@ def global_flops(node: fx.Node) -> float:
         return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
     vals = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]
     return float(sum(v.numel() for v in vals))
+
+
+def kernel_flops(node: fx.Node) -> float:
+    """FLOPs the node's forward kernel runs: ``global_flops``, but for causal fused attention only the
+    share of query-key pairs its mask keeps (``causal_share``). Flash attention skips the key blocks
+    above the diagonal (Dao, "FlashAttention-2", 2023, section 3.1.1: "for causal masking ... we skip
+    the computation of blocks" where all column indices exceed the row indices), so a causal kernel does
+    about half of the products ``torch.utils.flop_counter`` counts; ``global_flops`` keeps the full count,
+    the convention of model FLOPs (MFU) that ``assemble.model_flops`` reports."""
+    flops = global_flops(node)
+    if getattr(node.target, "overloadpacket", None) is _SDPA and _is_causal(node):
+        q, k = (a.meta["val"] for a in node.args[:2])
+        flops *= causal_share(q.shape[-2], k.shape[-2])
+    return flops
+
+
+def causal_share(queries: int, keys: int) -> float:
+    """Share of the ``queries x keys`` score matrix a causal mask keeps: torch's ``is_causal`` is the
+    top-left lower triangle (``torch.ones(L, S).tril()``), so query ``i`` sees ``min(i + 1, S)`` keys.
+    ``(L + 1) / 2L`` for a square one: 0.5001 at 4,096 tokens."""
+    if queries <= keys:
+        kept = queries * (queries + 1) / 2
+    else:
+        kept = keys * (keys + 1) / 2 + (queries - keys) * keys
+    return kept / (queries * keys)
+
+
+def backward_ratio(node: fx.Node) -> float:
+    """Backward FLOPs over forward FLOPs of the node's kernel: ``MATMUL_BACKWARD_RATIO`` but for fused
+    attention, whose backward recomputes the scores before its four gradient products (torch's
+    ``sdpa_backward_flop_count``: five products against the forward's two, 2.5x with equal head dims)."""
+    if getattr(node.target, "overloadpacket", None) is not _SDPA:
+        return MATMUL_BACKWARD_RATIO
+    q, k, v = (a.meta["val"].shape for a in node.args[:3])
+    out = (*q[:-1], v[-1])
+    return sdpa_backward_flop_count(out, q, k, v) / sdpa_flop_count(q, k, v)
+
+
+def _is_causal(node: fx.Node) -> bool:
+    if len(node.args) > _SDPA_IS_CAUSAL_ARG:
+        return bool(node.args[_SDPA_IS_CAUSAL_ARG])
+    return bool(node.kwargs.get("is_causal", False))
 
 
 def _vals(obj):
