@@ -370,7 +370,10 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               notes="MoE; dims from the public gpt-oss-120b config.json (see GPT_OSS_120B), not from the table; "
                     "priced with 48 heads of 60 (the MoE family's heads split the 2,880 residual) and full "
                     f"attention in every layer; the distributed optimizer, bf16 gradient reductions and balanced "
-                    f"routing: {GPT_OSS_RECIPES}"),
+                    f"routing: {GPT_OSS_RECIPES}; the table also gives 223 model TFLOP/s/GPU (its own count, "
+                    "27.2 MFLOP a token against NeMo's formula's 35.9 here) and a DGX-GB200 row of the same model "
+                    "(EP 64 inside one NVLink domain, GBS 1280, MBS 1, seq 8192: 15,876 tokens/s/GPU), not "
+                    "catalogued since GB200 is no catalog device"),
     ModernRun(name="llama3-8b-fp8/8xB200", **LLAMA3_8B, seq=8192, global_batch=128, micro_batch=2, gpus=8,
               device="B200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="ddp", recompute="",
               recompute_as_published="not stated", precision="fp8", metric="tokens_per_s_per_gpu", published=30624,

@@ -37,9 +37,10 @@ step runs at the slowest rank's pace.
 
 How the numbers become profile fields (``build_profile``):
 
-* ``peak_flops[dtype] = rate / MATMUL_MAX_EFFICIENCY``, where ``rate`` is the slope of the least
-  squares line ``seconds = a + flops / rate`` over that dtype's matmuls: ``compute.py`` runs a large
-  GEMM at ``MATMUL_MAX_EFFICIENCY * peak``, so large GEMMs are priced at the measured rate.
+* ``peak_flops[dtype] = rate / matmul_efficiency`` (the base preset's ``DeviceSpec.matmul_efficiency``,
+  which the profile inherits), where ``rate`` is the slope of the least squares line
+  ``seconds = a + flops / rate`` over that dtype's matmuls: ``compute.py`` runs a large GEMM at
+  ``matmul_efficiency * peak``, so large GEMMs are priced at the measured rate.
 * ``hbm_bw = rate / MEMORY_EFFICIENCY`` from ``seconds = a + bytes / rate`` over the adds, for
   the same reason (``compute.py`` runs bandwidth-bound kernels at ``MEMORY_EFFICIENCY * hbm_bw``).
 * ``kernel_launch_s``: the op floor.
@@ -88,7 +89,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .comm import collective_bytes_per_rank, ring_steps
-from .compute import ADAMW_KERNELS_PER_TENSOR, MATMUL_MAX_EFFICIENCY, MEMORY_EFFICIENCY
+from .compute import ADAMW_KERNELS_PER_TENSOR, MEMORY_EFFICIENCY
 from .hardware import DTYPE_BYTES, get_device, preset_for_cuda_name
 
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -657,7 +658,7 @@ def build_profile(measured: Mapping[str, Any], source: str) -> dict[str, Any]:
                       for name, samples in measured["links"].items()}}
     device: dict[str, Any] = {
         "base": base.name,
-        "peak_flops": {key: fit["rate"] / MATMUL_MAX_EFFICIENCY for key, fit in fits["matmul"].items()},
+        "peak_flops": {key: fit["rate"] / base.matmul_efficiency for key, fit in fits["matmul"].items()},
         "hbm_bytes": int(measured["hbm_bytes"]),
         "hbm_bw": fits["memory"]["rate"] / MEMORY_EFFICIENCY,
         "kernel_launch_s": measured["op_floor"]["kernel_launch_s"],

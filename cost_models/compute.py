@@ -11,13 +11,14 @@ Model::
            = max(kernel, host_op_s)    where it enqueues them ahead of the device (CUDA)
 
 * ``matmul`` runs on tensor cores at ``device.peak(dtype)``. Its efficiency rises smoothly with
-  size: ``eff = MATMUL_MAX_EFFICIENCY * f / (f + f_half)``, so its compute time is
-  ``(f + f_half) / (MATMUL_MAX_EFFICIENCY * peak)``: the asymptotic rate plus a fixed ramp (tile
-  and wave fill) of ``f_half / (MATMUL_MAX_EFFICIENCY * peak)``. ``f_half = peak * MATMUL_RAMP_S``
+  size: ``eff = plateau * f / (f + f_half)``, so its compute time is
+  ``(f + f_half) / (plateau * peak)``: the asymptotic rate plus a fixed ramp (tile
+  and wave fill) of ``f_half / (plateau * peak)``. ``f_half = peak * MATMUL_RAMP_S``
   scales with the device, so a GEMM is "large" when it keeps the device busy for several
   microseconds: with 5 us, f_half is 1.6e9 FLOPs on A100 BF16 and 4.9e9 on H100. Large cuBLAS
-  GEMMs reach about 75-85% of dense peak on A100/H100 (hence 0.8); 4096^3 BF16 on A100 gets 0.79
-  here and 1024^3 gets 0.46.
+  GEMMs reach about 75-85% of dense peak on A100/H100 (hence a plateau of 0.8,
+  ``hardware.MATMUL_MAX_EFFICIENCY``); 4096^3 BF16 on A100 gets 0.79 here and 1024^3 gets 0.46. A device
+  whose GEMMs plateau elsewhere states its own (``DeviceSpec.matmul_efficiency``: B200 0.64, measured).
 * ``misaligned_matmul``: a GEMM with a dimension that breaks the device's tensor-core alignment
   (``DeviceSpec.gemm_alignment_bytes``: GPT-2's 50,257-token vocabulary in bf16) falls back to
   slower kernels: ``MISALIGNED_MATMUL_FACTOR`` of the aligned efficiency (``matmul_kind`` decides).
@@ -47,13 +48,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from .hardware import DTYPE_BYTES, DeviceSpec, dtype_key
+from .hardware import DTYPE_BYTES, MATMUL_MAX_EFFICIENCY, DeviceSpec, dtype_key
 from .memory import FP32_BYTES, adamw_state_bytes
 
-MATMUL_MAX_EFFICIENCY = 0.8
-"""Fraction of dense tensor-core peak that a large GEMM achieves."""
 MATMUL_RAMP_S = 5e-6
-"""Seconds at peak that a GEMM must fill to reach half of MATMUL_MAX_EFFICIENCY."""
+"""Seconds at peak that a GEMM must fill to reach half of its device's plateau efficiency."""
 MISALIGNED_MATMUL_FACTOR = 0.2
 """Share of an aligned GEMM's rate that a misaligned one reaches. Measured on an H200 in bf16
 (``benchmarks/device_step.py``, results in ``benchmarks/README.md``): [16384, 4096] @ [4096, n] runs at
@@ -78,11 +77,11 @@ def matmul_half_flops(peak_flops: float) -> float:
     return peak_flops * MATMUL_RAMP_S
 
 
-def _matmul_efficiency(flops: float, peak_flops: float) -> float:
-    return MATMUL_MAX_EFFICIENCY * flops / (flops + matmul_half_flops(peak_flops))
+def _matmul_efficiency(flops: float, peak_flops: float, plateau: float) -> float:
+    return plateau * flops / (flops + matmul_half_flops(peak_flops))
 
 
-def _bandwidth_bound_efficiency(flops: float, peak_flops: float) -> float:
+def _bandwidth_bound_efficiency(flops: float, peak_flops: float, plateau: float) -> float:
     return MEMORY_EFFICIENCY
 
 
@@ -90,12 +89,12 @@ def _bandwidth_bound_efficiency(flops: float, peak_flops: float) -> float:
 class _OpModel:
     """How one kind of op is priced: its efficiency curve and which FLOP peak it runs at."""
 
-    efficiency: Callable[[float, float], float]
+    efficiency: Callable[[float, float, float], float]  # (flops, peak FLOP/s, the device's GEMM plateau)
     tensor_cores: bool
 
 
-def _misaligned_matmul_efficiency(flops: float, peak_flops: float) -> float:
-    return MISALIGNED_MATMUL_FACTOR * _matmul_efficiency(flops, peak_flops)
+def _misaligned_matmul_efficiency(flops: float, peak_flops: float, plateau: float) -> float:
+    return MISALIGNED_MATMUL_FACTOR * _matmul_efficiency(flops, peak_flops, plateau)
 
 
 _OPS: Mapping[str, _OpModel] = {
@@ -107,10 +106,12 @@ _OPS: Mapping[str, _OpModel] = {
 KINDS = tuple(_OPS)
 
 
-def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FLOPS) -> float:
-    """Achievable fraction of peak for an op of ``kind`` doing ``flops`` on a device of ``peak_flops``."""
+def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FLOPS,
+                  matmul_plateau: float = MATMUL_MAX_EFFICIENCY) -> float:
+    """Achievable fraction of peak for an op of ``kind`` doing ``flops`` on a device of ``peak_flops`` whose
+    large GEMMs reach ``matmul_plateau`` of it (``DeviceSpec.matmul_efficiency``)."""
     _check_kind(kind)
-    return _OPS[kind].efficiency(_non_negative("flops", flops), peak_flops)
+    return _OPS[kind].efficiency(_non_negative("flops", flops), peak_flops, matmul_plateau)
 
 
 def matmul_kind(dims: Iterable[int], device: DeviceSpec, dtype: Any) -> str:
@@ -172,7 +173,7 @@ def _flop_time(flops: float, device: DeviceSpec, dtype: Any, kind: str) -> float
     if flops == 0:
         return 0.0
     peak = device.peak(dtype) if _OPS[kind].tensor_cores else device.peak("fp32")
-    return flops / (peak * op_efficiency(kind, flops, peak))
+    return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency))
 
 
 def _check_kind(kind: str) -> None:

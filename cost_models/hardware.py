@@ -31,6 +31,10 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
+MATMUL_MAX_EFFICIENCY = 0.8
+"""Fraction of dense tensor-core peak that a large GEMM achieves, where a device states no figure of its own
+(``DeviceSpec.matmul_efficiency``): large cuBLAS GEMMs reach about 75-85% of dense peak on A100/H100."""
+
 # --------------------------------------------------------------------------------------------
 # dtypes
 # --------------------------------------------------------------------------------------------
@@ -149,6 +153,9 @@ class DeviceSpec:
     host_runs_kernels: bool = False
     """Whether the host's cores run the kernels too (CPU): then an op's dispatch and its kernel add up;
     otherwise (CUDA) the host enqueues kernels ahead of the device and an op takes the longer of the two."""
+    matmul_efficiency: float = MATMUL_MAX_EFFICIENCY
+    """Fraction of ``peak_flops`` a large GEMM reaches on this device (``compute.py``'s plateau of the
+    GEMM efficiency curve)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -167,6 +174,8 @@ class DeviceSpec:
                 or self.gemm_alignment_bytes < 0:
             raise ValueError(f"device {self.name}: gemm_alignment_bytes must be a non-negative int, "
                              f"got {self.gemm_alignment_bytes!r}")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"device {self.name}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}")
         if not isinstance(self.host_runs_kernels, bool):
             raise ValueError(f"device {self.name}: host_runs_kernels must be true or false, "
                              f"got {self.host_runs_kernels!r}")
@@ -272,7 +281,7 @@ TENSOR_CORE_ALIGNMENT_BYTES = 16
 
 
 def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int, hbm_bw: float,
-            nvlink_bw: float, net_bw: float) -> DeviceSpec:
+            nvlink_bw: float, net_bw: float, matmul_efficiency: float = MATMUL_MAX_EFFICIENCY) -> DeviceSpec:
     """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; NCCL latencies."""
     return DeviceSpec(
         name=name,
@@ -280,7 +289,7 @@ def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int,
         hbm_bytes=hbm_bytes, hbm_bw=hbm_bw, nvlink_bw=nvlink_bw, net_bw=net_bw,
         intra_latency_s=NVLINK_STEP_LATENCY_S, inter_latency_s=NET_STEP_LATENCY_S,
         base_latency_s=NCCL_BASE_LATENCY_S, kernel_launch_s=GPU_KERNEL_LAUNCH_S,
-        gemm_alignment_bytes=TENSOR_CORE_ALIGNMENT_BYTES,
+        gemm_alignment_bytes=TENSOR_CORE_ALIGNMENT_BYTES, matmul_efficiency=matmul_efficiency,
     )
 
 
@@ -295,9 +304,14 @@ H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12,
                hbm_bytes=141 * GB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW)
 # B200: NVLink 5 doubles H100's per-GPU NVLink (1.8 vs 0.9 TB/s both directions); with no published
 # nccl-tests figure at hand the ring bandwidth is assumed to double too (2 x 370 GB/s). DGX B200
-# has one 400 Gb/s ConnectX-7 per GPU.
+# has one 400 Gb/s ConnectX-7 per GPU. Its large bf16 GEMMs reach 0.63-0.65 of the 2.25 PFLOP/s peak, not
+# the 0.8 of A100/H100: torch.matmul on a B200 (pytorch/ao PR #2427, benchmarks/float8/bench_matmul.py
+# output, 2025-06-23) ran 4096^3 at 1.41 PFLOP/s (0.627 of peak), 6144^3 at 1.45 (0.646), 8192^3 at
+# 1.42 (0.631); 8192^3 (1.1e12 FLOPs, 99% up the ramp of compute.py) gives the plateau, 0.631 / 0.99.
+B200_MATMUL_EFFICIENCY = 0.64
 B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12,
-               hbm_bytes=180 * GB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW)
+               hbm_bytes=180 * GB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW,
+               matmul_efficiency=B200_MATMUL_EFFICIENCY)
 
 # Placeholder CPU "device" for gloo runs; `autopar calibrate` measures the real figures of a machine.
 # Roughly: a few cores of fp32 GEMM (~100 GFLOP/s), DRAM ~20 GB/s, gloo over shared memory
