@@ -78,6 +78,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
@@ -110,7 +111,8 @@ class LoweredProgram(nn.Module):
     graphs. ``graphs`` holds, per grad mode, the forward and backward graphs of the lowering (for tests
     and reports), ``buckets`` what the bucketing merged; ``fallback`` says why the DTensor program runs
     instead, when it does. ``local`` (position -> spec) the parameters read as local tensors, their
-    gradients stored as DTensors with the parameter's spec (``_local_parameters``).
+    gradients stored as DTensors with the parameter's spec (``_local_parameters``); where that trace
+    failed, ``dtensor_parameters`` says why (the program then runs with every parameter a DTensor).
     """
 
     def __init__(self, program: nn.Module, parameters: Mapping[int, str], compile: bool = False,
@@ -129,6 +131,7 @@ class LoweredProgram(nn.Module):
         self.deferred: dict[bool, fx.GraphModule] = {}  # as graphs: the loss's end, run by ``finish``
         self._pending: tuple[torch.Tensor, fx.GraphModule, list[Any]] | None = None
         self.local: dict[int, DTensorSpec] | None = None  # as the class says; set at the first call
+        self.dtensor_parameters: str | None = None  # as the class says
 
     def forward(self, *args: Any) -> Any:
         outputs = self.start(*args)
@@ -148,7 +151,8 @@ class LoweredProgram(nn.Module):
         if grad not in self._lowered:
             lowered = self._lower(args, inputs, grad)
             if lowered is None and self.local and not self._lowered and self.fallback is not None:
-                self.local, self.fallback, inputs = {}, None, list(args)  # traced again, parameters as DTensors
+                self.dtensor_parameters, self.fallback = self.fallback, None  # traced again, parameters as DTensors
+                self.local, inputs = {}, list(args)
                 lowered = self._lower(args, inputs, grad)
             if lowered is None:
                 return self.dtensor_program(*args)
@@ -175,9 +179,8 @@ class LoweredProgram(nn.Module):
         graph in the parameter's placements), when they are DTensor leaves. Their gradients are then
         plain tensors, made DTensors once, with the spec, where AOT's wrapper would make each a DTensor
         and autograd accumulate it through DTensor's dispatch (about 0.1 ms a gradient). Where that
-        trace fails (seen when a process traces a program after others: the joint graph returns the
-        loss's device mesh as an output of its own, a tangent; cause not pinned down), ``start`` traces
-        the program again with every parameter a DTensor."""
+        trace fails nonetheless, ``start`` traces the program again with every parameter a DTensor and
+        ``dtensor_parameters`` says why."""
         if self.grad_sync is None:
             return {}
         synced = {id(p) for p in self.grad_sync.params}
@@ -194,6 +197,7 @@ class LoweredProgram(nn.Module):
         buckets: dict[str, dict[str, list[int]]] = {}
         units = self._units(inputs)
         partition = self._partition(flat_positions(inputs, list(self.parameters)))
+        _forget_propagated_meshes()
         try:
             with functorch_config.patch(force_non_lazy_backward_lowering=True):  # a backward failure shows here
                 lowered = aot_module_simplified(
@@ -304,6 +308,21 @@ class _ReducingProgram(nn.Module):
         values = [_from_local(a, mesh, self.local[i]) if i in self.local else a for i, a in enumerate(args)]
         return self.program(*(reduced_in_graph(a, self.reduce_dtype) if i in self.positions else a
                               for i, a in enumerate(values)))
+
+
+def _forget_propagated_meshes() -> None:
+    """Empty DTensor's sharding propagation cache (its C++ fast path's), so that the values the trace
+    computes are on the meshes of the program's inputs.
+
+    That cache is keyed on the inputs' specs, whose meshes compare by value (``DeviceMesh.__eq__``: ranks,
+    layout, dim names), and hands back the output spec of the first hit, holding the mesh of the program
+    that filled it. A second program of the process (its own, equal mesh) then gets a loss on the first
+    program's mesh: a mesh object that is none of the traced inputs. AOT autograd flattens the loss's
+    tangent to its local tensor and that mesh, and make_fx tracks opaque objects by their real object,
+    first placeholder first (``proxy_tensor.set_proxy_slot``): the forward's mesh output becomes the
+    tangent placeholder, which the partitioner refuses ("Node tangents_2 was invalid, but is output").
+    The program's own mesh, a primal, is tracked first; emptied, the cache can give back no other."""
+    _clear_fast_path_sharding_prop_cache()
 
 
 def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTensor:

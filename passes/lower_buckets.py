@@ -15,10 +15,12 @@ produced each gradient. In a lowered program the backward is one graph, so the g
 * **bucketing** (``bucket_gradient_reductions``): in the backward graph the marked reductions of one
   kind (same mesh dims, divisors and reduction dtype) are cut into buckets in the order the graph
   produces their gradients, by ``gradient_sync.buckets``' rule (DDP's: a first bucket of 1 MB, then
-  ``GradientSync.bucket_bytes``, 25 MB), and each bucket becomes one flat ``_c10d_functional.all_reduce`` per partial dim, launched
-  right after its last gradient is produced and waited on just before the graph returns (DDP's
-  overlap with the rest of backward). A bucket is the collective ``GradientSync`` would issue for the
-  same gradients, so the count per step is the plan's prediction (``autopar.inspect.collectives``).
+  ``GradientSync.bucket_bytes``, 25 MB), and each bucket becomes one flat buffer the gradients are
+  copied into, all-reduced in place (``_c10d_functional.all_reduce_``) per partial dim, launched right
+  after its last gradient is produced and waited on just before the graph returns (DDP's overlap with
+  the rest of backward); the gradients leave the graph as views of it, as DDP's are views of its
+  bucket. A bucket is the collective ``GradientSync`` would issue for the same gradients, so the count
+  per step is the plan's prediction (``autopar.inspect.collectives``).
 
 **FSDP.** DTensor gathers every sharded parameter on its own, right before its reader, and its backward
 reduce-scatters every gradient on its own. Per *unit* (a parameter's repeated layer, ``blocks.3``, or
@@ -157,60 +159,49 @@ def _bucket_sizes(gm: fx.GraphModule, made: list[tuple[int, int]]) -> list[int]:
 
 def _reduce_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, groups: Sequence[str],
                    divisors: Sequence[int], reduce_dtype: torch.dtype, output: fx.Node) -> None:
-    """One bucket: flattened and concatenated right after its last gradient (``ready``) is produced,
-    the first dim's all_reduce launched there; waited on (and reduced over any further dim, divided)
-    before ``output``, split back into the members' shapes and dtypes, which the marks' users (moved
-    after) read instead."""
+    """One bucket, as DDP fills its own: right after its last gradient (``ready``) is produced, a flat
+    buffer in the reduction dtype, each gradient copied (and cast) into its slice in the row-major
+    layout of its shape, the first dim's all_reduce launched on the buffer in place; waited on (and
+    reduced over any further dim, divided) before ``output``, cut into the members' slices viewed in
+    their shapes and cast back, which the marks' users (moved after) read instead.
+
+    One copy a gradient, where a ``cat`` of the flattened gradients, the functional ``all_reduce``
+    (which clones its input) and an out-of-place division write three. Row-major is the parameters'
+    layout, which ``AccumulateGrad``'s gradient layout contract asks for
+    (torch/csrc/autograd/functions/accumulate_grad.h): the views are stored as the gradients, as DDP's
+    bucket views are. The in-place all_reduce (``all_reduce_``, not in ``COLLECTIVES``: no pass moves it)
+    reads what the copies before it wrote."""
     grads = [n.args[0] for n in members]
     users = _users_before(members, output)
     with graph.inserting_before(ready.next):
-        flat = [graph.call_function(_aten.view.default, (_in_memory_order(graph, _cast(graph, g, reduce_dtype), g),
-                                                         [-1])) for g in grads]
-        value = graph.call_function(_c10d.all_reduce.default,
-                                    (graph.call_function(_aten.cat.default, (flat,)), "sum", groups[0]))
+        bucket = graph.call_function(_aten.empty.memory_format, ([sum(_value(g).numel() for g in grads)],),
+                                     {"dtype": reduce_dtype, "device": _value(ready).device})
+        for slot, grad in zip(_slices(graph, bucket, grads), grads):
+            graph.call_function(_aten.copy_.default, (slot, grad))
+        value = graph.call_function(_c10d.all_reduce_.default, (bucket, "sum", groups[0]))
     with graph.inserting_before(output):
         for i, (group, divisor) in enumerate(zip(groups, divisors)):
             if i > 0:
-                value = graph.call_function(_c10d.all_reduce.default, (value, "sum", group))
+                value = graph.call_function(_c10d.all_reduce_.default, (value, "sum", group))
             value = graph.call_function(_c10d.wait_tensor.default, (value,))
             if divisor != 1:
-                value = graph.call_function(_aten.div.Scalar, (value, divisor))
-        pieces = graph.call_function(_aten.split_with_sizes.default, (value, [_value(g).numel() for g in grads]))
-        for i, (node, grad) in enumerate(zip(members, grads)):
-            piece = graph.call_function(operator.getitem, (pieces, i))
-            node.replace_all_uses_with(_cast(graph, _shaped_like(graph, piece, grad), _value(grad).dtype, reduce_dtype))
+                value = graph.call_function(_aten.div_.Scalar, (value, divisor))
+        for node, grad, piece in zip(members, grads, _slices(graph, value, grads)):
+            node.replace_all_uses_with(_cast(graph, piece, _value(grad).dtype, reduce_dtype))
     for node in members:
         graph.erase_node(node)
     for node in users:
         output.prepend(node)
 
 
-def _memory_order(value: torch.Tensor) -> list[int] | None:
-    """The dims of ``value`` from outermost to innermost in memory, when it is a permutation of a
-    contiguous tensor (a linear layer's weight gradient is a transposed one); else None."""
-    order = sorted(range(value.ndim), key=lambda d: (-value.stride(d), -d))
-    return order if value.permute(order).is_contiguous() else None
-
-
-def _in_memory_order(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
-    """``node`` (laid out as ``like``) permuted to its memory order, so flattening it copies nothing;
-    made contiguous when it is no permutation of a contiguous tensor."""
-    order = _memory_order(_value(like))
-    if order is None:
-        return graph.call_function(_aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
-    return node if order == sorted(order) else graph.call_function(_aten.permute.default, (node, order))
-
-
-def _shaped_like(graph: fx.Graph, piece: fx.Node, like: fx.Node) -> fx.Node:
-    """A flat ``piece`` of a bucket viewed with the shape and dim order of ``like`` (``_in_memory_order``'s inverse)."""
-    value = _value(like)
-    order = _memory_order(value) or list(range(value.ndim))
-    if value.ndim == 1:
-        return piece
-    shaped = graph.call_function(_aten.view.default, (piece, [value.shape[d] for d in order]))
-    if order == sorted(order):
-        return shaped
-    return graph.call_function(_aten.permute.default, (shaped, [order.index(d) for d in range(value.ndim)]))
+def _slices(graph: fx.Graph, flat: fx.Node, like: Sequence[fx.Node]) -> list[fx.Node]:
+    """``flat`` cut into consecutive pieces of the sizes of ``like``'s values, each viewed (row-major) in
+    its shape (a 1-D piece is already)."""
+    values = [_value(n) for n in like]
+    pieces = graph.call_function(_aten.split_with_sizes.default, (flat, [v.numel() for v in values]))
+    cut = [graph.call_function(operator.getitem, (pieces, i)) for i in range(len(values))]
+    return [piece if v.ndim == 1 else graph.call_function(_aten.view.default, (piece, list(v.shape)))
+            for piece, v in zip(cut, values)]
 
 
 def _users_before(members: Sequence[fx.Node], output: fx.Node) -> list[fx.Node]:

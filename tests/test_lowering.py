@@ -86,6 +86,7 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
     return {**result, "forward": forward.counts, "step": step.counts, "graphs": pm.program.collectives(),
             "buckets": pm.program.buckets[True], "fallback": pm.program.fallback, "forward_loss": forward_loss,
             "step_loss": step_loss, "waits": _waits(pm.program), "local_parameters": len(pm.program.local or {}),
+            "dtensor_parameters": pm.program.dtensor_parameters,
             "parameters": len(list(pm.parameters())), "gradients_placed": all(
                 isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in pm.parameters())}
 
@@ -238,8 +239,9 @@ def _index(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
 def test_gradient_reductions_are_bucketed_after_their_last_gradient_and_waited_at_the_end(two_fake_ranks) -> None:
     """Three marked gradients (one transposed, one in another dtype's reduction) of 48, 12 and 48
     fp32 elements, reduced in bf16 (2 bytes each) with 150-byte buckets: the first two share a bucket
-    launched right after the second is produced, the third its own; both waited before the output;
-    the values are what the marks compute (a fake group's all_reduce leaves them as they are)."""
+    launched right after the second is produced (the gradients copied into it first), the third its
+    own; both waited before the output; the values are what the marks compute (a fake group's
+    all_reduce leaves them as they are)."""
     import torch.distributed as dist
 
     from autopar.passes.lower_buckets import REDUCE_GRADIENT, bucket_gradient_reductions
@@ -257,15 +259,21 @@ def test_gradient_reductions_are_bucketed_after_their_last_gradient_and_waited_a
     expected = gm(inputs)
 
     assert bucket_gradient_reductions(gm, bucket_bytes=150) == [2, 1]
-    reduces = [n for n in gm.graph.nodes if n.target is _c10d.all_reduce.default]
+    reduces = [n for n in gm.graph.nodes if n.target is _c10d.all_reduce_.default]
     waits = [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
+    copies = [n for n in gm.graph.nodes if n.target is _aten.copy_.default]
     order = _index(gm)
     assert not any(n.target is REDUCE_GRADIENT for n in gm.graph.nodes)
+    assert not any(n.target is _aten.cat.default for n in gm.graph.nodes), "gradients are copied into the bucket"
+    assert [c.args[1] for c in copies] == [a, b, c]
     assert [order[r] > order[g] for r, g in zip(reduces, (b, c))] == [True, True]
+    assert order[copies[1]] < order[reduces[0]] < order[copies[2]]
     assert order[reduces[0]] < order[c], "the first bucket waits for nothing it does not hold"
     assert all(order[w] > order[c] for w in waits)
-    for got, want in zip(gm(inputs), expected):
+    outputs = gm(inputs)
+    for got, want in zip(outputs, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert outputs[2].is_contiguous(), "a transposed gradient leaves in its row-major layout (its parameter's)"
 
 
 def test_parameter_gathers_are_one_per_unit_prefetched_one_unit_ahead(two_fake_ranks) -> None:
@@ -364,17 +372,22 @@ def test_the_forward_returns_before_the_losss_sum_is_reduced_and_step_reads_it_a
 @pytest.mark.dist
 @pytest.mark.slow
 def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_gradients(runs) -> None:
-    """Under data parallelism (the gradient sync in the backward graph; the rank's first program traced)
-    every parameter is traced as its local tensor and its gradient stored as a DTensor in the
-    parameter's placements; under gradient accumulation (sync outside the graph) parameters stay
-    DTensor inputs; every configuration leaves each gradient in its parameter's placements (where the
-    trace with local parameters fails, ``LoweredProgram.start`` traces again with DTensors)."""
-    assert CONFIGS[2][0] == ("tiny-gpt", {"dp": 2})
-    assert runs[2][0]["local_parameters"] == runs[2][0]["parameters"]
+    """Under data parallelism and FSDP (the gradient sync in the backward graph) every parameter is
+    traced as its local tensor and its gradient stored as a DTensor in the parameter's placements, in
+    the rank's first program as in those it traces after (each rank runs every configuration in one
+    process: the bf16 plan is its seventh); under gradient accumulation (sync outside the graph)
+    parameters stay DTensor inputs; no trace with local parameters fails, and every configuration
+    leaves each gradient in its parameter's placements."""
+    all_local = [("tiny-gpt", {"dp": 2}), ("tiny-gpt", {"dp": 2, "fsdp": 3}),
+                 ("tiny-gpt", {"dp": 2, "fsdp": 3, "checkpointing": "selective"}),
+                 ("tiny-gpt", {"dp": 2, "dtype": "bf16", "reduce_dtype": "bf16"})]
     for world, configs in CONFIGS.items():
         for (name, constraints), run in zip(configs, runs[world]):
+            if (name, constraints) in all_local and world == 2:
+                assert run["local_parameters"] == run["parameters"], (name, constraints)
             if constraints.get("microbatches", 1) > 1:
                 assert run["local_parameters"] == 0, (name, constraints)
+            assert run["dtensor_parameters"] is None, (name, constraints, run["dtensor_parameters"])
             assert run["gradients_placed"], (name, constraints)
 
 
@@ -480,3 +493,26 @@ def test_the_losss_wait_and_what_follows_move_out_of_the_forward_graph(two_fake_
     assert empty.shape == expected.shape and len(read) == 2 and saved in read
     torch.testing.assert_close(epilogue(*read), expected, rtol=0, atol=0)
     assert defer_output_waits(gm) is None, "an output computed with no wait stays"
+
+
+@pytest.mark.slow
+def test_a_second_program_of_the_process_reads_its_parameters_as_local_tensors(two_fake_ranks) -> None:
+    """Two lowered programs traced one after the other in one process (a data-parallel plan in fp32,
+    then in bf16, each on a mesh of its own, equal to the other's): both trace their parameters as
+    local tensors. Before ``lower._forget_propagated_meshes``, DTensor's sharding propagation cache
+    handed the second program its loss on the first program's mesh and that trace failed."""
+    import autopar
+    from autopar.testing.parity import batches, build
+
+    programs = []
+    for constraints in ({"dp": 2}, {"dp": 2, "dtype": "bf16", "reduce_dtype": "bf16"}):
+        bundle = build("tiny-gpt", None, BATCH, None, seed=0)
+        pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                     example_targets=bundle.example_targets, constraints=constraints, lowered=True)
+        pm.step(*batches(bundle, 1, seed=0)[0])
+        programs.append(pm)
+    first, second = programs
+    assert first.mesh == second.mesh and first.mesh is not second.mesh
+    for pm in programs:
+        assert pm.program.fallback is None and pm.program.dtensor_parameters is None
+        assert len(pm.program.local) == len(list(pm.parameters()))

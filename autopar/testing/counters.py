@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _OP_KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
     "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
