@@ -215,17 +215,22 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
 
 
 def _parameters(node_limit: int) -> mathopt.SolveParameters:
-    """The relative gap, the node limit, no output (stdout belongs to ``--json``), one HiGHS thread and no
-    HiGHS presolve. One thread: the planner already searches meshes in parallel processes
+    """The relative gap, the node limit, no output (stdout belongs to ``--json``), one HiGHS thread, no
+    HiGHS presolve and two of its heuristics off. One thread: the planner already searches meshes in parallel processes
     (``workers.py``), and HiGHS's own threads mostly wait on each other there (the 20 ILPs of a pinned
     Llama 3 70B took 3.9 s of wall time for 1.8 s of CPU with HiGHS's default threads on the 2-core
     development machine, 1.9 s with one; the same solutions). No presolve: the ILPs are small and already
     reduced (identical layers are one decision), and presolve cost more than it saved: the 209 ILPs of
     Llama 3 70B on 1,024 H100s took 59.3 s with it and 30.8 s without, to the same plan; the slowest
-    one, a cutoff proven unbeatable, 10.0 s against 2.4 s (1,511 nodes against 18)."""
-    return mathopt.SolveParameters(enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit,
-                                   highs=highs_pb2.HighsOptionsProto(int_options={"threads": 1},
-                                                                      string_options={"presolve": "off"}))
+    one, a cutoff proven unbeatable, 10.0 s against 2.4 s (1,511 nodes against 18). No RINS and RENS
+    heuristics (sub-MIPs around the LP solution): at the root they took most of the time of ILPs whose
+    relaxation is already nearly integral, and halved it when left out (12 of that search's slowest
+    ILPs, alternated: 12.3 and 14.3 s with them, 6.8 and 6.8 s without, the same optima)."""
+    return mathopt.SolveParameters(
+        enable_output=False, relative_gap_tolerance=RELATIVE_GAP, node_limit=node_limit,
+        highs=highs_pb2.HighsOptionsProto(int_options={"threads": 1}, string_options={"presolve": "off"},
+                                          bool_options={"mip_heuristic_run_rins": False,
+                                                        "mip_heuristic_run_rens": False}))
 
 
 class Ilp:
