@@ -500,3 +500,31 @@ def test_random_root_terms_change_some_optima():
         holds = any(t.holds(best.choice) for t in with_terms.root_terms)
         changed += not close(best.step_s, brute_force(plain).step_s) and holds
     assert changed >= 3
+
+
+def test_the_cheap_bound_charges_each_edge_to_the_reader_option_it_serves():
+    """``least_time`` on a hand-checkable pair: ``a`` costs 1 ms whether it outputs a shard or a replica;
+    its reader ``b`` runs in 1 ms on the shard, but every way to hand the shard over costs 4 ms, or in
+    6 ms on the replica, handed over for free; a third option of ``b`` reads a partial sum that no pair of
+    the edge allows. The optimum is 6 ms. Options and edges at their cheapest apart give 1 + 0 + 0 = 1 ms;
+    charging each of ``b``'s options its edge's cheapest allowed pair gives the optimum itself, with the
+    disallowed option left out. A root term that lowers one option of ``b`` counts only there."""
+    from autopar.planning.solver import least_time
+
+    shard, replica, partial = (Shard(0),), (Replicate(),), (Partial(),)
+    a = Decision("a", ["a"], [Option(Strategy((), (shard,)), Cost(compute_s=1e-3)),
+                              Option(Strategy((), (replica,)), Cost(compute_s=1e-3))])
+    b = Decision("b", ["b"], [Option(Strategy((shard,), (replica,)), Cost(compute_s=1e-3)),
+                              Option(Strategy((replica,), (replica,)), Cost(compute_s=6e-3)),
+                              Option(Strategy((partial,), (replica,)), Cost())])
+    gather = Cost(comm_s={"all_gather": 4e-3})
+    reads_shard, reads_replica = b.options[0].edge_key(0), b.options[1].edge_key(0)
+    edge = Edge("a", 0, "b", 0, 1, {(shard, reads_shard): gather, (replica, reads_shard): gather,
+                                    (replica, reads_replica): Cost()})
+    problem = Problem((4,), {"a": a, "b": b}, [edge], 1e12, 0.0)
+    assert solve(problem).objective_s == pytest.approx(6e-3)
+    assert least_time(problem) == pytest.approx(6e-3)
+    lowered = dataclasses.replace(problem, root_terms=[
+        RootSharding("b", frozenset({1}), 0, "a", frozenset({1}), 1.0, Cost(compute_s=-2e-3))])
+    assert least_time(lowered) == pytest.approx(5e-3)
+    assert solve(lowered).objective_s == pytest.approx(5e-3)

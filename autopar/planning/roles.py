@@ -168,8 +168,11 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
             continue
         args = [(slot, batch.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
-        kept = [s for s in finder.for_node(node)
-                if all(bd is not None and s.inputs[slot][dp_dim] == Shard(bd) for slot, bd in args)]
+        if any(bd is None for _, bd in args):
+            kept = []
+        else:
+            wanted = [(slot, Shard(bd)) for slot, bd in args]
+            kept = [s for s in finder.for_node(node) if all(s.inputs[slot][dp_dim] == want for slot, want in wanted)]
         for i in range(len(output_vals(node))):
             dims = {s.outputs[i][dp_dim].dim for s in kept
                     if s.outputs[i] is not None and s.outputs[i][dp_dim].is_shard()}

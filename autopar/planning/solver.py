@@ -574,16 +574,32 @@ def least_memory(problem: Problem) -> float:
 
 
 def least_time(problem: Problem) -> float:
-    """A lower bound of the objective without building the ILP: every decision and every edge at its
-    cheapest, every root-sharding term that lowers a price at its most (and the exposed sync and the
-    shared moves at 0).
+    """A lower bound of the objective without building the ILP: each decision at its cheapest option,
+    where an option's price includes, for every edge into it, the cheapest pair of that edge the option
+    allows (each edge is charged to its reader once; an option no pair of some edge allows is never
+    taken, constraint (2)) and every root-sharding term on that option that lowers a price, at its most
+    (the exposed sync and the shared moves at 0). Where no option of a decision is allowed (the problem
+    is infeasible, which the ILP reports), the edges are left out of the bound.
     With the cutoff row (10) it prunes a problem before its model is built."""
     if problem.layer_modes is not None:
         return 0.0  # prices per mode: the ILP's own bound is needed
-    options = sum(d.count * min(o.cost.exposed_s for o in d.options) for d in problem.decisions.values())
-    edges = sum(e.count * min((c.exposed_s for c in e.price.values()), default=0.0) for e in problem.edges)
-    roots = sum(min(0.0, problem.decisions[t.consumer].count * t.share * t.delta.exposed_s) for t in problem.root_terms)
-    return options + edges + roots
+    own = {key: [d.count * o.cost.exposed_s for o in d.options] for key, d in problem.decisions.items()}
+    for t in problem.root_terms:
+        gain = min(0.0, problem.decisions[t.consumer].count * t.share * t.delta.exposed_s)
+        for k in t.options:
+            own[t.consumer][k] += gain
+    with_edges = {key: list(prices) for key, prices in own.items()}
+    for edge in problem.edges:
+        cheapest: dict = {}
+        for (_, q), cost in edge.price.items():
+            if cost.exposed_s < cheapest.get(q, math.inf):
+                cheapest[q] = cost.exposed_s
+        prices = with_edges[edge.dst]
+        for k, option in enumerate(problem.decisions[edge.dst].options):
+            prices[k] += edge.count * cheapest.get(option.edge_key(edge.slot), math.inf)
+    if any(min(prices) == math.inf for prices in with_edges.values()):
+        with_edges = own
+    return sum(min(prices) for prices in with_edges.values())
 
 
 def infeasible_reason(problem: Problem, reason: mathopt.TerminationReason = mathopt.TerminationReason.INFEASIBLE
