@@ -3,6 +3,7 @@ processes: the staging arithmetic by hand, then plans of a GPT on meta tensors w
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -419,3 +420,34 @@ def test_a_weight_tied_across_stages_pays_the_sum_of_its_gradients():
     from autopar.cost_models import collective_time
     assert extra == pytest.approx(collective_time("all_reduce", embedding, pair), rel=1e-6)
     assert tied.predicted["step_time_s"] > untied.predicted["step_time_s"]
+
+
+def test_the_least_stage_transfers_bound_every_plans_sends_and_grow_with_the_chunks(gpt8, pp2):
+    """``assemble.least_stage_transfers`` (each boundary tensor at its placement cheapest to send), which
+    the search takes off a pipeline ILP's cutoff: at most the sends of the pinned pp=2 plan and of the
+    plan with every boundary tensor at its largest placement, and twice as much with two chunks a
+    device (each microbatch crosses twice as many stage boundaries)."""
+    from autopar.planning.assemble import least_stage_transfers, with_pipeline_time
+    from autopar.planning.solver import solve
+
+    cluster = parse_cluster(CLUSTER)
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 8)), stages=2)
+    constraints = Constraints.from_mapping({"pp": 2, "tp": 8, "microbatches": 8, "schedule": "1f1b"})
+    pricer = pricer_for(cluster, mesh, "bf16", constraints)
+    whole = problem_for(gpt8, mesh, pricer, 80e9, constraints).with_microbatches(8, pricer)
+    one_chunk = Staging(2, 8, "1f1b", 1)
+    problem = stage_problem(whole, gpt8, one_chunk)
+    least = least_stage_transfers(gpt8, problem, one_chunk, pricer, mesh)
+    solved = with_pipeline_time(gpt8, mesh, one_chunk, problem, solve(problem), pricer)
+    assert 0.0 < least <= solved.p2p_s * (1 + 1e-9)
+    assert least <= pp2.predicted["comm_s"]["p2p"] * (1 + 1e-9)
+    heaviest = dict(solved.solution.choice)
+    for key in layer_roles(gpt8, problem).boundary:
+        d = problem.decisions[key]
+        val = gpt8.node(d.nodes[0]).meta["val"]
+        heaviest[key] = max(range(len(d.options)), key=lambda k: pricer.local_bytes(val, d.options[k].strategy.outputs[0]))
+    most = with_pipeline_time(gpt8, mesh, one_chunk, problem, dataclasses.replace(solved.solution, choice=heaviest), pricer)
+    assert least < most.p2p_s
+    two_chunks = Staging(2, 8, "interleaved", 2)
+    assert least_stage_transfers(gpt8, stage_problem(whole, gpt8, two_chunks), two_chunks, pricer, mesh) == \
+        pytest.approx(2 * least)

@@ -16,7 +16,7 @@ from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
 from autopar.planning.pricing import Pricer, global_flops, is_matmul
-from autopar.planning.problem import Problem
+from autopar.planning.problem import Decision, Problem
 from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
 from autopar.planning.solver import Solution, exposed_grad_sync
 from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
@@ -101,20 +101,44 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
                       mesh: MeshChoice) -> list[tuple[float, int | None]]:
     """Per tensor one layer hands the next: (bytes per device for the whole batch, the tp mesh dim if
     every rank of it holds the same copy, else None), as the solution places it."""
-    roles = layer_roles(captured, problem)
-    tp_dims = [i for i, n in enumerate(mesh.names) if n == MeshAxis.TP]
-    layers = max(1, layer_count(captured))
     out = []
-    for key in sorted(roles.boundary):
-        d = problem.decisions[key]
-        placements = d.options[solution.choice[key]].strategy.outputs[0]
-        val = captured.node(d.nodes[0]).meta["val"]
-        if placements is None or not isinstance(val, torch.Tensor):
-            continue
-        per_layer = d.occurrences / layers
-        copies = next((i for i in tp_dims if placements[i].is_replicate() and mesh.shape[i] > 1), None)
-        out.append((pricer.local_bytes(val, placements) * per_layer, copies))
+    for key in sorted(layer_roles(captured, problem).boundary):
+        handed = _handed_over(captured, problem.decisions[key], solution.choice[key], pricer, mesh)
+        if handed is not None:
+            out.append(handed)
     return out
+
+
+def least_stage_transfers(captured: CapturedGraph, problem: Problem, staging: Staging, pricer: Pricer,
+                          mesh: MeshChoice) -> float:
+    """A lower bound of the seconds a step spends handing tensors between stages (``with_pipeline_time``'s
+    ``p2p``): each boundary tensor at the placement of its decision that is cheapest to send. The search
+    adds it to the cutoff row of a pipeline's ILP (a plan whose sends alone lose is pruned at once)."""
+    if staging.stages == 1:
+        return 0.0
+    m = problem.microbatches
+    least = 0.0
+    for key in sorted(layer_roles(captured, problem).boundary):
+        d = problem.decisions[key]
+        sends = [pricer.stage_transfer(handed[0] / m, handed[1]) for k in range(len(d.options))
+                 if (handed := _handed_over(captured, d, k, pricer, mesh)) is not None]
+        least += min(sends, default=0.0)
+    return 2 * staging.chunks * m * least
+
+
+def _handed_over(captured: CapturedGraph, decision: Decision, k: int, pricer: Pricer, mesh: MeshChoice
+                 ) -> tuple[float, int | None] | None:
+    """(bytes per device for the whole batch, the tp mesh dim whose ranks all hold the same copy, else None)
+    of the tensor a boundary ``decision`` hands the next layer under its option ``k``; None where it hands
+    no tensor."""
+    placements = decision.options[k].strategy.outputs[0]
+    val = captured.node(decision.nodes[0]).meta["val"]
+    if placements is None or not isinstance(val, torch.Tensor):
+        return None
+    per_layer = decision.occurrences / max(1, layer_count(captured))
+    copies = next((i for i, n in enumerate(mesh.names)
+                   if n == MeshAxis.TP and placements[i].is_replicate() and mesh.shape[i] > 1), None)
+    return pricer.local_bytes(val, placements) * per_layer, copies
 
 
 def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,

@@ -54,7 +54,7 @@ from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import NODE_LIMIT, Pruned, Solution, evaluate, infeasible_reason, least_memory, solve
 from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
 from autopar.planning.stages import Staging, stage_problem
-from autopar.planning.assemble import Candidate, to_plan, with_pipeline_time
+from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
 from autopar.planning.workers import BATCH, Workers, worker_count
 from autopar.planning.roles import check_context_parallel, expert_count, pricer_for, problem_for
@@ -555,8 +555,10 @@ class _MeshSearch:
             try:
                 solution = self._solved_before(per_m[m], staging, problem, cutoff_s)
                 if solution is None:
-                    with self.progress.phase("solve"):
-                        solution = solve(problem, self.node_limit, cutoff_s=cutoff_s, bubble_fraction=bubble)
+                    sends = least_stage_transfers(self.captured, problem, staging, pricer, mesh)
+                    with self.progress.phase("solve"):  # a step also pays its sends, stretched by the bubble
+                        solution = solve(problem, self.node_limit, cutoff_s=cutoff_s - (1.0 + bubble) * sends,
+                                         bubble_fraction=bubble)
                     self._solved[_solved_key(per_m[m], staging)] = (staging, solution)
                 elif with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer).step_s >= cutoff_s:
                     raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
