@@ -6,13 +6,17 @@ but prices each rank with only its share of the optimizer state, and under ZeRO-
 
 * **shards** (``ShardedOptimizerState.shards``): for every parameter that
   ``autopar.core.placement.optimizer_shard_dim`` can split, a second ``nn.Parameter`` holding this rank's
-  slice of it on the ``dp`` dim (``Shard(d)`` where the plan says ``R``); ``ParallelModule.parameters()``
-  hands these to the user's optimizer, so its state (AdamW's moments) is sharded with no change to the
-  optimizer;
+  slice of it over the ZeRO dims (``autopar.core.axes.ZERO_AXES``: ``dp``, and ``cp`` where the mesh has
+  it, as Megatron-Core's distributed optimizer shards over dp x cp), ``Shard(d)`` on each where the plan
+  says ``R`` (the same tensor dim on both: dp's slices, each cut again over cp);
+  ``ParallelModule.parameters()`` hands these to the user's optimizer, so its state (AdamW's moments) is
+  sharded with no change to the optimizer;
 * **gather** before a step's first forward: each replicated parameter the program reads is refreshed
-  from its shard (an all_gather on ``dp``: the "parameter all_gather after the update" of ZeRO);
+  from its shard (an all_gather on each ZeRO dim: the "parameter all_gather after the update" of ZeRO);
 * **reduce** its gradient onto the shard: DTensor's ``Partial -> Shard`` redistribute, a
-  reduce_scatter, from a post-accumulate-grad hook as backward finishes the gradient. ZeRO-2 does it
+  reduce_scatter on each ZeRO dim (outermost first, each on what the one before left: DTensor runs them
+  one mesh dim at a time, as ``Pricer.zero_share`` prices them), from a post-accumulate-grad hook as
+  backward finishes the gradient. ZeRO-2 does it
   every microbatch, so the whole gradient is freed as soon as it is reduced and never accumulates
   across microbatches; ZeRO-1 once, during the last microbatch's backward (``arm``, as
   ``GradientSync``: the runtime says how many accumulations a step makes), overlapping what backward
@@ -42,15 +46,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.core.axes import ZERO_AXES
 from autopar.core.placement import optimizer_shard_dim
-
-DATA_PARALLEL_DIM = "dp"
-"""The mesh dim ZeRO shards over (plans with ZeRO-1/2 have no HSDP replica dim)."""
 
 
 class ShardedOptimizerState:
     """The shard parameters of ZeRO-1 (``stage`` 1) or ZeRO-2 (``stage`` 2) for ``params`` (key -> the
-    parameter as the plan places it, replicated on dp, in the optimizer's dtype) on ``mesh``. With
+    parameter as the plan places it, replicated on dp and cp, in the optimizer's dtype) on ``mesh``. With
     ``compute_dtype`` the program's whole copy of each split parameter is a new leaf in that dtype
     (``full``); without, ``params`` themselves."""
 
@@ -61,8 +63,8 @@ class ShardedOptimizerState:
         self.stage = stage
         self.mesh = mesh
         self.reduce_dtype = reduce_dtype
-        self.shards = {key: nn.Parameter(_shard_of(p, dim, mesh)) for key, p in params.items()
-                       if (dim := _shard_dim(p, mesh)) is not None}
+        self.shards = {key: nn.Parameter(_shard_of(p, dim, dims, mesh)) for key, p in params.items()
+                       if (dims := _zero_dims(p, mesh)) and (dim := _shard_dim(p, dims, mesh)) is not None}
         self.full = {key: nn.Parameter(p.detach().to(compute_dtype)) if compute_dtype and key in self.shards else p
                      for key, p in params.items()}
         self._pending: dict[str, int] = {}  # ZeRO-1, armed: accumulations left before a gradient is reduced
@@ -111,18 +113,25 @@ class ShardedOptimizerState:
         shard.grad = grad if shard.grad is None else shard.grad + grad
 
 
-def _shard_dim(param: nn.Parameter, mesh: DeviceMesh) -> int | None:
+def _zero_dims(param: nn.Parameter, mesh: DeviceMesh) -> list[int]:
+    """The mesh dims (of ``ZERO_AXES``, in mesh order) this parameter's state is split over: those of more
+    than one rank on which the plan replicates it."""
+    if not isinstance(param, DTensor):
+        return []
     names = mesh.mesh_dim_names or ()
-    if DATA_PARALLEL_DIM not in names:
-        return None
-    dp = names.index(DATA_PARALLEL_DIM)
-    if not isinstance(param, DTensor) or param.placements[dp] != Replicate() or mesh.size(dp) == 1:
-        return None
-    return optimizer_shard_dim(tuple(param.shape), param.placements, mesh.size(dp))
+    return [i for i, name in enumerate(names)
+            if name in ZERO_AXES and param.placements[i] == Replicate() and mesh.size(i) > 1]
 
 
-def _shard_of(param: DTensor, dim: int, mesh: DeviceMesh) -> DTensor:
-    """This rank's slice of ``param`` on the dp dim: slicing a replicated tensor needs no communication."""
-    dp = (mesh.mesh_dim_names or ()).index(DATA_PARALLEL_DIM)
-    placements = [Shard(dim) if i == dp else p for i, p in enumerate(param.placements)]
+def _shard_dim(param: DTensor, dims: list[int], mesh: DeviceMesh) -> int | None:
+    """The tensor dim split over the mesh ``dims`` together, as ``Pricer._zero_dims`` prices it."""
+    ways = 1
+    for i in dims:
+        ways *= mesh.size(i)
+    return optimizer_shard_dim(tuple(param.shape), param.placements, ways)
+
+
+def _shard_of(param: DTensor, dim: int, dims: list[int], mesh: DeviceMesh) -> DTensor:
+    """This rank's slice of ``param`` over the mesh ``dims``: slicing a replicated tensor needs no communication."""
+    placements = [Shard(dim) if i in dims else p for i, p in enumerate(param.placements)]
     return param.detach().redistribute(mesh, placements).clone()

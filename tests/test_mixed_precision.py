@@ -103,7 +103,7 @@ def test_a_wrongly_scaled_gradient_fails_the_bf16_check(bf16_runs, references) -
 
 
 def _pricer(zero_stage: int = 0, reduce_dtype: str = "fp32", dtype: str = "bf16") -> Pricer:
-    return Pricer(parse_cluster("1x8xH100"), (8,), dtype, zero_stage=zero_stage, dp_dims=(0,),
+    return Pricer(parse_cluster("1x8xH100"), (8,), dtype, zero_stage=zero_stage, zero_dims=(0,),
                   reduce_dtype=reduce_dtype)
 
 

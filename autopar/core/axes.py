@@ -40,3 +40,9 @@ class MeshAxis(str, Enum):
 
 DATA_PARALLEL_AXES = (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD)
 """The dims the batch is split over."""
+
+ZERO_AXES = (MeshAxis.DP_SHARD, MeshAxis.CP)
+"""The dims ZeRO-1/2 shards the optimizer state (and ZeRO-2 the gradients) over, as Megatron-Core's
+distributed optimizer shards over its data-parallel group with context parallelism
+(``parallel_state.get_data_parallel_group(with_context_parallel=True)``): ranks of both dims hold the same
+parameters and reduce their gradients over both, so they can keep disjoint shards of the state."""

@@ -7,7 +7,7 @@ predictions, the solver's figures and the explanations.
 """
 
 from __future__ import annotations
-from autopar.core.axes import MeshAxis
+from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.placement import placements_to_strs
 from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MIXED, RING, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
@@ -287,9 +287,9 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
     ``sp`` is the tp degree when a norm's result is split on its sequence dim over tp
     (``sequence_parallel.norm_sites``); ``fsdp`` the product of the sizes of the dims (dp, cp) most parameter
     bytes are sharded on; ``zero``, when anything is sharded over data parallelism, the ZeRO stage (1-2
-    optimizer state and gradients sharded, 3 parameters too), absent for DDP and without a ``dp`` dim
-    (ZeRO-1/2 pinned there shard nothing: a pipeline runs such a plan as it is; an ``ep`` dim alone shards
-    only the experts)."""
+    optimizer state and gradients sharded, 3 parameters too), absent for DDP and without a ``dp`` or
+    ``cp`` dim (``ZERO_AXES``: ZeRO-1/2 pinned there shard nothing: a pipeline runs such a plan as it is;
+    an ``ep`` dim alone shards only the experts)."""
     tp = mesh.size(MeshAxis.TP)
     fsdp = 1
     numel = {n: captured.node(n).meta["val"].numel() * captured.weight(n) for n in captured.params}
@@ -299,7 +299,7 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
             fsdp *= mesh.shape[shard_dim]
     outputs = lambda name: by_node[name][1].strategy.outputs[0] if name in by_node else None  # noqa: E731
     sp = tp if tp > 1 and sequence_sharded(norm_sites(captured), outputs, mesh.names.index(MeshAxis.TP)) else 1
-    zero = 3 if fsdp > 1 else zero_stage if mesh.size(MeshAxis.DP_SHARD) > 1 else 0
+    zero = 3 if fsdp > 1 else zero_stage if mesh.dims_of(*ZERO_AXES) else 0
     return {"dp": mesh.data_parallel_size, "fsdp": fsdp, "tp": tp, "sp": sp, "cp": mesh.size(MeshAxis.CP), "ep": mesh.size(MeshAxis.EP),
             "pp": mesh.stages, "dp_replicate": mesh.size(MeshAxis.DP_REPLICATE), **({"zero": zero} if zero else {})}
 

@@ -187,7 +187,7 @@ class Pricer:
     """
 
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
-                 zero_stage: int = 0, dp_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
+                 zero_stage: int = 0, zero_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
                  runtime: str = DTENSOR):
         self.cluster = cluster
         self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
@@ -196,7 +196,7 @@ class Pricer:
         self.reduce_dtype = reduce_dtype  # of the gradient reductions outside the program (core.plan.Precision)
         self.stages = stages
         self.zero_stage = zero_stage
-        self.dp_dims = tuple(dp_dims)
+        self.zero_dims = tuple(zero_dims)  # the mesh dims ZeRO-1/2 may shard state over (core.axes.ZERO_AXES)
         full = (stages, *self.mesh_shape)
         self.groups = [cluster.group(full, d + 1) for d in range(len(self.mesh_shape))]
         self.stage_group = cluster.group(full, 0)
@@ -440,14 +440,16 @@ class Pricer:
         its share of the reduction, ``partial_reduction``): whether it was gathered on its way here
         depends on the placement of the value the view is of, which ``roots`` gives when known.
 
-        Under ZeRO-1/2 a parameter whose state is sharded on a data-parallel dim
-        (``optimizer_shard_dim``) syncs as ``passes/zero.py`` runs it: its gradient is
+        Under ZeRO-1/2 a parameter whose state is sharded over dp (and cp: ``_zero_dims``,
+        ``optimizer_shard_dim``) syncs as ``passes/zero.py`` runs it: its gradient is
         reduce-scattered onto the shards as backward finishes it (ZeRO-2: every microbatch, so full
         gradients never accumulate; ZeRO-1: in the last microbatch's backward), which hides behind
         backward like DDP's all_reduce, and, after the optimizer updates the shards, the parameter is
         all-gathered before the next forward, on the critical path: the same bytes as DDP's all_reduce
-        (Rajbhandari et al., SC20, §7), per parameter rather than bucketed. (A parameter whose gradient is not partial on that dim
-        is still gathered at run time; pricing charges the gather with the reduce-scatter.)
+        (Rajbhandari et al., SC20, §7), per parameter rather than bucketed, one pair per ZeRO dim, each
+        moving ``zero_share`` of the bytes. A parameter whose gradient this op leaves whole on a ZeRO
+        dim (an op that every cp rank computes on the whole sequence) is still gathered there
+        (``_zero_sync``).
 
         ``roots``, per tensor input: the placement of the parameter it reads (through views), where
         known. A parameter gathered on its way here (sharded at its root on a dim this op reads it
@@ -474,12 +476,9 @@ class Pricer:
                     val, placements, partial, 1.0, root, slot, nbytes=self.reduced_gradient_bytes(val, placements)))
                 continue
             reduced, zero_dims = self.reduced_gradient_bytes(val, placements), self._zero_dims(val, placements)
-            for dim in partial:
-                if dim in zero_dims:
-                    found += self._zero_sync(reduced, self.local_bytes(val, placements), dim, placements, slot)
-                else:
-                    found.append(Collective("all_reduce", "backward", reduced, dim, placements, grad_sync=True,
-                                            slot=slot))
+            found += [Collective("all_reduce", "backward", reduced, dim, placements, grad_sync=True, slot=slot)
+                      for dim in partial if dim not in zero_dims]
+            found += self._zero_sync(reduced, self.local_bytes(val, placements), partial, zero_dims, placements, slot)
         return found
 
     def _overlapped_where_lowered(self, reductions: list["Collective"]) -> list["Collective"]:
@@ -532,30 +531,51 @@ class Pricer:
                      if placements[d].is_replicate() and not out[d].is_replicate() and group.size > 1)
 
     def _zero_dims(self, val: torch.Tensor, placements: Placements) -> tuple[int, ...]:
-        """The data-parallel dims on which ZeRO-1/2 shards this parameter's state (none without ZeRO)."""
+        """The dims (dp, and cp where the mesh has it: ``core.axes.ZERO_AXES``), in mesh order, on which
+        ZeRO-1/2 shards this parameter's state, as ``passes/zero.py`` does (none without ZeRO)."""
         if self.zero_stage not in (1, 2):
             return ()
-        dims = tuple(d for d in self.dp_dims if placements[d].is_replicate() and self.mesh_shape[d] > 1)
-        ways = 1
+        dims = tuple(d for d in self.zero_dims if placements[d].is_replicate() and self.mesh_shape[d] > 1)
+        return dims if optimizer_shard_dim(tuple(val.shape), placements, self._ranks(dims)) is not None else ()
+
+    def _ranks(self, dims: Sequence[int]) -> int:
+        """The number of ranks the mesh ``dims`` span together."""
+        ranks = 1
         for d in dims:
-            ways *= self.mesh_shape[d]
-        return dims if optimizer_shard_dim(tuple(val.shape), placements, ways) is not None else ()
+            ranks *= self.mesh_shape[d]
+        return ranks
 
     def optimizer_shards(self, val: torch.Tensor, placements: Placements) -> int:
         """Into how many pieces ZeRO-1/2 cuts this parameter shard's optimizer state (1 without)."""
-        shards = 1
-        for d in self._zero_dims(val, placements):
-            shards *= self.mesh_shape[d]
-        return shards
+        return self._ranks(self._zero_dims(val, placements))
 
-    def _zero_sync(self, reduced: float, gathered: float, dim: int, placements: Placements, slot: int
-                   ) -> list["Collective"]:
-        """ZeRO-1/2's reduce_scatter of a gradient (``reduced`` bytes, in the reduction dtype) and the
-        all_gather of the updated parameter (``gathered`` bytes, in the compute dtype)."""
+    def zero_share(self, dim: int, zero_dims: Sequence[int]) -> float:
+        """The share of a parameter's whole gradient (and of its whole value) that ZeRO-1/2's collective
+        on ``dim`` moves, where the state is sharded over ``zero_dims`` (dp x cp). DTensor redistributes a
+        gradient partial on both to ``Shard(d)`` on both one mesh dim at a time, outermost first, each on
+        what the one before left (torch ``distributed/tensor/_redistribute.py``: dp's reduce_scatter of
+        the whole, then cp's of dp's 1/dp), and gathers the parameter back innermost first (cp's
+        all_gather to 1/dp, dp's to the whole): the collective on ``dim`` moves 1 / (the ranks of the
+        ZeRO dims outside it). Under uniform bandwidth the two sum to one collective over dp x cp."""
+        return 1.0 / self._ranks([d for d in zero_dims if d < dim])
+
+    def _zero_sync(self, reduced: float, gathered: float, partial: Sequence[int], zero_dims: Sequence[int],
+                   placements: Placements, slot: int) -> list["Collective"]:
+        """ZeRO-1/2's sync of a parameter whose state is sharded over ``zero_dims``: on each, the
+        reduce_scatter of its gradient (of ``reduced`` bytes whole, in the reduction dtype) where the
+        gradient is ``partial`` (elsewhere every rank holds it whole and keeps its slice, as DTensor's
+        ``Replicate -> Shard`` does, moving nothing), and the all_gather of the updated parameter (of
+        ``gathered`` bytes whole, in the compute dtype), each moving ``zero_share`` of them."""
         every_microbatch = self.zero_stage == 2
-        return [Collective("reduce_scatter", "backward", reduced, dim, placements, grad_sync=True, slot=slot,
-                           per_microbatch=every_microbatch),
-                Collective("all_gather", "backward", gathered, dim, placements, grad_sync=True, slot=slot)]
+        found = []
+        for dim in zero_dims:
+            share = self.zero_share(dim, zero_dims)
+            if dim in partial:
+                found.append(Collective("reduce_scatter", "backward", reduced * share, dim, placements,
+                                        grad_sync=True, slot=slot, per_microbatch=every_microbatch))
+            found.append(Collective("all_gather", "backward", gathered * share, dim, placements, grad_sync=True,
+                                    slot=slot))
+        return found
 
     def reduced_gradient_bytes(self, val: torch.Tensor, placements: Placements) -> float:
         """Bytes of a parameter shard's gradient as the reductions outside the program move it: in
@@ -601,7 +621,7 @@ class Pricer:
         dtype narrower than fp32) the fp32 master weights, are ``optimizer`` (``adamw_state_bytes``);
         ``params`` is what the program computes with, in the compute dtype. A parameter's gradient
         accumulates on its fp32 master (through the compute copy's backward), except under ZeRO-1/2
-        (Rajbhandari et al., SC20), where a parameter whose state is split over the data-parallel dims
+        (Rajbhandari et al., SC20), where a parameter whose state is split over dp (and cp: ``_zero_dims``)
         keeps only its share of that state, computes with a whole parameter in the compute dtype and
         accumulates its gradient there (ZeRO-1), or reduce-scatters it every microbatch onto its fp32
         shard (ZeRO-2: only the shard's gradient is kept). ZeRO-3 is a parameter sharded on those

@@ -28,7 +28,7 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
 
 from __future__ import annotations
 import math
-from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
+from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
@@ -58,7 +58,7 @@ def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Cons
     zero = constraints.zero_stage if constraints.zero_stage in (1, 2) else 0
     runtime = LOWERED if constraints.runtime == LOWERED and mesh.stages == 1 else DTENSOR
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
-                  dp_dims=mesh.dims_of(*DATA_PARALLEL_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
+                  zero_dims=mesh.dims_of(*ZERO_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
                   runtime=runtime)
 
 
