@@ -5,7 +5,7 @@ two-matrix squared-ReLU MLP and bias-free LayerNorm beside Llama's SwiGLU and RM
 * the modules compute what their formulas say (``w2(relu(w1 x)^2)``, LayerNorm without bias) and hold
   two matrices an MLP, no biases;
 * what a layer saves for backward, in 16-bit floats, is the closed form counted by hand below: the MLP's
-  two ``f``-wide tensors (the ReLU's output and its square) in place of SwiGLU's five;
+  two ``f``-wide tensors (the ReLU's output and its square) in place of SwiGLU's four;
 * the planner splits the new MLP Megatron's way under a pinned tensor-parallel degree (the up-projection
   by columns, the down-projection by rows) with sequence parallelism and each recomputation mode;
 * on gloo (slow, dist), training under tensor and sequence parallelism with ``core_attention``
@@ -78,13 +78,13 @@ def test_a_layer_saves_the_closed_form() -> None:
     next ops read; rotated q; the attention output and its merged copy), ``4 sb kv`` (rotated k and v, ``kv``
     the key-value width), ``4 sbf`` (the ReLU's output and its square), the two LayerNorms' mean and rstd
     (``4 sb`` floats) and fused attention's log-sum-exp (``a s b`` floats). SwiGLU at the same width saves
-    ``10 sbf`` in its MLP (both projections, the sigmoid, the SiLU and the product), 6 sbf more."""
+    ``8 sbf`` in its MLP (both projections, the SiLU and the product; SiLU captured whole), 4 sbf more."""
     dims = dict(layers=1, hidden=H, heads=A, kv_heads=KV, seq=S, ffn_hidden=FFN, vocab=256)
     sbh, kv_sb = S * B * H, S * B * (H // A) * KV
     expected = 14 * sbh + 4 * kv_sb + 4 * S * B * FFN + 2 * 4 * S * B + 2 * A * S * B
     assert _layer_saved_bytes(_nemotron_style(**dims)) == expected
     swiglu_layernorm = _layer_saved_bytes({**dims, "norm": "layernorm"})
-    assert swiglu_layernorm - expected == 6 * S * B * FFN
+    assert swiglu_layernorm - expected == 4 * S * B * FFN
 
 
 def _layer_saved_bytes(overrides: dict) -> float:

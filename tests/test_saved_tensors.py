@@ -4,8 +4,7 @@
   second weight, which are not activations); an add-only chain saves nothing; fused attention saves
   its output plus the log-sum-exp, an extra output the graph does not show;
 * against autograd on a real eager run of the same model (real tensors, the same hooks): tiny-gpt's
-  saved bytes match; tiny-llama's exceed them by exactly the SiLU decomposition's ``sigmoid``
-  output, which the captured program (the one the runtime runs) keeps and eager SiLU does not;
+  and tiny-llama's saved bytes match, the latter in fp32 and bf16 (SiLU captured whole, as eager runs it);
 * against the closed form of Korthikanti et al. 2022 for a GPT layer: ``34 sbh`` bytes in 16-bit
   with fused attention, ``32 sbh + 2 as^2 b`` without (no dropout, so their masks and dropout
   outputs are absent), plus the small layer-norm statistics and log-sum-exp, counted by hand here;
@@ -155,16 +154,18 @@ def test_unfused_attention_of_a_cpu_model_matches_an_eager_run():
     assert _saved_bytes(captured) == pytest.approx(_eager_saved_bytes(bundle), rel=2e-3)
 
 
-def test_tiny_llama_matches_an_eager_run_but_for_decomposed_silu():
-    """The captured program runs SiLU as ``x * sigmoid(x)``, which keeps ``sigmoid(x)`` too; eager SiLU
-    keeps only ``x``. Adding those outputs to the eager count gives ours."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_llama_matches_an_eager_run(dtype):
+    """SiLU is captured whole (``capture.KEPT_POINTWISE``), keeping only its input as eager SiLU does: no
+    ``sigmoid`` is left to keep ``sigmoid(x)`` (nor, in bf16, fp32 copies of ``x`` and ``sigmoid(x)``), so
+    ours are autograd's own saved bytes, in fp32 and as a bf16 plan's program runs (``capture(dtype=)``)."""
     bundle = build_model("tiny-llama", device="cpu")
-    eager = _eager_saved_bytes(bundle)
-    captured = _capture_bundle(bundle)
-    sigmoids = _ops(captured, torch.ops.aten.sigmoid.default)
-    assert sigmoids and all(captured.saved_for_backward().of(n) == (1.0,) for n in sigmoids)
-    decomposed_silu = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in sigmoids)
-    assert _saved_bytes(captured) == pytest.approx(eager + decomposed_silu, rel=2e-3)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn, dtype=dtype)
+    bundle.model.to(dtype)
+    (silu, *_) = _ops(captured, torch.ops.aten.silu.default)
+    assert not _ops(captured, torch.ops.aten.sigmoid.default)
+    assert silu.name in captured.saved_for_backward().savers[_base(silu.args[0]).name]
+    assert _saved_bytes(captured) == pytest.approx(_eager_saved_bytes(bundle), rel=2e-3)
 
 
 # ---- against Korthikanti et al. 2022 ----------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 We reuse ``torch.export`` (non-strict, so ordinary Python models trace) on a wrapper module that runs
 forward and loss, then decompose to core aten ops, the level at which DTensor registers its sharding
-strategies. Backward is not captured: autopar takes the "forward graph + differentiable collectives"
-design (docs/architecture.md "Execution"), so the cost model prices each forward op together with its backward, and at run
-time autograd derives the backward of the sharded program.
+strategies, but for the ops kept whole (``KEPT_WHOLE``: fused attention; ``KEPT_POINTWISE``: SiLU, so the
+program saves for backward what eager PyTorch saves). Backward is not captured: autopar takes the
+"forward graph + differentiable collectives" design (docs/architecture.md "Execution"), so the cost
+model prices each forward op together with its backward, and at run time autograd derives the backward
+of the sharded program.
 
 Export runs on fake tensors, so a model built on the meta device (hundreds of billions of parameters) is
 captured without allocating it. A tensor the model holds under several names (a tied embedding) becomes
@@ -462,12 +464,20 @@ KEPT_WHOLE = (FUSED_ATTENTION,)
 """Ops captured whole rather than decomposed (fused attention: its math decomposition would
 materialize the s x s score matrix that the fused kernel never stores). Planning gives each a local
 sharding rule (``planning/strategies.py``, ``LOCAL_RULES``)."""
+KEPT_POINTWISE = (torch.ops.aten.silu.default,)
+"""Pointwise ops captured whole because their decomposition keeps more for backward than the op does, as
+eager PyTorch runs them: ``aten.silu`` saves only its input (its derivative in torch's
+``tools/autograd/derivatives.yaml`` is ``silu_backward(grad, self)``), while core aten's ``x * sigmoid(x)``
+(``torch/_decomp/decompositions.py``, ``silu``) keeps ``sigmoid(x)`` too, and in 16-bit keeps the input and
+the sigmoid upcast to fp32 (``pw_cast_for_opmath``). ``silu`` and ``silu_backward`` carry
+``torch.Tag.pointwise``, from which DTensor registers its pointwise strategy (``_ops/_pointwise_ops.py``),
+so planning and the runtime shard them as any pointwise op, with no rule of ours."""
 
 
 def _decompositions() -> dict:
-    """Core aten decompositions, except the ops of ``KEPT_WHOLE``."""
+    """Core aten decompositions, except the ops of ``KEPT_WHOLE`` and ``KEPT_POINTWISE``."""
     table = torch.export.default_decompositions()
-    for op in KEPT_WHOLE:
+    for op in (*KEPT_WHOLE, *KEPT_POINTWISE):
         table.pop(op, None)
     return table
 
