@@ -215,3 +215,21 @@ def test_sharded_state_loads_under_a_plan_without_zero(ranks) -> None:
     assert saved and set(saved) == set(loaded)
     for key, value in saved.items():
         assert torch.equal(value, loaded[key]), key
+
+
+def test_a_cp_mesh_without_dp_is_searched_again_under_zero1() -> None:
+    """Where memory shaped a mesh's plan, the free ZeRO stage is tried again at 1 on any mesh with a ZeRO
+    dim (dp or cp), a cp-only mesh included; never on one with neither, nor where the stage is pinned."""
+    from types import SimpleNamespace
+
+    from autopar.core.axes import MeshAxis
+    from autopar.core.constraints import Constraints
+    from autopar.planning.meshes import MeshChoice
+    from autopar.planning.search import _distributed_optimizer_may_help
+
+    free = SimpleNamespace(constraints=Constraints())
+    pinned = SimpleNamespace(constraints=Constraints.from_mapping({"fsdp": 0}))
+    cp_only, tp_only = MeshChoice(((MeshAxis.CP, 4),)), MeshChoice(((MeshAxis.TP, 4),))
+    assert _distributed_optimizer_may_help(free, cp_only, "nothing fit")
+    assert not _distributed_optimizer_may_help(free, tp_only, "nothing fit")
+    assert not _distributed_optimizer_may_help(pinned, cp_only, "nothing fit")

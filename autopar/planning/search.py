@@ -39,7 +39,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
-from autopar.core.axes import DATA_PARALLEL_AXES, MeshAxis
+from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
@@ -212,11 +212,11 @@ def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constrain
 
 def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
                                     found: "Candidate | MeshChoice | str") -> bool:
-    """Whether ``mesh`` is searched again under ZeRO-1: the ZeRO stage is free, the mesh has a ``dp`` dim
-    to shard over without HSDP's replica dim (which shards parameters anyway), and memory was what shaped
-    the plan there: nothing fit, or the plan recomputes or shards parameters over data parallelism.
-    (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
-    if search.constraints.zero_stage is not None or mesh.size(MeshAxis.DP_SHARD) == 1 \
+    """Whether ``mesh`` is searched again under ZeRO-1: the ZeRO stage is free, the mesh has a ``dp`` or
+    ``cp`` dim to shard over (``ZERO_AXES``) without HSDP's replica dim (which shards parameters anyway),
+    and memory was what shaped the plan there: nothing fit, or the plan recomputes or shards parameters
+    over data parallelism. (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
+    if search.constraints.zero_stage is not None or math.prod(mesh.size(axis) for axis in ZERO_AXES) == 1 \
             or mesh.size(MeshAxis.DP_REPLICATE) > 1 or isinstance(found, MeshChoice):
         return False
     return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
