@@ -67,8 +67,8 @@ def least_bubble_fraction(schedule: str, stages: int, microbatches: int, chunks:
 
 def microbatches_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the first stage holds at once: ``m`` (GPipe), ``min(p, m)``
-    (1F1B), ``min(p, m) (1 + (p-1)/(p v))`` (interleaved); zero-bubble schedules: the most any
-    device holds in the simulation; 1 with a single stage."""
+    (1F1B), ``min(m, ((v - 1) r + 2 (p - 1) + 1) / v)`` with ``r`` microbatches a round (interleaved);
+    zero-bubble schedules: the most any device holds in the simulation; 1 with a single stage."""
     if _checked(schedule, stages, microbatches, chunks) == 1:
         return 1.0
     if schedule in SIMULATED:

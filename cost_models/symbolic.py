@@ -31,7 +31,7 @@ Transformer Models", 2022, §4.2.3)
 ---------------------------------------------------------------------------------------------
 Bubble (idle share of the ideal time): ``(p-1)/m`` for GPipe and 1F1B, ``(p-1)/(v m)``
 interleaved. Microbatches whose activations the first stage holds at once: ``m`` (GPipe),
-``min(p, m)`` (1F1B), ``min(p, m) (1 + (p-1)/(p v))`` (interleaved).
+``min(p, m)`` (1F1B), ``min(m, ((v - 1) r + 2 (p - 1) + 1) / v)`` (interleaved, ``r`` microbatches a round).
 """
 
 from __future__ import annotations
@@ -228,12 +228,19 @@ BUBBLE_FRACTION: Mapping[str, Expr] = {
 }
 """Idle share of the ideal step time of ``p`` stages over ``m`` microbatches (``v`` chunks)."""
 
+INTERLEAVED_ROUND: Expr = m / Max(1, sympy.floor(m / p))
+"""Microbatches in each round of torch's interleaved 1F1B: it cuts ``m`` into ``max(1, m // p)`` rounds of
+equal size (``p`` where ``m`` is a multiple of ``p``)."""
+
 MICROBATCHES_IN_FLIGHT: Mapping[str, Expr] = {
     "gpipe": m,
     "1f1b": Min(p, m),
-    "interleaved": Min(p, m) * (1 + (p - 1) / (p * v)),
+    "interleaved": Min(m, ((v - 1) * INTERLEAVED_ROUND + 2 * (p - 1) + 1) / v),
 }
-"""Microbatches whose saved activations the first stage holds at once (p >= 2)."""
+"""Microbatches whose saved activations the first stage holds at once (p >= 2). Interleaved: the first
+device's warmup forwards plus one, ``(v - 1) r + 2 (p - 1) + 1`` chunk-microbatches over ``r`` microbatches a
+round (Megatron-LM's count, Narayanan et al., SC21, where ``r = p``: ``p (1 + (p - 1) / (p v))``), at most all
+``m``; equal to what ``simulate`` of torch's table holds, where ``m`` is not a multiple of ``p`` too."""
 
 LAST_CHUNK_IN_FLIGHT: Mapping[str, Expr] = {
     "gpipe": m,

@@ -51,7 +51,7 @@ def test_bubble_fraction_is_p_minus_1_over_v_m():
 
 # ---- schedules simulated from torch's action tables ---------------------------------------------
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 12), (8, 16)])
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 12), (8, 16), (2, 2), (3, 8), (4, 6), (8, 12)])
 def test_the_closed_forms_match_a_simulation_of_torchs_schedules(stages, microbatches):
     """``cost_models/pipeline.py``'s formulas against ``simulate`` of torch's own tables: GPipe (torch's
     looped BFS over one chunk a device), 1F1B (its interleaved schedule at one chunk, whose bubble is

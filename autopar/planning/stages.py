@@ -14,10 +14,11 @@ With ``v`` model chunks per device (interleaved), a device holds ``v`` chunks of
 layers.
 
 Activations kept for backward are held for every microbatch in flight on the first stage: ``m`` for
-GPipe, ``min(p, m)`` for 1F1B, ``min(p, m) (1 + (p - 1) / (p v))`` interleaved (Korthikanti et al.
-2022, §4.2.3), 1 without a pipeline. The ops after the last layer (final norm, head, loss: the last
-chunk's) are held for the microbatches in flight there instead: ``m`` for GPipe, 1 for 1F1B and
-interleaved, whose last chunk runs each backward right after its forward. Under torch's zero-bubble
+GPipe, ``min(p, m)`` for 1F1B, ``p (1 + (p - 1) / (p v))`` interleaved where ``m`` is a multiple of ``p``
+(Korthikanti et al. 2022, §4.2.3; ``cost_models/symbolic.py`` for the rest), 1 without a pipeline. The
+ops after the last layer (final norm, head, loss: the last chunk's) are held for the microbatches in
+flight there instead: ``m`` for GPipe, 1 for 1F1B and interleaved, whose last chunk runs each backward
+right after its forward. Under torch's zero-bubble
 schedule (Qi et al. 2024) both are simulated from its action table (``cost_models/pipeline.py``): ``p``
 on the first stage, and ``p`` on the last chunk too, whose weight gradients wait to fill the bubble.
 A large vocabulary's logits
