@@ -12,11 +12,10 @@ import torch
 
 from autopar.ir.capture import capture
 from autopar.inspect.collectives import predicted_collectives
-from autopar.testing.counters import CollectiveCounter
 from autopar.cost_models import parse_cluster
 from autopar.testing.launch import run_on_ranks
 from autopar.models import build_model
-from autopar.testing.parity import AutoparResult, batches, build, gathered_grads, sgd, train_single
+from autopar.testing.parity import AutoparResult, build, train_counting, train_single
 from autopar.core.constraints import Constraints
 from autopar.planning.search import make_plan
 
@@ -96,18 +95,7 @@ def _train(name: str, constraints: dict) -> dict[str, Any]:
     bundle = build(name, None, BATCH, None, seed=0)
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, constraints=constraints)
-    opt = sgd(pm.parameters())
-    losses, grads, counted = [], {}, {}
-    for i, batch in enumerate(batches(bundle, STEPS, seed=0)):
-        opt.zero_grad()
-        with CollectiveCounter() as comm:
-            losses.append(pm.step(*batch).item())
-        counted = comm.counts
-        if i == 0:
-            grads = gathered_grads(pm)
-        opt.step()
-    return {"losses": losses, "grads": grads, "params": pm.full_state_dict(), "plan": pm.plan.to_dict(),
-            "redistributes": pm.redistributes, "counted": counted, "state_numel": _adamw_state_numel(pm),
+    return {**train_counting(pm, bundle, STEPS, seed=0), "state_numel": _adamw_state_numel(pm),
             "numel": sum(p.numel() for p in bundle.model.parameters())}
 
 

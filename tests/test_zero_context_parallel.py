@@ -30,9 +30,8 @@ from autopar.cost_models import parse_cluster
 from autopar.inspect.collectives import predicted_collectives
 from autopar.models import build_model
 from autopar.planning.pricing import Pricer
-from autopar.testing.counters import CollectiveCounter
 from autopar.testing.launch import run_on_ranks
-from autopar.testing.parity import AutoparResult, batches, build, gathered, gathered_grads, sgd, train_single
+from autopar.testing.parity import AutoparResult, batches, build, gathered, train_counting, train_single
 
 BATCH = 8
 STEPS = 3
@@ -141,18 +140,7 @@ def _train(constraints: dict) -> dict[str, Any]:
     pm, bundle = _parallel(constraints, seed=0)
     shards = {name: (tuple(str(p) for p in param.placements), param.to_local().numel() / param.numel())
               for name, param in pm.named_parameters() if isinstance(param, DTensor)}
-    opt = sgd(pm.parameters())
-    losses, grads, counted = [], {}, {}
-    for i, batch in enumerate(batches(bundle, STEPS, seed=0)):
-        opt.zero_grad()
-        with CollectiveCounter() as comm:
-            losses.append(pm.step(*batch).item())
-        counted = comm.counts
-        if i == 0:
-            grads = gathered_grads(pm)
-        opt.step()
-    return {"losses": losses, "grads": grads, "params": pm.full_state_dict(), "plan": pm.plan.to_dict(),
-            "redistributes": pm.redistributes, "counted": counted, "shards": shards}
+    return {**train_counting(pm, bundle, STEPS, seed=0), "shards": shards}
 
 
 @pytest.fixture(scope="module")

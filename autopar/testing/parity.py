@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from autopar.api import autoparallelize
 from autopar.core.plan import Plan
 from autopar.models import ModelBundle, build_model
+from autopar.testing.counters import CollectiveCounter
 from autopar.testing.launch import run_on_ranks
 
 LR = 0.1
@@ -291,6 +292,24 @@ def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int)
     params = pm.full_state_dict()
     return {"losses": losses, "grads": grads if rank == 0 else None, "params": params if rank == 0 else None,
             "plan": pm.plan.to_dict(), "redistributes": pm.redistributes}
+
+
+def train_counting(pm: Any, bundle: ModelBundle, steps: int, seed: int) -> dict[str, Any]:
+    """``train_module``'s run of ``pm`` on every rank, with the collectives of the last step counted
+    (``CollectiveCounter``): losses, the gathered gradients after the first backward, the final parameters,
+    the plan, the redistributes and ``counted``."""
+    opt = sgd(pm.parameters())
+    losses, grads, counted = [], {}, {}
+    for i, batch in enumerate(batches(bundle, steps, seed)):
+        opt.zero_grad()
+        with CollectiveCounter() as comm:
+            losses.append(pm.step(*batch).item())
+        counted = comm.counts
+        if i == 0:
+            grads = gathered_grads(pm)
+        opt.step()
+    return {"losses": losses, "grads": grads, "params": pm.full_state_dict(), "plan": pm.plan.to_dict(),
+            "redistributes": pm.redistributes, "counted": counted}
 
 
 def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str, Any] | None,
