@@ -28,7 +28,7 @@ a. ``shard_parameters`` (building): every parameter and buffer becomes a DTensor
    placements (the pipeline runtime shards only its own stages'), in fp32 under mixed precision (the
    optimizer's master weights);
 b. ``zero`` (ZeRO-1/2 plans, ``ParallelModule``; building): ``ShardedOptimizerState`` gives the
-   optimizer dp-sharded copies of the parameters, and before a step's first forward gathers the
+   optimizer dp- (and cp-) sharded copies of the parameters, and before a step's first forward gathers the
    program's parameters from them;
 c. ``gradient_sync`` (after backward): partial gradients of the parameters ZeRO leaves whole are
    all-reduced in buckets (``ParallelModule`` arms it before the last microbatch's backward, the

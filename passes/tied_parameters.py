@@ -10,7 +10,7 @@ whole model, and an optimizer stepping them alike keeps them equal.
 Inside one stage (a rank running several chunks that read it, or a plan without pipeline) the
 parameter is one tensor and autograd already sums its uses. This is not a graph pass: like
 ``gradient_sync`` it acts on the runtime's gradients after backward, last, on the tensors the optimizer
-steps (under ZeRO-1/2 the dp-sharded copies, whose shards sit alike on every stage).
+steps (under ZeRO-1/2 the dp- (and cp-) sharded copies, whose shards sit alike on every stage).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ unsharded weights file.
 * **Optimizer state** (``optimizer_state_dict``) in the flattened form of
   ``torch.distributed.checkpoint.state_dict`` (``StateDictOptions(flatten_optimizer_state_dict=True)``):
   ``"state.{fqn}.{name}"`` (momentum, Adam's moments and step) and ``"param_groups.{fqn}.{hyper}"``.
-  Under ZeRO-1/2 the optimizer's parameters are dp-sharded copies (``passes/zero.py``) whose state is
+  Under ZeRO-1/2 the optimizer's parameters are dp- (and cp-) sharded copies (``passes/zero.py``) whose state is
   a DTensor of the parameter's global shape too, so a plan without ZeRO loads it.
 * **One unsharded file** (``save_full_state_dict`` / ``load_full_state_dict``): ``torch.save`` of
   FQN -> full tensor, written by rank 0, which a plain ``nn.Module`` loads with ``load_state_dict``

@@ -12,7 +12,7 @@ Built from a model, a captured graph and a Plan (the passes do the rewriting, in
 * ``step`` runs forward, loss and backward, with the bucketed gradient synchronization overlapped
   with the last microbatch's backward (a lowered program's loss is read after backward: its global
   sum is waited on there, ``LoweredProgram.start``);
-* under ZeRO-1/2 (``plan.degrees.zero``) ``parameters()`` are dp-sharded copies the program's
+* under ZeRO-1/2 (``plan.degrees.zero``) ``parameters()`` are dp- (and cp-) sharded copies the program's
   replicated parameters are gathered from before each step, and gradients are reduce-scattered onto
   them (``passes/zero.py``), so the optimizer's state is sharded as the plan priced it;
 * under mixed precision (``plan.precision``) ``parameters()`` are fp32 master weights and the program
@@ -94,7 +94,7 @@ class ParallelModule(nn.Module):
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters to optimize: the plan's shards (under ZeRO-1/2, the dp-sharded copies; under
+        """The parameters to optimize: the plan's shards (under ZeRO-1/2, the dp- (and cp-) sharded copies; under
         mixed precision, in fp32)."""
         for k, p in self._params.items():
             yield prefix + self._fqns[k], p

@@ -22,7 +22,7 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
    mesh (``GradientSync``, armed for ``m`` accumulations: each bucket's all_reduce starts during the
    last microbatch's backward on that stage, as ``ParallelModule`` overlaps it and as pricing assumes).
 3. **ZeRO-1/2 inside a stage** (``plan.degrees.zero`` 1 or 2, Megatron-LM's distributed optimizer with
-   pipelines): the stage's parameters get ``passes/zero.py``'s dp-sharded copies, which
+   pipelines): the stage's parameters get ``passes/zero.py``'s dp- (and cp-) sharded copies, which
    ``parameters()`` hands to the optimizer; before the schedule runs they refresh the stage's whole
    parameters (all_gather), and gradients are reduce-scattered onto them (ZeRO-2 as each microbatch's
    backward accumulates them, ZeRO-1 after the schedule), exactly as in ``ParallelModule``.
@@ -179,7 +179,7 @@ class PipelineParallelModule(nn.Module):
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters to optimize: this rank's stages' shards (under ZeRO-1/2, the dp-sharded copies;
+        """The parameters to optimize: this rank's stages' shards (under ZeRO-1/2, the dp- (and cp-) sharded copies;
         under mixed precision, in fp32)."""
         for fqn, p in self._program_params.optimizer_parameters().items():
             yield prefix + fqn, p

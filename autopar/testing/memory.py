@@ -118,7 +118,7 @@ def measure_step(module: Any, make_optimizer: Callable[[Iterable[torch.nn.Parame
     optimizer (which creates its state and fills DTensor's caches), then measure one step on ``batch``:
     ``zero_grad(set_to_none=True)``, ``module.step(*batch)``, ``optimizer.step()``, with the parameters
     and optimizer state registered with ``LiveTensorBytes``. The parameters are ``module.parameters()``:
-    under ZeRO-1/2 those are the dp-sharded copies, and the replicated ones the program reads are not
+    under ZeRO-1/2 those are the dp- (and cp-) sharded copies, and the replicated ones the program reads are not
     registered, so such plans are not measured whole."""
     params = list(module.parameters())
     optimizer = make_optimizer(params)

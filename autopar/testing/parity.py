@@ -261,7 +261,7 @@ def gathered_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's gradient at its full value, for every rank's parameters, on every rank.
 
     Collective: every rank calls it. ``module.named_parameters()`` are the tensors the optimizer updates:
-    DTensors with the plan's placements, under ZeRO-1/2 the dp-sharded copies onto which the gradients
+    DTensors with the plan's placements, under ZeRO-1/2 the dp- (and cp-) sharded copies onto which the gradients
     were reduce-scattered (``passes/zero.py``).
     """
     return gathered({name: p.grad for name, p in module.named_parameters() if p.grad is not None})
