@@ -101,9 +101,10 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
                       mesh: MeshChoice) -> list[tuple[float, int | None]]:
     """Per tensor one layer hands the next: (bytes per device for the whole batch, the tp mesh dim if
     every rank of it holds the same copy, else None), as the solution places it."""
+    layers = max(1, layer_count(captured))
     out = []
     for key in sorted(layer_roles(captured, problem).boundary):
-        handed = _handed_over(captured, problem.decisions[key], solution.choice[key], pricer, mesh)
+        handed = _handed_over(captured, problem.decisions[key], solution.choice[key], layers, pricer, mesh)
         if handed is not None:
             out.append(handed)
     return out
@@ -116,26 +117,26 @@ def least_stage_transfers(captured: CapturedGraph, problem: Problem, staging: St
     adds it to the cutoff row of a pipeline's ILP (a plan whose sends alone lose is pruned at once)."""
     if staging.stages == 1:
         return 0.0
-    m = problem.microbatches
+    m, layers = problem.microbatches, max(1, layer_count(captured))
     least = 0.0
     for key in sorted(layer_roles(captured, problem).boundary):
         d = problem.decisions[key]
         sends = [pricer.stage_transfer(handed[0] / m, handed[1]) for k in range(len(d.options))
-                 if (handed := _handed_over(captured, d, k, pricer, mesh)) is not None]
+                 if (handed := _handed_over(captured, d, k, layers, pricer, mesh)) is not None]
         least += min(sends, default=0.0)
     return 2 * staging.chunks * m * least
 
 
-def _handed_over(captured: CapturedGraph, decision: Decision, k: int, pricer: Pricer, mesh: MeshChoice
-                 ) -> tuple[float, int | None] | None:
+def _handed_over(captured: CapturedGraph, decision: Decision, k: int, layers: int, pricer: Pricer,
+                 mesh: MeshChoice) -> tuple[float, int | None] | None:
     """(bytes per device for the whole batch, the tp mesh dim whose ranks all hold the same copy, else None)
-    of the tensor a boundary ``decision`` hands the next layer under its option ``k``; None where it hands
-    no tensor."""
+    of the tensor a boundary ``decision`` hands the next layer under its option ``k`` (``layers``: the
+    model's repeated layers, ``layer_count``); None where it hands no tensor."""
     placements = decision.options[k].strategy.outputs[0]
     val = captured.node(decision.nodes[0]).meta["val"]
     if placements is None or not isinstance(val, torch.Tensor):
         return None
-    per_layer = decision.occurrences / max(1, layer_count(captured))
+    per_layer = decision.occurrences / layers
     copies = next((i for i, n in enumerate(mesh.names)
                    if n == MeshAxis.TP and placements[i].is_replicate() and mesh.shape[i] > 1), None)
     return pricer.local_bytes(val, placements) * per_layer, copies

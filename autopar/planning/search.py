@@ -216,7 +216,7 @@ def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
     ``cp`` dim to shard over (``ZERO_AXES``) without HSDP's replica dim (which shards parameters anyway),
     and memory was what shaped the plan there: nothing fit, or the plan recomputes or shards parameters
     over data parallelism. (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
-    if search.constraints.zero_stage is not None or math.prod(mesh.size(axis) for axis in ZERO_AXES) == 1 \
+    if search.constraints.zero_stage is not None or not mesh.dims_of(*ZERO_AXES) \
             or mesh.size(MeshAxis.DP_REPLICATE) > 1 or isinstance(found, MeshChoice):
         return False
     return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
