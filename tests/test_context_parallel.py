@@ -118,6 +118,7 @@ def _cli_plan(tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_free_search_chooses_cp_for_a_long_sequence(tmp_path, capsys) -> None:
     """Llama 3 405B at 128k tokens on 16,384 H100s: the best plan without cp recomputes (a 1-microbatch
@@ -192,6 +193,7 @@ def test_cp_on_2_ranks_matches_single_process() -> None:
         result.assert_matches(reference)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_cp_with_data_tensor_and_pipeline_parallelism_on_4_ranks_matches_single_process() -> None:
@@ -233,6 +235,7 @@ def _counted_hsdp_step(rank: int, world: int) -> dict:
     return counted_step("tiny-llama", LONG, BATCH, {"cp": 2, "dp": 2, "dp_shard": 1, **ALLGATHER})
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_cp_with_hsdp_runs_the_predicted_collectives() -> None:

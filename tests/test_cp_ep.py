@@ -71,6 +71,7 @@ def _run(overrides: dict, constraints: dict = CP_EP) -> dict:
                 constraints=constraints)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_cp2_by_ep2_matches_single_process() -> None:
@@ -91,6 +92,7 @@ def _counted_step(rank: int, world: int) -> dict:
     return counted_step("tiny-moe", NO_DROP, BATCH, CP_EP)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_cp2_by_ep2_runs_the_predicted_collectives() -> None:

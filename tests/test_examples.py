@@ -61,6 +61,7 @@ def test_train_example_matches_single_process(tmp_path, reference):
     assert stdout.count(f"step {STEPS - 1}  loss") == 1
 
 
+@pytest.mark.extended
 def test_train_example_applies_a_saved_plan(tmp_path, reference):
     # pin tp=2 (not necessarily what the free search picks): the degrees the run reports prove --plan ran
     plan = run(["-m", "autopar", "plan", "tiny-gpt", "--cluster", "1x2xcpu", "--global-batch", str(GLOBAL_BATCH),
@@ -73,6 +74,7 @@ def test_train_example_applies_a_saved_plan(tmp_path, reference):
     assert result["losses"] == pytest.approx(reference, rel=1e-4)
 
 
+@pytest.mark.extended
 def test_train_example_resumes_from_a_checkpoint_on_another_world_size(tmp_path, reference):
     # 4 ranks train 2 steps and checkpoint; a job of 2 ranks (a lost node, under torchrun elastic) re-plans
     # for its world, loads the checkpoint resharded and trains the last step: the losses go on unbroken

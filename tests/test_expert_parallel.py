@@ -299,6 +299,7 @@ def test_ep2_matches_single_process(moe_single) -> None:
     hf.assert_matches(train_single(HF_MIXTRAL, HF_MASK, BATCH, None, STEPS))
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")

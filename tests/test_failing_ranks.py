@@ -94,6 +94,7 @@ def _hang_in_a_collective(rank: int, world: int) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.extended
 def test_a_hung_rank_fails_the_run_at_its_timeout_naming_the_ranks_still_running():
     timeout_s = 30.0
     start = time.monotonic()
@@ -137,6 +138,7 @@ def _wait_on_a_hung_mesh_peer(rank: int, world: int) -> float | None:
     return time.monotonic() - start
 
 
+@pytest.mark.extended
 def test_the_plan_mesh_groups_time_out_with_the_job_not_after_torchs_30_minutes():
     waited = run_on_ranks(_wait_on_a_hung_mesh_peer, WORLD)[3]
     assert waited < 8, f"rank 3 waited {waited:.1f} s on its hung mesh peer"

@@ -61,6 +61,7 @@ def test_tensor_parallel_splits_keys_and_values_with_their_query_heads(kv_heads:
         assert key == value == query and (query == ["S(1)"]) == split
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_grouped_and_multi_query_llama_under_tp_match_single_process() -> None:

@@ -136,6 +136,7 @@ def _assert_parity(world: int, runs: list[dict]) -> None:
                               f"{run['name']} {run['overrides']} under {run['constraints']}")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
@@ -155,6 +156,7 @@ def test_hf_models_train_like_single_process_under_dp_tp_and_pp() -> None:
     ])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")

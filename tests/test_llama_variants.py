@@ -119,6 +119,7 @@ def test_pinned_tensor_parallel_plan_splits_the_mlp_by_columns_then_rows(checkpo
     assert plan.placements["blocks.0.mlp_norm.weight"] == ["R"]
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_training_matches_single_process() -> None:

@@ -207,6 +207,7 @@ def _collective_dtypes_rank(rank: int, world: int, cases: list[dict]) -> list[di
     return seen
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_collectives_move_the_planned_dtypes() -> None:
@@ -223,6 +224,7 @@ def test_collectives_move_the_planned_dtypes() -> None:
         assert all(dtype in seen[kind] for kind, dtype in among.items()), constraints
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_bf16_inside_pipeline_stages_and_on_2d_meshes_matches_by_hand() -> None:

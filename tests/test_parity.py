@@ -64,7 +64,7 @@ def scaled_gradient_sync() -> Iterator[None]:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("name", [pytest.param("mlp", marks=pytest.mark.heavy), "tiny-gpt"])
 def test_solver_dp_and_tp_plans_match_single_process(name: str, world: int) -> None:
     constraint_sets = [None, {"dp": world}, {"tp": world}] + ([{"dp": 2, "tp": 2}] if world == 4 else [])
@@ -114,6 +114,7 @@ def test_a_gradient_sync_off_by_a_constant_factor_fails_the_check(llama_on_4_ran
     assert "final parameters: " in str(failure.value)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_hsdp_matches_single_process() -> None:
@@ -129,6 +130,7 @@ def test_hsdp_matches_single_process() -> None:
         result.assert_matches(train_single(name, None, BATCH, None, STEPS))
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_grouped_query_llama_under_tp_with_one_sample_microbatches_matches_single_process() -> None:

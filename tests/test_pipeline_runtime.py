@@ -110,6 +110,7 @@ def test_pp2_1f1b_and_gpipe_with_checkpointing_match_single_process() -> None:
         result.assert_matches(reference)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
 def test_pp2_by_dp2_and_pp2_by_tp2_match_single_process() -> None:
@@ -123,6 +124,7 @@ def test_pp2_by_dp2_and_pp2_by_tp2_match_single_process() -> None:
         result.assert_matches(reference)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
 def test_llama_pp2_and_interleaved_match_single_process() -> None:
@@ -139,6 +141,7 @@ def test_llama_pp2_and_interleaved_match_single_process() -> None:
     uneven.assert_matches(train_single("tiny-gpt", seven_layers, BATCH, None, STEPS))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
 def test_zero_and_fsdp_inside_pipeline_stages_match_single_process() -> None:
@@ -179,6 +182,7 @@ def test_zero_bubble_pp2_matches_single_process() -> None:
     llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
 def test_zero_bubble_with_zero_tp_and_mixed_precision_matches_single_process() -> None:

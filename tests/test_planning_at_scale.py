@@ -205,6 +205,7 @@ def test_the_cheap_bound_is_below_the_optimum_and_prunes_before_the_model_is_bui
         solve(p, cutoff_s=solver.least_time(p) * 0.999)
 
 
+@pytest.mark.extended
 def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch):
     """tiny-llama at 4,096 tokens in 20 MB a device: the best plan without cp recomputes, so cp meshes are
     searched; at cp=2 activations fit with no recomputation at every tp, so cp=4 and cp=8 (the same tokens
@@ -246,6 +247,7 @@ def _pinned_70b_solves(monkeypatch) -> tuple[object, list[int]]:
     return plan, list(solved)  # a copy: a later call's wrapper calls this one's
 
 
+@pytest.mark.extended
 def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatch):
     """On a pinned pipeline mesh, at a microbatch count where none's problem solved without its memory
     row fits memory, or cannot beat the cutoff even with the least time a mode's recomputation adds,
@@ -261,6 +263,7 @@ def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatc
     assert _without_timings(every_count) == _without_timings(plan)
 
 
+@pytest.mark.extended
 def test_other_schedules_reuse_the_solution_of_the_counts_1f1b_solved(monkeypatch):
     """Interleaved and zero-bubble schedules hold more microbatches' activations than 1F1B at the same
     count and layers a device, and their ILP has the same objective: where 1F1B's optimum at a count fits

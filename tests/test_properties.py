@@ -163,6 +163,7 @@ def check_parity(world: int, drawn: list[tuple[dict, dict]]) -> None:
 NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 @settings(examples(0.05), phases=NO_SHRINK)

@@ -74,6 +74,7 @@ def _ring_against_fused_attention(rank: int, world: int) -> list[float]:
     return errors
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ring_attention_equals_fused_attention_on_4_ranks() -> None:
@@ -211,6 +212,7 @@ def test_ring_on_2_ranks_matches_single_process() -> None:
         result.assert_matches(reference)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ring_on_4_ranks_matches_single_process() -> None:
@@ -256,6 +258,7 @@ def _lowered(rank: int, world: int) -> list[dict]:
     return found
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_lowered_runtime_lowers_the_gather_and_runs_the_ring_on_dtensor() -> None:

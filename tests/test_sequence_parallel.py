@@ -227,7 +227,8 @@ def test_cli_fix_sp() -> None:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("world, constraints", [(2, {"tp": 2, "sp": 1}), (4, {"dp": 2, "tp": 2, "sp": 1})])
+@pytest.mark.parametrize("world, constraints", [(2, {"tp": 2, "sp": 1}),
+                                                 pytest.param(4, {"dp": 2, "tp": 2, "sp": 1}, marks=pytest.mark.extended)])
 def test_tp_sp_matches_single_process(world: int, constraints: dict) -> None:
     """3 SGD steps under TP+SP (norms and residual adds split on the sequence over tp) == one process."""
     runs = [dict(name=name, overrides=None, global_batch=BATCH, seq=None, steps=STEPS, plan=None,

@@ -182,6 +182,7 @@ def test_random_problems_with_shared_moves_match_brute_force(seed: int) -> None:
 
 # ---- on gloo ----------------------------------------------------------------------------------------
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_shared_gathers_in_recomputed_layers_match_single_process() -> None:

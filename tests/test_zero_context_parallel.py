@@ -161,6 +161,7 @@ def reference():
 IDS = [",".join(f"{k}={v}" for k, v in c.items()) for c in RUNS]
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=IDS)
@@ -168,6 +169,7 @@ def test_matches_single_process(trained, reference, index: int) -> None:
     AutoparResult.from_ranks([per_rank[index] for per_rank in trained]).assert_matches(reference)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=IDS)
@@ -185,6 +187,7 @@ def test_optimizer_parameters_are_shards_over_dp_and_cp(trained, index: int) -> 
             assert share == 1 / (degrees["dp"] * degrees["cp"]), (name, share)
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("index", ONE_STAGE, ids=[IDS[i] for i in ONE_STAGE])
@@ -196,6 +199,7 @@ def test_step_runs_the_predicted_collectives(trained, index: int) -> None:
         assert result["counted"] == predicted_collectives(result["plan"]), result["counted"]
 
 
+@pytest.mark.extended
 @pytest.mark.dist
 @pytest.mark.slow
 def test_sharded_state_loads_under_a_plan_without_zero(ranks) -> None:
