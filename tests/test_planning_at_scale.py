@@ -25,6 +25,7 @@ import pytest
 
 import autopar
 from autopar.core.constraints import Constraints
+from autopar.planning.workers import WINDOW, Workers
 from autopar.cost_models import parse_cluster
 from autopar.ir.capture import TRACED_LAYERS, capture
 from autopar.models import build_model
@@ -158,8 +159,27 @@ def test_the_plan_is_the_same_with_one_worker_or_two(monkeypatch):
         plans[workers] = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,
                                       example_targets=bundle.example_targets, progress=lambda p: lines.append(p.line()))
     assert _without_timings(plans[1]) == _without_timings(plans[2])
-    assert plans[2].solver["meshes_tried"] > 2  # more than one batch of meshes was searched
+    assert plans[2].solver["meshes_tried"] > WINDOW  # the window slid
     assert any(line.startswith("planning: search (2 workers)") for line in lines)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_each_task_reads_the_results_taken_up_to_the_window_with_any_number_of_workers(count):
+    """``Workers.in_order`` asks for item ``i`` once the results of items ``0 .. max(0, i - WINDOW)`` are
+    taken, and no later ones, in one process as in two forked workers; results come back in order."""
+    taken: list[int] = []
+    asked_after: dict[int, int] = {}
+
+    def item_for(i: int) -> int | None:
+        asked_after[i] = len(taken)
+        return None if i == 5 else i
+
+    with Workers(lambda i: i * i, count) as workers:
+        for i, result in workers.in_order(12, item_for):
+            assert result == (None if i == 5 else i * i)
+            taken.append(i)
+    assert taken == list(range(12))
+    assert asked_after == {i: 0 if i == 0 else max(1, i - WINDOW + 1) for i in range(12)}
 
 
 def test_the_search_reports_its_progress(monkeypatch):

@@ -23,10 +23,10 @@ Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fi
 the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
 splitting every sequence divides the activations, for the gathers of keys and values.
 Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
-in order (no pipeline first), in batches of ``workers.BATCH`` side by side in forked processes, each with
-the best step time of the batches before it as a cutoff: the solver stops on a mesh as soon as its bound
-shows it cannot win, and the plan lists it under ``solver.pruned_meshes``. The batches, not the number
-of processes that run them, fix every cutoff, so the plan is the same on any machine.
+in order (no pipeline first), side by side in forked processes, each with the best step time of the
+meshes at least ``workers.WINDOW`` places before it as a cutoff: the solver stops on a mesh as soon as
+its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``. The window, not the
+number of processes that run it, fixes every cutoff, so the plan is the same on any machine.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
 from autopar.planning.stages import Staging, stage_problem
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
-from autopar.planning.workers import BATCH, Workers, worker_count
+from autopar.planning.workers import Workers, worker_count
 from autopar.planning.roles import check_context_parallel, expert_count, pricer_for, problem_for
 
 def make_plan(
@@ -82,19 +82,22 @@ def make_plan(
 
     def solve_each(meshes: list[MeshChoice]) -> list[tuple[MeshChoice, MeshOutcome]]:
         searched = []
-        for first in range(0, len(meshes), BATCH):
+
+        def task_for(i: int) -> tuple[MeshChoice, float | None] | None:
+            """Mesh ``i`` and its cutoff, the best step among the results taken so far (``Workers.in_order``:
+            those of the meshes ``WINDOW`` places before it and earlier); None: skipped unsolved."""
             best = min(results, key=lambda c: c.step_s, default=None)
-            batch = []
-            for mesh in meshes[first:first + BATCH]:
-                if constraints.pp is None and _pipeline_cannot_win(mesh, best, search.least_bubble(mesh)):
-                    pruned.append(mesh)
+            if constraints.pp is None and _pipeline_cannot_win(meshes[i], best, search.least_bubble(meshes[i])):
+                return None
+            return meshes[i], best.step_s if best else None
+
+        with progress.showing(f"search ({workers.count} workers)") if workers.count > 1 else nullcontext():
+            for i, outcome in workers.in_order(len(meshes), task_for):
+                if outcome is None:
+                    pruned.append(meshes[i])
                     progress.skipped()
-                else:
-                    batch.append((mesh, best.step_s if best else None))
-            with progress.showing(f"search ({workers.count} workers)") if workers.count > 1 else nullcontext():
-                outcomes = workers.map(batch)
-            searched += [(mesh, outcome) for (mesh, _), outcome in zip(batch, outcomes)]
-            for outcome in outcomes:
+                    continue
+                searched.append((meshes[i], outcome))
                 shortfall.note(outcome)
                 progress.add_phases(outcome.phases_s)
                 found = outcome.found
