@@ -147,10 +147,10 @@ def autoparallelize(
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
                               f"(plan model {the_plan.model.get('name')!r}); re-plan for this model")
-    from autopar.passes.mixed_precision import compute_dtype
+    from autopar.passes.mixed_precision import program_dtype
     from autopar.runtime.parallel_module import ParallelModule, mesh_for_plan
 
-    m, dtype = the_plan.pipeline.microbatches, compute_dtype(the_plan.precision)
+    m, dtype = the_plan.pipeline.microbatches, program_dtype(the_plan.precision)
     if m > 1 or dtype is not None:  # the program runs one microbatch at a time, in the compute dtype: capture that
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
                            _first_rows(example_targets, m) if example_targets is not None else None, loss_fn,

@@ -244,6 +244,8 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
         fixed["cp_attention"] = run.cp_attention
     if run.reduce_dtype:
         fixed["reduce_dtype"] = run.reduce_dtype
+    if run.master_dtype:
+        fixed["master_dtype"] = run.master_dtype
     if overlaps_fsdp_reductions(run):
         fixed["runtime"] = "lowered"
     return fixed

@@ -119,6 +119,10 @@ class ModernRun:
     """Dtype of the data-parallel gradient reductions where the source states it ("bf16": NeMo's
     ``optim.grad_sync_dtype: bf16``, Megatron-Core's ``grad_reduce_in_fp32 = False``); "" leaves autopar's
     default (fp32, Megatron-Core's ``grad_reduce_in_fp32`` under bf16)."""
+    master_dtype: str = ""
+    """Dtype of the master weights and optimizer state where the source keeps them narrower than fp32 ("bf16":
+    NeMo's ``optim.dtype: bf16`` for ``distributed_fused_adam``, Apex ``DistributedFusedAdam(dtype=bf16)``,
+    whose parameter shard and moments are bf16); "" leaves autopar's default (fp32 masters and moments)."""
     schedule: str = ""
     """The pipeline schedule where it differs from Megatron-Core's (1F1B, interleaved where ``vp`` > 1):
     "interleaved" with its chunks unstated (the Llama 3 paper's modified interleaved 1F1B)."""
@@ -247,16 +251,15 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
     _nemo_h100("nemotron4-340b/128xH100", NEMOTRON4_340B, seq=4096, global_batch=32, micro_batch=1, gpus=128,
                tp=8, pp=8, vp=12, recompute="core_attention",
                recompute_as_published="activations_checkpoint_granularity: selective", published=4.61,
-               published_mfu=0.5538, reduce_dtype="bf16",
+               published_mfu=0.5538, reduce_dtype="bf16", master_dtype="bf16",
                source=f"{DGXC_V24_11}:nemotron/README_340b.md, table 'Nemotron4 340b 24.11 BF16 (TP=8, PP=8, MBS=1, "
                       "GA=16, VP=12)', column 128x H100 (GBS=32); config nemotron/nemotron4-340b-synth.yaml",
-               notes="distributed_fused_adam with grad_sync_dtype: bf16 and its state in bf16 (optim.dtype: bf16, "
-                     "which autopar does not model: it prices fp32 master weights and moments); sequence parallel; "
-                     "no TP communication overlap"),
+               notes="distributed_fused_adam with grad_sync_dtype: bf16 and its state in bf16 (optim.dtype: bf16: "
+                     "pinned as master_dtype=bf16); sequence parallel; no TP communication overlap"),
     _nemo_h100("nemotron4-340b/1024xH100", NEMOTRON4_340B, seq=4096, global_batch=256, micro_batch=1, gpus=1024,
                tp=8, pp=8, vp=12, recompute="core_attention",
                recompute_as_published="activations_checkpoint_granularity: selective", published=4.73,
-               published_mfu=0.5398, reduce_dtype="bf16",
+               published_mfu=0.5398, reduce_dtype="bf16", master_dtype="bf16",
                source=f"{DGXC_V24_11}:nemotron/README_340b.md, same table, column 1024x H100 (GBS=256)",
                notes="as nemotron4-340b/128xH100, weak-scaled"),
     _nemo_h100("llama3.1-8b-cp2/8xH100", LLAMA3_8B, seq=8192, global_batch=128, micro_batch=1, gpus=8,

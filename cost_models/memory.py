@@ -4,11 +4,18 @@ This module is for per-device memory facts that do not depend on the model graph
 per parameter element, and the usable share of HBM after a reserve. It is not for activation
 accounting (that belongs to the strategies, which know the graph).
 
-Mixed-precision AdamW follows the convention of Megatron-LM and ZeRO (Rajbhandari et al., SC20):
-both moments (exp_avg, exp_avg_sq) in fp32, 8 bytes per element, plus an fp32 master copy of a
-parameter kept in 16-bit (or 8-bit) precision, 4 bytes more: 12 bytes per element in all, on
-top of the parameter and gradient themselves. Moments of a parameter wider than fp32 (fp64) are
-kept in its own precision, as torch.optim.AdamW does.
+AdamW's state follows the dtype of the parameters the optimizer steps (the masters): torch.optim.AdamW
+creates its moments (exp_avg, exp_avg_sq) like the parameter (``torch.zeros_like``), so each moment
+takes the masters' bytes. With fp32 masters under 16-bit compute this is the convention of Megatron-LM
+and ZeRO (Rajbhandari et al., SC20): two fp32 moments, 8 bytes per element, plus the fp32 master copy,
+4 more: 12 bytes on top of the parameter and gradient themselves. With bf16 masters (Apex
+``DistributedFusedAdam(dtype=torch.bfloat16)``, NeMo's ``optim.dtype: bf16``: "dtype: datatype for
+optimizer state", its parameter shard and both moments; Megatron-FSDP's
+``--megatron-fsdp-main-params-dtype bf16``; Megatron-Core's precision-aware optimizer keeps only the
+moments in bf16, ``--exp-avg-dtype bf16``, its ``--main-params-dtype`` being fp32 or fp16) the moments
+take 4 bytes, and the masters are the program's own parameters, so no copy is kept, except where
+ZeRO-1/2 cuts the state into dp-shards: a shard is a tensor of its own. Masters are never narrower
+than the parameter (fp64 stays fp64).
 """
 
 from __future__ import annotations
@@ -25,18 +32,27 @@ RESERVE_FRACTION = 0.08
 allocator fragmentation and rounding (the caching allocator's blocks rarely pack above ~92-95%)."""
 
 
-def adamw_state_bytes(numel: int, param_dtype: Any, master_fp32: bool = True) -> int:
-    """Bytes of AdamW state for ``numel`` parameter elements stored in ``param_dtype``.
+def master_dtype_of(param_dtype: Any, master_dtype: str = "fp32") -> str:
+    """The dtype the optimizer keeps a ``param_dtype`` parameter's masters in: ``master_dtype``, or the
+    parameter's own where that is wider (fp64)."""
+    param = dtype_key(param_dtype)
+    return param if DTYPE_BYTES[param] > DTYPE_BYTES[dtype_key(master_dtype)] else dtype_key(master_dtype)
 
-    Moments: 2 x max(4, itemsize) bytes per element. Master copy: 4 bytes per element when the
-    parameter is narrower than fp32 and ``master_fp32``.
+
+def adamw_state_bytes(numel: int, param_dtype: Any, master_dtype: str = "fp32", sharded: bool = False) -> int:
+    """Bytes of AdamW state for ``numel`` elements of a parameter the program computes with in
+    ``param_dtype``, its optimizer stepping masters in ``master_dtype`` (see the module doc).
+
+    Moments: 2 x the masters' bytes per element. Master copy: the masters' bytes per element where
+    they are not the program's parameter: another dtype (mixed precision), or ``sharded`` (ZeRO-1/2's
+    dp-shard of a parameter the program holds whole). The caller divides a sharded state by its shards.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-    itemsize = DTYPE_BYTES[dtype_key(param_dtype)]
-    moments = ADAM_MOMENTS * max(FP32_BYTES, itemsize)
-    master = FP32_BYTES if master_fp32 and itemsize < FP32_BYTES else 0
-    return numel * (moments + master)
+    master = master_dtype_of(param_dtype, master_dtype)
+    master_bytes = DTYPE_BYTES[master]
+    copy = master_bytes if sharded or master != dtype_key(param_dtype) else 0
+    return numel * (ADAM_MOMENTS * master_bytes + copy)
 
 
 def reserve_fraction() -> float:

@@ -1,9 +1,10 @@
 """The parameters a step's program reads, made from the parameters the optimizer steps; mixed precision.
 
 A plan's ``precision`` (``autopar.core.plan.Precision``) names the dtype the program computes in, the
-optimizer's (master) parameters' dtype (fp32) and the gradient reductions' dtype. When the compute
-dtype is narrower than fp32 the step runs in mixed precision (Micikevicius et al., "Mixed Precision
-Training", ICLR 2018), as ``ProgramParameters`` arranges it:
+optimizer's (master) parameters' dtype (fp32, or bf16 where ``master_dtype`` pins it) and the gradient
+reductions' dtype. When the compute dtype is narrower than the masters' the step runs in mixed
+precision (Micikevicius et al., "Mixed Precision Training", ICLR 2018), as ``ProgramParameters``
+arranges it:
 
 * **master weights**: every parameter, as the plan places it, in fp32; the optimizer steps these
   (``optimizer_parameters``), so its state and updates keep full precision;
@@ -19,7 +20,11 @@ Training", ICLR 2018), as ``ProgramParameters`` arranges it:
 * **reductions outside the program** (``GradientSync``'s all_reduce, ZeRO's reduce_scatter) run in the
   plan's ``precision.reduce`` and hand the optimizer fp32 gradients.
 
-Without mixed precision the program reads the masters themselves. The captured program was traced with
+Without mixed precision the program reads the masters themselves: in fp32, or, with bf16 masters
+(``precision.master`` bf16, NeMo's ``optim.dtype: bf16``), in bf16, where gradients
+accumulate in bf16 on the masters (under ZeRO-1/2 on the whole bf16 parameters, then reduce-scattered
+in ``precision.reduce`` onto the bf16 shards) and the user's optimizer creates its state like its
+parameters (``torch.optim.AdamW``'s moments: bf16). The captured program was traced with
 the model in the compute dtype (``autopar.ir.capture.capture``'s ``dtype``), so the model's own casts
 (a norm computed in fp32, then cast back) run as captured, and float buffers and inputs are cast to
 the compute dtype on their way in.
@@ -50,6 +55,13 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def compute_dtype(precision: Precision) -> torch.dtype | None:
     """The dtype the program computes in when it differs from the masters' (mixed precision), else None."""
     return TORCH_DTYPES[precision.compute] if precision.mixed else None
+
+
+def program_dtype(precision: Precision) -> torch.dtype | None:
+    """The dtype the program computes in where the model's (fp32) parameters are not already in it: the
+    compute dtype, under fp32 masters (mixed precision) and bf16 masters alike; None in fp32. The model is
+    captured in it (``autoparallelize``) and its float buffers and inputs are cast to it."""
+    return TORCH_DTYPES[precision.compute] if precision.compute != "fp32" else None
 
 
 def as_master(tensor: torch.Tensor, precision: Precision) -> torch.Tensor:
@@ -92,7 +104,7 @@ def cast_parameters(gm: fx.GraphModule, parameter_values: set[str], precision: P
 
 def in_compute_dtype(tensor: torch.Tensor, precision: Precision) -> torch.Tensor:
     """A float buffer or input in the program's compute dtype; anything else as it is."""
-    dtype = compute_dtype(precision)
+    dtype = program_dtype(precision)
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 

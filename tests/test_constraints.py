@@ -27,6 +27,7 @@ GOOD = [  # key, value as given, field, value as held
     ("solver_nodes", "200", "solver_nodes", 200),
     ("dtype", "BF16", "dtype", "bf16"), ("dtype", "fp32", "dtype", "fp32"),
     ("reduce_dtype", "bf16", "reduce_dtype", "bf16"), ("reduce_dtype", "FP32", "reduce_dtype", "fp32"),
+    ("master_dtype", "FP32", "master_dtype", "fp32"),  # bf16 pins dtype too: tests/test_optimizer_dtype.py
     ("runtime", "Lowered", "runtime", "lowered"), ("runtime", "dtensor", "runtime", "dtensor"),
 ]
 

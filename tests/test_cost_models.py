@@ -379,7 +379,7 @@ def test_compute_time_of_nothing_is_zero_and_bad_input_raises() -> None:
 
 def test_adamw_state_bytes() -> None:
     assert adamw_state_bytes(1000, torch.bfloat16) == 12_000          # 2 fp32 moments + fp32 master
-    assert adamw_state_bytes(1000, "fp16", master_fp32=False) == 8_000
+    assert adamw_state_bytes(1000, "bf16", master_dtype="bf16") == 4_000  # 2 bf16 moments, the masters are read
     assert adamw_state_bytes(1000, torch.float32) == 8_000            # no master copy for fp32
     with pytest.raises(ValueError, match="numel"):
         adamw_state_bytes(-1, torch.float32)

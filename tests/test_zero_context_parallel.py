@@ -54,24 +54,27 @@ def _optimizer_bytes(plan: dict) -> float:
 
 def test_optimizer_state_is_divided_by_dp_times_cp() -> None:
     """tiny-llama's every weight has a dim of 4 or more, so ZeRO-1 over dp=2 x cp=2 keeps exactly a
-    quarter of the state DDP keeps, and over cp=4 alone a quarter too."""
+    quarter of the state DDP keeps, and over cp=4 alone a quarter too; in fp32 that state is the two
+    moments (8 bytes a parameter) and, under ZeRO, the fp32 shard the optimizer steps (4 more)."""
     ddp = _optimizer_bytes(_plan({"dp": 2, "cp": 2, "fsdp": 0}))
     zero1 = _plan({"dp": 2, "cp": 2, "fsdp": 1})
     assert zero1["degrees"]["zero"] == 1 and zero1["mesh"]["dim_names"] == ["dp", "cp"]
-    assert _optimizer_bytes(zero1) == pytest.approx(ddp / 4)
+    assert _optimizer_bytes(zero1) == pytest.approx(ddp * 12 / 8 / 4)
     cp_only = _plan({"cp": 4, "fsdp": 1})
     assert cp_only["degrees"]["zero"] == 1 and cp_only["mesh"]["dim_names"] == ["cp"]
-    assert _optimizer_bytes(cp_only) == pytest.approx(ddp / 4)
+    assert _optimizer_bytes(cp_only) == pytest.approx(ddp * 12 / 8 / 4)
 
 
 def test_pricer_divides_state_by_every_zero_dim() -> None:
-    """A 4,096 x 4,096 weight replicated on a dp=4 x cp=2 mesh: AdamW's two fp32 moments split 8 ways."""
+    """A 4,096 x 4,096 weight replicated on a dp=4 x cp=2 mesh: AdamW's two fp32 moments and the fp32
+    shard they update (a tensor of its own under ZeRO) split 8 ways."""
     val = torch.empty(4096, 4096, device="meta")
     placements = (torch.distributed.tensor.Replicate(),) * 2
     pricer = Pricer(parse_cluster("1x8xH100"), (4, 2), "fp32", zero_stage=1, zero_dims=(0, 1))
     ddp = Pricer(parse_cluster("1x8xH100"), (4, 2), "fp32", zero_stage=0, zero_dims=(0, 1))
     assert pricer.optimizer_shards(val, placements) == 8
-    assert pricer.parameter_memory(val, placements)["optimizer"] == ddp.parameter_memory(val, placements)["optimizer"] / 8
+    assert pricer.parameter_memory(val, placements)["optimizer"] == ddp.parameter_memory(val, placements)["optimizer"] \
+        * 12 / 8 / 8
     assert (pricer.zero_share(0, (0, 1)), pricer.zero_share(1, (0, 1))) == (1.0, 0.25)
 
 

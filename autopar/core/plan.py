@@ -226,7 +226,10 @@ class Precision(_Section):
     reduced in (``passes/mixed_precision.py`` runs it, ``planning/pricing.py`` prices it).
 
     ``compute`` narrower than ``master`` is mixed precision (Micikevicius et al., ICLR 2018): the
-    optimizer steps fp32 master weights, the program reads copies in ``compute``. ``reduce`` is the
+    optimizer steps fp32 master weights, the program reads copies in ``compute``. ``master`` bf16 (with
+    ``compute`` bf16: masters narrower than the compute dtype, or of another 16-bit format, are refused)
+    keeps the optimizer's parameters and state in bf16 and the program reads the masters themselves
+    (Apex ``DistributedFusedAdam(dtype=torch.bfloat16)``, NeMo's ``optim.dtype: bf16``). ``reduce`` is the
     dtype of the gradient reductions outside the program (data parallelism's all_reduce, ZeRO-1/2's
     reduce_scatter, a tied weight's sum across stages); FSDP's reduce_scatter is the backward of its
     gather inside the program and runs in ``compute``. Plans written before this section existed read
@@ -244,6 +247,9 @@ class Precision(_Section):
             if getattr(self, key) not in DTYPES:
                 raise PlanFormatError(f"{source}: precision.{key} must be one of {', '.join(DTYPES)}, "
                                       f"got {getattr(self, key)!r}")
+        refusal = master_refusal(self.master, self.compute)
+        if refusal:
+            raise PlanFormatError(f"{source}: precision: {refusal}")
 
     @property
     def mixed(self) -> bool:
@@ -251,10 +257,21 @@ class Precision(_Section):
         return self.compute != self.master
 
     @classmethod
-    def of(cls, compute: str, reduce: str | None = None) -> Precision:
-        """The precision of a plan computing in ``compute``: fp32 masters, reductions in ``reduce``
-        (free: fp32)."""
-        return cls(compute=compute, master="fp32", reduce=reduce or "fp32")
+    def of(cls, compute: str, reduce: str | None = None, master: str | None = None) -> Precision:
+        """The precision of a plan computing in ``compute``: masters in ``master`` and reductions in
+        ``reduce`` (each free: fp32)."""
+        return cls(compute=compute, master=master or "fp32", reduce=reduce or "fp32")
+
+
+def master_refusal(master: str, compute: str) -> str | None:
+    """Why master weights in ``master`` cannot serve a program computing in ``compute`` (None if they can):
+    the masters are the precision the optimizer keeps, so fp32 serves every compute dtype and a 16-bit
+    format only itself (the program then reads the masters: no copy)."""
+    if master == "fp32" or master == compute:
+        return None
+    return (f"master weights in {master} serve only a program computing in {master}, got compute dtype {compute}: "
+            "masters narrower than the computation (or of another 16-bit format) would round away what each "
+            "step computes; fp32 masters serve any compute dtype")
 
 
 _SECTIONS: dict[str, type[_Section]] = {"mesh": Mesh, "degrees": Degrees, "pipeline": Pipeline,

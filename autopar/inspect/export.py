@@ -322,6 +322,10 @@ def _data_parallel(plan: Plan, placed: _Placed, ops: list[_WeightOp], tp: _Tenso
     dp = _data_parallel_kind(plan, placed, ops, tp, notes)
     pr = plan.precision
     if not pr.mixed:
+        if pr.master != "fp32":
+            notes.append(f"master weights in {pr.master}: parameters, gradients and optimizer state are "
+                         f"{pr.master}, as priced; cast the model with model.to({TORCH_DTYPES[pr.master]}) "
+                         "before this")
         return dp
     if dp.kind == "fsdp":
         return replace(dp, mixed_precision=(str(TORCH_DTYPES[pr.compute]).removeprefix("torch."),

@@ -78,7 +78,11 @@ def checkpointing_text(plan: Plan) -> str:
 def precision_text(plan: Plan) -> str:
     """Compute, master-weight and gradient-reduction dtypes in words."""
     pr = plan.precision
-    compute = f"{pr.compute} compute, {pr.master} master weights" if pr.mixed else f"{pr.compute} throughout"
+    if pr.mixed:
+        compute = f"{pr.compute} compute, {pr.master} master weights"
+    else:
+        compute = f"{pr.compute} throughout" + (f" (master weights and optimizer state in {pr.master})"
+                                                 if pr.master != "fp32" else "")
     return f"{compute}, gradients reduced in {pr.reduce}"
 
 

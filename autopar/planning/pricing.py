@@ -64,7 +64,9 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
 
 Precision: on accelerators activations and parameters are priced in the compute dtype (bf16 by
 default) with ZeRO's mixed-precision accounting of 16 bytes per parameter (2 param + 2 grad + 12
-AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` everything is fp32.
+AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` everything is fp32. With
+bf16 masters (``precision.master``, ``master_dtype``) the optimizer state is priced in bf16
+(``Pricer.parameter_memory``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
                           matmul_kind)
+from autopar.cost_models.memory import master_dtype_of
 from autopar.core.placement import Placements, optimizer_shard_dim
 from autopar.core.plan import DTENSOR, LOWERED
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
@@ -188,12 +191,13 @@ class Pricer:
 
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
                  zero_stage: int = 0, zero_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
-                 runtime: str = DTENSOR):
+                 runtime: str = DTENSOR, master_dtype: str = "fp32"):
         self.cluster = cluster
         self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
         self.reduce_dtype = reduce_dtype  # of the gradient reductions outside the program (core.plan.Precision)
+        self.master_dtype = master_dtype  # of the parameters the optimizer steps (core.plan.Precision)
         self.stages = stages
         self.zero_stage = zero_stage
         self.zero_dims = tuple(zero_dims)  # the mesh dims ZeRO-1/2 may shard state over (core.axes.ZERO_AXES)
@@ -617,31 +621,46 @@ class Pricer:
         """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state, as
         ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them.
 
-        The optimizer steps fp32 parameters: AdamW's moments, and under mixed precision (a compute
-        dtype narrower than fp32) the fp32 master weights, are ``optimizer`` (``adamw_state_bytes``);
+        The optimizer steps parameters in ``master_dtype`` (``precision.master``): AdamW's moments, and
+        the master weights where they are not the program's parameters (mixed precision: a compute dtype
+        narrower than the masters'; ZeRO-1/2's shards), are ``optimizer`` (``adamw_state_bytes``);
         ``params`` is what the program computes with, in the compute dtype. A parameter's gradient
-        accumulates on its fp32 master (through the compute copy's backward), except under ZeRO-1/2
-        (Rajbhandari et al., SC20), where a parameter whose state is split over dp (and cp: ``_zero_dims``)
-        keeps only its share of that state, computes with a whole parameter in the compute dtype and
-        accumulates its gradient there (ZeRO-1), or reduce-scatters it every microbatch onto its fp32
-        shard (ZeRO-2: only the shard's gradient is kept). ZeRO-3 is a parameter sharded on those
-        dims, which ``local_numel`` already divides. Mixed precision without ZeRO is 18 bytes per
-        parameter (2 + 4 + 12), Megatron-LM's count for bf16 parameters with fp32 gradients.
+        accumulates on its master (through the compute copy's backward, or on the master itself when the
+        program computes in the masters' dtype), except under ZeRO-1/2 (Rajbhandari et al., SC20),
+        where a parameter whose state is split over dp (and cp: ``_zero_dims``) keeps only its share of
+        that state, computes with a whole parameter in the compute dtype and accumulates its gradient
+        there (ZeRO-1), or reduce-scatters it every microbatch onto its master shard (ZeRO-2: only the
+        shard's gradient is kept). ZeRO-3 is a parameter sharded on those dims, which ``local_numel``
+        already divides. Per parameter without ZeRO: 18 bytes with fp32 masters under bf16 (2 + 4 + 12,
+        Megatron-LM's count for bf16 parameters with fp32 gradients), 8 with bf16 masters (2 + 2 + 4, and
+        4 more for fp32 reductions: ``_widened_gradient_bytes``);
+        under ZeRO-1 over dp ranks, 2 + 2 + 12/dp and 2 + 2 + (2 + 4)/dp (Apex DistributedFusedAdam with
+        ``dtype=torch.bfloat16``).
         """
         numel = int(self.local_numel(val, placements))
-        state_dtype = torch.float32 if self.dtype == "fp32" else torch.bfloat16
         shards = self.optimizer_shards(val, placements)
         compute = numel * self.element_bytes(val)
-        master = numel * _DTYPE_BYTES["fp32"]
+        master_bytes = _DTYPE_BYTES[master_dtype_of(self.dtype, self.master_dtype)]
+        master = numel * master_bytes
         if shards == 1:
-            grads = master
+            grads = master + self._widened_gradient_bytes(numel, master_bytes, placements)
         else:
             grads = compute if self.zero_stage == 1 else master / shards
         return {
             "params": compute,
             "grads": grads,
-            "optimizer": adamw_state_bytes(numel, state_dtype, master_fp32=True) / shards,
+            "optimizer": adamw_state_bytes(numel, self.dtype, self.master_dtype, sharded=shards > 1) / shards,
         }
+
+    def _widened_gradient_bytes(self, numel: int, grad_bytes: int, placements: Placements) -> float:
+        """Bytes data parallelism's gradient sync (``passes/gradient_sync.py``) holds beside a gradient of
+        ``grad_bytes`` an element that it all-reduces (replicated on dp or cp) in a wider ``reduce_dtype``
+        (bf16 masters, fp32 reductions): the bucket's widened copy, until the reduction hands the gradient
+        back in its own dtype. A gradient as wide as its reduction is handed back as a view of the
+        bucket, which replaces it: none."""
+        reduced = any(placements[d].is_replicate() and self.mesh_shape[d] > 1 for d in self.zero_dims)
+        widened = _DTYPE_BYTES[self.reduce_dtype] > grad_bytes
+        return numel * _DTYPE_BYTES[self.reduce_dtype] if reduced and widened else 0.0
 
     # ---- edges -------------------------------------------------------------------------------
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,

@@ -59,7 +59,7 @@ def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Cons
     runtime = LOWERED if constraints.runtime == LOWERED and mesh.stages == 1 else DTENSOR
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
                   zero_dims=mesh.dims_of(*ZERO_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
-                  runtime=runtime)
+                  runtime=runtime, master_dtype=constraints.master_dtype or "fp32")
 
 
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,

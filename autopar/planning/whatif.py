@@ -148,12 +148,13 @@ def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, in
 
 def _pricing_constraints(plan: Plan) -> Constraints:
     """What the planner's pricing needs beyond the placements: a ZeRO-1/2 stage (sharded optimizer
-    state of replicated parameters) and the gradient reductions' dtype. Nothing else is pinned, so every
-    strategy the plan took, under whatever constraints it was made, is among the options. The runtime the
-    plan's prices assume is kept too (``predicted.runtime``; DTensor in plans without it)."""
+    state of replicated parameters), the gradient reductions' and the master weights' dtypes. Nothing else
+    is pinned, so every strategy the plan took, under whatever constraints it was made, is among the
+    options. The runtime the plan's prices assume is kept too (``predicted.runtime``; DTensor in plans
+    without it)."""
     zero = plan.degrees.zero or 0
     return Constraints(zero_stage=zero if zero in (1, 2) else None, reduce_dtype=plan.precision.reduce,
-                       runtime=plan.predicted.get("runtime"))
+                       master_dtype=plan.precision.master, runtime=plan.predicted.get("runtime"))
 
 
 def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, staging: Staging, dtype: str,
