@@ -1,7 +1,7 @@
 """Pipeline schedules in numbers: the bubble and the microbatches in flight on a stage.
 
 This module evaluates the pipeline formulas of ``symbolic.py`` (``BUBBLE_FRACTION``,
-``MICROBATCHES_IN_FLIGHT``, ``LAST_CHUNK_IN_FLIGHT``; Narayanan et al., SC21, §2.2; Korthikanti et al. 2022, §4.2.3) for
+``MICROBATCHES_IN_FLIGHT``, ``LAST_STAGE_IN_FLIGHT``, ``LAST_CHUNK_IN_FLIGHT``; Narayanan et al., SC21, §2.2; Korthikanti et al. 2022, §4.2.3) for
 one schedule. It is not for choosing stages or pricing their sends (the planner does that, with
 ``comm.collective_time("send_recv", ...)``).
 
@@ -27,7 +27,8 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from .symbolic import BUBBLE_FRACTION, LAST_CHUNK_IN_FLIGHT, MICROBATCHES_IN_FLIGHT, compile_expr, m, p, v
+from .symbolic import (BUBBLE_FRACTION, LAST_CHUNK_IN_FLIGHT, LAST_STAGE_IN_FLIGHT, MICROBATCHES_IN_FLIGHT,
+                       compile_expr, m, p, v)
 
 SIMULATED = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
 """Schedules priced by simulating torch's action table: name -> the class of
@@ -76,6 +77,17 @@ def microbatches_in_flight(schedule: str, stages: int, microbatches: int, chunks
     return float(_compiled("in_flight", schedule)(stages, microbatches, chunks))
 
 
+def last_stage_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Microbatches whose activations the last stage (the device of the model's last chunk) holds at once,
+    in stages' worth: ``m`` (GPipe), 1 (1F1B), ``((v - 1) r + 1) / v`` (interleaved); zero-bubble schedules:
+    simulated; 1 with a single stage."""
+    if _checked(schedule, stages, microbatches, chunks) == 1:
+        return 1.0
+    if schedule in SIMULATED:
+        return simulated_schedule(schedule, stages, microbatches, chunks).last_stage_in_flight
+    return float(_compiled("last_stage_in_flight", schedule)(stages, microbatches, chunks))
+
+
 def last_chunk_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the model's last chunk (final norm, head, loss) holds at once:
     ``m`` (GPipe), 1 (1F1B, interleaved: its backward follows its forward); zero-bubble schedules:
@@ -106,6 +118,7 @@ class SimulatedSchedule:
     work: float  # one device's compute (every device has the same)
     in_flight: float  # most microbatches whose activations one device holds at once, in stages' worth
     last_in_flight: int  # most microbatches the model's last chunk holds at once
+    last_stage_in_flight: float = 0.0  # most microbatches the last chunk's device holds at once, in stages' worth
 
     @property
     def bubble_fraction(self) -> float:
@@ -153,8 +166,9 @@ def simulate(order: Mapping[int, Sequence[Action | None]], chunks: int,
         if not progressed:
             raise ValueError("pipeline schedule's actions wait on each other: not a valid action table")
     work = sum(cost[a.kind] if a.stage else first_cost[a.kind] for a in queues[next(iter(order))])
+    last_device = next(rank for rank, actions in queues.items() if any(a.stage == last for a in actions))
     return SimulatedSchedule(max(free.values()), work, max(h.most() for h in held.values()) / chunks,
-                             int(last_held.most()))
+                             int(last_held.most()), held[last_device].most() / chunks)
 
 
 def _ready_at(action: Action, last: int, done: Mapping[tuple[int, str, int], float]) -> float | None:
@@ -234,7 +248,7 @@ def torch_schedule_order(torch_class: str, stages: int, microbatches: int, chunk
 @functools.cache
 def _compiled(quantity: str, schedule: str) -> Callable[[int, int, int], float]:
     formulas = {"bubble": BUBBLE_FRACTION, "in_flight": MICROBATCHES_IN_FLIGHT,
-                "last_in_flight": LAST_CHUNK_IN_FLIGHT}[quantity]
+                "last_in_flight": LAST_CHUNK_IN_FLIGHT, "last_stage_in_flight": LAST_STAGE_IN_FLIGHT}[quantity]
     return compile_expr((p, m, v), formulas[schedule])
 
 

@@ -242,6 +242,17 @@ device's warmup forwards plus one, ``(v - 1) r + 2 (p - 1) + 1`` chunk-microbatc
 round (Megatron-LM's count, Narayanan et al., SC21, where ``r = p``: ``p (1 + (p - 1) / (p v))``), at most all
 ``m``; equal to what ``simulate`` of torch's table holds, where ``m`` is not a multiple of ``p`` too."""
 
+LAST_STAGE_IN_FLIGHT: Mapping[str, Expr] = {
+    "gpipe": m,
+    "1f1b": Integer(1),
+    "interleaved": ((v - 1) * INTERLEAVED_ROUND + 1) / v,
+}
+"""Microbatches whose saved activations the last stage (device ``p - 1``) holds at once, in stages' worth
+(p >= 2): every one under GPipe; one under 1F1B (stage ``s`` holds ``min(p - s, m)``, Narayanan et al., SOSP
+2019); interleaved: the last device's warmup forwards plus one, ``(v - 1) r + 1`` chunk-microbatches
+(Megatron-LM's warmup count of rank ``p - 1``, Narayanan et al., SC21), equal to what ``simulate`` of torch's
+table holds there."""
+
 LAST_CHUNK_IN_FLIGHT: Mapping[str, Expr] = {
     "gpipe": m,
     "1f1b": Integer(1),

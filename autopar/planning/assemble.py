@@ -309,7 +309,6 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
                pricer: Pricer) -> dict[str, Any]:
     compute = sync = hide = 0.0
     comm: dict[str, float] = {}
-    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
     for key, opt in chosen.items():
         d = problem.decisions[key]
         compute += d.count * opt.cost.compute_s
@@ -317,7 +316,6 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         hide += d.count * problem.overlap_fraction * opt.cost.backward_compute_s
         for kind, s in opt.cost.comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + d.count * s
-        _add_memory(memory, captured, d, opt, pricer)
     for edge in problem.edges:
         p = chosen[edge.src].strategy.outputs[edge.src_out]
         q = chosen[edge.dst].edge_key(edge.slot)
@@ -338,6 +336,9 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
     flops = model_flops(captured)
     peak = cluster.device.peak(pricer.dtype)
     tokens = _tokens_per_step(captured)
+    by_stage = {stage: _memory_parts(captured, problem, chosen, pricer, stage) for stage in problem.memory_rows}
+    binding = max(by_stage, key=lambda stage: sum(by_stage[stage].values()))
+    memory = by_stage[binding]
     return {
         "step_time_s": step,
         "tokens_per_s": tokens / step if step > 0 else 0.0,
@@ -350,6 +351,9 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         "peak_memory_bytes": int(sum(memory.values())),
         "memory_bytes": {k: int(v) for k, v in memory.items()},
         "memory_capacity_bytes": problem.memory_capacity_bytes,
+        **({"memory_stage": binding,
+            "stage_peak_memory_bytes": {stage: int(sum(parts.values())) for stage, parts in by_stage.items()}}
+           if problem.stage_rows is not None else {}),
         "optimizer_s": _optimizer_s(captured, problem, chosen, pricer),
         "runtime": pricer.runtime,  # what the prices assume runs the plan (core.plan.RUNTIMES)
     }
@@ -371,13 +375,23 @@ def _optimizer_s(captured: CapturedGraph, problem: Problem, chosen: dict, pricer
     return seconds
 
 
-def _add_memory(memory: dict, captured: CapturedGraph, d, opt, pricer: Pricer) -> None:
-    first = captured.node(d.nodes[0]) if captured.has_node(d.nodes[0]) else None
-    if first is not None and first.op == "placeholder" and first.name in captured.params:
-        for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0]).items():
-            memory[part] += d.count * b
-    else:
-        memory["activations"] += d.count * opt.cost.memory_bytes
+def _memory_parts(captured: CapturedGraph, problem: Problem, chosen: dict, pricer: Pricer, stage: str
+                  ) -> dict[str, float]:
+    """Bytes per part of what the device of memory row ``stage`` (``Problem.memory_rows``: a pipeline's
+    first or last stage) holds: the solver's row (4), split into parameters, gradients, optimizer state
+    and activations."""
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    for key, opt in chosen.items():
+        d = problem.decisions[key]
+        if not problem.holds(stage, key):
+            continue
+        first = captured.node(d.nodes[0]) if captured.has_node(d.nodes[0]) else None
+        if first is not None and first.op == "placeholder" and first.name in captured.params:
+            for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0]).items():
+                memory[part] += d.count * b
+        else:
+            memory["activations"] += d.count * problem.held_bytes(stage, key, opt.cost, opt.working_set_bytes)
+    return memory
 
 
 def _tokens_per_step(captured: CapturedGraph) -> float:

@@ -18,6 +18,12 @@ the placement of the value it reads (``RootSharding``): the problem lists those 
 ``getitem`` nodes are not decisions: they select one output of their producer, so edges leaving them
 start at the producer's output slot.
 
+Under a pipeline, the device of the first stage and that of the last hold different things: the ops
+before the repeated layers (the embedding) and the values only they read are the first's, those after
+them (final norm, head, loss) the last's, and the last holds its layers' activations for fewer
+microbatches (``StageRows``, built by ``stages.stage_problem``). Memory then has one row per end stage
+(``memory_rows``, ``held_bytes``): every device fits when both do.
+
 The readers of one value in one region (``ir.layers.reader_regions``: a layer, or the code before or
 after the layers) that need it in the same placement share one redistribute at run time
 (``passes/insert_redistributes.py``: q, k and v of one sequence-split norm output, one all_gather).
@@ -52,6 +58,8 @@ class Option:
     recompute_bytes: dict[str, float] = field(default_factory=dict)
     # per mode that recomputes the op: bytes of one layer's worth of its activations, live while that
     # layer's backward runs (charged once when any layer runs in the mode)
+    working_set_bytes: float = 0.0  # per occurrence, the part of ``cost.memory_bytes`` that is recomputing
+    # modes' working sets (``settled_option``): live once, not held per microbatch in flight
 
     def edge_key(self, slot: int) -> tuple[Placements, tuple[int, ...]]:
         """What an edge into input ``slot`` depends on: the placement this option reads it in, and the
@@ -76,10 +84,16 @@ class Decision:
         """Occurrences the solver pays for: those of the whole model, times ``scale``."""
         return self.occurrences * self.scale
 
-    def least_memory(self) -> float:
-        """Its smallest memory over options (and checkpointing modes, each with its recompute working set)."""
-        return min(min((self.count * c.memory_bytes + o.recompute_bytes.get(m, 0.0)
-                        for m, c in o.by_mode.items()), default=self.count * o.cost.memory_bytes)
+    def least_memory(self, held: Callable[[Cost, float], float] | None = None) -> float:
+        """Its smallest memory over options (and checkpointing modes, each with its recompute working set);
+        ``held(cost, working_set)``, where a device holds other than each price's ``memory_bytes``: the
+        bytes per occurrence a cost (with that working set in it) puts on it (``Problem.held_bytes``)."""
+        if held is None:  # (no call per option: the search bounds thousands of problems' memory)
+            return min(min((self.count * c.memory_bytes + o.recompute_bytes.get(m, 0.0)
+                            for m, c in o.by_mode.items()), default=self.count * o.cost.memory_bytes)
+                       for o in self.options)
+        return min(min((self.count * held(c, 0.0) + o.recompute_bytes.get(m, 0.0)
+                        for m, c in o.by_mode.items()), default=self.count * held(o.cost, o.working_set_bytes))
                    for o in self.options)
 
 
@@ -170,6 +184,43 @@ class LayerModes:
     modes: tuple[str, ...]
 
 
+FIRST_STAGE, LAST_STAGE, EVERY_DEVICE = "first", "last", "device"
+"""Memory rows (``Problem.memory_rows``): the first and the last pipeline stage's devices, or every device
+alike (no pipeline)."""
+
+
+@dataclass(frozen=True)
+class StageRows:
+    """What the first and the last stage of a pipeline hold differently (``stages.stage_problem``): the
+    decisions only the first holds (``first_only``: ops before the repeated layers and the values only they
+    read) and only the last (``last_only``: ops after them), and of a repeated layer's decisions
+    (``layers``) the share of the first stage's microbatches in flight whose activations the last holds
+    (``last_share``). Every other decision is on both: the layers, a weight both ends read (a tied
+    embedding and head, ``passes/tied_parameters.py``)."""
+
+    first_only: frozenset[str]
+    last_only: frozenset[str]
+    layers: frozenset[str]
+    last_share: float
+
+    def holds(self, stage: str, key: str) -> bool:
+        """Whether ``stage``'s device holds decision ``key``."""
+        return key not in (self.last_only if stage == FIRST_STAGE else self.first_only)
+
+    def rescaled(self, stage: str, key: str) -> bool:
+        """Whether ``stage``'s device holds decision ``key``'s activations for other microbatches than priced."""
+        return stage == LAST_STAGE and key in self.layers
+
+    def held_bytes(self, stage: str, key: str, cost: Cost, working_set: float) -> float:
+        """Bytes per occurrence that ``cost`` (an option of decision ``key``, ``working_set`` of it a
+        recomputed layer's, live once) puts on ``stage``'s device."""
+        if not self.holds(stage, key):
+            return 0.0
+        if cost.batch_memory and self.rescaled(stage, key):
+            return self.last_share * (cost.memory_bytes - working_set) + working_set
+        return cost.memory_bytes
+
+
 @dataclass
 class Problem:
     mesh_shape: tuple[int, ...]
@@ -182,6 +233,38 @@ class Problem:
     layer_modes: LayerModes | None = None  # per-layer checkpointing still to choose (solver.py (5)-(8))
     root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
     shared: list[SharedResharding] = field(default_factory=list)  # moves several edges share (11)
+    stage_rows: StageRows | None = None  # under a pipeline, what its end stages hold apart (memory rows (4))
+
+    @property
+    def memory_rows(self) -> tuple[str, ...]:
+        """The devices whose memory bounds every device's: the first and the last stage of a pipeline,
+        one row otherwise."""
+        return (FIRST_STAGE, LAST_STAGE) if self.stage_rows is not None else (EVERY_DEVICE,)
+
+    def holds(self, stage: str, key: str) -> bool:
+        """Whether the device of memory row ``stage`` holds decision ``key`` (every device does without a
+        pipeline)."""
+        return self.stage_rows is None or self.stage_rows.holds(stage, key)
+
+    def held_as_priced(self, stage: str, key: str) -> bool:
+        """Whether the device of memory row ``stage`` holds each option of decision ``key`` at its price's
+        ``memory_bytes`` (where it holds the decision at all)."""
+        return self.stage_rows is None or not self.stage_rows.rescaled(stage, key)
+
+    def held_bytes(self, stage: str, key: str, cost: Cost, working_set: float = 0.0) -> float:
+        """Bytes per occurrence that ``cost``, an option of decision ``key`` (``working_set`` of it a
+        recomputed layer's, ``Option.working_set_bytes``), puts on the device of memory row ``stage``."""
+        if self.stage_rows is None:
+            return cost.memory_bytes
+        return self.stage_rows.held_bytes(stage, key, cost, working_set)
+
+    def memory_by_stage(self, choice: Mapping[str, int]) -> dict[str, float]:
+        """Bytes per device of each memory row at ``choice``, on a problem whose layers' modes are settled
+        (``with_layer_modes``): the solver's constraint (4)."""
+        problem = self.settled(choice)
+        return {stage: sum(d.count * problem.held_bytes(stage, key, o.cost, o.working_set_bytes)
+                           for key, d in problem.decisions.items() for o in (d.options[choice[key]],))
+                for stage in problem.memory_rows}
 
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches (each distinct
@@ -259,10 +342,10 @@ def settled_option(option: Option, share: dict[str, float], count: float) -> Opt
         cost = used[0][1]
         if working_set:
             cost = with_fields(cost, memory_bytes=cost.memory_bytes + working_set)
-        return with_fields(option, cost=cost, by_mode={}, recompute_bytes={})
+        return with_fields(option, cost=cost, by_mode={}, recompute_bytes={}, working_set_bytes=working_set)
     cost = weighted_cost(used)
     cost.memory_bytes += working_set
-    return with_fields(option, cost=cost, by_mode={}, recompute_bytes={})
+    return with_fields(option, cost=cost, by_mode={}, recompute_bytes={}, working_set_bytes=working_set)
 
 
 def settled_moves(edges: list[Edge], shared: list["SharedResharding"], share: dict[str, float]

@@ -36,7 +36,7 @@ Constraints::
                                                                 gradient sync hides behind backward (g_e:
                                                                 a parameter's regather the lowered runtime
                                                                 issues ahead, ``edge_sync_terms``)
-    (4) sum_dk n_d M_dk x_dk <= capacity                        memory of every device (add_memory_constraint)
+    (4) sum_dk n_d M^s_dk x_dk <= capacity      for each row s   memory of every device (add_memory_constraint)
     (5) sum_m n_m = L;  n_m <= L a_m                            every layer has one mode
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
     (7) v_dkm <= x_dk;  sum_k v_dkm = a_m                       working set of a recomputing mode in use
@@ -81,7 +81,12 @@ Objective (predicted step time)::
 
     min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + sum_gpq n_g T_g(p,q) s_gpq + z
 
-Every device runs the same program (SPMD), so one memory row bounds them all. ``y`` and ``z`` are
+Every device runs the same program (SPMD), so one memory row bounds them all; under a pipeline, two
+(``Problem.memory_rows``): the first stage's device, which holds what comes before the repeated layers
+(``M^first_dk``: 0 for the head and loss) and the most microbatches in flight, and the last stage's
+(``M^last_dk``: 0 for the embedding; a layer's activations at the last stage's microbatches in flight),
+over the same variables (``Problem.held_bytes``); the stages between hold neither end and no more
+microbatches than the first. ``y`` and ``z`` are
 continuous: once ``x`` is integral, (2) fixes ``y`` to the one pair the two endpoints chose. The
 objective is scaled to microseconds and memory to GiB to keep coefficients near 1 for the LP.
 ``evaluate`` computes the same objective for a given assignment; tests check the solver against
@@ -95,6 +100,7 @@ solver's proven bound and whether the limit stopped it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -177,9 +183,10 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     y = add_edge_variables(model, problem, x)
     u = add_recompute_edge_variables(model, problem, y, n)
     moves = add_shared_move_variables(model, problem, y, n)
-    terms = priced_terms(problem, x, w) + add_root_sharding_variables(model, problem, x)
+    roots = add_root_sharding_variables(model, problem, x)
+    terms = priced_terms(problem, x, w) + roots
     z = add_overlap_constraint(model, terms + edge_sync_terms(problem, y), problem.overlap_fraction)
-    add_memory_constraint(model, problem, terms, v)
+    add_memory_constraint(model, problem, x, w, v, roots)
     objective = set_objective(model, problem, terms, y, u, z, moves)
     if cutoff_s is not None:
         add_cutoff(model, objective, z, cutoff_s, bubble_fraction)
@@ -456,13 +463,37 @@ def edge_sync_terms(problem: Problem, y: Mapping[int, list]) -> list:
             for var, cost in zip(y[e_idx], edge.price.values()) if cost.grad_sync_s]
 
 
-def add_memory_constraint(model: Ilp, problem: Problem, terms: list, v: Mapping) -> None:
-    """Constraint (4), with the working sets of (7)."""
-    weighted = _weighted(terms, lambda c: c.memory_bytes / _GIB)
+def add_memory_constraint(model: Ilp, problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, int], dict],
+                          v: Mapping, roots: list) -> None:
+    """Constraint (4), one row per memory row of the problem (``Problem.memory_rows``: the first and the
+    last stage of a pipeline), with the working sets of (7); ``roots``: the root-sharding terms of (9),
+    in the order of ``problem.root_terms``."""
+    for stage in problem.memory_rows:
+        terms = _memory_terms(problem, stage, x, w, v, roots)
+        model.row(-math.inf, problem.memory_capacity_bytes / _GIB, [(var, gib) for var, gib in terms if gib])
+
+
+def _memory_terms(problem: Problem, stage: str, x: Mapping[str, list], w: Mapping[tuple[str, int], dict],
+                  v: Mapping, roots: list) -> list[tuple[int, float]]:
+    """(variable, GiB) of memory row ``stage``: each option's bytes on that device (``Problem.held_bytes``),
+    per layer mode where the modes are open, their working sets, and the root-sharding terms'."""
+    terms = []
+    for key, d in problem.decisions.items():
+        for k, option in enumerate(d.options):
+            if (key, k) in w:
+                share = d.count / problem.layer_modes.layers
+                terms.extend((w[key, k][m], share * problem.held_bytes(stage, key, option.by_mode[m]) / _GIB)
+                             for m in w[key, k])
+            else:
+                terms.append((x[key][k], d.count * problem.held_bytes(stage, key, option.cost,
+                                                                      option.working_set_bytes) / _GIB))
     for (key, k), held in v.items():
         recompute_bytes = problem.decisions[key].options[k].recompute_bytes
-        weighted.extend((var, recompute_bytes[m] / _GIB) for m, var in held.items() if recompute_bytes.get(m))
-    model.row(-math.inf, problem.memory_capacity_bytes / _GIB, weighted)
+        if problem.holds(stage, key):
+            terms.extend((var, recompute_bytes[m] / _GIB) for m, var in held.items() if recompute_bytes.get(m))
+    terms.extend((g, occurrences * problem.held_bytes(stage, t.consumer, delta) / _GIB)
+                 for t, (g, delta, occurrences) in zip(problem.root_terms, roots))
+    return terms
 
 
 def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z, moves: list[tuple[int, float]] = ()) -> list:
@@ -506,19 +537,17 @@ def _weighted(terms: list, price) -> list:
 def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[str, int] | None = None
              ) -> tuple[float, float]:
     """(objective seconds, memory bytes) of an assignment (with its layers' checkpointing modes when the
-    problem leaves them open), by the ILP's own formulas."""
+    problem leaves them open), by the ILP's own formulas: the memory of its largest row (4)."""
     if problem.layer_modes is not None:
         problem = problem.with_layer_modes(dict(layer_modes or {}))
     problem = problem.settled(choice)
-    step = memory = 0.0
+    step = 0.0
     for key, d in problem.decisions.items():
-        c = d.options[choice[key]].cost
-        step += d.count * c.exposed_s
-        memory += d.count * c.memory_bytes
+        step += d.count * d.options[choice[key]].cost.exposed_s
     for edge in problem.edges:
         step += edge.count * edge.price[edge_pair(problem, edge, choice)].exposed_s
     step += sum(g.count(problem.edges) * c.exposed_s for g in problem.shared for c in g.taken(problem, choice))
-    return step + exposed_grad_sync(problem, choice), memory
+    return step + exposed_grad_sync(problem, choice), max(problem.memory_by_stage(choice).values())
 
 
 def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
@@ -568,9 +597,13 @@ def _layer_mode_counts(problem: Problem) -> Iterator[dict[str, int]]:
 
 
 def least_memory(problem: Problem) -> float:
-    """A lower bound of any plan's memory per device: every decision at its smallest option (and
-    checkpointing mode)."""
-    return sum(d.least_memory() for d in problem.decisions.values())
+    """A lower bound of any plan's memory per device: in each memory row (``Problem.memory_rows``), every
+    decision at its smallest option (and checkpointing mode); the largest row."""
+    as_priced = {key: d.least_memory() for key, d in problem.decisions.items()}
+    return max(sum(as_priced[key] if problem.held_as_priced(stage, key)
+                   else d.least_memory(functools.partial(problem.held_bytes, stage, key))
+                   for key, d in problem.decisions.items() if problem.holds(stage, key))
+               for stage in problem.memory_rows)
 
 
 def least_time(problem: Problem) -> float:

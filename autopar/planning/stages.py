@@ -7,23 +7,28 @@ the ILP stays the one ``solver.py`` states.
 Pipeline (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. SOSP 2019; interleaved 1F1B, Narayanan et
 al. SC21): ``p`` stages of ``ceil(L / p)`` of the model's ``L`` repeated layers each, one stage per
 ``dp x tp`` submesh, the stage dimension outermost (across nodes). A device pays for its stage: each
-layer decision is scaled by ``layers_per_stage / L``. Ops outside the repeated layers (embedding,
-final norm, head, loss) are all priced on the stage, as if one stage held both ends of the model: a
-conservative choice that bounds the slowest stage (the first holds the embedding, the last the head).
-With ``v`` model chunks per device (interleaved), a device holds ``v`` chunks of ``ceil(L / (p v))``
-layers.
+layer decision is scaled by ``layers_per_stage / L``. With ``v`` model chunks per device (interleaved),
+a device holds ``v`` chunks of ``ceil(L / (p v))`` layers. In time, ops outside the repeated layers
+(embedding, final norm, head, loss) are all priced on the stage, as if one stage ran both ends of the
+model: a conservative choice that bounds the slowest stage (the first runs the embedding, the last the
+head; the step is one objective, which a max of two stages' times would make a second one). In memory
+each end is its own stage's (``StageRows``, the solver's two memory rows (4)): the first stage's
+device holds its layers and what comes before them (the embedding, its weight's parameters, gradients
+and optimizer state, the tokens), the last's its layers and what comes after them (final norm, head,
+loss, the head's weight, the labels); a weight both ends read (a tied embedding and head,
+``passes/tied_parameters.py``) counts on both. A pipeline fits when both rows do: the stages between
+hold neither end and no more microbatches than the first.
 
 Activations kept for backward are held for every microbatch in flight on the first stage: ``m`` for
 GPipe, ``min(p, m)`` for 1F1B, ``p (1 + (p - 1) / (p v))`` interleaved where ``m`` is a multiple of ``p``
 (Korthikanti et al. 2022, §4.2.3; ``cost_models/symbolic.py`` for the rest), 1 without a pipeline. The
-ops after the last layer (final norm, head, loss: the last chunk's) are held for the microbatches in
-flight there instead: ``m`` for GPipe, 1 for 1F1B and interleaved, whose last chunk runs each backward
-right after its forward. Under torch's zero-bubble
-schedule (Qi et al. 2024) both are simulated from its action table (``cost_models/pipeline.py``): ``p``
-on the first stage, and ``p`` on the last chunk too, whose weight gradients wait to fill the bubble.
-A large vocabulary's logits
-are then charged once, not ``p`` times; the sum stays a bound of every stage's memory (the first holds
-its layers and the embedding at ``min(p, m)``, the last its layers at fewer and the head at one).
+last stage holds its layers' activations for fewer (``Staging.last_stage_in_flight``): ``m`` for GPipe,
+1 for 1F1B, ``((v - 1) p + 1) / v`` interleaved (its warmup forwards plus one). The ops after the last
+layer (final norm, head, loss: the last chunk's) are held for the microbatches in flight there: ``m``
+for GPipe, 1 for 1F1B and interleaved, whose last chunk runs each backward right after its forward.
+Under torch's zero-bubble schedule (Qi et al. 2024) all three are simulated from its action table
+(``cost_models/pipeline.py``): ``p`` on the first stage, ``p`` on the last, and ``p`` on the last chunk,
+whose weight gradients wait to fill the bubble.
 
 Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per repeated layer:
 
@@ -78,10 +83,10 @@ from torch import fx
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import attention_cores, kept_under_selective, layer_names, layer_of, widens
 from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
-from autopar.cost_models.pipeline import (last_chunk_in_flight, least_bubble_fraction, microbatches_in_flight,
-                                          pipeline_bubble_fraction)
+from autopar.cost_models.pipeline import (last_chunk_in_flight, last_stage_in_flight, least_bubble_fraction,
+                                          microbatches_in_flight, pipeline_bubble_fraction)
 from autopar.planning.pricing import Cost, with_fields
-from autopar.planning.problem import LayerModes, Option, Problem, settled_moves, settled_option
+from autopar.planning.problem import LayerModes, Option, Problem, StageRows, settled_moves, settled_option
 
 @dataclass(frozen=True)
 class Staging:
@@ -109,6 +114,12 @@ class Staging:
         if self.stages == 1:
             return 1.0
         return microbatches_in_flight(self.schedule, self.stages, microbatches, self.chunks)
+
+    def last_stage_in_flight(self, microbatches: int) -> float:
+        """Microbatches whose saved activations of its layers the last stage holds at once."""
+        if self.stages == 1:
+            return 1.0
+        return last_stage_in_flight(self.schedule, self.stages, microbatches, self.chunks)
 
     def last_chunk_in_flight(self, microbatches: int) -> float:
         """Microbatches whose saved activations the model's last chunk (head and loss) holds at once."""
@@ -175,6 +186,8 @@ class LayerRoles:
     after_layers: frozenset[str]  # keys of ops after the last layer's (final norm, head, loss)
     attention_core: frozenset[str] = frozenset()  # keys of a layer's attention core (core_attention recomputes)
     saved_outside_core: frozenset[str] = frozenset()  # ... whose output an op outside its core saves (still held)
+    first_stage_only: frozenset[str] = frozenset()  # keys of ops before the first layer and of the values only they read
+    last_stage_only: frozenset[str] = frozenset()  # keys of ``after_layers`` and of the values only they read
 
 
 _last_roles: list[tuple[CapturedGraph, tuple[str, ...], LayerRoles]] = []  # the last graph's: a search asks hundreds of times
@@ -218,9 +231,47 @@ def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
                 expensive.add(key)
             if widens(node):
                 widening.add(key)
+    first, last = _held_at_one_end(captured, key_of, after_layers)
     return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive), frozenset(widening),
                       frozenset(after_layers),
-                      frozenset(core & in_layer), frozenset(saved_outside & in_layer))
+                      frozenset(core & in_layer), frozenset(saved_outside & in_layer), first, last)
+
+
+def _held_at_one_end(captured: CapturedGraph, key_of: dict[str, str], after: set[str]
+                     ) -> tuple[frozenset[str], frozenset[str]]:
+    """(keys only the first stage holds, keys only the last holds), as ``passes/split_stages.py`` gives
+    nodes to chunks: the ops ``after`` the repeated layers (final norm, head, loss) are the last stage's;
+    an op before them is the first's when only the first layer (a real one, not a traced stack's
+    representative of several) and other such ops read it (the embedding), not when later layers do too
+    (a rotary table or a mask, which every stage that reads it computes or receives). A placeholder is
+    one end's when only that end's ops read it (the tokens and the embedding's weight; the labels and
+    the head's weight); a weight both ends read (a tied embedding and head, of which
+    ``passes/tied_parameters.py`` gives each end stage a copy) is held by both."""
+    nodes = list(captured.graph.nodes)
+    layer_ops = [n for n in nodes if n.op == "call_function" and layer_of(n) is not None]
+    first_layer = layer_of(layer_ops[0]) if layer_ops else None
+    before = nodes[:nodes.index(layer_ops[0])] if layer_ops else []
+    first: set[str] = set()  # node names
+    for node in reversed(before):  # readers first
+        if node.op == "call_function" and node.users and all(
+                user.name in first or (layer_of(user) == first_layer and captured.weight(user.name) == 1.0)
+                for user in node.users):
+            first.add(node.name)
+    last = {node.name for node in nodes if key_of.get(node.name) in after}
+    for node in nodes:
+        if node.op == "placeholder" and node.users:
+            for end in (first, last):
+                if all(user.name in end for user in node.users):
+                    end.add(node.name)
+    return _keys_wholly_in(first, key_of), _keys_wholly_in(last, key_of)
+
+
+def _keys_wholly_in(names: set[str], key_of: dict[str, str]) -> frozenset[str]:
+    """The decision keys all of whose nodes are among ``names``."""
+    members: dict[str, list[str]] = {}
+    for name, key in key_of.items():
+        members.setdefault(key, []).append(name)
+    return frozenset(key for key, names_of in members.items() if all(n in names for n in names_of))
 
 
 def _users_through_getitem(node: fx.Node) -> list[fx.Node]:
@@ -236,7 +287,8 @@ def _users_through_getitem(node: fx.Node) -> list[fx.Node]:
 def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -> Problem:
     """``problem`` (priced for its microbatches) as one device of ``staging`` pays for it. With one
     checkpointing mode the result is plain; with several, each layer op is priced per mode and the
-    problem carries ``LayerModes`` for the solver to choose how many layers run in each."""
+    problem carries ``LayerModes`` for the solver to choose how many layers run in each. Prices are the
+    first stage's; under a pipeline the problem carries ``StageRows``, what the last stage holds apart."""
     layers = staging.layers_per_stage
     modes = staging.checkpointing if layers else ("none",)
     if staging.stages == 1 and modes == ("none",):
@@ -247,6 +299,7 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     still_held = {m: roles.saved_outside_core if m == "core_attention" else frozenset() for m in modes}
     in_flight = staging.in_flight(problem.microbatches)
     last_in_flight = staging.last_chunk_in_flight(problem.microbatches)
+    rows = _stage_rows(problem, roles, staging) if staging.stages > 1 else None
     one_mode = {modes[0]: 1.0} if len(modes) == 1 else None  # every layer in it: settled here, in one pass
     decisions = {}
     for key, d in problem.decisions.items():
@@ -265,9 +318,18 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
                      recomputed_under=tuple(m for m in modes if e.dst in recomputed[m]))
              for e in problem.edges]
     if one_mode:
-        return with_fields(problem, decisions=decisions, layer_modes=None,
+        return with_fields(problem, decisions=decisions, layer_modes=None, stage_rows=rows,
                            **settled_moves(edges, problem.shared, one_mode))
-    return with_fields(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes))
+    return with_fields(problem, decisions=decisions, edges=edges, layer_modes=LayerModes(layers, modes),
+                       stage_rows=rows)
+
+
+def _stage_rows(problem: Problem, roles: LayerRoles, staging: Staging) -> StageRows:
+    """What the first and the last stage hold apart (``StageRows``): each its end's ops, and the last its
+    layers' activations for ``last_stage_in_flight`` of the first stage's ``in_flight`` microbatches."""
+    layers = frozenset(key for key in problem.decisions if _is_layer_decision(key, roles))
+    share = staging.last_stage_in_flight(problem.microbatches) / staging.in_flight(problem.microbatches)
+    return StageRows(roles.first_stage_only, roles.last_stage_only, layers, share)
 
 
 def _treatment(key: str, option: Option, mode: str, recomputed: frozenset[str], kept_whole: frozenset[str]
