@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from .hardware import DTYPE_BYTES, MATMUL_MAX_EFFICIENCY, DeviceSpec, dtype_key
-from .memory import FP32_BYTES, adamw_state_bytes
+from .memory import adamw_state_bytes, master_dtype_of
 
 MATMUL_RAMP_S = 5e-6
 """Seconds at peak that a GEMM must fill to reach half of its device's plateau efficiency."""
@@ -149,18 +149,21 @@ def dispatched_time(kernel_s: float, host_s: float, device: DeviceSpec) -> float
     return max(kernel_s, host_s)
 
 
-def adamw_bytes_per_element(param_dtype: Any) -> int:
+def adamw_bytes_per_element(param_dtype: Any, master_dtype: str = "fp32") -> int:
     """HBM bytes one AdamW update moves per parameter element (see the module doc): 28 in fp32 and in
-    mixed precision (bf16 parameter and gradient, fp32 master copy and moments)."""
+    mixed precision (bf16 parameter and gradient, fp32 master copy and moments), 14 with bf16 masters
+    (the bf16 parameter is its own master: it and both moments read and written, the gradient read)."""
     itemsize = DTYPE_BYTES[dtype_key(param_dtype)]
-    master = itemsize < FP32_BYTES
-    parameter_passes = 1 if master else 2  # the parameter is written (and, as its own master, read)
-    return 2 * adamw_state_bytes(1, param_dtype) + itemsize + parameter_passes * itemsize
+    copy = master_dtype_of(param_dtype, master_dtype) != dtype_key(param_dtype)
+    parameter_passes = 1 if copy else 2  # the parameter is written (and, as its own master, read)
+    return 2 * adamw_state_bytes(1, param_dtype, master_dtype) + itemsize + parameter_passes * itemsize
 
 
-def adamw_step_time(shard_numels: Iterable[float], device: DeviceSpec, param_dtype: Any) -> float:
-    """Seconds of one AdamW update of parameter shards of ``shard_numels`` elements each (one per tensor)."""
-    per_element = adamw_bytes_per_element(param_dtype)
+def adamw_step_time(shard_numels: Iterable[float], device: DeviceSpec, param_dtype: Any,
+                    master_dtype: str = "fp32") -> float:
+    """Seconds of one AdamW update of parameter shards of ``shard_numels`` elements each (one per tensor),
+    its masters in ``master_dtype``."""
+    per_element = adamw_bytes_per_element(param_dtype, master_dtype)
     total = 0.0
     for numel in shard_numels:
         kernel_bytes = _non_negative("numel", numel) * per_element / ADAMW_KERNELS_PER_TENSOR

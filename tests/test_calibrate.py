@@ -310,6 +310,11 @@ def test_adamw_moves_28_bytes_per_element_in_fp32_and_in_mixed_precision():
     assert adamw_bytes_per_element("fp32") == 28 and adamw_bytes_per_element("bf16") == 28
 
 
+def test_adamw_moves_14_bytes_per_element_with_bf16_masters():
+    # the bf16 parameter is its own master: read p, g, m, v (8) and write p, m, v (6), all bf16
+    assert adamw_bytes_per_element("bf16", "bf16") == 14
+
+
 def test_adamw_step_time_is_per_tensor_floors_plus_bytes():
     cpu = cpu_device(kernel_launch_s=5e-6, host_update_op_s=40e-6, hbm_bw=10e9)
     assert ADAMW_KERNELS_PER_TENSOR == 8

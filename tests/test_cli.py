@@ -180,6 +180,7 @@ WRONG_TYPED_PLANS = {  # sections of the wrong JSON type: a format error, not a 
     "mesh-is-a-list": (_setting(["mesh"], [4]), "mesh"),
     "placements-is-a-list": (_setting(["placements"], []), "placements"),
     "predicted-missing-step-time": (lambda d: (d["predicted"].pop("step_time_s"), d)[1], "step_time_s"),
+    "memory-stage-unknown": (_setting(["predicted", "memory_stage"], "middle"), "memory_stage"),
 }
 
 

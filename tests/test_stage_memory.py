@@ -14,7 +14,9 @@ import dataclasses
 import pytest
 
 import autopar
+import autopar.cli
 from autopar import NoFeasiblePlanError
+from autopar.core.units import fmt_bytes
 from autopar.cost_models import parse_cluster, usable_bytes
 from autopar.cost_models.pipeline import last_stage_in_flight, microbatches_in_flight, simulate, torch_schedule_order
 from autopar.ir.capture import capture
@@ -178,3 +180,13 @@ def test_the_last_stage_holds_a_layers_activations_for_its_share_and_a_recompute
     assert rows.held_bytes("last", "param:layer", Cost(memory_bytes=100.0), 0.0) == 100.0
     assert rows.held_bytes("last", "embedding", activations, 0.0) == rows.held_bytes("first", "head", activations, 0.0) == 0
     assert rows.held_bytes("first", "embedding", activations, 0.0) == rows.held_bytes("last", "head", activations, 0.0) == 100
+
+
+def test_show_states_each_end_stages_memory_and_which_binds(llama, pp2, tmp_path, capsys):
+    """``autopar show`` of a pipeline plan gives both end stages' memory, the binding one first."""
+    path = tmp_path / "pp2.json"
+    path.write_text(pp2.to_json())
+    assert autopar.cli.main(["show", str(path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("by stage:"))
+    stages = pp2.predicted["stage_peak_memory_bytes"]
+    assert line.strip().startswith(f"by stage: last {fmt_bytes(stages['last'])} (binds), first {fmt_bytes(stages['first'])}")

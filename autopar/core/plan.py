@@ -52,6 +52,9 @@ of ``autoparallelize``), whose collectives run where each op needs them, or the 
 (``autoparallelize(..., lowered=True)``, ``passes/lower.py``), which launches each layer's FSDP gradient
 reduce_scatter as soon as its gradients exist and waits on it when backward ends, and issues its backward
 regathers a layer ahead. Plans without the key assumed DTensor."""
+MEMORY_STAGES = ("first", "last")
+"""A pipeline's memory rows (``predicted.memory_stage``, ``stage_peak_memory_bytes``): the first stage's
+device, with the embedding and the most microbatches in flight, and the last's, with the head and loss."""
 _AXIS_NAMES = tuple(axis.value for axis in MeshAxis)
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
@@ -524,7 +527,8 @@ _CONTENTS: dict[str, Any] = {
     "predicted": _Record({key: _NUMBER for key in _PREDICTED_KEYS if key not in ("comm_s", "memory_bytes")}
                          | {"step_time_s": _POSITIVE, "comm_s": _SECONDS_BY_KIND, "memory_bytes": _MapOf(_NUMBER)},
                          {"grad_sync_s": _NUMBER, "memory_capacity_bytes": _NUMBER, "optimizer_s": _NUMBER,
-                          "runtime": _OneOf(RUNTIMES)}),
+                          "runtime": _OneOf(RUNTIMES), "memory_stage": _OneOf(MEMORY_STAGES),
+                          "stage_peak_memory_bytes": _MapOf(_NUMBER)}),
     "solver": _Record({"status": _TEXT, "gap": _NUMBER, "wall_s": _NUMBER, "variables": _INTEGER,
                        "constraints": _INTEGER},
                       {"objective": _NUMBER, "bound": _NUMBER, "search_wall_s": _NUMBER, "nodes": _INTEGER,

@@ -143,6 +143,7 @@ def summarize(plan: Plan) -> str:
     cap = p.get("memory_capacity_bytes", 0)
     lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
+    lines += _stage_memory_line(p)
     s = plan.solver
     lines.append(f"solver    {s['status']}, gap {s['gap'] * 100:.2f}%, {s['variables']} vars, "
                  f"{s['constraints']} constraints, {s['wall_s']:.2f} s (search {s.get('search_wall_s', 0):.2f} s)")
@@ -164,6 +165,18 @@ def summarize(plan: Plan) -> str:
             shape = " x ".join(f"{n}={s}" for n, s in dims.items())
             lines.append(f"  {shape:<20} pruned: its lower bound is slower than the best")
     return "\n".join(lines)
+
+
+def _stage_memory_line(predicted: dict) -> list[str]:
+    """A pipeline's memory by end stage (``predicted.stage_peak_memory_bytes``), the binding one first: the
+    first stage holds the embedding and the most microbatches in flight, the last the head and loss."""
+    stages = predicted.get("stage_peak_memory_bytes")
+    if not stages:
+        return []
+    binding = predicted.get("memory_stage")
+    order = sorted(stages, key=lambda stage: stage != binding)
+    return ["  by stage: " + ", ".join(f"{stage} {fmt_bytes(stages[stage])}" + (" (binds)" if stage == binding else "")
+                                      for stage in order)]
 
 
 def _collective_count_line(plan: Plan) -> list[str]:

@@ -371,7 +371,7 @@ def _optimizer_s(captured: CapturedGraph, problem: Problem, chosen: dict, pricer
             continue
         val, placements = captured.node(name).meta["val"], opt.strategy.outputs[0]
         updated = pricer.local_numel(val, placements) / pricer.optimizer_shards(val, placements)
-        seconds += d.count * adamw_step_time([updated], pricer.cluster.device, pricer.dtype)
+        seconds += d.count * adamw_step_time([updated], pricer.cluster.device, pricer.dtype, pricer.master_dtype)
     return seconds
 
 

@@ -43,6 +43,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Replicate
 
 from autopar.core.placement import Placements
+from autopar.core.plan import MEMORY_STAGES
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost, with_fields
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
@@ -184,9 +185,10 @@ class LayerModes:
     modes: tuple[str, ...]
 
 
-FIRST_STAGE, LAST_STAGE, EVERY_DEVICE = "first", "last", "device"
-"""Memory rows (``Problem.memory_rows``): the first and the last pipeline stage's devices, or every device
-alike (no pipeline)."""
+FIRST_STAGE, LAST_STAGE = MEMORY_STAGES
+EVERY_DEVICE = "device"
+"""Memory rows (``Problem.memory_rows``): the first and the last pipeline stage's devices
+(``core.plan.MEMORY_STAGES``), or every device alike (no pipeline)."""
 
 
 @dataclass(frozen=True)
