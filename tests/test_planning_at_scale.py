@@ -182,6 +182,26 @@ def test_each_task_reads_the_results_taken_up_to_the_window_with_any_number_of_w
     assert asked_after == {i: 0 if i == 0 else max(1, i - WINDOW + 1) for i in range(12)}
 
 
+def test_a_pricer_sent_back_by_a_worker_keeps_no_prices_keyed_by_the_workers_object_ids():
+    """A candidate comes back from a planning worker pickled, its pricer with it; the pricer's cache of
+    costs re-priced per microbatch count is keyed by the ids of the worker's cost objects, which in the
+    parent name other objects: kept, a lookup could hand a cost another's price (a plan then changed from
+    run to run with two workers: gpt-oss-120b pinned on 64 B200s, 2.503-2.561 s a step). The cache is
+    left behind, and what the pricer computes after the trip is each cost's own price."""
+    import pickle
+
+    from autopar.cost_models import parse_cluster
+    from autopar.planning.pricing import Cost, Kernel, Pricer
+
+    pricer = Pricer(parse_cluster("1x8xH100"), (8,), "bf16")
+    costs = [Cost(kernel=Kernel(1e12 * (i + 1), 0.0, "matmul"), memory_bytes=1e6, batch_memory=True) for i in range(4)]
+    before = [pricer.for_microbatches(c, 2) for c in costs]
+    travelled = pickle.loads(pickle.dumps(pricer))
+    assert pricer._per_microbatches and not travelled._per_microbatches
+    assert [travelled.for_microbatches(c, 2).compute_s for c in pickle.loads(pickle.dumps(costs))] == \
+        [b.compute_s for b in before]
+
+
 def test_the_search_reports_its_progress(monkeypatch):
     monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")  # phases are drawn as this process enters them
     bundle = _bundle("tiny-llama", 4)

@@ -207,6 +207,12 @@ class Pricer:
         self._edge_cache: dict[tuple, Cost] = {}
         self._per_microbatches: dict[tuple[int, int], tuple[Cost, Cost]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps (a candidate a planning worker sends back): all but ``_per_microbatches``,
+        whose keys are ids of the worker's cost objects; in the process that unpickles them those ids name
+        other objects, or none, and a lookup would hand one cost another's price."""
+        return {**self.__dict__, "_per_microbatches": {}}
+
     def for_microbatches(self, cost: Cost, m: int) -> Cost:
         """``cost`` re-priced for ``m`` microbatches, once per (cost object, m): a mesh's search re-prices
         the same options for its memory bisection and for its solves. The cost is kept with its price, so
