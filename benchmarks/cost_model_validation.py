@@ -154,7 +154,7 @@ def free_search_162b() -> dict:
           f"m={plan.pipeline.microbatches} checkpointing={plan.checkpointing}: "
           f"{plan.predicted['step_time_s']:.2f} s/step, MFU {plan.predicted['mfu'] * 100:.1f}% "
           f"[{time.perf_counter() - start:.0f} s]", flush=True)
-    return {"degrees": d, "schedule": plan.pipeline.schedule, "microbatches": plan.pipeline.microbatches,
+    return {"degrees": dict(d), "schedule": plan.pipeline.schedule, "microbatches": plan.pipeline.microbatches,
             "checkpointing": plan.checkpointing, "step_time_s": plan.predicted["step_time_s"],
             "mfu": plan.predicted["mfu"], "plan_wall_s": time.perf_counter() - start}
 

@@ -156,6 +156,10 @@ class DeviceSpec:
     matmul_efficiency: float = MATMUL_MAX_EFFICIENCY
     """Fraction of ``peak_flops`` a large GEMM reaches on this device (``compute.py``'s plateau of the
     GEMM efficiency curve)."""
+    attention_efficiency: tuple[float, float] | None = None
+    """(forward, backward) fraction of ``peak_flops`` fused attention kernels (flash attention) reach on
+    this device at long sequences: the plateaus of ``compute.py``'s ``attention`` kind. None: priced as a
+    GEMM (``matmul_efficiency`` both ways), where the catalog has no measured figure."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -176,6 +180,8 @@ class DeviceSpec:
                              f"got {self.gemm_alignment_bytes!r}")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"device {self.name}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}")
+        if self.attention_efficiency is not None:
+            object.__setattr__(self, "attention_efficiency", _efficiency_pair(self.name, self.attention_efficiency))
         if not isinstance(self.host_runs_kernels, bool):
             raise ValueError(f"device {self.name}: host_runs_kernels must be true or false, "
                              f"got {self.host_runs_kernels!r}")
@@ -211,6 +217,15 @@ class DeviceSpec:
         if isinstance(values["hbm_bytes"], float) and values["hbm_bytes"].is_integer():  # 8e10 in a file
             values["hbm_bytes"] = int(values["hbm_bytes"])
         return cls(**values)
+
+
+def _efficiency_pair(name: str, value: Any) -> tuple[float, float]:
+    """``attention_efficiency`` as a (forward, backward) tuple of fractions in (0, 1] (a file gives a list)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2 \
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in value):
+        raise ValueError(f"device {name}: attention_efficiency must be [forward, backward], each in (0, 1], "
+                         f"got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 def _validated_flops(name: str, table: Mapping[str, float]) -> _FrozenFlops:
@@ -281,7 +296,8 @@ TENSOR_CORE_ALIGNMENT_BYTES = 16
 
 
 def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int, hbm_bw: float,
-            nvlink_bw: float, net_bw: float, matmul_efficiency: float = MATMUL_MAX_EFFICIENCY) -> DeviceSpec:
+            nvlink_bw: float, net_bw: float, matmul_efficiency: float = MATMUL_MAX_EFFICIENCY,
+            attention_efficiency: tuple[float, float] | None = None) -> DeviceSpec:
     """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; NCCL latencies."""
     return DeviceSpec(
         name=name,
@@ -290,6 +306,7 @@ def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int,
         intra_latency_s=NVLINK_STEP_LATENCY_S, inter_latency_s=NET_STEP_LATENCY_S,
         base_latency_s=NCCL_BASE_LATENCY_S, kernel_launch_s=GPU_KERNEL_LAUNCH_S,
         gemm_alignment_bytes=TENSOR_CORE_ALIGNMENT_BYTES, matmul_efficiency=matmul_efficiency,
+        attention_efficiency=attention_efficiency,
     )
 
 
@@ -297,11 +314,20 @@ A100_40GB = _nvidia("A100-40GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
                     hbm_bytes=40 * GB, hbm_bw=1555e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
 A100_80GB = _nvidia("A100-80GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
                     hbm_bytes=80 * GB, hbm_bw=2039e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
+# Hopper's fused attention runs below its GEMMs: FlashAttention-3 (Shah et al., "FlashAttention-3", arXiv
+# 2407.08608, 2024; H100 SXM5, bf16, head dim 128) reaches 590-621 TFLOP/s forward at 4k-16k tokens
+# (pytorch/benchmark PR #2391's run of it: 590, 614, 621) and 542-561 backward, cuDNN's kernels 499-518
+# backward (the paper's Figure 6 at 4k-16k), against 989 dense: 0.61 forward, 0.53 backward (FA3 and
+# cuDNN, which NeMo and Megatron-Core run through Transformer Engine). FlashAttention-2 reaches only
+# 0.35 there (the same paper).
+HOPPER_ATTENTION_EFFICIENCY = (0.61, 0.53)
 H100 = _nvidia("H100", fp32=67e12, tf32=494.5e12, bf16=989e12,
-               hbm_bytes=80 * GB, hbm_bw=3350e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW)
+               hbm_bytes=80 * GB, hbm_bw=3350e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
+               attention_efficiency=HOPPER_ATTENTION_EFFICIENCY)
 # H200: H100 silicon with more and faster HBM3e; same NVLink 4, so the H100 ring figure is assumed.
 H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12,
-               hbm_bytes=141 * GB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW)
+               hbm_bytes=141 * GB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
+               attention_efficiency=HOPPER_ATTENTION_EFFICIENCY)
 # B200: NVLink 5 doubles H100's per-GPU NVLink (1.8 vs 0.9 TB/s both directions); with no published
 # nccl-tests figure at hand the ring bandwidth is assumed to double too (2 x 370 GB/s). DGX B200
 # has one 400 Gb/s ConnectX-7 per GPU. Its large bf16 GEMMs reach 0.63-0.65 of the 2.25 PFLOP/s peak, not

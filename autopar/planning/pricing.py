@@ -79,8 +79,8 @@ from torch import fx
 from torch.distributed.tensor import Placement, Replicate
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, collective_time, compute_time,
-                          matmul_kind)
+from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, backward_slowdown, collective_time,
+                          compute_time, matmul_kind)
 from autopar.cost_models.memory import master_dtype_of
 from autopar.core.placement import Placements, optimizer_shard_dim
 from autopar.core.plan import DTENSOR, LOWERED
@@ -104,7 +104,7 @@ class Kernel(NamedTuple):
     flops: float
     moved: float  # HBM bytes
     kind: str  # ``cost_models.compute`` op kind
-    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs
+    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward seconds / forward seconds: FLOPs ratio x slowdown
 
 
 @dataclass
@@ -295,7 +295,8 @@ class Pricer:
         split = self._work_divisor(strategy)
         flops = kernel_flops(node) / split
         moved = self._bytes_moved(node, strategy)
-        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy), backward_ratio(node))
+        kind = self._kernel_kind(node, strategy)
+        cost.kernel = Kernel(flops, moved, kind, backward_ratio(node) * backward_slowdown(kind, self.cluster.device))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -364,12 +365,12 @@ class Pricer:
         return forward, backward
 
     def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:
-        """``elementwise``, or a GEMM's kind by the matrix dimensions of its local operands (the last two
-        of each input of two or more; fused attention's kernels have no such rule)."""
+        """``elementwise``; ``attention`` for fused attention (flash attention's own efficiency); or a GEMM's
+        kind by the matrix dimensions of its local operands (the last two of each input of two or more)."""
         if not is_matmul(node):
             return "elementwise"
         if getattr(node.target, "overloadpacket", None) is _SDPA:
-            return "matmul"
+            return "attention"
         dims = [d for arg, p in zip(tensor_inputs(node), strategy.inputs) if arg.meta["val"].ndim >= 2
                 for d in self.local_shape(arg.meta["val"], p)[-2:]]
         return matmul_kind(dims, self.cluster.device, self.dtype)

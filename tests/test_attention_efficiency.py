@@ -1,0 +1,57 @@
+"""Fused attention's own efficiency (``DeviceSpec.attention_efficiency``, the ``attention`` kernel kind of
+``cost_models/compute.py``; issue 20).
+
+Flash-attention kernels reach less of a GPU's dense peak than its large GEMMs, and less backward than
+forward: on an H100 FlashAttention-3 and cuDNN run 0.61 of peak forward and 0.53 backward at 4k-16k
+tokens (head dim 128; Shah et al. 2024), where cuBLAS GEMMs run 0.8. Hopper's presets state these; a
+device without the figures prices fused attention as a GEMM, as before. Checked by hand on one kernel,
+on the device record (validation, JSON) and through ``autopar.plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autopar.cost_models import DeviceSpec, backward_slowdown, compute_time, get_device
+from autopar.cost_models.compute import MATMUL_RAMP_S
+from autopar.cost_models.hardware import HOPPER_ATTENTION_EFFICIENCY
+
+H100_BF16_PEAK = 989e12
+
+
+def test_a_long_attention_kernel_runs_at_hoppers_forward_plateau() -> None:
+    """One causal kernel of 16 heads x 16k tokens x head dim 128: 2 x 2 x 16 x 16384^2 x 128 x 1/2 =
+    1.1e12 FLOPs; at 0.61 x f / (f + f_half) of 989 TFLOP/s, about 600 TFLOP/s, FlashAttention-3's
+    forward rate there (621 measured non-causal), where the GEMM plateau would price 783."""
+    h100 = get_device("H100")
+    flops = 2 * 2 * 16 * 16384**2 * 128 / 2
+    seconds = compute_time(flops, 0.0, h100, "bf16", "attention") - h100.kernel_launch_s
+    efficiency = 0.61 * flops / (flops + H100_BF16_PEAK * MATMUL_RAMP_S)
+    assert seconds == pytest.approx(flops / (H100_BF16_PEAK * efficiency))
+    assert flops / seconds == pytest.approx(600e12, rel=0.01)
+    as_gemm = compute_time(flops, 0.0, h100, "bf16", "matmul") - h100.kernel_launch_s
+    assert flops / as_gemm == pytest.approx(783e12, rel=0.01)
+
+
+def test_its_backward_is_slower_per_flop_only_where_the_device_says() -> None:
+    assert HOPPER_ATTENTION_EFFICIENCY == (0.61, 0.53)
+    assert get_device("H100").attention_efficiency == get_device("H200").attention_efficiency == (0.61, 0.53)
+    assert backward_slowdown("attention", get_device("H100")) == pytest.approx(0.61 / 0.53)
+    assert backward_slowdown("matmul", get_device("H100")) == 1.0
+    a100 = get_device("A100-80GB")  # no measured figure in the catalog: priced as a GEMM both ways
+    assert a100.attention_efficiency is None and backward_slowdown("attention", a100) == 1.0
+    flops = 1e12
+    assert compute_time(flops, 0.0, a100, "bf16", "attention") == compute_time(flops, 0.0, a100, "bf16", "matmul")
+
+
+def test_the_figures_travel_with_the_device_and_are_checked() -> None:
+    h100 = get_device("H100")
+    data = h100.to_dict()
+    assert data["attention_efficiency"] == (0.61, 0.53)
+    assert DeviceSpec.from_dict({**data, "attention_efficiency": [0.5, 0.4]}).attention_efficiency == (0.5, 0.4)
+    assert DeviceSpec.from_dict({k: v for k, v in data.items() if k != "attention_efficiency"}).attention_efficiency is None
+    for bad in ([0.5], [0.5, 0.0], [0.5, 1.2], "fast", [True, 0.5]):
+        with pytest.raises(ValueError, match="attention_efficiency"):
+            replace(h100, attention_efficiency=bad)
