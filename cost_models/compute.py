@@ -19,10 +19,11 @@ Model::
   GEMMs reach about 75-85% of dense peak on A100/H100 (hence a plateau of 0.8,
   ``hardware.MATMUL_MAX_EFFICIENCY``); 4096^3 BF16 on A100 gets 0.79 here and 1024^3 gets 0.46. A device
   whose GEMMs plateau elsewhere states its own (``DeviceSpec.matmul_efficiency``: B200 0.64, measured).
-* ``attention``: a fused attention kernel (flash attention) on tensor cores, on the GEMM's ramp but to
-  plateaus of its own, lower backward than forward (``DeviceSpec.attention_efficiency``: Hopper 0.61 and
-  0.53, FlashAttention-3's and cuDNN's figures); its backward runs ``backward_slowdown`` times slower per
-  FLOP than its forward. A device without the figures prices it as a GEMM.
+* ``attention`` and ``attention_backward``: a fused attention kernel (flash attention) on tensor cores,
+  forward and backward: the GEMM's ramp, ``f_half / (plateau * peak)`` seconds of tile and wave fill,
+  then the kernel's own rate (``DeviceSpec.attention_efficiency``: Hopper 0.61 and 0.53 of peak,
+  FlashAttention-3's and cuDNN's figures; ``backward_kind`` names the kind a kernel's backward is
+  priced as). A device without the figures prices both as GEMMs.
 * ``misaligned_matmul``: a GEMM with a dimension that breaks the device's tensor-core alignment
   (``DeviceSpec.gemm_alignment_bytes``: GPT-2's 50,257-token vocabulary in bf16) falls back to
   slower kernels: ``MISALIGNED_MATMUL_FACTOR`` of the aligned efficiency (``matmul_kind`` decides).
@@ -104,7 +105,8 @@ def _misaligned_matmul_efficiency(flops: float, peak_flops: float, plateau: floa
 _OPS: Mapping[str, _OpModel] = {
     "matmul": _OpModel(_matmul_efficiency, tensor_cores=True),
     "misaligned_matmul": _OpModel(_misaligned_matmul_efficiency, tensor_cores=True),
-    "attention": _OpModel(_matmul_efficiency, tensor_cores=True),  # to its own plateau: ``_plateau``
+    "attention": _OpModel(_matmul_efficiency, tensor_cores=True),  # a GEMM's; ``_attention_time`` prices it
+    "attention_backward": _OpModel(_matmul_efficiency, tensor_cores=True),
     "elementwise": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
     "other": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
 }
@@ -177,28 +179,29 @@ def adamw_step_time(shard_numels: Iterable[float], device: DeviceSpec, param_dty
     return total
 
 
-def backward_slowdown(kind: str, device: DeviceSpec) -> float:
-    """How many times slower, per FLOP, a kernel of ``kind`` runs its backward than its forward on
-    ``device``: fused attention's forward plateau over its backward one; 1 for every other kind."""
-    if kind == "attention" and device.attention_efficiency is not None:
-        forward, backward = device.attention_efficiency
-        return forward / backward
-    return 1.0
+def backward_kind(kind: str) -> str:
+    """The kind a ``kind`` kernel's backward work is priced as: fused attention's backward kernel has a
+    plateau of its own; a GEMM's backward products are GEMMs, an elementwise op's elementwise."""
+    return "attention_backward" if kind == "attention" else kind
 
 
-def _plateau(kind: str, device: DeviceSpec) -> float:
-    """The efficiency a large kernel of ``kind`` reaches on ``device``: fused attention's forward plateau
-    where the device states one, else its GEMMs'."""
-    if kind == "attention" and device.attention_efficiency is not None:
-        return device.attention_efficiency[0]
-    return device.matmul_efficiency
+def _attention_time(flops: float, peak: float, device: DeviceSpec, kind: str) -> float:
+    """Seconds of a fused attention kernel's FLOPs: a GEMM's ramp on ``device``, then the kernel's own
+    rate (its forward or backward plateau where the device states them, else the GEMM's: the same
+    seconds as a GEMM of those FLOPs)."""
+    ramp = matmul_half_flops(peak) / (device.matmul_efficiency * peak)
+    plateau = device.matmul_efficiency if device.attention_efficiency is None else \
+        device.attention_efficiency[kind == "attention_backward"]
+    return flops / (plateau * peak) + ramp
 
 
 def _flop_time(flops: float, device: DeviceSpec, dtype: Any, kind: str) -> float:
     if flops == 0:
         return 0.0
     peak = device.peak(dtype) if _OPS[kind].tensor_cores else device.peak("fp32")
-    return flops / (peak * op_efficiency(kind, flops, peak, _plateau(kind, device)))
+    if kind in ("attention", "attention_backward"):
+        return _attention_time(flops, peak, device, kind)
+    return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency))
 
 
 def _check_kind(kind: str) -> None:

@@ -166,20 +166,28 @@ def test_the_plan_is_the_same_with_one_worker_or_two(monkeypatch):
 @pytest.mark.parametrize("count", [1, 2])
 def test_each_task_reads_the_results_taken_up_to_the_window_with_any_number_of_workers(count):
     """``Workers.in_order`` asks for item ``i`` once the results of items ``0 .. max(0, i - WINDOW)`` are
-    taken, and no later ones, in one process as in two forked workers; results come back in order."""
+    taken, and no later ones, in one process as in two forked workers; results come back in order; the
+    first item, which runs alone, runs in this process (its warnings reach the caller)."""
     taken: list[int] = []
     asked_after: dict[int, int] = {}
+    ran_in: dict[int, int] = {}
 
     def item_for(i: int) -> int | None:
         asked_after[i] = len(taken)
         return None if i == 5 else i
 
-    with Workers(lambda i: i * i, count) as workers:
+    with Workers(lambda i: (i * i, os.getpid()), count) as workers:
         for i, result in workers.in_order(12, item_for):
-            assert result == (None if i == 5 else i * i)
+            if i == 5:
+                assert result is None
+            else:
+                assert result[0] == i * i
+                ran_in[i] = result[1]
             taken.append(i)
     assert taken == list(range(12))
     assert asked_after == {i: 0 if i == 0 else max(1, i - WINDOW + 1) for i in range(12)}
+    assert ran_in[0] == os.getpid()
+    assert (set(ran_in.values()) == {os.getpid()}) == (count == 1)
 
 
 def test_a_pricer_sent_back_by_a_worker_keeps_no_prices_keyed_by_the_workers_object_ids():

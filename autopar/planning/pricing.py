@@ -79,7 +79,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Replicate
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, backward_slowdown, collective_time,
+from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, backward_kind, collective_time,
                           compute_time, matmul_kind)
 from autopar.cost_models.memory import master_dtype_of
 from autopar.core.placement import Placements, optimizer_shard_dim
@@ -104,7 +104,7 @@ class Kernel(NamedTuple):
     flops: float
     moved: float  # HBM bytes
     kind: str  # ``cost_models.compute`` op kind
-    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward seconds / forward seconds: FLOPs ratio x slowdown
+    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs
 
 
 @dataclass
@@ -243,15 +243,22 @@ class Pricer:
         return out
 
     def _kernel_times(self, kernel: Kernel, m: int) -> tuple[float, float]:
-        """(forward + backward, backward) seconds of a kernel run once per microbatch; backward is the
-        kernel's ``backward_ratio`` times its forward (2 for a matmul)."""
-        forward = self.forward_time(kernel, m)
-        backward = kernel.backward_ratio * forward
+        """(forward + backward, backward) seconds of a kernel run once per microbatch."""
+        forward, backward = self.forward_time(kernel, m), self.backward_time(kernel, m)
         return forward + backward, backward
 
     def forward_time(self, kernel: Kernel, m: int = 1) -> float:
         """Forward seconds of a kernel (priced on the whole batch) run once per microbatch, m times."""
-        return m * compute_time(kernel.flops / m, kernel.moved / m, self.cluster.device, self.dtype, kernel.kind)
+        return self._runs_time(kernel, m, kernel.kind)
+
+    def backward_time(self, kernel: Kernel, m: int = 1) -> float:
+        """Backward seconds of a kernel run once per microbatch, m times: ``backward_ratio`` (2 for a
+        matmul) times its forward kernel, priced as its backward runs (``cost_models.backward_kind``:
+        fused attention's backward kernel at its own efficiency)."""
+        return kernel.backward_ratio * self._runs_time(kernel, m, backward_kind(kernel.kind))
+
+    def _runs_time(self, kernel: Kernel, m: int, kind: str) -> float:
+        return m * compute_time(kernel.flops / m, kernel.moved / m, self.cluster.device, self.dtype, kind)
 
     # ---- sizes -------------------------------------------------------------------------------
     def element_bytes(self, val: torch.Tensor) -> int:
@@ -295,8 +302,7 @@ class Pricer:
         split = self._work_divisor(strategy)
         flops = kernel_flops(node) / split
         moved = self._bytes_moved(node, strategy)
-        kind = self._kernel_kind(node, strategy)
-        cost.kernel = Kernel(flops, moved, kind, backward_ratio(node) * backward_slowdown(kind, self.cluster.device))
+        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy), backward_ratio(node))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -352,16 +358,16 @@ class Pricer:
                        kernel: Kernel) -> tuple[float, float]:
         """(forward, backward) seconds of ring attention's exchanges over mesh dim ``dim`` not hidden
         behind compute. Of ``p`` blocks, each exchange runs behind one block's attention (a ``1/p`` share
-        of the op's ``kernel``; backward ``r = kernel.backward_ratio`` times the forward): forward ``p - 1``
-        exchanges of the key-value block, exposed ``max(0, send - block)`` each; backward ``p - 1`` steps
-        that each exchange a key-value block and a dK-dV block of the same size behind one block's
-        backward, ``max(0, 2 send - r block)``, and the last dK-dV block sent home after the last block's
+        of the op's ``kernel``, forward and backward): forward ``p - 1`` exchanges of the key-value block,
+        exposed ``max(0, send - block)`` each; backward ``p - 1`` steps that each exchange a key-value
+        block and a dK-dV block of the same size behind one block's backward, ``max(0, 2 send -
+        backward block)``, and the last dK-dV block sent home after the last block's
         compute, behind nothing. A send is the link's ``send_recv`` (``cost_models``) of the block's bytes."""
         size, group = self.mesh_shape[dim], self.groups[dim]
-        block_s = self.forward_time(kernel) / size
+        block_s, backward_block_s = self.forward_time(kernel) / size, self.backward_time(kernel) / size
         send = collective_time("send_recv", self.ring_block_bytes(node, strategy), group)
         forward = (size - 1) * max(0.0, send - block_s)
-        backward = (size - 1) * max(0.0, 2 * send - kernel.backward_ratio * block_s) + send
+        backward = (size - 1) * max(0.0, 2 * send - backward_block_s) + send
         return forward, backward
 
     def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:

@@ -67,30 +67,33 @@ class Workers:
         results of items ``0 .. max(0, i - WINDOW)`` and no later ones, whether one worker runs the tasks or
         several: what it reads of them (a cutoff) is the same either way. The first item thus runs alone,
         and every later one reads its result: a search without any cutoff can take ten times as long
-        (Llama 3 8B on 64 GPUs: its third mesh, searched beside the first, 3.5 s instead of 0.4)."""
-        started: dict[int, Any] = {}
+        (Llama 3 8B on 64 GPUs: its third mesh, searched beside the first, 3.5 s instead of 0.4). Running
+        alone, it runs in this process: its warnings (an op without a sharding rule) reach the caller, and
+        the workers forked after it start from its caches."""
+        started: dict[int, tuple[bool, Any]] = {}
         next_index = 0
         for taken in range(count):
             while next_index < min(count, taken + WINDOW if taken else 1):
-                started[next_index] = self._start(item_for(next_index))
+                started[next_index] = self._start(item_for(next_index), alone=next_index == 0)
                 next_index += 1
             yield taken, self._finish(started.pop(taken))
 
-    def _start(self, item: _T | None) -> Any:
-        """The running task of ``item``: an asynchronous result in a worker, or ``item`` itself for
-        ``_finish`` to run here."""
-        if item is None or self.count == 1:
-            return item
+    def _start(self, item: _T | None, alone: bool) -> tuple[bool, Any]:
+        """(whether it runs in a worker, its asynchronous result there or else ``item`` itself, which
+        ``_finish`` runs here: nothing to run, an item that runs alone, or a single worker)."""
+        if item is None or alone or self.count == 1:
+            return False, item
         if self._pool is None:
             global _task
             _task = self.task
             self._pool = multiprocessing.get_context("fork").Pool(self.count)
-        return self._pool.apply_async(_run_task, (item,))
+        return True, self._pool.apply_async(_run_task, (item,))
 
-    def _finish(self, started: Any) -> _R | None:
-        if started is None:
-            return None
-        return self.task(started) if self.count == 1 else started.get()
+    def _finish(self, started: tuple[bool, Any]) -> _R | None:
+        in_worker, value = started
+        if in_worker:
+            return value.get()
+        return None if value is None else self.task(value)
 
     def __enter__(self) -> "Workers":
         return self
