@@ -588,7 +588,7 @@ class _MeshSearch:
         that solution's bound shows ``problem`` cannot beat ``cutoff_s``.
 
         A schedule changes only how many microbatches' activations a device holds (``Staging.in_flight``,
-        ``last_chunk_in_flight``); the objective (a microbatch's work) is the same, and the bubble and the
+        ``last_stage_in_flight``, ``last_chunk_in_flight``); the objective (a microbatch's work) is the same, and the bubble and the
         stage transfers are added after the solve (``assemble.with_pipeline_time``). Where ``staging``
         holds at least as many as the schedule solved before, every plan that fits now fitted then, so the
         earlier optimum is still optimal if it fits ``problem``'s memory, and its bound still bounds
@@ -599,7 +599,9 @@ class _MeshSearch:
             return None
         before, solution = earlier
         m = unstaged.microbatches
-        if staging.in_flight(m) < before.in_flight(m) or staging.last_chunk_in_flight(m) < before.last_chunk_in_flight(m):
+        if any(now < then for now, then in ((staging.in_flight(m), before.in_flight(m)),
+                                            (staging.last_stage_in_flight(m), before.last_stage_in_flight(m)),
+                                            (staging.last_chunk_in_flight(m), before.last_chunk_in_flight(m)))):
             return None
         if solution.bound_s >= cutoff_s:
             raise Pruned(f"mesh {problem.mesh_shape}: its objective is at least {solution.bound_s:.6g} s")
