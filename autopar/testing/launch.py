@@ -1,15 +1,15 @@
 """Run a function on W local ranks with the gloo backend (tests, ``autopar demo``, ``autopar calibrate``).
 
-Each rank is a process of its own with a pipe back to the parent. Ranks are forked from
-multiprocessing's fork server, which imports torch, its export and DTensor stacks and autopar once
-(``PRELOADED``), so a rank starts in milliseconds instead of re-importing them (about 3 s of CPU a rank);
-where the platform has no fork server, ranks are spawned. Either way a rank starts from a clean process
-(not a fork of the caller), with the caller's environment variables as they are at the call. The
-parent waits on the pipes and on the processes together, under one deadline: when a rank raises, dies without reporting (a signal,
-the out-of-memory killer) or the run outlives ``timeout_s``, it gives the other ranks ``GRACE_S`` to
-report, stops every process still alive and raises one ``DistributedRunError`` naming the rank that
-failed first and how. No process outlives ``run_on_ranks``, whatever happens (docs/architecture.md
-"Failing ranks"). ``torchrun`` users do not need this module.
+Each rank is a process of its own with a pipe back to the parent. Ranks are forked from multiprocessing's
+fork server, which imports torch, its export and DTensor stacks and autopar once (``PRELOADED``), so a rank
+starts in milliseconds instead of re-importing them (about 3 s of CPU a rank); where the platform has no
+fork server, ranks are spawned. Either way a rank starts from a clean process (not a fork of the caller),
+with the caller's environment variables as they are at the call. The parent waits on the pipes and on the
+processes together, under one deadline: when a rank raises, dies without reporting (a signal, the
+out-of-memory killer) or the run outlives ``timeout_s``, it gives the other ranks ``GRACE_S`` to report,
+stops every process still alive and raises one ``DistributedRunError`` naming the rank that failed first and
+how. No process outlives ``run_on_ranks``, whatever happens (docs/architecture.md "Failing ranks").
+``torchrun`` users do not need this module.
 """
 
 from __future__ import annotations
