@@ -9,8 +9,6 @@ that cannot take the arguments, ``step`` given the wrong tensors) follow. About 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -24,9 +22,9 @@ import pytest
 import torch
 from torch import nn
 
+from cli_runner import run_cli
 import autopar
 import autopar.api
-from autopar.cli import main
 from autopar.core.errors import BadInputError
 from autopar.core.files import write_atomically
 from autopar.testing.launch import run_on_ranks
@@ -152,11 +150,9 @@ def in_workdir(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def run_main(argv: list[str]) -> tuple[int, str]:
-    """``autopar.cli.main(argv)`` in process: (exit code, stderr)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(argv)
-    return code, err.getvalue()
+    """``autopar ARGV`` in process: (exit code, stderr)."""
+    run = run_cli(*argv)
+    return run.returncode, run.stderr
 
 
 def refuse_capture(*args: Any, **kwargs: Any) -> Any:

@@ -1,4 +1,7 @@
-"""The ``autopar`` command line as a user runs it: subprocesses, stdout/stderr and exit codes (docs/architecture.md "Command line")."""
+"""The ``autopar`` command line as a user runs it: stdout/stderr and exit codes (docs/architecture.md "Command
+line"). Most commands run in this process (``cli_runner.run_cli``: ``autopar.cli.main``, what ``python -m
+autopar`` runs); the free plan, the demo and the 70B plan run as real subprocesses, which also
+checks the entry point and that nothing below Python's stdout reaches it."""
 
 from __future__ import annotations
 
@@ -10,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from cli_runner import run_cli
 from contracts import COMM_KEYS, MEMORY_KEYS, PLAN_KEYS, SECTION_KEYS as SUBKEYS
 
 
-def autopar(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def autopar_process(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m autopar ARGS`` as its own process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)
@@ -38,9 +43,9 @@ def check_plan_json(plan: dict) -> None:
 def plans(tmp_path_factory):
     """Three tiny-gpt plans on 1x4xcpu (each run is a capture + solve, so they are shared)."""
     d = tmp_path_factory.mktemp("plans")
-    free = autopar("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--json", "-o", "free.json", cwd=d)
-    dp4 = autopar("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "dp=4", "-o", "dp4.json", cwd=d)
-    tp4 = autopar("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp=4", "-o", "tp4.json", cwd=d)
+    free = autopar_process("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--json", "-o", "free.json", cwd=d)
+    dp4 = run_cli("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "dp=4", "-o", "dp4.json", cwd=d)
+    tp4 = run_cli("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp=4", "-o", "tp4.json", cwd=d)
     for run in (free, dp4, tp4):
         assert run.returncode == 0, run.stderr
     return {"dir": d, "free": free, "dp4": dp4, "tp4": tp4}
@@ -74,14 +79,14 @@ def test_fixed_degrees_are_honoured(plans):
 
 
 def test_show_reads_a_saved_plan(plans):
-    run = autopar("show", "dp4.json", cwd=plans["dir"])
+    run = run_cli("show", "dp4.json", cwd=plans["dir"])
     assert run.returncode == 0, run.stderr
     assert "mesh" in run.stdout and "predicted step" in run.stdout and "dp=4" in run.stdout
     assert "tok_emb.weight" in run.stdout
 
 
 def test_compare_names_differences_and_the_faster_plan(plans):
-    run = autopar("compare", "dp4.json", "tp4.json", cwd=plans["dir"])
+    run = run_cli("compare", "dp4.json", "tp4.json", cwd=plans["dir"])
     assert run.returncode == 0, run.stderr
     out = run.stdout
     dp4 = json.loads((plans["dir"] / "dp4.json").read_text())
@@ -98,7 +103,7 @@ def test_compare_names_differences_and_the_faster_plan(plans):
 
 
 def test_compare_needs_two_plans(plans):
-    run = autopar("compare", "dp4.json", cwd=plans["dir"])
+    run = run_cli("compare", "dp4.json", cwd=plans["dir"])
     assert run.returncode == 2
     assert_one_line_error(run, "two")
 
@@ -132,7 +137,7 @@ def assert_one_line_error(run: subprocess.CompletedProcess, *mentions: str) -> N
     (["show", "no-such-plan.json"], ["no-such-plan.json"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("plan", "show") else None)
 def test_bad_input_exits_2_with_one_line(args, mentions, tmp_path):
-    run = autopar(*args, cwd=tmp_path)
+    run = run_cli(*args, cwd=tmp_path)
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
     assert_one_line_error(run, *mentions)
 
@@ -141,7 +146,7 @@ def test_bad_input_exits_2_with_one_line(args, mentions, tmp_path):
 def test_fix_is_checked_before_the_model_is_built(model_args, tmp_path):
     """A bad --fix is the error reported even where building the model would fail: it was checked first
     (so it answers before any capture, however slow)."""
-    run = autopar("plan", *model_args, "--cluster", "16x8xH100", "--fix", "fsdp=5", cwd=tmp_path)
+    run = run_cli("plan", *model_args, "--cluster", "16x8xH100", "--fix", "fsdp=5", cwd=tmp_path)
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
     assert_one_line_error(run, "constraint fsdp must be a ZeRO stage", "got '5'")
     assert "layers" not in run.stderr and "no-such-model" not in run.stderr
@@ -195,14 +200,14 @@ def _write_bad_plan(plans, tmp_path, edit) -> Path:
 def test_show_rejects_a_malformed_plan(case, plans, tmp_path):
     edit, mention = {**BAD_PLANS, **WRONG_TYPED_PLANS}[case]
     path = _write_bad_plan(plans, tmp_path, edit)
-    run = autopar("show", str(path))
+    run = run_cli("show", str(path))
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
     assert_one_line_error(run, mention, "bad.json")
 
 
 def test_compare_rejects_a_malformed_plan(plans, tmp_path):
     path = _write_bad_plan(plans, tmp_path, lambda d: "{")
-    run = autopar("compare", "dp4.json", str(path), cwd=plans["dir"])
+    run = run_cli("compare", "dp4.json", str(path), cwd=plans["dir"])
     assert run.returncode == 2
     assert_one_line_error(run, "bad.json")
 
@@ -212,7 +217,7 @@ def test_compare_rejects_a_malformed_plan(plans, tmp_path):
 
 def test_no_plan_fits_exits_3(tmp_path):
     # two llama3-8b layers still carry the 128k-vocab embeddings (~1 B params): no way into 1 GB on one device
-    run = autopar("plan", "llama3-8b", "--cluster", "1x1xcpu", "--set", "layers=2", "--global-batch", "1",
+    run = run_cli("plan", "llama3-8b", "--cluster", "1x1xcpu", "--set", "layers=2", "--global-batch", "1",
                   "--seq", "128", "--fix", "memory_gb=1", "-o", "never.json", cwd=tmp_path)
     assert run.returncode == 3, (run.returncode, run.stderr[-2000:])
     lines = run.stderr.strip().splitlines()
@@ -253,7 +258,7 @@ def test_llama3_70b_on_128_h100s_plans_offline(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_demo_trains_on_two_gloo_ranks():
-    run = autopar("demo", "--world", "2", "--steps", "2", timeout=600)
+    run = autopar_process("demo", "--world", "2", "--steps", "2", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert "single process" in out and "autopar x2" in out

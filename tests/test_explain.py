@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
+from cli_runner import run_cli
 import autopar
 from contracts import assert_alternatives_priced_exactly
 from autopar.models import build_model
@@ -47,12 +46,10 @@ def test_explain_unknown_name_is_a_clear_error(plan: autopar.Plan) -> None:
 def test_explain_cli(plan: autopar.Plan, tmp_path) -> None:
     path = tmp_path / "plan.json"
     plan.save(path)
-    run = subprocess.run([sys.executable, "-m", "autopar", "explain", str(path), "lm_head.weight"],
-                         capture_output=True, text=True, timeout=120)
+    run = run_cli("explain", str(path), "lm_head.weight")
     assert run.returncode == 0, run.stderr
     assert "lm_head" in run.stdout and "chosen" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "autopar", "explain", str(path), "nope"],
-                         capture_output=True, text=True, timeout=120)
+    bad = run_cli("explain", str(path), "nope")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 

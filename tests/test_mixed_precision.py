@@ -4,8 +4,6 @@ cost model and the runtime (``passes/mixed_precision.py``, ``core.plan.Precision
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -14,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
+from cli_runner import run_cli
 import autopar
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
@@ -126,10 +125,9 @@ def test_parameter_memory_counts_masters_copies_and_fp32_gradients() -> None:
 def test_reduce_dtype_halves_the_gradient_all_reduce_and_is_written_in_the_plan(tmp_path) -> None:
     """``--fix reduce_dtype=bf16`` prices data parallelism's all_reduce at half the bytes of fp32's."""
     def plan(reduce_dtype: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "autopar", "plan", "llama3-8b", "--cluster", "2x8xH100",
-                              "--global-batch", "16", "--seq", "1024", "--set", "layers=2",
-                              "--fix", f"dp=16,fsdp=0,reduce_dtype={reduce_dtype}", "--json"],
-                             capture_output=True, text=True, check=True)
+        out = run_cli("plan", "llama3-8b", "--cluster", "2x8xH100", "--global-batch", "16", "--seq", "1024",
+                      "--set", "layers=2", "--fix", f"dp=16,fsdp=0,reduce_dtype={reduce_dtype}", "--json")
+        assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
     fp32, bf16 = plan("fp32"), plan("bf16")

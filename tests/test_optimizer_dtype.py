@@ -5,8 +5,6 @@ masters training like single-process training of the model in bf16 (``passes/mix
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cli import main
+from cli_runner import run_cli
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import Plan
@@ -94,10 +92,9 @@ def test_parameter_memory_follows_the_masters_dtype() -> None:
 # ---- the plan, show, reprice ---------------------------------------------------------------------------
 
 def _cli(*argv: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(list(argv)) == 0
-    return out.getvalue()
+    run = run_cli(*argv)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
 
 
 def test_cli_plan_writes_bf16_masters_and_prices_less_optimizer_state(tmp_path: Path) -> None:

@@ -7,15 +7,14 @@ nodes and the devices inside them) and dp=2 x tp=8 with two microbatches (dp gro
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_runner import run_cli
 import autopar
 from autopar.inspect import trace as trace_mod
 from autopar.models import build_model
@@ -82,7 +81,7 @@ def test_page_has_every_section_chart_and_placement(plans, key):
     for title in SECTIONS:
         assert f"<h2>{title}</h2>" in page, title
     for label in CHART_LABELS:
-        assert f'<svg width="' in page and f'aria-label="{label}"' in page, label
+        assert '<svg width="' in page and f'aria-label="{label}"' in page, label
     assert page.count('aria-label="devices by node') == len(plan.mesh["shape"])
     for name, text, n in collapsed_placements(plan.placements):
         assert f">{name}" in page, name
@@ -188,17 +187,11 @@ def test_trace_merges_ops_when_it_would_be_too_long(plans, monkeypatch):
 
 
 # ---- command line and browser --------------------------------------------------------------------
-def _autopar(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def written_report(plans, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("report")
     plans["dp4_tp4"].save(d / "plan.json")
-    run = _autopar("report", "plan.json", "-o", "r.html", "--trace", "t.json", cwd=d)
+    run = run_cli("report", "plan.json", "-o", "r.html", "--trace", "t.json", cwd=d)
     assert run.returncode == 0, run.stderr
     assert "r.html" in run.stdout
     return d
@@ -212,7 +205,7 @@ def test_cli_writes_report_and_trace(written_report):
 
 
 def test_cli_report_rejects_a_missing_plan(tmp_path):
-    run = _autopar("report", "nope.json", "-o", "r.html", cwd=tmp_path)
+    run = run_cli("report", "nope.json", "-o", "r.html", cwd=tmp_path)
     assert run.returncode == 2 and "nope.json" in run.stderr
     assert not (tmp_path / "r.html").exists()
 

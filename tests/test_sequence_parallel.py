@@ -6,15 +6,13 @@ parameters atol 1e-5) and forward collective parity."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cli_runner import run_cli
 from autopar import BadInputError
 from autopar.ir.capture import capture
 from autopar.cost_models import parse_cluster
@@ -208,17 +206,11 @@ def test_sp1_on_a_model_without_sequence_norms_is_refused() -> None:
         make_plan(graph, parse_cluster("1x4xcpu"), model_name="mlp", constraints=Constraints(sp=1))
 
 
-def _autopar(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
-
-
 def test_cli_fix_sp() -> None:
-    run = _autopar("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp=4,sp=1", "--json")
+    run = run_cli("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp=4,sp=1", "--json")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["degrees"]["sp"] == 4
-    bad = _autopar("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp=4,sp=on")
+    bad = run_cli("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "tp=4,sp=on")
     assert bad.returncode == 2 and "sp must be 0 or 1 (or false/true), got 'on'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 

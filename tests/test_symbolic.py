@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import sympy
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from cli_runner import run_cli
 from autopar.ir.capture import capture
 from autopar.cost_models import COLLECTIVES, GroupTopology, collective_time, parse_cluster
 from autopar.cost_models.pipeline import microbatches_in_flight, pipeline_bubble_fraction
@@ -243,8 +242,7 @@ def test_explain_cli_shows_the_tp_all_reduce_formula(tp_plan) -> None:
     data, path = tp_plan
     name = next(n for n, op in data["ops"].items()
                 if any(t["kind"] == "all_reduce" and not t["grad_sync"] for t in op["collectives"]))
-    run = subprocess.run([sys.executable, "-m", "autopar", "explain", str(path), name],
-                         capture_output=True, text=True, timeout=120)
+    run = run_cli("explain", str(path), name)
     assert run.returncode == 0, run.stderr
     assert "collectives, in closed form" in run.stdout
     assert "all_reduce over tp" in run.stdout and "ring, one node" in run.stdout
