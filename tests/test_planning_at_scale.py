@@ -352,3 +352,28 @@ def test_a_cp_degree_the_model_cannot_split_fails_its_mesh_not_the_search():
     with pytest.raises(BadInputError, match="consecutive tokens"):
         autopar.plan(bundle.model, bundle.example_inputs, "1x8xcpu", bundle.loss_fn, {"cp": 4},
                      example_targets=bundle.example_targets)
+
+
+def _warns_for_odd_items(i: int) -> int:
+    """A task that warns as a mesh's search does when it meets an op without a sharding rule: odd items
+    warn twice (the same text and place), every third item raises a second warning of its own."""
+    if i % 2:
+        for _ in range(2):
+            warnings.warn(f"item {i % 4} warned", UserWarning)
+    if i % 3 == 0:
+        warnings.warn("a third warned", RuntimeWarning)
+    return i
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_the_warnings_of_tasks_run_in_workers_reach_the_caller_once_and_in_order(count):
+    """What the meshes' searches warn, in forked workers too, is raised in the caller's process as the
+    results are taken (in item order), under its filters, each text and place once; the same with one
+    worker or two."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with Workers(_warns_for_odd_items, count) as workers:
+            assert [result for _, result in workers.in_order(9, lambda i: i)] == list(range(9))
+    assert [(str(w.message), w.category) for w in caught] == [
+        ("a third warned", RuntimeWarning), ("item 1 warned", UserWarning), ("item 3 warned", UserWarning)]
+    assert {w.filename for w in caught} == {__file__}

@@ -15,7 +15,11 @@ kept the second of two workers idle for 40% of the search.)
 
 Workers are forked once the step is captured, so they inherit the captured graph and the search's state
 without pickling them; what comes back per mesh is its outcome (a solved candidate of about 100 kB, the
-mesh itself when its bound lost, or the reason nothing fit) and the seconds its phases took. Where the
+mesh itself when its bound lost, or the reason nothing fit) and the seconds its phases took, and the
+warnings its search raised. Those are raised again in this process as each outcome is taken, at the
+place the worker raised them, under the caller's warning filters, each text and place once a search
+(the meshes' searches warn alike: an op without a sharding rule); so a caller sees the same warnings, in
+the same order, with one worker or several. Where the
 platform cannot fork (Windows; macOS, where forking a process that has loaded system frameworks is
 unsafe) one worker runs everything. Forked workers run only planning code on meta tensors, numpy and
 HiGHS, no torch kernels, so the parent's thread pools are not needed in them.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
 WINDOW = 4
@@ -38,6 +43,8 @@ WORKERS = 2
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _task: Callable[[Any], Any] | None = None  # the batch task, set in the parent before the workers fork
+Warned = tuple[str, type, str, int]
+"""A warning a task raised, as it travels back: its text, category, file and line."""
 
 
 def worker_count() -> int:
@@ -60,6 +67,7 @@ class Workers:
     def __init__(self, task: Callable[[_T], _R], count: int):
         self.task, self.count = task, count
         self._pool: Any = None
+        self._warned: set[Warned] = set()  # raised already: each warning once per search
 
     def in_order(self, count: int, item_for: Callable[[int], _T | None]) -> Iterator[tuple[int, _R | None]]:
         """``(i, task(item_for(i)))`` for ``i`` in ``range(count)``, in that order; ``(i, None)`` where
@@ -69,7 +77,8 @@ class Workers:
         and every later one reads its result: a search without any cutoff can take ten times as long
         (Llama 3 8B on 64 GPUs: its third mesh, searched beside the first, 3.5 s instead of 0.4). Running
         alone, it runs in this process: its warnings (an op without a sharding rule) reach the caller, and
-        the workers forked after it start from its caches."""
+        the workers forked after it start from its caches. Every task's warnings, wherever it ran, are
+        raised here when its result is taken (``_reraised``)."""
         started: dict[int, tuple[bool, Any]] = {}
         next_index = 0
         for taken in range(count):
@@ -92,8 +101,22 @@ class Workers:
     def _finish(self, started: tuple[bool, Any]) -> _R | None:
         in_worker, value = started
         if in_worker:
-            return value.get()
-        return None if value is None else self.task(value)
+            result, warned = value.get()
+        elif value is None:
+            return None
+        else:
+            result, warned = _recording_warnings(self.task, value)
+        self._reraised(warned)
+        return result
+
+    def _reraised(self, warned: list[Warned]) -> None:
+        """Raise a task's warnings here, under this process's filters, each (text, category, place) once.
+        (Not through ``warn_explicit``'s registry: recording a task's warnings changes the filters, which
+        empties every registry.)"""
+        for warning in warned:
+            if warning not in self._warned:
+                self._warned.add(warning)
+                warnings.warn_explicit(*warning)
 
     def __enter__(self) -> "Workers":
         return self
@@ -104,6 +127,15 @@ class Workers:
             self._pool.join()
 
 
-def _run_task(item: Any) -> Any:
-    assert _task is not None  # set by ``Workers.map`` before the fork
-    return _task(item)
+def _run_task(item: Any) -> tuple[Any, list[Warned]]:
+    assert _task is not None  # set by ``Workers._start`` before the fork
+    return _recording_warnings(_task, item)
+
+
+def _recording_warnings(task: Callable[[_T], _R], item: _T) -> tuple[_R, list[Warned]]:
+    """``task(item)`` and the warnings it raised, in order, each (text, category, place) once: all of them,
+    the filters that decide which are shown are the caller's, applied by ``Workers._reraised``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = task(item)
+    return result, list(dict.fromkeys((str(w.message), w.category, w.filename, w.lineno) for w in caught))
