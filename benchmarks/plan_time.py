@@ -9,9 +9,9 @@ the degrees, microbatches, checkpointing and predicted step time. Rows are the t
 checked here, in the table's ``meets`` column, not in the tests. A row that fails or runs past
 ``--timeout`` is recorded (``timeout``, or ``error:``/``no fit:`` and stderr's last line), never fatal.
 
-Prints a Markdown table and writes the rows as JSON to ``results/plan_time.json`` (``--quick`` and
-``--grid``: ``plan_time_quick.json``, ``plan_time_grid.json``; or ``--out``) after every row, so an
-interrupted run keeps what it measured. Children run in a temporary directory, which holds the
+Prints a Markdown table and writes the rows as JSON to ``results/plan_time.json`` (``--quick``,
+``--grid``, ``--cp-ep``: ``plan_time_quick.json``, ``plan_time_grid.json``, ``plan_time_cp_ep.json``; or
+``--out``) after every row, so an interrupted run keeps what it measured. Children run in a temporary directory, which holds the
 re-solve row's saved problem and keeps a checkout in the current directory from shadowing the
 ``autopar`` being timed. ``--grid`` plans llama3-8b's dimensions at 8, 32, 80 and 126 layers
 (``--set layers=N``) on 8, 64, 1,024 and 16,384 H100s (global batch 64, 64, 1,024, 16,384; sequence
@@ -20,6 +20,7 @@ re-solve row's saved problem and keeps a checkout in the current directory from 
     python benchmarks/plan_time.py                      # the issue's rows (up to an hour on 2 cores)
     python benchmarks/plan_time.py --quick              # tiny models, every kind of row (a minute)
     python benchmarks/plan_time.py --grid               # layers x GPUs sweep (llama3-8b dims, --set layers=N)
+    python benchmarks/plan_time.py --cp-ep              # issue 16's MoE and 128k-token rows
     python benchmarks/plan_time.py --label before --python /tmp/basevenv/bin/python \\
         --out benchmarks/results/plan_time_before.json  # time another checkout, installed in that venv
 """
@@ -75,6 +76,12 @@ QUICK = [
     Row((*TINY, "--fix", "dp=8")),
     Row(_model("tiny-gpt", "1x4xcpu", 8, None, *SAVE)),
     Row((*RESOLVE, "--cluster", "1x2xcpu")),
+]
+# Issue 16's searches with two more mesh dims, held to the targets of the rows of their size above: an
+# 8-expert MoE on 64 GPUs (expert parallelism) and a 405B model at 128k tokens on 16,384 (context).
+CP_EP = [
+    Row(_model("mixtral-8x7b", "8x8xH100", 256, 4096), 10),
+    Row(_model("llama3-405b", "2048x8xH100", 128, None, "--set", "seq=131072"), 30),
 ]
 GRID_LAYERS = (8, 32, 80, 126)
 GRID_CLUSTERS = {"1x8xH100": 64, "8x8xH100": 64, "128x8xH100": 1024, "2048x8xH100": 16384}  # global batch
@@ -192,6 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rows = parser.add_mutually_exclusive_group()
     rows.add_argument("--quick", action="store_true", help="tiny models only (a minute)")
+    rows.add_argument("--cp-ep", action="store_true", help="issue 16's rows: an MoE on 64 GPUs, 405B at 128k tokens")
     rows.add_argument("--grid", action="store_true", help=f"llama3-8b's dims at {GRID_LAYERS} layers on each of "
                       f"{GRID_CLUSTERS} (cluster: global batch), sequence 4096")
     cmd = parser.add_mutually_exclusive_group()
@@ -199,17 +207,17 @@ def main() -> None:
     cmd.add_argument("--autopar-cmd", help="the command that stands for `autopar` (default: autopar on PATH)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per row before it is killed (600)")
     parser.add_argument("--label", default="", help="stored in every row, e.g. before or after")
-    parser.add_argument("--out", help="the JSON rows (default results/plan_time.json, _quick or _grid.json)")
+    parser.add_argument("--out", help="the JSON rows (default results/plan_time.json, _quick, _grid or _cp_ep.json)")
     args = parser.parse_args()
     prefix = [args.python, "-m", "autopar"] if args.python else shlex.split(args.autopar_cmd or "autopar")
-    suffix = "_quick" if args.quick else "_grid" if args.grid else ""
+    suffix = "_quick" if args.quick else "_grid" if args.grid else "_cp_ep" if args.cp_ep else ""
     out = Path(args.out or Path(__file__).parent / "results" / f"plan_time{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     print(f"autopar = {shlex.join(prefix)}, {os.cpu_count()} CPUs, timeout {args.timeout:.0f} s, "
           f"memory target {MEMORY_TARGET_MB:.0f} MB\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="plan_time_") as cwd:
-        for row in QUICK if args.quick else GRID if args.grid else MAIN:
+        for row in QUICK if args.quick else GRID if args.grid else CP_EP if args.cp_ep else MAIN:
             records.append(measure(row, prefix, args.timeout, Path(cwd), args.label))
             print(table_line(records[-1]), flush=True)
             out.write_text(json.dumps(records, indent=1) + "\n")
