@@ -82,11 +82,17 @@ def matmul_half_flops(peak_flops: float) -> float:
     return peak_flops * MATMUL_RAMP_S
 
 
-def _matmul_efficiency(flops: float, peak_flops: float, plateau: float) -> float:
+def _matmul_efficiency(flops: float, peak_flops: float, plateau: float, matmul_plateau: float) -> float:
     return plateau * flops / (flops + matmul_half_flops(peak_flops))
 
 
-def _bandwidth_bound_efficiency(flops: float, peak_flops: float, plateau: float) -> float:
+def _attention_efficiency(flops: float, peak_flops: float, plateau: float, matmul_plateau: float) -> float:
+    """A GEMM's ramp, ``f_half / (matmul_plateau * peak)`` seconds, then the kernel's own ``plateau``: its
+    time is ``f / (plateau * peak)`` plus that ramp (the GEMM's curve where ``plateau`` is the GEMM's)."""
+    return plateau * flops / (flops + matmul_half_flops(peak_flops) * plateau / matmul_plateau)
+
+
+def _bandwidth_bound_efficiency(flops: float, peak_flops: float, plateau: float, matmul_plateau: float) -> float:
     return MEMORY_EFFICIENCY
 
 
@@ -94,19 +100,20 @@ def _bandwidth_bound_efficiency(flops: float, peak_flops: float, plateau: float)
 class _OpModel:
     """How one kind of op is priced: its efficiency curve and which FLOP peak it runs at."""
 
-    efficiency: Callable[[float, float, float], float]  # (flops, peak FLOP/s, the device's GEMM plateau)
+    efficiency: Callable[[float, float, float, float], float]  # (flops, peak FLOP/s, its plateau, the GEMMs')
     tensor_cores: bool
 
 
-def _misaligned_matmul_efficiency(flops: float, peak_flops: float, plateau: float) -> float:
-    return MISALIGNED_MATMUL_FACTOR * _matmul_efficiency(flops, peak_flops, plateau)
+def _misaligned_matmul_efficiency(flops: float, peak_flops: float, plateau: float, matmul_plateau: float
+                                  ) -> float:
+    return MISALIGNED_MATMUL_FACTOR * _matmul_efficiency(flops, peak_flops, plateau, matmul_plateau)
 
 
 _OPS: Mapping[str, _OpModel] = {
     "matmul": _OpModel(_matmul_efficiency, tensor_cores=True),
     "misaligned_matmul": _OpModel(_misaligned_matmul_efficiency, tensor_cores=True),
-    "attention": _OpModel(_matmul_efficiency, tensor_cores=True),  # a GEMM's; ``_attention_time`` prices it
-    "attention_backward": _OpModel(_matmul_efficiency, tensor_cores=True),
+    "attention": _OpModel(_attention_efficiency, tensor_cores=True),
+    "attention_backward": _OpModel(_attention_efficiency, tensor_cores=True),
     "elementwise": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
     "other": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
 }
@@ -114,11 +121,17 @@ KINDS = tuple(_OPS)
 
 
 def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FLOPS,
-                  matmul_plateau: float = MATMUL_MAX_EFFICIENCY) -> float:
+                  matmul_plateau: float = MATMUL_MAX_EFFICIENCY,
+                  attention_plateaus: tuple[float, float] | None = None) -> float:
     """Achievable fraction of peak for an op of ``kind`` doing ``flops`` on a device of ``peak_flops`` whose
-    large GEMMs reach ``matmul_plateau`` of it (``DeviceSpec.matmul_efficiency``)."""
+    large GEMMs reach ``matmul_plateau`` of it (``DeviceSpec.matmul_efficiency``) and whose fused attention
+    kernels reach ``attention_plateaus`` (forward, backward; ``DeviceSpec.attention_efficiency``, None:
+    the GEMMs')."""
     _check_kind(kind)
-    return _OPS[kind].efficiency(_non_negative("flops", flops), peak_flops, matmul_plateau)
+    plateau = matmul_plateau
+    if kind in ("attention", "attention_backward") and attention_plateaus is not None:
+        plateau = attention_plateaus[kind == "attention_backward"]
+    return _OPS[kind].efficiency(_non_negative("flops", flops), peak_flops, plateau, matmul_plateau)
 
 
 def matmul_kind(dims: Iterable[int], device: DeviceSpec, dtype: Any) -> str:
@@ -185,23 +198,11 @@ def backward_kind(kind: str) -> str:
     return "attention_backward" if kind == "attention" else kind
 
 
-def _attention_time(flops: float, peak: float, device: DeviceSpec, kind: str) -> float:
-    """Seconds of a fused attention kernel's FLOPs: a GEMM's ramp on ``device``, then the kernel's own
-    rate (its forward or backward plateau where the device states them, else the GEMM's: the same
-    seconds as a GEMM of those FLOPs)."""
-    ramp = matmul_half_flops(peak) / (device.matmul_efficiency * peak)
-    plateau = device.matmul_efficiency if device.attention_efficiency is None else \
-        device.attention_efficiency[kind == "attention_backward"]
-    return flops / (plateau * peak) + ramp
-
-
 def _flop_time(flops: float, device: DeviceSpec, dtype: Any, kind: str) -> float:
     if flops == 0:
         return 0.0
     peak = device.peak(dtype) if _OPS[kind].tensor_cores else device.peak("fp32")
-    if kind in ("attention", "attention_backward"):
-        return _attention_time(flops, peak, device, kind)
-    return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency))
+    return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency, device.attention_efficiency))
 
 
 def _check_kind(kind: str) -> None:

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from autopar.cost_models import DeviceSpec, backward_kind, compute_time, get_device
-from autopar.cost_models.compute import MATMUL_RAMP_S
+from autopar.cost_models.compute import MATMUL_RAMP_S, op_efficiency
 from autopar.cost_models.hardware import HOPPER_ATTENTION_EFFICIENCY
 
 H100_BF16_PEAK = 989e12
@@ -52,6 +52,20 @@ def test_its_backward_kernel_runs_to_its_own_plateau_only_where_the_device_says(
     a100 = get_device("A100-80GB")  # no measured figure in the catalog: priced as a GEMM both ways
     assert a100.attention_efficiency is None
     assert compute_time(1e12, 0.0, a100, "bf16", "attention_backward") == compute_time(1e12, 0.0, a100, "bf16", "matmul")
+
+
+def test_op_efficiency_of_fused_attention_is_the_rate_the_kernel_is_priced_at() -> None:
+    """``op_efficiency`` answers for fused attention what ``compute_time`` charges (it once gave a GEMM's
+    curve for it, which only ``compute_time`` bypassed): with the device's plateaus, FLOPs over seconds
+    at peak, rising to 0.61 forward and 0.53 backward on Hopper; without them, a GEMM's."""
+    h100 = get_device("H100")
+    for kind, plateau in (("attention", 0.61), ("attention_backward", 0.53)):
+        for flops in (1e6, 1e10, 1e15):
+            seconds = compute_time(flops, 0.0, h100, "bf16", kind) - h100.kernel_launch_s
+            efficiency = op_efficiency(kind, flops, H100_BF16_PEAK, 0.8, h100.attention_efficiency)
+            assert efficiency == pytest.approx(flops / (seconds * H100_BF16_PEAK), rel=1e-9)
+        assert op_efficiency(kind, 1e18, H100_BF16_PEAK, 0.8, (0.61, 0.53)) == pytest.approx(plateau, rel=1e-3)
+        assert op_efficiency(kind, 1e10, H100_BF16_PEAK, 0.8) == op_efficiency("matmul", 1e10, H100_BF16_PEAK, 0.8)
 
 
 def test_the_figures_travel_with_the_device_and_are_checked() -> None:
