@@ -167,7 +167,7 @@ def test_the_plan_is_the_same_with_one_worker_or_two(monkeypatch):
 def test_each_task_reads_the_results_taken_up_to_the_window_with_any_number_of_workers(count):
     """``Workers.in_order`` asks for item ``i`` once the results of items ``0 .. max(0, i - WINDOW)`` are
     taken, and no later ones, in one process as in two forked workers; results come back in order; the
-    first item, which runs alone, runs in this process (its warnings reach the caller)."""
+    first item, which runs alone, runs in this process (the workers forked after it start from its caches)."""
     taken: list[int] = []
     asked_after: dict[int, int] = {}
     ran_in: dict[int, int] = {}

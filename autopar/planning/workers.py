@@ -15,13 +15,12 @@ kept the second of two workers idle for 40% of the search.)
 
 Workers are forked once the step is captured, so they inherit the captured graph and the search's state
 without pickling them; what comes back per mesh is its outcome (a solved candidate of about 100 kB, the
-mesh itself when its bound lost, or the reason nothing fit) and the seconds its phases took, and the
+mesh itself when its bound lost, or the reason nothing fit), the seconds its phases took and the
 warnings its search raised. Those are raised again in this process as each outcome is taken, at the
 place the worker raised them, under the caller's warning filters, each text and place once a search
-(the meshes' searches warn alike: an op without a sharding rule); so a caller sees the same warnings, in
-the same order, with one worker or several. Where the
-platform cannot fork (Windows; macOS, where forking a process that has loaded system frameworks is
-unsafe) one worker runs everything. Forked workers run only planning code on meta tensors, numpy and
+(the meshes' searches warn alike: an op without a sharding rule), so a caller sees the same warnings in
+the same order with one worker or several. Where the platform cannot fork (Windows; macOS, where forking
+a process that has loaded system frameworks is unsafe) one worker runs everything. Forked workers run only planning code on meta tensors, numpy and
 HiGHS, no torch kernels, so the parent's thread pools are not needed in them.
 """
 
@@ -76,9 +75,8 @@ class Workers:
         several: what it reads of them (a cutoff) is the same either way. The first item thus runs alone,
         and every later one reads its result: a search without any cutoff can take ten times as long
         (Llama 3 8B on 64 GPUs: its third mesh, searched beside the first, 3.5 s instead of 0.4). Running
-        alone, it runs in this process: its warnings (an op without a sharding rule) reach the caller, and
-        the workers forked after it start from its caches. Every task's warnings, wherever it ran, are
-        raised here when its result is taken (``_reraised``)."""
+        alone, it runs in this process, and the workers forked after it start from its caches. Every task's
+        warnings, wherever it ran, are raised here when its result is taken (``_reraised``)."""
         started: dict[int, tuple[bool, Any]] = {}
         next_index = 0
         for taken in range(count):
