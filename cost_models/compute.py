@@ -86,10 +86,16 @@ def _matmul_efficiency(flops: float, peak_flops: float, plateau: float, matmul_p
     return plateau * flops / (flops + matmul_half_flops(peak_flops))
 
 
+def _attention_seconds(flops: float, peak_flops: float, plateau: float, matmul_plateau: float) -> float:
+    """A fused attention kernel's seconds: a GEMM's ramp, ``f_half / (matmul_plateau * peak)``, then its
+    FLOPs at the kernel's own ``plateau`` (the GEMM's seconds where ``plateau`` is the GEMM's)."""
+    return flops / (plateau * peak_flops) + matmul_half_flops(peak_flops) / (matmul_plateau * peak_flops)
+
+
 def _attention_efficiency(flops: float, peak_flops: float, plateau: float, matmul_plateau: float) -> float:
-    """A GEMM's ramp, ``f_half / (matmul_plateau * peak)`` seconds, then the kernel's own ``plateau``: its
-    time is ``f / (plateau * peak)`` plus that ramp (the GEMM's curve where ``plateau`` is the GEMM's)."""
-    return plateau * flops / (flops + matmul_half_flops(peak_flops) * plateau / matmul_plateau)
+    if flops == 0:
+        return 0.0
+    return flops / (peak_flops * _attention_seconds(flops, peak_flops, plateau, matmul_plateau))
 
 
 def _bandwidth_bound_efficiency(flops: float, peak_flops: float, plateau: float, matmul_plateau: float) -> float:
@@ -118,6 +124,7 @@ _OPS: Mapping[str, _OpModel] = {
     "other": _OpModel(_bandwidth_bound_efficiency, tensor_cores=False),
 }
 KINDS = tuple(_OPS)
+ATTENTION_KINDS = ("attention", "attention_backward")
 
 
 def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FLOPS,
@@ -128,10 +135,15 @@ def op_efficiency(kind: str, flops: float, peak_flops: float = REFERENCE_PEAK_FL
     kernels reach ``attention_plateaus`` (forward, backward; ``DeviceSpec.attention_efficiency``, None:
     the GEMMs')."""
     _check_kind(kind)
-    plateau = matmul_plateau
-    if kind in ("attention", "attention_backward") and attention_plateaus is not None:
-        plateau = attention_plateaus[kind == "attention_backward"]
+    plateau = _plateau(kind, matmul_plateau, attention_plateaus)
     return _OPS[kind].efficiency(_non_negative("flops", flops), peak_flops, plateau, matmul_plateau)
+
+
+def _plateau(kind: str, matmul_plateau: float, attention_plateaus: tuple[float, float] | None) -> float:
+    """The efficiency a ``kind`` kernel tends to: fused attention's own (forward, backward) where given."""
+    if kind in ATTENTION_KINDS and attention_plateaus is not None:
+        return attention_plateaus[kind == "attention_backward"]
+    return matmul_plateau
 
 
 def matmul_kind(dims: Iterable[int], device: DeviceSpec, dtype: Any) -> str:
@@ -202,6 +214,9 @@ def _flop_time(flops: float, device: DeviceSpec, dtype: Any, kind: str) -> float
     if flops == 0:
         return 0.0
     peak = device.peak(dtype) if _OPS[kind].tensor_cores else device.peak("fp32")
+    if kind in ATTENTION_KINDS:  # its seconds as written, not through their quotient (the same to 1e-16)
+        return _attention_seconds(flops, peak, _plateau(kind, device.matmul_efficiency, device.attention_efficiency),
+                                  device.matmul_efficiency)
     return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency, device.attention_efficiency))
 
 
