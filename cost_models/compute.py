@@ -217,7 +217,7 @@ def _flop_time(flops: float, device: DeviceSpec, dtype: Any, kind: str) -> float
     if kind in ATTENTION_KINDS:  # its seconds as written, not through their quotient (the same to 1e-16)
         return _attention_seconds(flops, peak, _plateau(kind, device.matmul_efficiency, device.attention_efficiency),
                                   device.matmul_efficiency)
-    return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency, device.attention_efficiency))
+    return flops / (peak * op_efficiency(kind, flops, peak, device.matmul_efficiency))
 
 
 def _check_kind(kind: str) -> None:

@@ -588,12 +588,12 @@ class _MeshSearch:
         that solution's bound shows ``problem`` cannot beat ``cutoff_s``.
 
         A schedule changes only how many microbatches' activations a device holds (``Staging.in_flight``,
-        ``last_stage_in_flight``, ``last_chunk_in_flight``); the objective (a microbatch's work) is the same, and the bubble and the
-        stage transfers are added after the solve (``assemble.with_pipeline_time``). Where ``staging``
-        holds at least as many as the schedule solved before, every plan that fits now fitted then, so the
-        earlier optimum is still optimal if it fits ``problem``'s memory, and its bound still bounds
-        ``problem``'s objective, which the step time only exceeds. Interleaved and zero-bubble schedules,
-        tried after 1F1B on the winner's counts, are then priced or pruned without solving again."""
+        ``last_stage_in_flight``, ``last_chunk_in_flight``); the objective (a microbatch's work) is the same,
+        and the bubble and the stage transfers are added after the solve (``assemble.with_pipeline_time``).
+        Where ``staging`` holds at least as many as the schedule solved before, every plan that fits now
+        fitted then, so the earlier optimum is still optimal if it fits ``problem``'s memory, and its bound
+        still bounds ``problem``'s objective, which the step time only exceeds. Interleaved and zero-bubble
+        schedules, tried after 1F1B on the winner's counts, are then priced or pruned without solving again."""
         earlier = self._solved.get(_solved_key(unstaged, staging))
         if earlier is None:
             return None

@@ -20,8 +20,9 @@ warnings its search raised. Those are raised again in this process as each outco
 place the worker raised them, under the caller's warning filters, each text and place once a search
 (the meshes' searches warn alike: an op without a sharding rule), so a caller sees the same warnings in
 the same order with one worker or several. Where the platform cannot fork (Windows; macOS, where forking
-a process that has loaded system frameworks is unsafe) one worker runs everything. Forked workers run only planning code on meta tensors, numpy and
-HiGHS, no torch kernels, so the parent's thread pools are not needed in them.
+a process that has loaded system frameworks is unsafe) one worker runs everything. Forked workers run only
+planning code on meta tensors, numpy and HiGHS, no torch kernels, so the parent's thread pools are not
+needed in them.
 """
 
 from __future__ import annotations
