@@ -399,6 +399,22 @@ def test_layer_modes_match_brute_force(seed):
     assert memory <= p.memory_capacity_bytes * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("seed", LAYERED_SEEDS)
+def test_the_optimums_placements_held_leave_its_layer_modes_optimal(seed):
+    """``Problem.with_choice`` (the planner's per-layer refinement holds the winner's placements): held
+    at the joint optimum's placements, the ILP over the layers' modes alone reaches the joint optimum,
+    and the modes it picks are priced so on the whole problem."""
+    p = random_layered_problem(seed)
+    joint = solve(p)
+    held = p.with_choice(joint.choice)
+    assert all(len(d.options) == 1 for d in held.decisions.values()) and all(len(e.price) == 1 for e in held.edges)
+    modes = solve(held)
+    assert close(modes.objective_s, joint.objective_s, rel=1e-6), (modes, joint)
+    step, memory = evaluate(p, joint.choice, modes.layer_modes)
+    assert close(step, modes.objective_s, rel=1e-6)
+    assert memory <= p.memory_capacity_bytes * (1 + 1e-9)
+
+
 def test_layered_problems_mix_modes():
     """The property test above is only as good as its problems: in some the best plan recomputes some
     layers in one mode and others in another, in some every layer runs in one mode."""
@@ -455,6 +471,17 @@ def test_a_gathered_parameter_trades_its_gradient_sync_for_a_reduce_scatter(capa
     assert close(evaluate(p, sol.choice)[0], want_s)
     assert close(evaluate(p, {"w": 1, "mm": 0})[0], 2.9e-3)  # FSDP: no sync left to expose
     assert close(brute_force(p).step_s, want_s)
+
+
+@pytest.mark.parametrize("choice, want_s", [({"w": 0, "mm": 0}, 3.0e-3), ({"w": 1, "mm": 0}, 2.9e-3)])
+def test_a_held_choice_keeps_the_root_terms_that_hold_there(choice, want_s):
+    """``Problem.with_choice`` keeps a term where the choice takes both its options (FSDP's reduce_scatter
+    in place of the sync), and drops it where it cannot hold (DDP), so its ILP prices the choice as
+    the whole problem does."""
+    p = _fsdp_or_ddp_problem(10)
+    held = p.with_choice(choice)
+    assert len(held.root_terms) == choice["w"]
+    assert close(solve(held).objective_s, want_s) and close(evaluate(p, choice)[0], want_s)
 
 
 def test_settled_problem_folds_the_terms_of_the_chosen_root_only():

@@ -328,6 +328,18 @@ class Problem:
                      for k, d in self.decisions.items()}
         return with_fields(self, decisions=decisions, layer_modes=None, **settled_moves(self.edges, self.shared, share))
 
+    def with_choice(self, choice: Mapping[str, int]) -> "Problem":
+        """The problem with every decision held to option ``choice[key]``, its only option (index 0): what
+        is left open is what prices an option by mode, the layers' checkpointing modes (``layer_modes``).
+        Each edge keeps the one placement pair its ends take, and each root-sharding term that holds at
+        ``choice`` stays on the kept options (the others cannot hold)."""
+        decisions = {key: with_fields(d, options=[d.options[choice[key]]]) for key, d in self.decisions.items()}
+        edges = [with_fields(e, price={pair: e.price[pair]})
+                 for e in self.edges for pair in (edge_pair(self, e, choice),)]
+        root_terms = [with_fields(t, options=frozenset({0}), root_options=frozenset({0}))
+                      for t in self.root_terms if t.holds(choice)]
+        return with_fields(self, decisions=decisions, edges=edges, root_terms=root_terms)
+
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
         return (sum(len(d.options) for d in self.decisions.values()), sum(len(e.price) for e in self.edges))

@@ -12,8 +12,8 @@ shrinks faster than the kernels slow down), applying ``stages.stage_problem`` to
 the pipeline; then, with the schedule free, interleaved 1F1B and zero bubble with more model chunks a
 device (``_schedules``, ``_more_chunks``). A pipeline mesh is pruned only by the least bubble of the
 schedules still to try there (``least_bubble``), never by 1F1B's alone. When the best plan recomputes,
-``refine_layer_modes`` re-solves it with each layer's mode a decision of the ILP: recomputing some
-layers, not all, often fits at less cost.
+``refine_layer_modes`` re-solves it, its placements kept, with each layer's mode a decision of the
+ILP: recomputing some layers, not all, often fits at less cost.
 Unless the ZeRO stage is pinned, a data-parallel mesh whose plan had to recompute or shard parameters
 to fit (or where nothing fit) is searched again with the optimizer state sharded over data parallelism
 (ZeRO-1, Megatron-LM's distributed optimizer): it frees 12 bytes of state per parameter for a
@@ -484,15 +484,18 @@ class _MeshSearch:
                                            "/".join(staging.checkpointing))
 
     def refine_layer_modes(self, best: Candidate) -> Candidate:
-        """``best`` (one checkpointing mode for every layer) re-solved with each layer's mode left to the
-        ILP (``solver.py`` (5)-(8)) between none and ``best``'s mode, on its mesh and microbatch count;
-        the better of the two: some layers recompute as the winner does and the rest keep their
-        activations (what Megatron-LM's ``--recompute-num-layers`` sets by hand).
+        """``best`` (one checkpointing mode for every layer) with each layer's mode chosen between none and
+        ``best``'s (``solver.py`` (5)-(8)), on its mesh, microbatch count and placements; the better of the
+        two: some layers recompute as the winner does and the rest keep their activations (what
+        Megatron-LM's ``--recompute-num-layers`` sets by hand).
 
-        The mesh search prices whole-model modes, which keeps each of its ILPs small and fast; the
-        per-layer ILP is larger and its memory row makes it a hard knapsack, so it runs once, on the
-        winner, with two modes (all five made it 1.7x larger: 22,191 variables against 13,389 on a 3-D cp
-        mesh, whose 100 nodes took 100 s under the profiler), under the node limit; when the limit stops it, its best plan so far still counts."""
+        The mesh search prices whole-model modes, which keeps each of its ILPs small; this ILP holds every
+        decision to the winner's option (``Problem.with_choice``), so what is left is a knapsack over the
+        layers' modes that the solver settles at its root. Where we diverge from a per-layer ILP with the
+        placements open as well (what this did until 2026-12-03): that one is a hard knapsack over
+        thousands of placement variables, stopped by a node limit, and it found the same plan in every case
+        measured (tiny GPT and Llama at 4-8 layers under 18 memory budgets, Llama 3 70B and 405B), at 20x
+        the time on Llama 3 405B at 128k tokens (16 s against 0.8 s, the search's largest share)."""
         if self.constraints.checkpointing is not None or best.checkpointing == "none" \
                 or best.staging.layers_per_stage < 2:
             return best
@@ -501,9 +504,10 @@ class _MeshSearch:
         whole = problem_for(self.captured, best.mesh, pricer, self.capacity,
                             self._constraints(pricer.zero_stage or None))
         problem = self._staged(whole.with_microbatches(best.problem.microbatches, pricer), staging)
+        choice = _same_options(best, problem)
         try:
             with self.progress.phase("refine"):
-                solution = solve(problem, min(self.node_limit, REFINE_NODE_LIMIT))
+                solution = replace(solve(problem.with_choice(choice), self.node_limit), choice=choice)
         except NoFeasiblePlanError:
             return best  # the node limit stopped the solver before it found a plan
         found = with_pipeline_time(self.captured, best.mesh, staging, problem.with_layer_modes(solution.layer_modes),
@@ -632,6 +636,16 @@ class _MeshSearch:
         return fits or _least_step_of_mode(none, least_objective, problem, bubble_fraction) >= cutoff_s
 
 
+def _same_options(best: Candidate, problem: Problem) -> dict[str, int]:
+    """``best``'s choice as indices into ``problem``'s options: the option of each decision with the
+    strategy ``best`` took (``problem`` is built again for the same mesh, so it offers the same ones)."""
+    choice = {}
+    for key, k in best.solution.choice.items():
+        taken = best.problem.decisions[key].options[k].strategy
+        choice[key] = next(i for i, o in enumerate(problem.decisions[key].options) if o.strategy == taken)
+    return choice
+
+
 def _solved_key(unstaged: Problem, staging: Staging) -> tuple[int, tuple[str, ...], int]:
     """What a solution of ``unstaged`` under ``staging`` is shared by (``_MeshSearch._solved_before``): the
     problem (one per microbatch count and pricer), the checkpointing mode and the layers a device holds."""
@@ -711,10 +725,6 @@ def runs_interleaved(microbatches: int, stages: int) -> bool:
 
 
 MAX_PIPELINE_MICROBATCH_TRIES = 6
-REFINE_NODE_LIMIT = 100
-"""Branch-and-bound nodes for the per-layer checkpointing ILP (``refine_layer_modes``): its memory row
-makes it a hard knapsack, which neither HiGHS nor SCIP proves optimal in 20,000 nodes on an 8-layer
-GPT (5-6 minutes); a hundred nodes take seconds, and the plan reports the gap that leaves."""
 
 
 class _MicrobatchProblems(dict):

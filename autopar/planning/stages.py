@@ -66,10 +66,10 @@ layer op is priced in every mode and the solver picks how many of a device's ``l
 layers run in each, together with the placements (``solver.py`` constraints (5)-(8)); e.g. 3 of 4
 layers selectively recomputed and one not at all, where recomputing every layer would waste time and
 none would not fit (Megatron-LM's ``--recompute-num-layers``, chosen by the cost model instead of by
-hand). The planner's mesh search prices one mode for the whole model and re-solves its winner this way
-(``planner._MeshSearch.refine_layer_modes``). All layers share one sharding decision, so which layers
-get which mode does not change the price: ``assign_layer_modes`` gives each stage's first layers the
-most recomputation.
+hand). The planner's mesh search prices one mode for the whole model and re-solves its winner this way,
+its placements held (``search._MeshSearch.refine_layer_modes``). All layers share one sharding
+decision, so which layers get which mode does not change the price: ``assign_layer_modes`` gives each
+stage's first layers the most recomputation.
 """
 
 from __future__ import annotations
