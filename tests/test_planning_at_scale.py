@@ -253,6 +253,33 @@ def test_the_cheap_bound_is_below_the_optimum_and_prunes_before_the_model_is_bui
         solve(p, cutoff_s=solver.least_time(p) * 0.999)
 
 
+def test_a_mesh_whose_least_configuration_loses_is_pruned_by_one_root_to_the_same_plan(monkeypatch):
+    """``_MeshSearch._cannot_win``: a mesh whose problem at the fewest microbatches, without recomputation
+    or memory row and stretched by the least bubble, cannot beat the cutoff is listed as pruned before
+    its modes, counts and schedules are searched; the plan is the one searching each of them finds (tiny
+    Llama on 16 H100s: some meshes are pruned so, not all)."""
+    from autopar.planning import search
+
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    verdicts: list[bool] = []
+    check = search._MeshSearch._cannot_win
+    monkeypatch.setattr(search._MeshSearch, "_cannot_win",
+                        lambda self, *args: (verdicts.append(check(self, *args)), verdicts[-1])[1])
+    bundle = _bundle("tiny-llama", 6, batch=32)
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,
+                        example_targets=bundle.example_targets)
+    assert any(verdicts) and not all(verdicts), verdicts
+    monkeypatch.setattr(search._MeshSearch, "_cannot_win", lambda self, *args: False)
+    searched = autopar.plan(bundle.model, bundle.example_inputs, "2x8xH100", bundle.loss_fn,
+                            example_targets=bundle.example_targets)
+    assert {tuple(sorted(m.items())) for m in searched.solver["pruned_meshes"]} <= \
+        {tuple(sorted(m.items())) for m in plan.solver["pruned_meshes"]}
+    for pruned in (plan, searched):
+        pruned.solver.pop("pruned_meshes")
+        pruned.solver.pop("meshes_tried")
+    assert _without_timings(searched) == _without_timings(plan)
+
+
 @pytest.mark.extended
 def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch):
     """tiny-llama at 4,096 tokens in 20 MB a device: the best plan without cp recomputes, so cp meshes are

@@ -336,10 +336,14 @@ class _MeshSearch:
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
         # the problems without edges: memory reads only decisions (``least_memory``), and they are cheap to stage
         memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[], shared=[]), pricer, self.progress)
+        stagings = self._stagings(mesh)
+        if cutoff_s is not None and self._cannot_win(mesh, stagings[0], per_m[counts[0]], cutoff_s):
+            self.fits_whole = mesh.stages == 1 and stagings[0].checkpointing == ("none",) \
+                and self._first_fitting(counts, stagings[0], memory) is not None
+            return mesh
         best: Candidate | None = None
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
-        stagings = self._stagings(mesh)
         least_bubble = self.least_bubble(mesh, after_first=True)
         settled = _Settled(mesh.stages > 1 and len(stagings) > 1 and stagings[0].checkpointing == ("none",),
                            stagings[0], per_m)
@@ -374,6 +378,31 @@ class _MeshSearch:
         if best is not None and best.step_s < (cutoff_s or math.inf):
             return best
         return mesh if was_pruned or best is not None or not reason else reason
+
+    def _cannot_win(self, mesh: MeshChoice, first: Staging, fewest: Problem, cutoff_s: float) -> bool:
+        """Whether no configuration of ``mesh`` can beat ``cutoff_s``, by one ILP's root: ``fewest`` (its
+        problem at the fewest microbatches the batch allows) without recomputation and without its memory
+        row, stretched by the least bubble any schedule of the search has there (``least_bubble``).
+
+        That problem's objective bounds every configuration's from below, placement by placement: more
+        microbatches only add to a price (a kernel run ``m`` times on ``1/m`` of the batch is no faster in
+        all, parameter gathers and per-microbatch syncs repeat, and the gradient sync hides behind a
+        shorter last backward; reshardings move the same bytes), a recomputing mode only adds forward
+        time (``_least_step_of_mode``), the schedules differ in the bubble, the activations in flight
+        and the stage-to-stage sends, which only add, and memory only takes plans away. So where its
+        root proves the cutoff unbeatable (``Pruned``), the mesh's search of modes, counts and schedules
+        (each ILP pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is skipped; a node limit of
+        one keeps the check to that root where it does not prune."""
+        bound = replace(first, checkpointing=("none",))
+        problem = with_fields(self._staged(fewest, bound), memory_capacity_bytes=math.inf)
+        try:
+            with self.progress.phase("solve"):
+                solve(problem, 1, cutoff_s=cutoff_s, bubble_fraction=self.least_bubble(mesh))
+        except Pruned:
+            return True
+        except NoFeasiblePlanError:  # the root found no plan under the cutoff, nor proved there is none
+            return False
+        return False
 
     def _schedules(self, layers: int, stages: int) -> list[tuple[str, list[int]]]:
         """The pipeline schedules a mesh of ``stages`` stages is searched under, each with the model chunks a
