@@ -267,8 +267,9 @@ def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
 
 _RAW: dict[Any, tuple[list[Strategy], bool]] = {}
 """(mesh ndim, op, argument shapes) -> (DTensor's strategies before ``fits_mesh``, whether the op
-had none). DTensor's rules depend on the number of mesh dims, not their sizes, so every mesh shape of
-the search with the same ndim shares one enumeration (the expensive part of building a problem)."""
+had none); with ``copies`` (HSDP), keyed by the mesh's layout of copied dims too, the copies filled in.
+DTensor's rules depend on the number of mesh dims, not their sizes, so every mesh shape of the search
+with the same ndim (and copies) shares one enumeration (the expensive part of building a problem)."""
 
 
 @contextlib.contextmanager
@@ -322,7 +323,9 @@ class StrategyFinder:
             for dim in self.sequence_dims:
                 raw = raw + [v for st in raw for v in _sequence_splits(node, st, dim, self.rows, self.cp_attention)
                              if v not in raw]
-            fitting = [st for st in raw if self._fits(node, st)]
+            shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                      for v in [a.meta["val"] for a in inputs] + output_vals(node)]
+            fitting = [st for st in raw if self._fits(shapes, st)]
             self._cache[key] = fitting or [_replicated(node, len(inputs), len(self.mesh_shape))]
         return self._cache[key]
 
@@ -330,8 +333,13 @@ class StrategyFinder:
         raw_key = (self._ndim, key)
         if raw_key not in _RAW:
             _RAW[raw_key] = self._enumerate(node, inputs)
-        found, fallback = _RAW[raw_key]
-        return ([self._with_copies(st) for st in found] if self.copies else found), fallback
+        if not self.copies:
+            return _RAW[raw_key]
+        copied_key = (raw_key, len(self.mesh_shape), tuple(sorted(self.copies.items())))
+        if copied_key not in _RAW:
+            found, fallback = _RAW[raw_key]
+            _RAW[copied_key] = [self._with_copies(st) for st in found], fallback
+        return _RAW[copied_key]
 
     def _with_copies(self, strategy: Strategy) -> Strategy:
         def full(p: Placements | None) -> Placements | None:
@@ -425,13 +433,11 @@ class StrategyFinder:
                 out.setdefault(_partial_kind_blind(strategy), strategy)
         return list(out.values())
 
-    def _fits(self, node: fx.Node, s: Strategy) -> bool:
-        vals = [a.meta["val"] for a in tensor_inputs(node)] + output_vals(node)
-        pls = list(s.inputs) + list(s.outputs)
-        return all(
-            p is None or not isinstance(v, torch.Tensor) or fits_mesh(p, tuple(v.shape), self.mesh_shape)
-            for v, p in zip(vals, pls)
-        )
+    def _fits(self, shapes: list[tuple[int, ...] | None], s: Strategy) -> bool:
+        """Whether every tensor of a node (``shapes``: its inputs' and outputs', None for a non-tensor)
+        can be placed as ``s`` places it (``fits_mesh``)."""
+        return all(p is None or shape is None or fits_mesh(p, shape, self.mesh_shape)
+                   for shape, p in zip(shapes, (*s.inputs, *s.outputs)))
 
     def _warn_unsupported(self, op: Any) -> None:
         name = str(op)
