@@ -280,6 +280,51 @@ def test_a_mesh_whose_least_configuration_loses_is_pruned_by_one_root_to_the_sam
     assert _without_timings(searched) == _without_timings(plan)
 
 
+@pytest.mark.parametrize("tp, stages, capacity_mb, must", [(2, 1, 1.2, True), (4, 1, 1.2, False),
+                                                            (2, 2, 1.2, False), (2, 2, 0.5, True)])
+def test_parameters_must_be_sharded_where_their_replicated_state_exceeds_a_device(tp, stages, capacity_mb, must):
+    """``_MeshSearch.must_shard_parameters`` by hand: tiny-llama's 180,800 parameters in bf16 on H100s
+    hold 18 bytes each replicated (2 bf16, 4 fp32 gradient, 12 fp32 master and AdamW moments), split at
+    most over tp and the stages (1.63 MB over tp=2, 0.81 MB over tp=4 or tp=2 x 2 stages); dp takes none
+    of it."""
+    from autopar.core.axes import MeshAxis
+    from autopar.planning.meshes import MeshChoice
+    from autopar.planning.progress import SearchProgress
+    from autopar.planning.search import _MeshSearch
+
+    bundle = _bundle("tiny-llama", 4, batch=8)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    assert captured.num_params() == 180_800
+    assert (18 * captured.num_params() / (tp * stages) > capacity_mb * 1e6) == must
+    search = _MeshSearch(captured, parse_cluster("1x8xH100"), "bf16", capacity_mb * 1e6, 8, Constraints(),
+                         SearchProgress())
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 8 // (tp * stages)), (MeshAxis.TP, tp)), stages)
+    assert search.must_shard_parameters(mesh) == must
+
+
+def test_a_mesh_that_must_shard_is_searched_under_zero_one_first_and_keeps_its_better_plan(monkeypatch):
+    """Where parameters replicated over dp cannot fit (``must_shard_parameters``), the mesh is searched
+    under ZeRO-1 first and then without, against ZeRO-1's step: searched the other way round, a mesh
+    whose search without ZeRO was pruned by the cutoff was never tried under ZeRO-1, and the search
+    missed its plan. Llama 3 8B's dims with 16 layers on 32 H100s at 12 GB: ZeRO-1 on dp=8 x tp=4 without
+    recomputation, 19% faster than the FSDP plan that recomputes, found the other way round."""
+    from autopar.planning import search
+
+    bundle = build_model("llama3-8b", overrides={"layers": 16}, global_batch=128, seq=4096, device="meta")
+
+    def planned():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(bundle.model, bundle.example_inputs, "4x8xH100", bundle.loss_fn, {"memory_gb": 12},
+                                example_targets=bundle.example_targets)
+
+    plan = planned()
+    monkeypatch.setattr(search._MeshSearch, "must_shard_parameters", lambda self, mesh: False)
+    plain_first = planned()
+    assert plan.degrees.zero == 1 and plan.checkpointing == "none"
+    assert plan.predicted["step_time_s"] < 0.9 * plain_first.predicted["step_time_s"]
+
+
 @pytest.mark.extended
 def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch):
     """tiny-llama at 4,096 tokens in 20 MB a device: the best plan without cp recomputes, so cp meshes are

@@ -19,6 +19,11 @@ to fit (or where nothing fit) is searched again with the optimizer state sharded
 (ZeRO-1, Megatron-LM's distributed optimizer): it frees 12 bytes of state per parameter for a
 reduce_scatter and an all_gather per parameter in place of the gradient all_reduce, which often costs
 less than the gathers of FSDP or the recomputation it replaces (``_distributed_optimizer_may_help``).
+Where the parameters' state replicated over dp cannot fit a device at all (``must_shard_parameters``),
+ZeRO-1 is searched first and the search without it second, against ZeRO-1's step time: a mesh whose
+search without ZeRO the cutoff prunes is then not left untried under ZeRO-1. (Where it can fit, a mesh
+pruned without ZeRO is still not tried under it: a known gap; trying every such mesh closes it at 1.7
+times the search time, 48 s against 28 in one process for Llama 3 70B on 1,024 GPUs, to the same plan.)
 Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fit, or it recomputes),
 the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
 splitting every sequence divides the activations, for the gathers of keys and values.
@@ -38,6 +43,8 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
+
+from torch.distributed.tensor import Replicate
 
 from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
@@ -213,14 +220,20 @@ def context_parallel_meshes(captured: CapturedGraph, cluster: Cluster, constrain
     return found
 
 
+def _zero_one_applies(search: "_MeshSearch", mesh: MeshChoice) -> bool:
+    """Whether ``mesh`` may be searched under ZeRO-1 as well: the ZeRO stage is free and the mesh has a
+    ``dp`` or ``cp`` dim to shard over (``ZERO_AXES``) without HSDP's replica dim (which shards parameters
+    anyway)."""
+    return search.constraints.zero_stage is None and bool(mesh.dims_of(*ZERO_AXES)) \
+        and mesh.size(MeshAxis.DP_REPLICATE) == 1
+
+
 def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
                                     found: "Candidate | MeshChoice | str") -> bool:
-    """Whether ``mesh`` is searched again under ZeRO-1: the ZeRO stage is free, the mesh has a ``dp`` or
-    ``cp`` dim to shard over (``ZERO_AXES``) without HSDP's replica dim (which shards parameters anyway),
-    and memory was what shaped the plan there: nothing fit, or the plan recomputes or shards parameters
-    over data parallelism. (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
-    if search.constraints.zero_stage is not None or not mesh.dims_of(*ZERO_AXES) \
-            or mesh.size(MeshAxis.DP_REPLICATE) > 1 or isinstance(found, MeshChoice):
+    """Whether ``mesh`` is searched again under ZeRO-1 (``_zero_one_applies``) after its search without:
+    memory was what shaped the plan there: nothing fit, or the plan recomputes or shards parameters over
+    data parallelism. (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
+    if not _zero_one_applies(search, mesh) or isinstance(found, MeshChoice):
         return False
     return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
 
@@ -300,11 +313,33 @@ class _MeshSearch:
         if in_worker:  # a worker's own clock; its seconds are added to the parent's by ``make_plan``
             self.progress = SearchProgress()
         self.closest, self.solver_failed, self.fits_whole = None, False, False
-        found = self.run(mesh, cutoff_s)
-        if _distributed_optimizer_may_help(self, mesh, found):
-            found = _better(found, self.run(mesh, _cutoff(cutoff_s, found), zero_stage=1))
+        if _zero_one_applies(self, mesh) and self.must_shard_parameters(mesh):
+            found = self.run(mesh, cutoff_s, zero_stage=1)
+            found = _better(found, self.run(mesh, _cutoff(cutoff_s, found)))
+        else:
+            found = self.run(mesh, cutoff_s)
+            if _distributed_optimizer_may_help(self, mesh, found):
+                found = _better(found, self.run(mesh, _cutoff(cutoff_s, found), zero_stage=1))
         return MeshOutcome(found, self.closest, self.solver_failed, self.progress.phases_s if in_worker else {},
                            self.fits_whole)
+
+    def must_shard_parameters(self, mesh: MeshChoice) -> bool:
+        """Whether every plan on ``mesh`` without ZeRO must shard parameters over its data-parallel dims
+        (``ZERO_AXES``): their state (parameters, gradients, AdamW's) replicated there, split at most over
+        the mesh's other dims and the largest stage holding at least ``1 / pp`` of it, needs more than a
+        device has. ``search_mesh`` then searches ZeRO-1 first: it is searched in any case
+        (``_distributed_optimizer_may_help``: such a plan shards parameters, or none fits), and its step
+        time, usually the better one there, is the cutoff that prunes the other search's configurations
+        at their ILPs' roots; on Llama 3 70B's pipeline meshes those are its slowest ILPs (FSDP's
+        placements under a tight memory row: 0.5-1.6 s each, where a root takes 0.06 s)."""
+        pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
+        replicated = tuple(Replicate() for _ in mesh.shape)
+        state = sum(self.captured.weight(name) * sum(pricer.parameter_memory(self.captured.node(name).meta["val"],
+                                                                             replicated).values())
+                    for name in self.captured.params)
+        zero_dims = mesh.dims_of(*ZERO_AXES)
+        spread = math.prod(size for dim, size in enumerate(mesh.shape) if dim not in zero_dims) * mesh.stages
+        return state / spread > self.capacity
 
     def run(self, mesh: MeshChoice, cutoff_s: float | None, zero_stage: int | None = None
             ) -> Candidate | MeshChoice | str:
