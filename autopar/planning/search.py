@@ -306,8 +306,9 @@ class _MeshSearch:
 
     def search_mesh(self, task: tuple[MeshChoice, float | None]) -> "MeshOutcome":
         """One mesh's whole search against ``cutoff_s`` (the best step time of the meshes searched before
-        its batch): ``run``, then again under ZeRO-1 where memory shaped the plan. Runs in a forked worker
-        or in this process (``workers.py``); its shortfall and phase seconds come back with the outcome."""
+        it): ``run``, then again under ZeRO-1 where memory shaped the plan; under ZeRO-1 first where the
+        parameters must be sharded (``must_shard_parameters``). Runs in a forked worker or in this process
+        (``workers.py``); its shortfall and phase seconds come back with the outcome."""
         mesh, cutoff_s = task
         in_worker = os.getpid() != self.pid
         if in_worker:  # a worker's own clock; its seconds are added to the parent's by ``make_plan``
@@ -436,7 +437,7 @@ class _MeshSearch:
         except Pruned:
             return True
         except NoFeasiblePlanError:  # the root found no plan under the cutoff, nor proved there is none
-            return False
+            pass
         return False
 
     def _schedules(self, layers: int, stages: int) -> list[tuple[str, list[int]]]:
