@@ -232,7 +232,9 @@ def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
                                     found: "Candidate | MeshChoice | str") -> bool:
     """Whether ``mesh`` is searched again under ZeRO-1 (``_zero_one_applies``) after its search without:
     memory was what shaped the plan there: nothing fit, or the plan recomputes or shards parameters over
-    data parallelism. (A mesh pruned by the cutoff is not retried: its least step time already loses.)"""
+    data parallelism. A mesh pruned by the cutoff is not retried, though its bound holds for the plans
+    without ZeRO only (ZeRO-1 frees memory): the gap the module docstring states, closed where the
+    parameters must be sharded by searching ZeRO-1 first (``must_shard_parameters``)."""
     if not _zero_one_applies(search, mesh) or isinstance(found, MeshChoice):
         return False
     return isinstance(found, str) or found.checkpointing != "none" or search.shards_parameters_over_dp(found)
