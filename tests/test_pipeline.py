@@ -19,7 +19,7 @@ from autopar.planning.search import make_plan
 from autopar.core.axes import MeshAxis
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for, problem_for
-from autopar.planning.stages import Staging, layer_roles, stage_problem
+from autopar.planning.stages import FewestHeld, Staging, layer_roles, stage_problem
 from autopar.cost_models.pipeline import (Action, last_chunk_in_flight, least_bubble_fraction, microbatches_in_flight,
                                           pipeline_bubble_fraction, simulate, torch_schedule_order)
 from autopar.api import reprice
@@ -453,3 +453,29 @@ def test_the_least_stage_transfers_bound_every_plans_sends_and_grow_with_the_chu
     two_chunks = Staging(2, 8, "interleaved", 2)
     assert least_stage_transfers(gpt8, stage_problem(whole, gpt8, two_chunks), two_chunks, pricer, mesh) == \
         pytest.approx(2 * least)
+
+
+@pytest.mark.parametrize("schedule, among", [("zero_bubble", (1, 2, 4)), ("interleaved", (2, 4))])
+def test_a_schedules_fewest_held_staging_bounds_each_chunk_count(gpt8, schedule, among):
+    """``FewestHeld`` (what ``search._ChunkBound`` prunes a schedule's chunk counts by): at every count,
+    no more microbatches in flight on any row and no more bubble than any of ``among``; its staged
+    problem prices a plan as each chunk count's does and needs no more memory on any row."""
+    from autopar.planning.solver import evaluate, solve
+
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 8)), stages=2)
+    pricer = pricer_for(parse_cluster(CLUSTER), mesh, "bf16", Constraints())
+    whole = problem_for(gpt8, mesh, pricer, 80e9, Constraints())
+    fewest = FewestHeld(2, 8, schedule, min(among), ("none",), among)
+    each = [Staging(2, 8, schedule, v) for v in among]
+    assert {s.layers_per_stage for s in each} == {fewest.layers_per_stage}
+    for m in (2, 4, 8):
+        for held in ("in_flight", "last_stage_in_flight", "last_chunk_in_flight", "least_bubble_fraction"):
+            assert getattr(fewest, held)(m) == min(getattr(s, held)(m) for s in each)
+        problem = whole.with_microbatches(m, pricer)
+        bound = stage_problem(problem, gpt8, fewest)
+        choice = solve(dataclasses.replace(bound, memory_capacity_bytes=math.inf)).choice
+        step, rows = evaluate(bound, choice)[0], bound.memory_by_stage(choice)
+        for staging in each:
+            staged = stage_problem(problem, gpt8, staging)
+            assert evaluate(staged, choice)[0] == pytest.approx(step, rel=1e-12)
+            assert all(rows[row] <= held * (1 + 1e-12) for row, held in staged.memory_by_stage(choice).items())

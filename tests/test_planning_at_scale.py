@@ -280,6 +280,44 @@ def test_a_mesh_whose_least_configuration_loses_is_pruned_by_one_root_to_the_sam
     assert _without_timings(searched) == _without_timings(plan)
 
 
+def test_chunk_counts_a_schedule_cannot_win_with_are_pruned_by_one_relaxation_to_the_same_plan(monkeypatch):
+    """``_ChunkBound``: the microbatch counts at which no chunk count of zero bubble can beat the cutoff
+    (tiny Llama, 8 layers pinned to pp=2 x dp=4: chunk counts 1, 2 and 4) are skipped, each proven by
+    one LP in place of an ILP a chunk count; each chunk count's ILP there is pruned too, and the plan is
+    the one solving each of them finds."""
+    from autopar.core.errors import NoFeasiblePlanError
+    from autopar.planning import search
+    from autopar.planning.assemble import least_stage_transfers
+    from autopar.planning.solver import Pruned
+
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    verdicts: dict[tuple[str, int], bool] = {}
+    check = search._ChunkBound.cannot_win
+
+    def noted(bound, m, cutoff_s):
+        verdicts[bound.staging.schedule, m] = check(bound, m, cutoff_s)
+        for v in bound.staging.among if verdicts[bound.staging.schedule, m] else ():
+            staging = search.Staging(bound.staging.stages, bound.staging.layers, bound.staging.schedule, v,
+                                     bound.staging.checkpointing)
+            problem = bound.search._staged(bound.per_m[m], staging)
+            bubble = staging.bubble_fraction(m)
+            sends = least_stage_transfers(bound.search.captured, problem, staging, bound.pricer, bound.mesh)
+            with pytest.raises((Pruned, NoFeasiblePlanError)):
+                solve(problem, cutoff_s=cutoff_s - (1 + bubble) * sends, bubble_fraction=bubble)
+        return verdicts[bound.staging.schedule, m]
+
+    monkeypatch.setattr(search._ChunkBound, "cannot_win", noted)
+    bundle = _bundle("tiny-llama", 8, batch=32)
+    pinned = {"pp": 2, "dp": 4}
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, pinned,
+                        example_targets=bundle.example_targets)
+    assert plan.pipeline.schedule == "zero_bubble" and plan.pipeline.virtual_stages == 4
+    assert any(verdicts.values()) and not all(verdicts.values()), verdicts
+    monkeypatch.setattr(search._MeshSearch, "_chunk_bound", lambda self, *args: None)
+    solved = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, pinned,
+                          example_targets=bundle.example_targets)
+    assert _without_timings(solved) == _without_timings(plan)
+
 @pytest.mark.parametrize("tp, stages, capacity_mb, must", [(2, 1, 1.2, True), (4, 1, 1.2, False),
                                                             (2, 2, 1.2, False), (2, 2, 0.5, True)])
 def test_parameters_must_be_sharded_where_their_replicated_state_exceeds_a_device(tp, stages, capacity_mb, must):

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.planning.pricing import Cost
 from autopar.planning.problem import Decision, Edge, LayerModes, Option, Problem, RootSharding
-from autopar.planning.solver import brute_force, evaluate, least_memory, solve
+from autopar.planning.solver import Pruned, brute_force, cannot_beat, evaluate, least_memory, least_time, solve
 from autopar.planning.strategies import Strategy
 
 GIB = 2.0**30
@@ -231,6 +231,22 @@ def test_random_problem_matches_brute_force(seed):
     assert set(sol.choice) == set(p.decisions)
     assert all(0 <= k < len(p.decisions[key].options) for key, k in sol.choice.items())
 
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_relaxation_prunes_only_cutoffs_the_optimum_does_not_beat(seed):
+    """``cannot_beat``: the LP relaxation never prunes a cutoff the optimum beats (under a bubble ``f`` the
+    optimum's step is at most ``(1 + f)`` times its objective), and on these problems it proves the
+    cutoff halfway between the least time and the optimum unbeatable, as the ILP does (``Pruned``)."""
+    p = random_problem(seed)
+    _, best, _ = brute_force(p)
+    assert not cannot_beat(p, best * (1 + 1e-6))
+    assert not cannot_beat(p, 1.25 * best * (1 + 1e-6), bubble_fraction=0.25)
+    halfway = (least_time(p) + best) / 2
+    assert least_time(p) < halfway < best
+    assert cannot_beat(p, halfway)
+    with pytest.raises(Pruned):
+        solve(p, cutoff_s=halfway)
 
 def test_random_problems_exercise_memory_and_overlap():
     """The property test above is only as good as its problems: some must be memory-bound and some

@@ -58,9 +58,10 @@ from autopar.planning.pricing import Pricer, with_fields
 from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
-from autopar.planning.solver import NODE_LIMIT, Pruned, Solution, evaluate, infeasible_reason, least_memory, solve
+from autopar.planning.solver import (NODE_LIMIT, Pruned, Solution, cannot_beat, evaluate, infeasible_reason,
+                                     least_memory, solve)
 from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
-from autopar.planning.stages import Staging, stage_problem
+from autopar.planning.stages import FewestHeld, Staging, stage_problem
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
 from autopar.planning.workers import Workers, worker_count
@@ -418,7 +419,7 @@ class _MeshSearch:
         return mesh if was_pruned or best is not None or not reason else reason
 
     def _cannot_win(self, mesh: MeshChoice, first: Staging, fewest: Problem, cutoff_s: float) -> bool:
-        """Whether no configuration of ``mesh`` can beat ``cutoff_s``, by one ILP's root: ``fewest`` (its
+        """Whether no configuration of ``mesh`` can beat ``cutoff_s``, by one LP relaxation: ``fewest`` (its
         problem at the fewest microbatches the batch allows) without recomputation and without its memory
         row, stretched by the least bubble any schedule of the search has there (``least_bubble``).
 
@@ -428,19 +429,13 @@ class _MeshSearch:
         shorter last backward; reshardings move the same bytes), a recomputing mode only adds forward
         time (``_least_step_of_mode``), the schedules differ in the bubble, the activations in flight
         and the stage-to-stage sends, which only add, and memory only takes plans away. So where its
-        root proves the cutoff unbeatable (``Pruned``), the mesh's search of modes, counts and schedules
-        (each ILP pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is skipped; a node limit of
-        one keeps the check to that root where it does not prune."""
+        relaxation proves the cutoff unbeatable (``solver.cannot_beat``), the mesh's search of modes,
+        counts and schedules (each ILP pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is
+        skipped."""
         bound = replace(first, checkpointing=("none",))
         problem = with_fields(self._staged(fewest, bound), memory_capacity_bytes=math.inf)
-        try:
-            with self.progress.phase("solve"):
-                solve(problem, 1, cutoff_s=cutoff_s, bubble_fraction=self.least_bubble(mesh))
-        except Pruned:
-            return True
-        except NoFeasiblePlanError:  # the root found no plan under the cutoff, nor proved there is none
-            pass
-        return False
+        with self.progress.phase("solve"):
+            return cannot_beat(problem, cutoff_s, self.least_bubble(mesh))
 
     def _schedules(self, layers: int, stages: int) -> list[tuple[str, list[int]]]:
         """The pipeline schedules a mesh of ``stages`` stages is searched under, each with the model chunks a
@@ -503,6 +498,7 @@ class _MeshSearch:
         no more sends, is not solved."""
         allowed = _runnable_counts(counts, schedule, mesh.stages)
         m, previous = best.problem.microbatches, math.inf
+        bound = self._chunk_bound(mesh, best.staging, schedule, chunk_counts, per_m, pricer)
         for chunks in chunk_counts:
             if (schedule, chunks) == (best.staging.schedule, best.staging.chunks):
                 previous = best.step_s  # solved (the first schedule ``_stagings`` searched)
@@ -515,13 +511,26 @@ class _MeshSearch:
             first = self._first_fitting(allowed, staging, memory)
             if first is None:
                 break
-            found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff)
+            found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff,
+                                             bound=bound if bound is not None and chunks in bound.staging.among else None)
             if isinstance(found, Candidate):
                 if found.step_s >= previous:
                     break
                 previous = found.step_s
                 best = found if found.step_s < best.step_s else best
         return best
+
+    def _chunk_bound(self, mesh: MeshChoice, solved: Staging, schedule: str, chunk_counts: list[int],
+                     per_m: "_MicrobatchProblems", pricer: Pricer) -> "_ChunkBound | None":
+        """The bound ``_more_chunks`` prunes ``schedule``'s microbatch counts by, over those of its
+        ``chunk_counts`` not yet solved that hold as many layers a device as ``solved`` (its price is
+        theirs); None where fewer than two are left (one LP each would then cost what it saves)."""
+        among = tuple(v for v in chunk_counts if (schedule, v) != (solved.schedule, solved.chunks)
+                      and replace(solved, schedule=schedule, chunks=v).layers_per_stage == solved.layers_per_stage)
+        if len(among) < 2:
+            return None
+        staging = FewestHeld(solved.stages, solved.layers, schedule, min(among), solved.checkpointing, among)
+        return _ChunkBound(self, mesh, staging, per_m, pricer)
 
     def _chunks_free(self) -> bool:
         """Whether the schedule is pinned to interleaved 1F1B with its chunks a device left free (the search
@@ -612,15 +621,18 @@ class _MeshSearch:
         return self._staged_problems[key][1]
 
     def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s,
-                            settled: "_Settled | None" = None, least_bubble: float = math.inf
-                            ) -> Candidate | MeshChoice | str:
+                            settled: "_Settled | None" = None, least_bubble: float = math.inf,
+                            bound: "_ChunkBound | None" = None) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
         more microbatches shrink the bubble: larger counts are tried while the step time improves.
         ``settled``: the first checkpointing mode's (none's) problems, noted while it is searched, and
-        the counts they settle for the modes after it (skipped)."""
+        the counts they settle for the modes after it (skipped); ``bound``: the counts at which no
+        chunk count of ``staging``'s schedule can beat the cutoff (skipped unsolved)."""
         best: Candidate | None = None
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
+            if bound is not None and bound.cannot_win(m, cutoff_s):
+                continue
             bubble = min(staging.bubble_fraction(m), least_bubble)  # what the cutoff stretches
             problem = self._staged(per_m[m], staging)
             if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble,
@@ -763,6 +775,35 @@ class _Settled:
             return None
         self.noting_now = first_mode
         return self
+
+
+class _ChunkBound:
+    """Of one pipeline mesh, checkpointing mode and schedule, the microbatch counts at which no chunk count
+    of ``staging.among`` can beat the cutoff, proven by one LP relaxation per count, where ``_more_chunks``
+    would solve one ILP per (chunk count, count): on a pinned Llama 3 70B pipeline (pp 4), 2 LPs in place
+    of 12 ILPs for zero bubble's 6 chunk counts, each of which its root proved unbeatable.
+
+    The LP's problem is ``FewestHeld``'s: every chunk count's plans fit its memory rows and pay its
+    prices; its cutoff row (``solver.py`` (10)) stretches them by the least bubble of any and takes the
+    least stage transfers (those of the fewest chunks: ``least_stage_transfers`` grows with them). So
+    where it admits no plan under a cutoff (``solver.cannot_beat``), no chunk count has one under it,
+    nor under the lower cutoffs that follow as the search finds better plans (``pruned`` keeps it)."""
+
+    def __init__(self, search: _MeshSearch, mesh: MeshChoice, staging: FewestHeld, per_m: "_MicrobatchProblems",
+                 pricer: Pricer):
+        self.search, self.mesh, self.staging, self.per_m, self.pricer = search, mesh, staging, per_m, pricer
+        self.pruned: dict[int, bool] = {}
+
+    def cannot_win(self, m: int, cutoff_s: float) -> bool:
+        """Whether no chunk count can beat ``cutoff_s`` at ``m`` microbatches (checked once per count)."""
+        if m not in self.pruned:
+            search = self.search
+            problem = search._staged(self.per_m[m], self.staging)
+            bubble = self.staging.least_bubble_fraction(m)
+            sends = least_stage_transfers(search.captured, problem, self.staging, self.pricer, self.mesh)
+            with search.progress.phase("solve"):
+                self.pruned[m] = cannot_beat(problem, cutoff_s - (1.0 + bubble) * sends, bubble)
+        return self.pruned[m]
 
 
 def interleaving_chunks(layers: int, stages: int) -> list[int]:

@@ -140,6 +140,35 @@ class Staging:
         return least_bubble_fraction(self.schedule, self.stages, microbatches, self.chunks)
 
 
+@dataclass(frozen=True)
+class FewestHeld(Staging):
+    """One schedule over several chunk counts a device (``among``, each with the same layers a device as
+    ``chunks``), row by row at the fewest microbatches in flight of any of them and at the least bubble.
+    A problem staged with it prices the same work as under each (the layers a device are the same, and
+    the chunk count changes only memory: ``stage_problem``) and needs no more memory on any row, so an
+    ILP over it bounds every one of theirs (``search._ChunkBound``)."""
+
+    among: tuple[int, ...] = ()
+
+    def _each(self) -> list[Staging]:
+        return [Staging(self.stages, self.layers, self.schedule, v, self.checkpointing) for v in self.among]
+
+    def in_flight(self, microbatches: int) -> float:
+        return min(s.in_flight(microbatches) for s in self._each())
+
+    def last_stage_in_flight(self, microbatches: int) -> float:
+        return min(s.last_stage_in_flight(microbatches) for s in self._each())
+
+    def last_chunk_in_flight(self, microbatches: int) -> float:
+        return min(s.last_chunk_in_flight(microbatches) for s in self._each())
+
+    def bubble_fraction(self, microbatches: int) -> float:
+        return self.least_bubble_fraction(microbatches)
+
+    def least_bubble_fraction(self, microbatches: int) -> float:
+        return min(s.least_bubble_fraction(microbatches) for s in self._each())
+
+
 def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int) -> list[list[str]]:
     """The layers each pipeline stage's device holds, from a plan's layer ranges (chunk ``i`` on stage
     ``i mod stages``)."""
