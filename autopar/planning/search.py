@@ -59,7 +59,7 @@ from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import (NODE_LIMIT, Pruned, Solution, cannot_beat, evaluate, infeasible_reason,
-                                     least_memory, solve)
+                                     least_memory, relaxed_objective, solve)
 from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
 from autopar.planning.stages import FewestHeld, Staging, stage_problem
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
@@ -696,10 +696,17 @@ class _MeshSearch:
         problem at ``m``, solved without its memory row, has an optimum that fits memory anyway (so it is
         none's plan at ``m``), or cannot beat ``cutoff_s`` even with the least time ``problem``'s
         recomputation adds to any of its plans (``_least_step_of_mode``). One solve, the first time a
-        later mode reaches ``m``, in place of up to one per later mode (``_Settled``)."""
+        later mode reaches ``m``, in place of up to one per later mode (``_Settled``); none where the
+        bound from that problem's LP relaxation (``relaxed_objective``, weaker than its ILP's but the
+        same test) already shows the mode cannot win: on Mixtral's search, most of them."""
         if m not in settled.first:
             settled.first[m] = self._staged(settled.per_m[m], settled.staging)
         none = settled.first[m]
+        if m not in settled.relaxed:
+            with self.progress.phase("solve"):
+                settled.relaxed[m] = relaxed_objective(with_fields(none, memory_capacity_bytes=math.inf))
+        if _least_step_of_mode(none, settled.relaxed[m], problem, bubble_fraction) >= cutoff_s:
+            return True
         if m not in settled.known:
             with self.progress.phase("solve"):
                 try:
@@ -761,12 +768,13 @@ class _Settled:
     ``staging``: none's; ``per_m``: the mesh's problems per count, which none's are staged from;
     ``first``: none's staged problem at each count it solved or a later mode reached; ``known``: the
     counts checked, whether none's optimum there fits memory and a lower bound of that optimum;
-    ``noting_now``: the search of none, which fills ``first``, is under way."""
+    ``relaxed``: a weaker lower bound, its LP relaxation's, tried first; ``noting_now``: the search of none, which fills ``first``, is under way."""
 
     def __init__(self, enabled: bool, staging: Staging, per_m: "_MicrobatchProblems"):
         self.enabled, self.staging, self.per_m = enabled, staging, per_m
         self.first: dict[int, Problem] = {}
         self.known: dict[int, tuple[bool, float]] = {}
+        self.relaxed: dict[int, float] = {}  # none's problem at a count, its LP relaxation's optimum
         self.noting_now = False
 
     def noting(self, first_mode: bool) -> "_Settled | None":
