@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import fx
@@ -111,6 +111,16 @@ class Edge:
     # keyed (producer's output placement, consumer's ``Option.edge_key``)
     recomputed_under: tuple[str, ...] = ()  # checkpointing modes that recompute the consumer: its
     # forward collectives (``Cost.forward_comm_s``) run again in backward for each layer in those modes
+
+
+class EdgeRows(NamedTuple):
+    """Edge ``key``'s rows (2), as ``solver.add_edge_variables`` writes them: per producer placement, the
+    indices of its placement pairs (in ``Edge.price``'s order) and of the producer's options that output
+    it; then per consumer ``Option.edge_key``, the same for the consumer."""
+
+    key: tuple[str, int, str, int]  # (src, src_out, dst, slot): checked where the rows are shared
+    pairs: int
+    rows: tuple[tuple[tuple[int, ...], str, tuple[int, ...]], ...]  # (pair indices, end decision, its options)
 
 
 @dataclass
@@ -236,6 +246,10 @@ class Problem:
     root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
     shared: list[SharedResharding] = field(default_factory=list)  # moves several edges share (11)
     stage_rows: StageRows | None = None  # under a pipeline, what its end stages hold apart (memory rows (4))
+    edge_rows: "dict[int, EdgeRows] | None" = field(default=None, repr=False, compare=False)
+    # the rows (2) of each edge (by index), shared by the problems derived from a built one that keep its
+    # edges' placement pairs and its decisions' options, re-priced or staged (``solver.add_edge_variables``
+    # fills it); None: not shared (``with_choice`` keeps one pair an edge, and hand-built problems)
 
     @property
     def memory_rows(self) -> tuple[str, ...]:
@@ -338,7 +352,7 @@ class Problem:
                  for e in self.edges for pair in (edge_pair(self, e, choice),)]
         root_terms = [with_fields(t, options=frozenset({0}), root_options=frozenset({0}))
                       for t in self.root_terms if t.holds(choice)]
-        return with_fields(self, decisions=decisions, edges=edges, root_terms=root_terms)
+        return with_fields(self, decisions=decisions, edges=edges, root_terms=root_terms, edge_rows=None)
 
     def size(self) -> tuple[int, int]:
         """(options, edge placement pairs): a rough measure of the ILP."""
@@ -446,7 +460,8 @@ def build_problem(
     _charge_working_set(captured, decisions, pricer)
     edges, shared = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
-                   set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer), shared=shared)
+                   set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer), shared=shared,
+                   edge_rows={})
 
 
 def _is_decision(node: fx.Node) -> bool:

@@ -116,7 +116,7 @@ from ortools.math_opt.python import callback, init_arguments, mathopt, model_par
 
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
-from autopar.planning.problem import Edge, Problem, edge_pair
+from autopar.planning.problem import Edge, EdgeRows, Problem, edge_pair
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30
@@ -393,25 +393,41 @@ def add_edge_variables(model: Ilp, problem: Problem, x: Mapping[str, list]) -> d
     """y_epq and constraints (2), per edge a list in the order of its ``price`` pairs. y may be continuous:
     with x integral the marginals fix it.
 
-    Edge tables are walked in order rather than looked up by their (placements) keys wherever the ILP
-    allows: hashing a DTensor placement calls its Python ``__hash__``, ten times the cost of a string's."""
+    Which pairs and options share a row depends on the placements alone, which hashing reads through
+    DTensor's Python ``__hash__``: it is worked out once per edge for the problems that share
+    ``Problem.edge_rows`` (a mesh's, re-priced per microbatch count and staged per schedule and mode),
+    and reused by each of their ILPs and LP relaxations."""
     y = {}
+    shared = problem.edge_rows
     for e_idx, edge in enumerate(problem.edges):
-        src, dst = problem.decisions[edge.src], problem.decisions[edge.dst]
-        pairs = [model.var(0.0, 1.0) for _ in edge.price]
-        by_src: dict = {}
-        by_dst: dict = {}
-        for (p, q), var in zip(edge.price, pairs):
-            by_src.setdefault(p, []).append((var, 1.0))
-            by_dst.setdefault(q, []).append((var, 1.0))
-        for k, o in enumerate(src.options):
-            by_src.setdefault(o.strategy.outputs[edge.src_out], []).append((x[edge.src][k], -1.0))
-        for k, o in enumerate(dst.options):
-            by_dst.setdefault(o.edge_key(edge.slot), []).append((x[edge.dst][k], -1.0))
-        for terms in (*by_src.values(), *by_dst.values()):
-            model.row(0.0, 0.0, terms)
+        key = (edge.src, edge.src_out, edge.dst, edge.slot)
+        rows = shared.get(e_idx) if shared is not None else None
+        if rows is None or rows.key != key:
+            rows = edge_rows(problem, edge)
+            if shared is not None:
+                shared[e_idx] = rows
+        pairs = [model.var(0.0, 1.0) for _ in range(rows.pairs)]
+        for pair_indices, end, options in rows.rows:
+            model.row(0.0, 0.0, [(pairs[i], 1.0) for i in pair_indices] + [(x[end][k], -1.0) for k in options])
         y[e_idx] = pairs
     return y
+
+
+def edge_rows(problem: Problem, edge: Edge) -> EdgeRows:
+    """``edge``'s rows (2): its placement pairs and its ends' options grouped by producer placement, then
+    by consumer ``Option.edge_key``, each group in the order it first appears (pairs first)."""
+    by_src: dict = {}
+    by_dst: dict = {}
+    for i, (p, q) in enumerate(edge.price):
+        by_src.setdefault(p, ([], []))[0].append(i)
+        by_dst.setdefault(q, ([], []))[0].append(i)
+    for k, o in enumerate(problem.decisions[edge.src].options):
+        by_src.setdefault(o.strategy.outputs[edge.src_out], ([], []))[1].append(k)
+    for k, o in enumerate(problem.decisions[edge.dst].options):
+        by_dst.setdefault(o.edge_key(edge.slot), ([], []))[1].append(k)
+    rows = [(tuple(pairs), edge.src, tuple(options)) for pairs, options in by_src.values()]
+    rows += [(tuple(pairs), edge.dst, tuple(options)) for pairs, options in by_dst.values()]
+    return EdgeRows((edge.src, edge.src_out, edge.dst, edge.slot), len(edge.price), tuple(rows))
 
 
 def add_layer_mode_variables(model: Ilp, problem: Problem) -> tuple[dict, dict]:
