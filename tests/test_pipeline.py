@@ -479,3 +479,22 @@ def test_a_schedules_fewest_held_staging_bounds_each_chunk_count(gpt8, schedule,
             staged = stage_problem(problem, gpt8, staging)
             assert evaluate(staged, choice)[0] == pytest.approx(step, rel=1e-12)
             assert all(rows[row] <= held * (1 + 1e-12) for row, held in staged.memory_by_stage(choice).items())
+
+
+def test_problems_derived_from_one_mesh_share_their_edge_rows_and_build_the_same_ilp(gpt8):
+    """``Problem.edge_rows``: the rows (2) the solver works out for one problem of a mesh serve the problems
+    re-priced and staged from it, and the model built with them is the one built from scratch."""
+    from autopar.planning.solver import build_model
+
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 8)), stages=2)
+    pricer = pricer_for(parse_cluster(CLUSTER), mesh, "bf16", Constraints())
+    whole = problem_for(gpt8, mesh, pricer, 80e9, Constraints())
+    build_model(stage_problem(whole.with_microbatches(2, pricer), gpt8, Staging(2, 8, "1f1b")), None, 0.0)
+    assert len(whole.edge_rows) == len(whole.edges)
+    for m, staging in ((4, Staging(2, 8, "interleaved", 2, ("none", "full"))), (8, Staging(2, 8, "zero_bubble"))):
+        staged = stage_problem(whole.with_microbatches(m, pricer), gpt8, staging)
+        assert staged.edge_rows is whole.edge_rows
+        alone = dataclasses.replace(staged, edge_rows=None)
+        assert build_model(staged, 1.0, 0.1)[0].to_proto() == build_model(alone, 1.0, 0.1)[0].to_proto()
+    held = whole.with_choice({key: 0 for key in whole.decisions})
+    assert held.edge_rows is None

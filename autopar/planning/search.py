@@ -511,8 +511,9 @@ class _MeshSearch:
             first = self._first_fitting(allowed, staging, memory)
             if first is None:
                 break
+            bounded = bound is not None and chunks in bound.staging.among
             found = self._best_microbatching(mesh, staging, per_m, allowed[first:], pricer, cutoff,
-                                             bound=bound if bound is not None and chunks in bound.staging.among else None)
+                                             bound=bound if bounded else None)
             if isinstance(found, Candidate):
                 if found.step_s >= previous:
                     break
@@ -768,7 +769,8 @@ class _Settled:
     ``staging``: none's; ``per_m``: the mesh's problems per count, which none's are staged from;
     ``first``: none's staged problem at each count it solved or a later mode reached; ``known``: the
     counts checked, whether none's optimum there fits memory and a lower bound of that optimum;
-    ``relaxed``: a weaker lower bound, its LP relaxation's, tried first; ``noting_now``: the search of none, which fills ``first``, is under way."""
+    ``relaxed``: a weaker lower bound, its LP relaxation's, tried first; ``noting_now``: the search of
+    none, which fills ``first``, is under way."""
 
     def __init__(self, enabled: bool, staging: Staging, per_m: "_MicrobatchProblems"):
         self.enabled, self.staging, self.per_m = enabled, staging, per_m
