@@ -292,9 +292,9 @@ class Problem:
                 repriced[id(cost)] = (cost, pricer.for_microbatches(cost, m))  # keeps ``cost`` alive: ids stay unique
             return repriced[id(cost)][1]
 
-        def prices(price: dict) -> dict:  # the same dict where no price changes
-            out = {pq: again(c) for pq, c in price.items()}
-            return price if all(out[pq] is c for pq, c in price.items()) else out
+        def prices(price: dict) -> dict:  # the same dict where no price changes (most: keys hash slowly)
+            costs = [again(c) for c in price.values()]
+            return price if all(a is b for a, b in zip(costs, price.values())) else dict(zip(price, costs))
 
         def options(d: Decision) -> Decision:
             repriced = [o if (cost := again(o.cost)) is o.cost else with_fields(o, cost=cost) for o in d.options]
