@@ -234,20 +234,28 @@ def cannot_beat(problem: Problem, cutoff_s: float, bubble_fraction: float = 0.0)
 
 def _relaxation_infeasible(model: Ilp) -> bool:
     """Whether HiGHS proves ``model``'s LP relaxation infeasible."""
-    reason = _solved(model.to_proto(relaxed=True), NODE_LIMIT).reason
-    return reason in (mathopt.TerminationReason.INFEASIBLE, mathopt.TerminationReason.INFEASIBLE_OR_UNBOUNDED)
+    return _solved(model.to_proto(relaxed=True), NODE_LIMIT).reason in _PROVEN_INFEASIBLE
+
+
+_PROVEN_INFEASIBLE = (mathopt.TerminationReason.INFEASIBLE, mathopt.TerminationReason.INFEASIBLE_OR_UNBOUNDED)
+"""HiGHS's reasons for an LP with no feasible point (its variables are bounded: never unbounded)."""
 
 
 def relaxed_objective(problem: Problem) -> float:
     """The optimum of the ILP's LP relaxation (seconds, no cutoff): a lower bound of every plan's objective
     that costs one LP, weaker than the ILP's own (``Solution.bound_s``); infinite where no fractional
     assignment fits memory. ``search._MeshSearch._settled_by_none`` bounds the recomputing modes by it
-    before it solves an ILP for a tighter bound."""
+    before it solves an ILP for a tighter bound. (Where HiGHS stops the LP short of its optimum, the bound
+    it proved, which may be minus infinity.)"""
     if least_memory(problem) > problem.memory_capacity_bytes:
         return math.inf
     model, _, _ = build_model(problem, None, 0.0)
     result = _solved(model.to_proto(relaxed=True), NODE_LIMIT)
-    return result.objective / _US if result.feasible else math.inf
+    if result.reason == mathopt.TerminationReason.OPTIMAL:
+        return result.objective / _US
+    if result.reason in _PROVEN_INFEASIBLE:
+        return math.inf
+    return result.dual_bound / _US
 
 
 def build_model(problem: Problem, cutoff_s: float | None, bubble_fraction: float
