@@ -30,6 +30,7 @@ strategies give it; plan strings (``autopar.core.placement``) appear only where 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import warnings
@@ -358,19 +359,25 @@ class StrategyFinder:
         found: list[Strategy] = []
         if op in LOCAL_RULES and len(inputs) in LOCAL_RULES[op].tensor_inputs:
             found = LOCAL_RULES[op].strategies(self._ndim, [tuple(i.meta["val"].shape) for i in inputs])
+        elif self._ndim > 1 and _expandable(node, prop):
+            found = _first_of_each_family(_expanded(
+                _one_dim_strategies(node, prop), self._ndim, [tuple(i.meta["val"].shape) for i in inputs],
+                prop.op_single_dim_strategy_funcs[op].allow_uneven_sharding))
         elif op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
-            with _dtensor_costs_skipped():
-                found = self._from_dtensor(node, prop)
+            found = _first_of_each_family(self._from_dtensor(node, prop))
         if not found:
             return [_replicated(node, len(inputs), self._ndim)], True
         return found, False
 
     def _from_dtensor(self, node: fx.Node, prop: Any) -> list[Strategy]:
-        try:
-            op_strategy = self._call_strategy(node, prop, node.args)
-        except Exception as exc:  # some strategy functions reject a whole candidate set; narrow it
-            log.debug("strategy of %s failed on the full candidate set: %s", node.target, exc)
-            op_strategy = self._call_per_first_input(node, prop)
+        """DTensor's strategies of ``node`` on this finder's planning mesh, in its order (each reduce op of
+        a partial kept: ``_first_of_each_family`` keeps one)."""
+        with _dtensor_costs_skipped():
+            try:
+                op_strategy = self._call_strategy(node, prop, node.args)
+            except Exception as exc:  # some strategy functions reject a whole candidate set; narrow it
+                log.debug("strategy of %s failed on the full candidate set: %s", node.target, exc)
+                op_strategy = self._call_per_first_input(node, prop)
         return self._convert(node, op_strategy)
 
     def _call_strategy(self, node: fx.Node, prop: Any, args: Any, first: Placements | None = None) -> Any:
@@ -426,12 +433,7 @@ class StrategyFinder:
         if not isinstance(op_strategy, OpStrategy):
             return []
         n_inputs = len(tensor_inputs(node))
-        out: dict[Any, Strategy] = {}
-        for spec in op_strategy.strategies:
-            strategy = _strategy_from_spec(spec, n_inputs)
-            if strategy is not None:
-                out.setdefault(_partial_kind_blind(strategy), strategy)
-        return list(out.values())
+        return [s for s in (_strategy_from_spec(spec, n_inputs) for spec in op_strategy.strategies) if s is not None]
 
     def _fits(self, shapes: list[tuple[int, ...] | None], s: Strategy) -> bool:
         """Whether every tensor of a node (``shapes``: its inputs' and outputs', None for a non-tensor)
@@ -449,9 +451,101 @@ class StrategyFinder:
             )
 
 
+_ONE_DIM: dict[Any, list[Strategy]] = {}
+"""(op, argument shapes) -> DTensor's strategies on a one-dim planning mesh, every reduce op of a partial
+kept (``_expanded`` combines them)."""
+
+
+def _one_dim_strategies(node: fx.Node, prop: Any) -> list[Strategy]:
+    key = (node.target, _arg_signature(node))
+    if key not in _ONE_DIM:
+        _ONE_DIM[key] = _one_dim_finder()._from_dtensor(node, prop)
+    return _ONE_DIM[key]
+
+
+@functools.cache
+def _one_dim_finder() -> "StrategyFinder":
+    return StrategyFinder((2,))
+
+
+def _expandable(node: fx.Node, prop: Any) -> bool:
+    """Whether DTensor's strategies of ``node`` on a mesh of several dims are its single-mesh-dim
+    strategies combined dim by dim (``_expanded``): an op registered by a single-dim rule, which DTensor
+    expands so itself (``expand_to_full_mesh_op_strategy``), that neither mutates an input (DTensor
+    then keeps only strategies leaving that input as it is) nor takes a list of tensors (a foreach op,
+    expanded element by element)."""
+    op = node.target
+    if op not in prop.op_single_dim_strategy_funcs or op._schema.is_mutable:
+        return False
+    return not any(isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a)
+                   for a in (*node.args, *node.kwargs.values()))
+
+
+def _expanded(one: list[Strategy], ndim: int, input_shapes: list[tuple[int, ...]],
+              allow_uneven: bool) -> list[Strategy]:
+    """An op's strategies on a planning mesh of ``ndim`` dims, from those on one dim (``one``, in DTensor's
+    order): every combination, one per mesh dim, in ``itertools.product`` order, less those DTensor's
+    expansion (``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy``) refuses: a tensor
+    partial in two kinds of reduction (other than sum with avg), or an input split into more shards than
+    its dim has elements on the planning mesh (two devices a dim; where ``allow_uneven``, an input placed
+    as DTensor was given it, ``_input_strategy``, passes all the same). The same list DTensor gives, in the
+    same order (``tests/test_strategies.py``), without its per-combination Python, which grows with the
+    cube of the strategies on a three-dim mesh (seconds for a mixture-of-experts model). ``one`` keeps
+    every reduce op of a partial: a combination refused for mixing two may have a sibling that mixes
+    none, so families are thinned (``_first_of_each_family``) after combining, as from DTensor's list."""
+    found = []
+    for parts in itertools.product(one, repeat=ndim):
+        combined = Strategy(tuple(_stacked([p.inputs[i] for p in parts]) for i in range(len(parts[0].inputs))),
+                            tuple(_stacked([p.outputs[i] for p in parts]) for i in range(len(parts[0].outputs))))
+        if _mixes_partials(combined) or not all(
+                _shardable_on_planning_mesh(placements, shape, allow_uneven)
+                for placements, shape in zip(combined.inputs, input_shapes)):
+            continue
+        found.append(combined)
+    return found
+
+
+def _stacked(per_dim: list[Placements | None]) -> Placements | None:
+    """One tensor's placement on each mesh dim, from its one-dim placements (None: not a tensor)."""
+    return None if per_dim[0] is None else tuple(p[0] for p in per_dim)
+
+
+def _mixes_partials(strategy: Strategy) -> bool:
+    """Whether some tensor of ``strategy`` is partial in two kinds of reduction other than sum and avg."""
+    for placements in (*strategy.inputs, *strategy.outputs):
+        kinds = {p.reduce_op for p in placements or () if p.is_partial()}
+        if len(kinds) > 1 and kinds != {"sum", "avg"}:
+            return True
+    return False
+
+
+def _shardable_on_planning_mesh(placements: Placements, shape: tuple[int, ...], allow_uneven: bool) -> bool:
+    """DTensor's ``is_tensor_shardable`` on the planning mesh (two devices a dim): no dim split into more
+    shards than it has elements; with ``allow_uneven``, the placement ``_input_strategy`` gave DTensor
+    passes regardless."""
+    if allow_uneven and placements == tuple([Shard(0) if shape else Replicate()] * len(placements)):
+        return True
+    shards: dict[int, int] = {}
+    for p in placements:
+        if p.is_shard():
+            if p.dim >= len(shape):
+                return False
+            shards[p.dim] = shards.get(p.dim, 1) * 2
+    return all(shape[d] >= n for d, n in shards.items())
+
+
+def _first_of_each_family(strategies: list[Strategy]) -> list[Strategy]:
+    """``strategies`` less those that differ from an earlier one only in the reduce op of their partials
+    (``P`` vs ``P(avg)``, which linear ops accept alike, so they cost the same): the planner keeps the
+    first of each such family."""
+    out: dict[Any, Strategy] = {}
+    for strategy in strategies:
+        out.setdefault(_partial_kind_blind(strategy), strategy)
+    return list(out.values())
+
+
 def _partial_kind_blind(s: Strategy) -> tuple:
-    """Strategies that differ only in the reduce op of their partials (``P`` vs ``P(avg)``, which
-    linear ops accept alike) cost the same; the planner keeps the first of each such family."""
+    """``s`` with every partial's reduce op left out: its family (``_first_of_each_family``)."""
     strip = lambda ps: None if ps is None else tuple(Partial() if p.is_partial() else p for p in ps)  # noqa: E731
     return (tuple(strip(p) for p in s.inputs), tuple(strip(p) for p in s.outputs))
 

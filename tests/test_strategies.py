@@ -1,0 +1,73 @@
+"""Strategy enumeration: on a mesh of several dims, an op with a single-mesh-dim rule gets exactly the
+strategies DTensor's own expansion gives, in DTensor's order (``strategies._expanded``), for every such op
+of the built-in models, a Hugging Face-style pointwise min/max, and meshes of two and three dims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.ir.capture import capture
+from autopar.ir.layers import tensor_inputs
+from autopar.models import build_model
+from autopar.planning import strategies
+from autopar.planning.strategies import StrategyFinder
+
+PROP = DTensor._op_dispatcher.sharding_propagator
+
+
+class _Clamped(nn.Module):
+    """Pointwise ops with partials of several reduce ops (``minimum``: ``P(min)`` and ``P(max)``
+    strategies on one dim, which a combination may not mix)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return torch.maximum(torch.minimum(h, h.flip(-1)), -h).sum(-1)
+
+
+def _clamped_graph():
+    return capture(_Clamped(), (torch.randn(4, 8, 16),), torch.randn(4, 8), nn.functional.mse_loss)
+
+
+def _built_in(name: str):
+    bundle = build_model(name, global_batch=4, device="meta")
+    return capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+
+
+def _expandable_nodes(captured) -> list[torch.fx.Node]:
+    found, seen = [], set()
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or not tensor_inputs(node) or not strategies._expandable(node, PROP):
+            continue
+        key = (node.target, strategies._arg_signature(node))
+        if key not in seen:
+            seen.add(key)
+            found.append(node)
+    return found
+
+
+@pytest.mark.parametrize("graph, ndim", [("tiny-moe", 2), ("tiny-moe", 3), ("tiny-llama", 3), ("tiny-gpt", 2),
+                                         ("clamped", 2), ("clamped", 3)])
+def test_single_dim_rules_combined_per_mesh_dim_give_dtensors_strategies_in_its_order(graph: str, ndim: int) -> None:
+    captured = _clamped_graph() if graph == "clamped" else _built_in(graph)
+    nodes = _expandable_nodes(captured)
+    assert len(nodes) >= (4 if graph == "clamped" else 15)
+    finder = StrategyFinder((2,) * ndim)
+    for node in nodes:
+        ours, fallback = finder._enumerate(node, tensor_inputs(node))
+        assert not fallback, node.target
+        assert ours == strategies._first_of_each_family(finder._from_dtensor(node, PROP)), node.target
+
+
+def test_a_combination_mixing_reduce_ops_is_refused_and_its_sibling_kept() -> None:
+    captured = _clamped_graph()
+    node = next(n for n in captured.graph.nodes if n.target is torch.ops.aten.minimum.default)
+    ours, _ = StrategyFinder((2, 2))._enumerate(node, tensor_inputs(node))
+    kinds = [{p.reduce_op for ps in (*s.inputs, *s.outputs) for p in ps if p.is_partial()} for s in ours]
+    assert {"min"} in kinds and {"max"} in kinds and not any(len(k) > 1 for k in kinds)
