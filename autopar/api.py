@@ -135,7 +135,8 @@ def autoparallelize(
     targets, as in ``plan``; ``step`` takes the inputs, then the targets if any. ``lowered=True`` runs
     the rank's program as forward and backward graphs of local tensor ops with explicit collectives,
     traced once at the first step (``passes/lower.py``); ``compile=True`` lowers it and compiles the
-    graphs with inductor. Pipeline plans run on the DTensor runtime whatever these say (with a warning).
+    graphs with inductor; under a pipeline each of the rank's chunks is lowered so (zero-bubble schedules,
+    which split each chunk's backward, run on the DTensor runtime whatever these say, with a warning).
     """
     pinned = as_constraints(constraints)
     if not dist.is_initialized():
@@ -158,10 +159,8 @@ def autoparallelize(
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 
-        if lowered or compile:
-            warnings.warn("autopar: pipeline plans run on the DTensor runtime; lowered= and compile= are ignored",
-                          stacklevel=2)
-        return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory)
+        return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory, lowered=lowered,
+                                      compile=compile)
     if the_plan.predicted.get("runtime") == "lowered" and not (lowered or compile):
         warnings.warn("autopar: the plan was priced for the lowered runtime (constraint runtime=lowered) and runs "
                       "on DTensor: its FSDP gradient reductions will not overlap backward as priced; pass "

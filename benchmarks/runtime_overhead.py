@@ -1,8 +1,9 @@
 """How much does autopar's runtime cost over the same parallelism written by hand with native PyTorch?
 
 On gloo ranks of this machine, for the built-in GPT and Llama (small configs) under data parallelism
-(DDP), FSDP, tensor parallelism and tensor + sequence parallelism, one training step (forward, loss,
-backward, gradient synchronization; no optimizer update) of three programs:
+(DDP), FSDP, tensor parallelism, tensor + sequence parallelism and a two-stage pipeline (times data
+parallelism on four ranks), one training step (forward, loss, backward, gradient synchronization; no
+optimizer update) of three programs:
 
 * ``dtensor``: autopar's program on DTensor values (``autoparallelize(..., lowered=False)``);
 * ``lowered``: autopar's lowered program, forward and backward graphs of local tensor ops with
@@ -10,10 +11,16 @@ backward, gradient synchronization; no optimizer update) of three programs:
 * ``compiled`` (with ``--compiled``): the lowered program compiled by inductor (``compile=True``);
 * ``native``: the same parallelism written by hand: ``DistributedDataParallel``, ``fully_shard`` per
   block and the root, ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` (and
-  ``SequenceParallel`` on the norms), attention modules running their local heads.
+  ``SequenceParallel`` on the norms), attention modules running their local heads; for the pipeline,
+  ``torch.distributed.pipelining``'s ``PipelineStage`` over each half of the blocks (the embeddings with
+  the first, the final norm and head with the last) under ``Schedule1F1B``, each stage in
+  ``DistributedDataParallel`` over its data-parallel replicas (which pipelining syncs once, in the last
+  microbatch's backward).
 
 autopar's plans are pinned to the same degrees (``fsdp`` 0 or 3, ``sp`` 0 or 1, no checkpointing, one
-microbatch). The three run alternately, step by step in one process group, ``--steps`` times after
+microbatch; the pipeline: ``pp`` 2, ``dp`` the rest, 1F1B over ``MICROBATCHES`` microbatches, each rank's
+chunk lowered as a whole program is).
+ The three run alternately, step by step in one process group, ``--steps`` times after
 ``WARMUP_STEPS`` (the lowered program traces at its first step), so a load change on the machine hits all
 three alike; each step's time is the slowest rank's. Prints a Markdown table (median and the 10th-90th
 percentile spread, in ms, and each autopar program's median over native's) and writes every sample as
@@ -45,10 +52,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("tiny-llama", {"layers": 4, "hidden": 128, "heads": 8, "kv_heads": 4, "ffn_hidden": 256,
                              "vocab": 1024, "seq": 64}),
 }
+PIPELINE_STAGES, MICROBATCHES = 2, 4
 PARALLELISMS: dict[str, dict[str, Any]] = {
     "dp": {"fsdp": 0}, "fsdp": {"fsdp": 3}, "tp": {"sp": 0}, "tp+sp": {"sp": 1},
+    "pp": {"fsdp": 0, "microbatches": MICROBATCHES, "schedule": "1f1b"},
 }
-"""Each parallelism's constraints besides its degree (``dp`` or ``tp`` = the world)."""
+"""Each parallelism's constraints besides its degrees (``degrees``)."""
 BATCH = 8
 WARMUP_STEPS = 3
 PROGRAMS = ("dtensor", "lowered", "compiled", "native")
@@ -60,8 +69,8 @@ Step = Callable[[], Any]
 def autopar_step(bundle: Any, parallelism: str, world: int, lowered: bool, compile: bool = False) -> Step:
     import autopar
 
-    degree = "tp" if parallelism.startswith("tp") else "dp"
-    constraints = {degree: world, "checkpointing": "none", "microbatches": 1, **PARALLELISMS[parallelism]}
+    constraints = {**degrees(parallelism, world), "checkpointing": "none", "microbatches": 1,
+                   **PARALLELISMS[parallelism]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
@@ -72,8 +81,18 @@ def autopar_step(bundle: Any, parallelism: str, world: int, lowered: bool, compi
     return lambda: _zeroed(params) or pm.step(*batch)
 
 
+def degrees(parallelism: str, world: int) -> dict[str, int]:
+    """The degrees a parallelism pins on ``world`` ranks: ``tp`` or ``dp`` the world; a pipeline's stages, and
+    ``dp`` the rest."""
+    if parallelism == "pp":
+        return {"pp": PIPELINE_STAGES, "dp": world // PIPELINE_STAGES}
+    return {("tp" if parallelism.startswith("tp") else "dp"): world}
+
+
 # ---- native PyTorch -------------------------------------------------------------------------------
 def native_step(bundle: Any, parallelism: str, world: int) -> Step:
+    if parallelism == "pp":
+        return _native_pipeline_step(bundle, world)
     model, (x,), y = bundle.model, bundle.example_inputs, bundle.example_targets
     if parallelism in ("dp", "fsdp"):  # each rank its slice of the batch
         rank = dist.get_rank()
@@ -146,6 +165,64 @@ def _tensor_parallel(model: nn.Module, mesh: Any, sequence: bool) -> nn.Module:
                if hasattr(model, "pos_emb") else {}),
         })
     return model
+
+
+class _PipelineStageModule(nn.Module):
+    """Stage ``index`` of ``stages`` of the built-in GPT or Llama: its share of the blocks, with the embeddings
+    on the first stage and the final norm and head on the last (a plain split, as torchtitan's manual one)."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int) -> None:
+        super().__init__()
+        per = len(model.blocks) // stages
+        self.first, self.last = index == 0, index == stages - 1
+        self.blocks = nn.ModuleList(model.blocks[index * per:(index + 1) * per])
+        self.llama = hasattr(model, "rope_cos")
+        if self.llama:  # the rotary tables every Llama block reads
+            self.register_buffer("cos", model.rope_cos, persistent=False)
+            self.register_buffer("sin", model.rope_sin, persistent=False)
+        if self.first:
+            self.tok_emb = model.tok_emb
+            if not self.llama:
+                self.pos_emb = model.pos_emb
+                self.register_buffer("pos_ids", model.pos_ids, persistent=False)
+        if self.last:
+            self.norm, self.lm_head = (model.norm_f if self.llama else model.ln_f), model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            seq = x.shape[1]
+            x = self.tok_emb(x) if self.llama else self.tok_emb(x) + self.pos_emb(self.pos_ids[:seq])
+        for block in self.blocks:
+            x = block(x, self.cos[:x.shape[1]], self.sin[:x.shape[1]]) if self.llama else block(x)
+        return self.lm_head(self.norm(x)) if self.last else x
+
+
+def _native_pipeline_step(bundle: Any, world: int) -> Step:
+    """``PIPELINE_STAGES`` stages under ``Schedule1F1B``, each stage's module in DDP over its replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    dp = world // PIPELINE_STAGES
+    mesh = init_device_mesh("cpu", (PIPELINE_STAGES, dp), mesh_dim_names=("pp", "dp"))
+    index, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    module: nn.Module = _PipelineStageModule(bundle.model, index, PIPELINE_STAGES)
+    if dp > 1:
+        module = DistributedDataParallel(module, process_group=mesh.get_group("dp"))
+    stage = PipelineStage(module, index, PIPELINE_STAGES, torch.device("cpu"), group=mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=bundle.loss_fn)
+    (x,), y = bundle.example_inputs, bundle.example_targets
+    x, y = x.chunk(dp)[replica], y.chunk(dp)[replica]
+    params = list(module.parameters())
+
+    def step() -> Any:
+        _zeroed(params)
+        if index == 0:
+            return schedule.step(x)
+        losses: list[torch.Tensor] = []
+        schedule.step(target=y, losses=losses)
+        return losses
+    return step
 
 
 def _zeroed(params: list[nn.Parameter]) -> None:

@@ -331,6 +331,13 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTe
     return DTensor.from_local(local, mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
+def lowering_of(module: nn.Module) -> dict[str, Any]:
+    """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s, and why any runs its
+    DTensor program instead (``LoweredProgram.fallback``, set once it was traced)."""
+    programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
+    return {"programs": len(programs), "fallbacks": [p.fallback for p in programs if p.fallback is not None]}
+
+
 def _local_leaf(param: DTensor) -> torch.Tensor:
     """A leaf on ``param``'s local tensor whose gradient, once accumulated, becomes ``param``'s as a
     DTensor with ``param``'s spec (added to the one it holds), so the program's backward hands out a

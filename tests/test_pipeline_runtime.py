@@ -141,6 +141,44 @@ def test_llama_pp2_and_interleaved_match_single_process() -> None:
     uneven.assert_matches(train_single("tiny-gpt", seven_layers, BATCH, None, STEPS))
 
 
+def _lowered(runs: list[dict]) -> list[dict]:
+    return [{**run, "lowered": True} for run in runs]
+
+
+def _assert_every_chunk_lowered(result, chunks_per_rank: int) -> None:
+    assert result.lowered == {"programs": chunks_per_rank, "fallbacks": []}, result.lowered
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_lowered_pipeline_chunks_match_single_process() -> None:
+    """Each chunk of a rank as its lowered graphs (``lowered=True``): 1F1B on tiny-llama, GPipe with full
+    checkpointing, and interleaved 1F1B (two chunks a rank) on tiny-gpt."""
+    four_layers = {"layers": 4}
+    runs = _runs("tiny-llama", [{"pp": 2, "microbatches": 4, "schedule": "1f1b", "checkpointing": "none"}])
+    runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"}])
+    runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 4, "schedule": "interleaved"}], overrides=four_layers)
+    llama, gpipe, interleaved = train_parallel_many(2, _lowered(runs))
+    for result, chunks in ((llama, 1), (gpipe, 1), (interleaved, 2)):
+        _assert_every_chunk_lowered(result, chunks)
+    llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
+    gpipe.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS))
+    interleaved.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.dist
+def test_lowered_pipeline_chunks_with_dp_tp_and_zero_match_single_process() -> None:
+    """Lowered chunks of pp=2 x dp=2 (plain and ZeRO-1) and pp=2 x tp=2 on 4 ranks."""
+    one_f_one_b = {"pp": 2, "microbatches": 2, "schedule": "1f1b"}
+    runs = _runs("tiny-gpt", [{**one_f_one_b, "dp": 2}, {**one_f_one_b, "dp": 2, "fsdp": 1}, {**one_f_one_b, "tp": 2}])
+    reference = train_single("tiny-gpt", None, BATCH, None, STEPS)
+    for result in train_parallel_many(4, _lowered(runs)):
+        _assert_every_chunk_lowered(result, 1)
+        result.assert_matches(reference)
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist

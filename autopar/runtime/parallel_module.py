@@ -40,7 +40,7 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
-from autopar.passes.lower import LoweredProgram
+from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
@@ -105,6 +105,11 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full (global) value, on every rank."""
         return {fqn: p.detach().full_tensor() for fqn, p in self.named_parameters()}
+
+    @property
+    def lowering(self) -> dict[str, Any]:
+        """Its lowered programs (``lowered=True``), and why any runs on DTensor instead (``lower.lowering_of``)."""
+        return lowering_of(self)
 
     # ---- running ------------------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:

@@ -51,6 +51,7 @@ microbatches like the positional ones.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -65,6 +66,7 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
+from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
@@ -102,6 +104,16 @@ class StageModule(nn.Module):
         self.reads = [n for n in self.placeholders if n in user_names]  # user inputs this chunk reads
         self.mesh = mesh
         self.copies_outputs = False  # set under schedules that detach the outputs in place (``_schedule``)
+
+    def lower(self, params: Mapping[str, str], compile: bool) -> None:
+        """Run the chunk's program as its lowered forward and backward graphs of local ops and explicit
+        collectives (``passes/lower.py``; ``compile``: compiled by inductor), traced at its first
+        microbatch; ``params`` maps the captured graph's parameter placeholders to their names. The
+        stage's gradient sync stays outside the graphs, on the parameters' accumulation hooks, as the
+        schedule accumulates ``m`` microbatches (``LoweredProgram``'s ``grad_sync=None``)."""
+        first = len(self.inputs) if self.index > 0 else 0  # the program reads the received values first
+        positions = {first + i: params[name] for i, name in enumerate(self.placeholders) if name in params}
+        self.program = LoweredProgram(self.program, positions, compile=compile)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The leaves the chunk's program reads this step (``PipelineParallelModule._read_parameters``: under
@@ -154,7 +166,7 @@ class PipelineParallelModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, device_type: str | None = None,
-                 check_memory: bool = True):
+                 check_memory: bool = True, lowered: bool = False, compile: bool = False):
         super().__init__()
         self.plan, self.captured = plan, captured
         self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
@@ -168,6 +180,13 @@ class PipelineParallelModule(nn.Module):
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
         self.chunks = nn.ModuleList(self._stage_module(stage, model) for stage in mine)
+        if (lowered or compile) and plan.pipeline.schedule in ZERO_BUBBLE:
+            warnings.warn("autopar: zero-bubble pipelines run on the DTensor runtime (torch splits each chunk's "
+                          "backward at its parameters, inside what a lowered program runs as one graph); "
+                          "lowered= and compile= are ignored", stacklevel=3)
+        elif lowered or compile:
+            for chunk in self.chunks:
+                chunk.lower(captured.params, compile)
         self._local_inputs = False
         self.schedule = self._schedule(len(built.stages))
         self._program_params = ProgramParameters(dict(self._stage_parameters()), self.mesh, plan.precision,
@@ -197,6 +216,11 @@ class PipelineParallelModule(nn.Module):
         per_stage: list[Any] = [None] * self.pp_size
         dist.all_gather_object(per_stage, mine, group=self.pp_group)
         return {fqn: t for state in per_stage for fqn, t in state.items()}
+
+    @property
+    def lowering(self) -> dict[str, Any]:
+        """Its lowered programs (``lowered=True``), and why any runs on DTensor instead (``lower.lowering_of``)."""
+        return lowering_of(self)
 
     # ---- running ------------------------------------------------------------------------------
     @property

@@ -17,7 +17,7 @@ are compared directly too, so an error shows where it starts rather than three u
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -123,6 +123,7 @@ class AutoparResult(ParityResult):
 
     plan: dict[str, Any]
     redistributes: int
+    lowered: dict[str, Any] = field(default_factory=dict)  # of a lowered run: its programs, and why any fell back
 
     @property
     def tolerances(self) -> Tolerances:
@@ -139,7 +140,7 @@ class AutoparResult(ParityResult):
         """From what each rank returned (``train_module``'s dict; rank 0's holds the gathered tensors)."""
         first = per_rank[0]
         return cls(losses=[r["losses"] for r in per_rank], grads=first["grads"], params=first["params"],
-                   plan=first["plan"], redistributes=first["redistributes"])
+                   plan=first["plan"], redistributes=first["redistributes"], lowered=first.get("lowered", {}))
 
 
 def _per_step(losses_per_rank: list[list[float]]) -> dict[str, torch.Tensor]:
@@ -291,7 +292,7 @@ def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int)
         opt.step()
     params = pm.full_state_dict()
     return {"losses": losses, "grads": grads if rank == 0 else None, "params": params if rank == 0 else None,
-            "plan": pm.plan.to_dict(), "redistributes": pm.redistributes}
+            "plan": pm.plan.to_dict(), "redistributes": pm.redistributes, "lowered": pm.lowering}
 
 
 def train_counting(pm: Any, bundle: ModelBundle, steps: int, seed: int) -> dict[str, Any]:
@@ -315,8 +316,10 @@ def train_counting(pm: Any, bundle: ModelBundle, steps: int, seed: int) -> dict[
 def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str, Any] | None,
                         global_batch: int, seq: int | None, steps: int, plan: dict | None,
                         constraints: Mapping[str, Any] | None, seed: int = 0,
-                        under: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
-    """One rank's training under ``plan`` (or a plan made here for this world), as ``train_module``.
+                        under: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                        lowered: bool = False) -> dict[str, Any]:
+    """One rank's training under ``plan`` (or a plan made here for this world), as ``train_module``;
+    ``lowered``: on the lowered runtime (``autoparallelize(..., lowered=True)``).
 
     ``under``, if given, is called on the rank and the run made inside the context it returns: a test
     perturbs the runtime there (a picklable, module-level function) to prove the check fails.
@@ -325,7 +328,7 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
         bundle = build(name, overrides, global_batch, seq, seed)
         pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                              example_targets=bundle.example_targets, constraints=constraints,
-                             plan=Plan.from_dict(plan) if plan else None)
+                             plan=Plan.from_dict(plan) if plan else None, lowered=lowered)
         return train_module(pm, bundle, steps, seed, rank)
 
 
