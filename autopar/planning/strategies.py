@@ -3,9 +3,11 @@
 For every call_function node we ask DTensor what placements of its inputs and outputs are valid on a
 mesh (``Shard(d)``/``Replicate``/``Partial`` per mesh dimension). DTensor keeps two registries in torch
 2.13: full-mesh strategy functions (matrix ops, embedding, norms...) that we feed every candidate input
-placement, and single-mesh-dim strategies that DTensor itself expands to the whole mesh. Using both
+placement, and single-mesh-dim strategies that DTensor expands to the whole mesh, dim by dim. Using both
 means the sharding rules live in one place (PyTorch) and our planner sees the same choices the DTensor
-runtime will accept.
+runtime will accept. Where we diverge in how, not what: on a mesh of several dims we combine a single-dim
+rule's one-dim strategies ourselves, as DTensor's expansion does (``_expanded``: the same list in the same
+order, tested op by op), because its per-combination Python is most of enumerating a 3-D mesh.
 
 Where we diverge: ops in ``LOCAL_RULES`` (fused attention, which DTensor only knows as backend kernels
 such as the CUDA flash variant) get our own rule: the dims listed are independent, so the op can be
