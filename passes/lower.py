@@ -76,7 +76,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache
 from torch._functorch import config as functorch_config
@@ -113,11 +113,18 @@ class LoweredProgram(nn.Module):
     instead, when it does. ``local`` (position -> spec) the parameters read as local tensors, their
     gradients stored as DTensors with the parameter's spec (``_local_parameters``); where that trace
     failed, ``dtensor_parameters`` says why (the program then runs with every parameter a DTensor).
+    ``hooked_gradients`` (without ``grad_sync``: a pipeline chunk's, whose stage reduces its gradients
+    after the last microbatch): the parameters are read as local tensors too, each gradient leaving the
+    graph unreduced and stored as a DTensor in the placements it reached the parameter in (partial over
+    the dims still to reduce, ``_HookedProgram``), then handed to the parameter's accumulation hooks, as
+    autograd's accumulation would (where the gradient sync takes it from).
     """
 
     def __init__(self, program: nn.Module, parameters: Mapping[int, str], compile: bool = False,
-                 grad_sync: GradientSync | None = None):
+                 grad_sync: GradientSync | None = None, hooked_gradients: bool = False):
         super().__init__()
+        self.hooked_gradients = hooked_gradients and grad_sync is None
+        self.gradient_placements: dict[int, tuple[Placement, ...]] = {}  # as ``_HookedProgram`` records them
         self.regathers = isinstance(program, ResavedParameters)
         self.program = program.program if self.regathers else program
         self.dtensor_program = program
@@ -147,7 +154,7 @@ class LoweredProgram(nn.Module):
         grad = torch.is_grad_enabled()
         if self.local is None:
             self.local = self._local_parameters(args)
-        inputs = [_local_leaf(a) if i in self.local else a for i, a in enumerate(args)]
+        inputs = [_local_leaf(a, self._stored_placements(i)) if i in self.local else a for i, a in enumerate(args)]
         if grad not in self._lowered:
             lowered = self._lower(args, inputs, grad)
             if lowered is None and self.local and not self._lowered and self.fallback is not None:
@@ -173,6 +180,11 @@ class LoweredProgram(nn.Module):
         """Per graph (``forward``, ``backward``), the collectives one run of it issues, per kind."""
         return {name: graph_collectives(gm) for name, gm in self.graphs.get(grad, {}).items()}
 
+    def _stored_placements(self, position: int) -> Callable[[], tuple[Placement, ...]] | None:
+        """For hooked gradients, what gives the placements of the gradient of the argument at ``position``
+        (recorded when the backward was traced)."""
+        return (lambda: self.gradient_placements[position]) if self.hooked_gradients else None
+
     def _local_parameters(self, args: Sequence[Any]) -> dict[int, DTensorSpec]:
         """Argument position -> its parameter's spec, for the parameters the program reads as local
         tensors (``_local_leaf``): those the in-graph gradient sync reduces (their gradients leave the
@@ -181,11 +193,11 @@ class LoweredProgram(nn.Module):
         and autograd accumulate it through DTensor's dispatch (about 0.1 ms a gradient). Where that
         trace fails nonetheless, ``start`` traces the program again with every parameter a DTensor and
         ``dtensor_parameters`` says why."""
-        if self.grad_sync is None:
+        if self.grad_sync is None and not self.hooked_gradients:
             return {}
-        synced = {id(p) for p in self.grad_sync.params}
-        local = {i: args[i]._spec for i in self.parameters if id(args[i]) in synced and isinstance(args[i], DTensor)
-                 and args[i].is_leaf and args[i].requires_grad}
+        synced = {id(p) for p in self.grad_sync.params} if self.grad_sync is not None else None
+        local = {i: args[i]._spec for i in self.parameters if (synced is None or id(args[i]) in synced)
+                 and isinstance(args[i], DTensor) and args[i].is_leaf and args[i].requires_grad}
         meshes = [a.device_mesh for a in args if isinstance(a, DTensor)]
         kept = [a for i, a in enumerate(args) if isinstance(a, DTensor) and i not in local]
         one_mesh = all(mesh == meshes[0] for mesh in meshes)
@@ -219,7 +231,7 @@ class LoweredProgram(nn.Module):
         """The program to trace: with ``grad_sync``, the parameters it reduces marked to be reduced in
         the backward graph (``lower_buckets.reduced_in_graph``)."""
         if self.grad_sync is None:
-            return self.program
+            return _HookedProgram(self.program, self.local, self.gradient_placements) if self.local else self.program
         synced = {id(p) for p in self.grad_sync.params}
         return _ReducingProgram(self.program, [i for i in self.parameters if id(args[i]) in synced],
                                 self.grad_sync.reduce_dtype, self.local or {})
@@ -332,26 +344,69 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTe
 
 
 def lowering_of(module: nn.Module) -> dict[str, Any]:
-    """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s, and why any runs its
-    DTensor program instead (``LoweredProgram.fallback``, set once it was traced)."""
+    """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s, why any runs its DTensor
+    program instead (``LoweredProgram.fallback``, set once it was traced), how many parameters they read as
+    local tensors, and why any reads them as DTensors (``LoweredProgram.dtensor_parameters``)."""
     programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
-    return {"programs": len(programs), "fallbacks": [p.fallback for p in programs if p.fallback is not None]}
+    return {"programs": len(programs), "fallbacks": [p.fallback for p in programs if p.fallback is not None],
+            "local_parameters": sum(len(p.local or {}) for p in programs),
+            "dtensor_parameters": [p.dtensor_parameters for p in programs if p.dtensor_parameters is not None]}
 
 
-def _local_leaf(param: DTensor) -> torch.Tensor:
+def _local_leaf(param: DTensor, placements: Callable[[], tuple[Placement, ...]] | None = None) -> torch.Tensor:
     """A leaf on ``param``'s local tensor whose gradient, once accumulated, becomes ``param``'s as a
-    DTensor with ``param``'s spec (added to the one it holds), so the program's backward hands out a
-    plain tensor."""
+    DTensor (added to the one it holds), so the program's backward hands out a plain tensor: with
+    ``param``'s spec; with ``placements``' (hooked gradients, ``LoweredProgram``), in the placements it
+    gives, and the parameter's accumulation hooks run after."""
     leaf = param._local_tensor.detach().requires_grad_(torch.is_grad_enabled())
     if leaf.requires_grad:
-        leaf.register_post_accumulate_grad_hook(lambda local: _store_gradient(param, local))
+        leaf.register_post_accumulate_grad_hook(lambda local: _store_gradient(param, local, placements))
     return leaf
 
 
-def _store_gradient(param: DTensor, local: torch.Tensor) -> None:
-    grad = DTensor(local.grad, param._spec, requires_grad=False)
+def _store_gradient(param: DTensor, local: torch.Tensor,
+                    placements: Callable[[], tuple[Placement, ...]] | None = None) -> None:
+    spec = param._spec if placements is None else DTensorSpec(param.device_mesh, placements(),
+                                                              tensor_meta=param._spec.tensor_meta)
+    grad = DTensor(local.grad, spec, requires_grad=False)
     local.grad = None
     param.grad = grad if param.grad is None else param.grad + grad
+    if placements is not None:  # as autograd's accumulation would: where the gradient sync takes it from
+        for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
+            hook(param)
+
+
+class _HookedProgram(nn.Module):
+    """``program`` reading the arguments at ``local``'s positions as local tensors (``_HookedParameter``),
+    their gradients left unreduced and their placements recorded in ``placements`` when traced."""
+
+    def __init__(self, program: nn.Module, local: Mapping[int, DTensorSpec],
+                 placements: dict[int, tuple[Placement, ...]]):
+        super().__init__()
+        self.program, self.local, self.placements = program, dict(local), placements
+
+    def forward(self, *args: Any) -> Any:
+        mesh = next(a.device_mesh for i, a in enumerate(args) if isinstance(a, DTensor) and i not in self.local)
+        return self.program(*(_HookedParameter.apply(a, mesh, self.local[i], i, self.placements)
+                              if i in self.local else a for i, a in enumerate(args)))
+
+
+class _HookedParameter(torch.autograd.Function):
+    """A local parameter shard as the DTensor of ``spec``, whose gradient leaves as its local tensor in the
+    placements it arrives in (``DTensor.from_local``'s backward would redistribute it to ``spec``'s,
+    reducing its partial dims for every microbatch), those placements recorded in ``placements[position]``
+    as the backward is traced."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec, position: int,
+                placements: dict[int, tuple[Placement, ...]]) -> DTensor:
+        ctx.position, ctx.placements = position, placements
+        return _from_local(local, mesh, spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:
+        ctx.placements[ctx.position] = tuple(grad.placements)
+        return grad._local_tensor, None, None, None, None
 
 
 def flat_positions(args: Sequence[Any], positions: Sequence[int]) -> list[int]:

@@ -375,9 +375,10 @@ def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_g
     """Under data parallelism and FSDP (the gradient sync in the backward graph) every parameter is
     traced as its local tensor and its gradient stored as a DTensor in the parameter's placements, in
     the rank's first program as in those it traces after (each rank runs every configuration in one
-    process: the bf16 plan is its seventh); under gradient accumulation (sync outside the graph)
-    parameters stay DTensor inputs; no trace with local parameters fails, and every configuration
-    leaves each gradient in its parameter's placements."""
+    process: the bf16 plan is its seventh); under gradient accumulation (sync outside the graph, from the
+    parameters' accumulation hooks) every parameter is read as its local tensor too, its gradient handed
+    to the hooks unreduced (``hooked_gradients``); no trace with local parameters fails, and every
+    configuration leaves each gradient in its parameter's placements."""
     all_local = [("tiny-gpt", {"dp": 2}), ("tiny-gpt", {"dp": 2, "fsdp": 3}),
                  ("tiny-gpt", {"dp": 2, "fsdp": 3, "checkpointing": "selective"}),
                  ("tiny-gpt", {"dp": 2, "dtype": "bf16", "reduce_dtype": "bf16"})]
@@ -386,7 +387,7 @@ def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_g
             if (name, constraints) in all_local and world == 2:
                 assert run["local_parameters"] == run["parameters"], (name, constraints)
             if constraints.get("microbatches", 1) > 1:
-                assert run["local_parameters"] == 0, (name, constraints)
+                assert run["local_parameters"] == run["parameters"], (name, constraints)
             assert run["dtensor_parameters"] is None, (name, constraints, run["dtensor_parameters"])
             assert run["gradients_placed"], (name, constraints)
 

@@ -88,8 +88,8 @@ class ParallelModule(nn.Module):
         self.redistributes = built.redistributes
         self._placeholders = stage.program.placeholders
         in_graph_sync = self._program_params.grad_sync if self.microbatches == 1 else None  # else reduced once, after
-        self.program = (LoweredProgram(stage.module, self._parameter_names(), compile=compile, grad_sync=in_graph_sync)
-                        if lowered or compile else stage.module)
+        self.program = (LoweredProgram(stage.module, self._parameter_names(), compile=compile, grad_sync=in_graph_sync,
+                                       hooked_gradients=True) if lowered or compile else stage.module)
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

@@ -110,10 +110,11 @@ class StageModule(nn.Module):
         collectives (``passes/lower.py``; ``compile``: compiled by inductor), traced at its first
         microbatch; ``params`` maps the captured graph's parameter placeholders to their names. The
         stage's gradient sync stays outside the graphs, on the parameters' accumulation hooks, as the
-        schedule accumulates ``m`` microbatches (``LoweredProgram``'s ``grad_sync=None``)."""
+        schedule accumulates ``m`` microbatches: the graphs read the parameters as local tensors and hand
+        each gradient, unreduced, to those hooks (``LoweredProgram``'s ``hooked_gradients``)."""
         first = len(self.inputs) if self.index > 0 else 0  # the program reads the received values first
         positions = {first + i: params[name] for i, name in enumerate(self.placeholders) if name in params}
-        self.program = LoweredProgram(self.program, positions, compile=compile)
+        self.program = LoweredProgram(self.program, positions, compile=compile, hooked_gradients=True)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The leaves the chunk's program reads this step (``PipelineParallelModule._read_parameters``: under
