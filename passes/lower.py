@@ -125,6 +125,7 @@ class LoweredProgram(nn.Module):
         super().__init__()
         self.hooked_gradients = hooked_gradients and grad_sync is None
         self.gradient_placements: dict[int, tuple[Placement, ...]] = {}  # as ``_HookedProgram`` records them
+        self._gradient_specs: dict[int, DTensorSpec] = {}  # of those placements (``_hooked_spec``)
         self.regathers = isinstance(program, ResavedParameters)
         self.program = program.program if self.regathers else program
         self.dtensor_program = program
@@ -154,7 +155,7 @@ class LoweredProgram(nn.Module):
         grad = torch.is_grad_enabled()
         if self.local is None:
             self.local = self._local_parameters(args)
-        inputs = [_local_leaf(a, self._stored_placements(i)) if i in self.local else a for i, a in enumerate(args)]
+        inputs = [_local_leaf(a, self._hooked_spec(i, a)) if i in self.local else a for i, a in enumerate(args)]
         if grad not in self._lowered:
             lowered = self._lower(args, inputs, grad)
             if lowered is None and self.local and not self._lowered and self.fallback is not None:
@@ -180,10 +181,18 @@ class LoweredProgram(nn.Module):
         """Per graph (``forward``, ``backward``), the collectives one run of it issues, per kind."""
         return {name: graph_collectives(gm) for name, gm in self.graphs.get(grad, {}).items()}
 
-    def _stored_placements(self, position: int) -> Callable[[], tuple[Placement, ...]] | None:
-        """For hooked gradients, what gives the placements of the gradient of the argument at ``position``
-        (recorded when the backward was traced)."""
-        return (lambda: self.gradient_placements[position]) if self.hooked_gradients else None
+    def _hooked_spec(self, position: int, param: DTensor) -> Callable[[], DTensorSpec] | None:
+        """For hooked gradients, what gives the spec of the gradient of ``param``, the argument at
+        ``position``: in the placements recorded when the backward was traced, one object for every call."""
+        if not self.hooked_gradients:
+            return None
+
+        def spec() -> DTensorSpec:
+            if position not in self._gradient_specs:
+                self._gradient_specs[position] = DTensorSpec(param.device_mesh, self.gradient_placements[position],
+                                                             tensor_meta=param._spec.tensor_meta)
+            return self._gradient_specs[position]
+        return spec
 
     def _local_parameters(self, args: Sequence[Any]) -> dict[int, DTensorSpec]:
         """Argument position -> its parameter's spec, for the parameters the program reads as local
@@ -353,25 +362,29 @@ def lowering_of(module: nn.Module) -> dict[str, Any]:
             "dtensor_parameters": [p.dtensor_parameters for p in programs if p.dtensor_parameters is not None]}
 
 
-def _local_leaf(param: DTensor, placements: Callable[[], tuple[Placement, ...]] | None = None) -> torch.Tensor:
+def _local_leaf(param: DTensor, spec: Callable[[], DTensorSpec] | None = None) -> torch.Tensor:
     """A leaf on ``param``'s local tensor whose gradient, once accumulated, becomes ``param``'s as a
     DTensor (added to the one it holds), so the program's backward hands out a plain tensor: with
-    ``param``'s spec; with ``placements``' (hooked gradients, ``LoweredProgram``), in the placements it
-    gives, and the parameter's accumulation hooks run after."""
+    ``param``'s spec; with ``spec()`` (hooked gradients, ``LoweredProgram``), and the parameter's
+    accumulation hooks run after."""
     leaf = param._local_tensor.detach().requires_grad_(torch.is_grad_enabled())
     if leaf.requires_grad:
-        leaf.register_post_accumulate_grad_hook(lambda local: _store_gradient(param, local, placements))
+        leaf.register_post_accumulate_grad_hook(lambda local: _store_gradient(param, local, spec))
     return leaf
 
 
-def _store_gradient(param: DTensor, local: torch.Tensor,
-                    placements: Callable[[], tuple[Placement, ...]] | None = None) -> None:
-    spec = param._spec if placements is None else DTensorSpec(param.device_mesh, placements(),
-                                                              tensor_meta=param._spec.tensor_meta)
-    grad = DTensor(local.grad, spec, requires_grad=False)
+def _store_gradient(param: DTensor, local: torch.Tensor, spec_of: Callable[[], DTensorSpec] | None = None) -> None:
+    """``local``'s gradient added to ``param``'s as a DTensor of ``spec_of()`` (else ``param``'s spec): in
+    place, on its local tensor, where ``param``'s gradient is one this stored in the same spec (a later
+    microbatch's: no DTensor dispatch), and ``param``'s accumulation hooks run after where ``spec_of``."""
+    spec = param._spec if spec_of is None else spec_of()
+    if param.grad is not None and param.grad._spec is spec:
+        param.grad._local_tensor.add_(local.grad)
+    else:
+        grad = DTensor(local.grad, spec, requires_grad=False)
+        param.grad = grad if param.grad is None else param.grad + grad
     local.grad = None
-    param.grad = grad if param.grad is None else param.grad + grad
-    if placements is not None:  # as autograd's accumulation would: where the gradient sync takes it from
+    if spec_of is not None:  # as autograd's accumulation would: where the gradient sync takes it from
         for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
             hook(param)
 
