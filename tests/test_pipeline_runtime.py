@@ -14,7 +14,10 @@
   checkpointing on 2 ranks; pp=2 x dp=2 under ZeRO-2 (whose reduce_scatter runs from the post-accumulate
   hooks that torch's weight step bypasses: ``AccumulatingStage``), pp=2 x tp=2, and pp=2 x dp=2 under
   ZeRO-1 in bf16 (whose chunks read compute-dtype copies of the optimizer's parameters: the leaves
-  ``StageModule.parameters()`` hands torch's split) on 4.
+  ``StageModule.parameters()`` hands torch's split) on 4;
+* lowered chunks (``lowered=True``), under the same check, each chunk asserted to run lowered with its
+  parameters as local tensors: 1F1B, GPipe with full checkpointing and interleaved on 2 ranks; pp=2 x dp=2
+  plain, under ZeRO-1 (fp32 and bf16), FSDP and selective checkpointing, and pp=2 x tp=2 on 4.
 """
 
 from __future__ import annotations
@@ -173,9 +176,12 @@ def test_lowered_pipeline_chunks_match_single_process() -> None:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_lowered_pipeline_chunks_with_dp_tp_and_zero_match_single_process() -> None:
-    """Lowered chunks of pp=2 x dp=2 (plain and ZeRO-1) and pp=2 x tp=2 on 4 ranks."""
-    one_f_one_b = {"pp": 2, "microbatches": 2, "schedule": "1f1b"}
-    runs = _runs("tiny-gpt", [{**one_f_one_b, "dp": 2}, {**one_f_one_b, "dp": 2, "fsdp": 1}, {**one_f_one_b, "tp": 2}])
+    """Lowered chunks of pp=2 x dp=2 (plain, ZeRO-1 in fp32 and with bf16 compute, FSDP, selective
+    checkpointing) and pp=2 x tp=2 on 4 ranks."""
+    one_f_one_b = {"pp": 2, "dp": 2, "microbatches": 2, "schedule": "1f1b"}
+    runs = _runs("tiny-gpt", [one_f_one_b, {**one_f_one_b, "fsdp": 1}, {**one_f_one_b, "fsdp": 1, "dtype": "bf16"},
+                              {**one_f_one_b, "fsdp": 3}, {**one_f_one_b, "checkpointing": "selective"},
+                              {**one_f_one_b, "dp": 1, "tp": 2}])
     reference = train_single("tiny-gpt", None, BATCH, None, STEPS)
     for result in train_parallel_many(4, _lowered(runs)):
         _assert_every_chunk_lowered(result, 1)
