@@ -19,10 +19,9 @@ optimizer update) of three programs:
 
 autopar's plans are pinned to the same degrees (``fsdp`` 0 or 3, ``sp`` 0 or 1, no checkpointing, one
 microbatch; the pipeline: ``pp`` 2, ``dp`` the rest, 1F1B over ``MICROBATCHES`` microbatches, each rank's
-chunk lowered as a whole program is).
- The three run alternately, step by step in one process group, ``--steps`` times after
-``WARMUP_STEPS`` (the lowered program traces at its first step), so a load change on the machine hits all
-three alike; each step's time is the slowest rank's. Prints a Markdown table (median and the 10th-90th
+chunk lowered as a whole program is). The three run alternately, step by step in one process group,
+``--steps`` times after ``WARMUP_STEPS`` (the lowered program traces at its first step), so a load change
+on the machine hits all three alike; each step's time is the slowest rank's. Prints a Markdown table (median and the 10th-90th
 percentile spread, in ms, and each autopar program's median over native's) and writes every sample as
 JSON; ``--programs`` times a subset (all of them alternate with one another just the same)::
 

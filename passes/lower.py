@@ -324,8 +324,7 @@ class _ReducingProgram(nn.Module):
         self.local = dict(local)
 
     def forward(self, *args: Any) -> Any:
-        if self.local:  # the arguments' one mesh, as traced (a real one beside it would be a second mesh)
-            mesh = next(a.device_mesh for i, a in enumerate(args) if isinstance(a, DTensor) and i not in self.local)
+        mesh = _traced_mesh(args, self.local) if self.local else None
         values = [_from_local(a, mesh, self.local[i]) if i in self.local else a for i, a in enumerate(args)]
         return self.program(*(reduced_in_graph(a, self.reduce_dtype) if i in self.positions else a
                               for i, a in enumerate(values)))
@@ -344,6 +343,12 @@ def _forget_propagated_meshes() -> None:
     tangent placeholder, which the partitioner refuses ("Node tangents_2 was invalid, but is output").
     The program's own mesh, a primal, is tracked first; emptied, the cache can give back no other."""
     _clear_fast_path_sharding_prop_cache()
+
+
+def _traced_mesh(args: Sequence[Any], local: Mapping[int, DTensorSpec]) -> DeviceMesh:
+    """The arguments' one mesh, as traced: a DTensor argument's other than those at ``local``'s positions,
+    which come as local tensors (a real mesh made beside it would be a second mesh)."""
+    return next(a.device_mesh for i, a in enumerate(args) if isinstance(a, DTensor) and i not in local)
 
 
 def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTensor:
@@ -399,7 +404,7 @@ class _HookedProgram(nn.Module):
         self.program, self.local, self.placements = program, dict(local), placements
 
     def forward(self, *args: Any) -> Any:
-        mesh = next(a.device_mesh for i, a in enumerate(args) if isinstance(a, DTensor) and i not in self.local)
+        mesh = _traced_mesh(args, self.local)
         return self.program(*(_HookedParameter.apply(a, mesh, self.local[i], i, self.placements)
                               if i in self.local else a for i, a in enumerate(args)))
 

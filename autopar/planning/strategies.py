@@ -426,7 +426,7 @@ class StrategyFinder:
     def _input_strategy(self, val: torch.Tensor, single: bool, only: Placements | None) -> OpStrategy:
         meta = TensorMeta(val.shape, val.stride(), val.dtype)
         if single:  # DTensor expands single-dim rules itself; one spec tells it plain Shard is in use
-            pls = [tuple([Shard(0) if val.ndim else Replicate()] * self._ndim)]
+            pls = [_single_dim_rule_input(val.ndim, self._ndim)]
         else:
             pls = [only] if only is not None else _assignments(val, self._ndim, partial=True)
         return OpStrategy([OpSpec(DTensorSpec(self.mesh, p, meta)) for p in pls])
@@ -525,7 +525,7 @@ def _shardable_on_planning_mesh(placements: Placements, shape: tuple[int, ...], 
     """DTensor's ``is_tensor_shardable`` on the planning mesh (two devices a dim): no dim split into more
     shards than it has elements; with ``allow_uneven``, the placement ``_input_strategy`` gave DTensor
     passes regardless."""
-    if allow_uneven and placements == tuple([Shard(0) if shape else Replicate()] * len(placements)):
+    if allow_uneven and placements == _single_dim_rule_input(len(shape), len(placements)):
         return True
     shards: dict[int, int] = {}
     for p in placements:
@@ -534,6 +534,12 @@ def _shardable_on_planning_mesh(placements: Placements, shape: tuple[int, ...], 
                 return False
             shards[p.dim] = shards.get(p.dim, 1) * 2
     return all(shape[d] >= n for d, n in shards.items())
+
+
+def _single_dim_rule_input(tensor_ndim: int, mesh_ndim: int) -> Placements:
+    """The one placement a tensor input is given to DTensor for an op with a single-dim rule
+    (``StrategyFinder._input_strategy``): plain ``Shard(0)`` on every mesh dim (``Replicate`` for a scalar)."""
+    return tuple([Shard(0) if tensor_ndim else Replicate()] * mesh_ndim)
 
 
 def _first_of_each_family(strategies: list[Strategy]) -> list[Strategy]:
