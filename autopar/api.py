@@ -22,7 +22,8 @@ from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.files import check_writable
-from autopar.core.plan import Plan
+from autopar.core.plan import RING, Plan
+from autopar.cost_models.pipeline import SIMULATED as ZERO_BUBBLE_SCHEDULES
 from autopar.models.moe import routing_facts
 from autopar.planning import whatif
 from autopar.planning.assemble import fingerprint, model_dims
@@ -121,7 +122,7 @@ def autoparallelize(
     *,
     example_targets: torch.Tensor | None = None,
     check_memory: bool = True,
-    lowered: bool = False,
+    lowered: bool | None = None,
     compile: bool = False,
 ) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
@@ -132,11 +133,15 @@ def autoparallelize(
     memory divided among its ranks) is refused with ``NoFeasiblePlanError`` before anything is built
     (``runtime/fits.py``); ``check_memory=False`` runs it anyway. The step is
     ``loss_fn(model(*example_inputs), example_targets)``, or ``loss_fn(model(*example_inputs))`` without
-    targets, as in ``plan``; ``step`` takes the inputs, then the targets if any. ``lowered=True`` runs
-    the rank's program as forward and backward graphs of local tensor ops with explicit collectives,
-    traced once at the first step (``passes/lower.py``); ``compile=True`` lowers it and compiles the
-    graphs with inductor; under a pipeline each of the rank's chunks is lowered so (zero-bubble schedules,
-    which split each chunk's backward, run on the DTensor runtime whatever these say, with a warning).
+    targets, as in ``plan``; ``step`` takes the inputs, then the targets if any.
+
+    The runtime: ``lowered=True`` runs the rank's program as forward and backward graphs of local tensor
+    ops with explicit collectives, traced once at the first step (``passes/lower.py``); ``lowered=False``
+    runs it on DTensor, op by op; ``compile=True`` lowers it and compiles the graphs with inductor. Under
+    a pipeline each of the rank's chunks is lowered so (zero-bubble schedules, which split each chunk's
+    backward, run on DTensor whatever these say, with a warning). By default (``lowered=None``) the
+    program runs lowered wherever the lowered runtime runs the plan (``lowered_by_default``), as it
+    measures faster than DTensor on every configuration benchmarked.
     """
     pinned = as_constraints(constraints)
     if not dist.is_initialized():
@@ -156,6 +161,8 @@ def autoparallelize(
         captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
                            _first_rows(example_targets, m) if example_targets is not None else None, loss_fn,
                            dtype=dtype)
+    if lowered is None:
+        lowered = lowered_by_default(the_plan)
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 
@@ -167,6 +174,18 @@ def autoparallelize(
                       "lowered=True", stacklevel=2)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory,
                           lowered=lowered, compile=compile)
+
+
+def lowered_by_default(plan: Plan) -> bool:
+    """Whether ``autoparallelize`` runs ``plan`` lowered when not told (``lowered=None``): yes but where the
+    lowered runtime would run it on DTensor anyway: a zero-bubble pipeline schedule (torch splits each
+    chunk's backward at its parameters, inside what a lowered chunk runs as one graph) and ring attention
+    (its exchanges, and which blocks each query sees, run eagerly). Measured (``benchmarks/runtime_overhead.py``,
+    benchmarks/README.md): the lowered step takes 0.44-0.76x the DTensor step on every parallelism there, on 2
+    and 4 ranks; Hugging Face models, expert and context parallelism train to the same numbers lowered."""
+    zero_bubble = plan.degrees.pp > 1 and plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES
+    ring = plan.degrees.cp > 1 and plan.cp_attention == RING
+    return not (zero_bubble or ring)
 
 
 def compare(*plans: Plan) -> str:

@@ -71,8 +71,10 @@ def timed_steps_rank(rank: int, world: int, plan_dict: dict, steps: int) -> dict
     import autopar
 
     bundle = build(MODEL, None, GLOBAL_BATCH, None, seed=0)
+    # on DTensor: the runtime the plan is priced for (constraint ``runtime``'s default)
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, plan=autopar.Plan.from_dict(plan_dict))
+                                 example_targets=bundle.example_targets, plan=autopar.Plan.from_dict(plan_dict),
+                                 lowered=False)
     opt = torch.optim.AdamW(pm.parameters())  # the update pricing prices (cost_models.compute.adamw_step_time)
     step_s, update_s = [], []
     for batch in batches(bundle, steps + WARMUP_STEPS, seed=0):

@@ -35,8 +35,8 @@ def _rank(rank: int, world: int, model: str, overrides: dict[str, int], microbat
     modules = {s: autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                   example_targets=bundle.example_targets,
                                   constraints={"pp": world, "microbatches": microbatches, "schedule": s,
-                                               "checkpointing": "none"})
-               for s in SCHEDULES}
+                                               "checkpointing": "none"}, lowered=False)
+               for s in SCHEDULES}  # both on DTensor, where zero bubble runs: the schedules compared alone
     batch = (*bundle.example_inputs, bundle.example_targets)
     times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     for step in range(WARMUP_STEPS + steps):

@@ -358,11 +358,13 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTe
 
 
 def lowering_of(module: nn.Module) -> dict[str, Any]:
-    """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s, why any runs its DTensor
-    program instead (``LoweredProgram.fallback``, set once it was traced), how many parameters they read as
-    local tensors, and why any reads them as DTensors (``LoweredProgram.dtensor_parameters``)."""
+    """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s (and of them, how many inductor
+    compiles), why any runs its DTensor program instead (``LoweredProgram.fallback``, set once it was traced),
+    how many parameters they read as local tensors, and why any reads them as DTensors
+    (``LoweredProgram.dtensor_parameters``)."""
     programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
-    return {"programs": len(programs), "fallbacks": [p.fallback for p in programs if p.fallback is not None],
+    return {"programs": len(programs), "compiled": sum(p.compile for p in programs),
+            "fallbacks": [p.fallback for p in programs if p.fallback is not None],
             "local_parameters": sum(len(p.local or {}) for p in programs),
             "dtensor_parameters": [p.dtensor_parameters for p in programs if p.dtensor_parameters is not None]}
 

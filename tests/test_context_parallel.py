@@ -129,6 +129,7 @@ def test_free_search_chooses_cp_for_a_long_sequence(tmp_path, capsys) -> None:
     assert plan["predicted"]["peak_memory_bytes"] <= plan["predicted"]["memory_capacity_bytes"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_free_search_leaves_cp_out_at_a_short_sequence(tmp_path, capsys) -> None:
     """The same model at 4k tokens: activations nearly fit whole (the best plan, a 64-stage zero-bubble

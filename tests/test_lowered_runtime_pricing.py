@@ -159,8 +159,9 @@ def test_a_plan_priced_for_the_lowered_runtime_warns_when_run_on_dtensor(two_fak
     assert plan.predicted["runtime"] == "lowered"
     with pytest.warns(UserWarning, match="priced for the lowered runtime"):
         autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
-                                example_targets=bundle.example_targets, check_memory=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
-                                example_targets=bundle.example_targets, check_memory=False, lowered=True)
+                                example_targets=bundle.example_targets, check_memory=False, lowered=False)
+    for lowered in (True, None):  # asked for, and by default
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
+                                    example_targets=bundle.example_targets, check_memory=False, lowered=lowered)

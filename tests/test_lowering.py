@@ -4,7 +4,7 @@ forward and backward run as graphs of local tensor ops with explicit functional 
 Numerical parity (docs/architecture.md "Correctness"): 3 SGD steps of the lowered program on 2 ranks
 (data parallelism, in fp32 and in bf16 with bf16 gradient reductions, FSDP, FSDP with selective
 checkpointing, tensor parallelism, tensor + sequence parallelism, ZeRO-2 with gradient accumulation)
-and on 4 ranks (FSDP, dp x tp, HSDP) match
+and, in the extended tier, on 4 ranks (FSDP, dp x tp, HSDP) match
 single-process training: gradients, losses and final parameters; the data-parallel and FSDP runs go
 through the bucketing passes (``passes/lower_buckets.py``: gradient all_reduces in the backward graph,
 one gather and one gradient reduce_scatter per layer). Collective parity: the collectives in the
@@ -17,7 +17,9 @@ traces that program). All runs of one world share one spawn of ranks (``_lowered
 ``tests/test_parity.py`` does. The bucketing passes are also tested alone on hand-made graphs.
 
 The heavy tier compiles the lowered program with inductor (``compile=True``) and checks both parities
-again; a program that cannot be traced runs unlowered with one warning.
+again; a program that cannot be traced runs unlowered with one warning. ``autoparallelize`` runs lowered by
+default (``lowered_by_default``): expert and context parallelism (keys and values gathered) run so, to the
+same numbers; ring attention and zero-bubble pipelines run on DTensor.
 """
 
 from __future__ import annotations
@@ -106,14 +108,26 @@ def _spawned(world: int, configs: list[tuple[str, dict]], compile: bool = False)
     return [{**per_rank[0][i], "ranks": [r[i] for r in per_rank]} for i in range(len(configs))]
 
 
+class _RunsByWorld(dict):
+    """Per world, per configuration: rank 0's run (and every rank's, under ``ranks``), spawned at the first
+    test of that world, so a tier that runs only one world's cases spawns only its ranks."""
+
+    def __missing__(self, world: int) -> list[dict[str, Any]]:
+        self[world] = _spawned(world, CONFIGS[world])
+        return self[world]
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict[str, Any]]]:
-    """Per world, per configuration: rank 0's run (and every rank's, under ``ranks``)."""
-    return {world: _spawned(world, configs) for world, configs in CONFIGS.items()}
+def runs() -> _RunsByWorld:
+    return _RunsByWorld()
 
 
 def _cases(exact_only: bool = False) -> list[Any]:
-    return [pytest.param(world, i, id=f"{name}-{c}-w{world}", marks=DISTRIBUTED) for world, configs in CONFIGS.items()
+    """The 2-rank configurations in the default tier; the 4-rank meshes, variants and compositions of them, in
+    the extended tier."""
+    return [pytest.param(world, i, id=f"{name}-{c}-w{world}",
+                         marks=DISTRIBUTED + ([pytest.mark.extended] if world > 2 else []))
+            for world, configs in CONFIGS.items()
             for i, (name, c) in enumerate(configs) if not (exact_only and f"{name} {c}" in NOT_EXACT)]
 
 
@@ -371,7 +385,8 @@ def test_the_forward_returns_before_the_losss_sum_is_reduced_and_step_reads_it_a
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_gradients(runs) -> None:
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
+def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_gradients(runs, world: int) -> None:
     """Under data parallelism and FSDP (the gradient sync in the backward graph) every parameter is
     traced as its local tensor and its gradient stored as a DTensor in the parameter's placements, in
     the rank's first program as in those it traces after (each rank runs every configuration in one
@@ -382,14 +397,13 @@ def test_parameters_the_graph_reduces_are_read_as_local_tensors_and_get_placed_g
     all_local = [("tiny-gpt", {"dp": 2}), ("tiny-gpt", {"dp": 2, "fsdp": 3}),
                  ("tiny-gpt", {"dp": 2, "fsdp": 3, "checkpointing": "selective"}),
                  ("tiny-gpt", {"dp": 2, "dtype": "bf16", "reduce_dtype": "bf16"})]
-    for world, configs in CONFIGS.items():
-        for (name, constraints), run in zip(configs, runs[world]):
-            if (name, constraints) in all_local and world == 2:
-                assert run["local_parameters"] == run["parameters"], (name, constraints)
-            if constraints.get("microbatches", 1) > 1:
-                assert run["local_parameters"] == run["parameters"], (name, constraints)
-            assert run["dtensor_parameters"] is None, (name, constraints, run["dtensor_parameters"])
-            assert run["gradients_placed"], (name, constraints)
+    for (name, constraints), run in zip(CONFIGS[world], runs[world]):
+        if (name, constraints) in all_local and world == 2:
+            assert run["local_parameters"] == run["parameters"], (name, constraints)
+        if constraints.get("microbatches", 1) > 1:
+            assert run["local_parameters"] == run["parameters"], (name, constraints)
+        assert run["dtensor_parameters"] is None, (name, constraints, run["dtensor_parameters"])
+        assert run["gradients_placed"], (name, constraints)
 
 
 def test_a_gather_summed_whole_becomes_an_all_reduce_of_the_local_sum(two_fake_ranks) -> None:
@@ -517,3 +531,56 @@ def test_a_second_program_of_the_process_reads_its_parameters_as_local_tensors(t
     for pm in programs:
         assert pm.program.fallback is None and pm.program.dtensor_parameters is None
         assert len(pm.program.local) == len(list(pm.parameters()))
+
+
+# ---- the default runtime ----------------------------------------------------------------------------
+LONG = {"seq": 256}
+NO_DROP = {"drop_tokens": False}
+
+
+def _plan(name: str, overrides: dict | None, cluster: str, constraints: dict) -> Any:
+    import warnings
+
+    import autopar
+    from autopar.models import build_model
+
+    bundle = build_model(name, overrides=overrides, global_batch=BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn, constraints,
+                            example_targets=bundle.example_targets)
+
+
+def test_the_default_runtime_is_lowered_but_for_zero_bubble_and_ring_attention() -> None:
+    """``autoparallelize(lowered=None)`` lowers what the lowered runtime runs, and leaves on DTensor the plans
+    it would run there anyway: a zero-bubble pipeline and ring attention."""
+    from autopar.api import lowered_by_default
+
+    assert lowered_by_default(_plan("tiny-gpt", None, "1x2xcpu", {"dp": 2}))
+    assert lowered_by_default(_plan("tiny-gpt", None, "1x2xcpu", {"pp": 2, "microbatches": 4, "schedule": "1f1b"}))
+    assert lowered_by_default(_plan("tiny-llama", LONG, "1x2xcpu", {"cp": 2, "cp_attention": "allgather"}))
+    assert not lowered_by_default(_plan("tiny-gpt", None, "1x2xcpu", {"pp": 2, "microbatches": 4,
+                                                                     "schedule": "zero_bubble"}))
+    assert not lowered_by_default(_plan("tiny-llama", LONG, "1x2xcpu", {"cp": 2, "cp_attention": "ring"}))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_by_default_expert_and_context_parallel_plans_run_lowered_and_ring_attention_on_dtensor() -> None:
+    """``autoparallelize`` without ``lowered=``: expert parallelism (tiny-moe, ep=2: its all_to_alls in the
+    graphs) and context parallelism gathering keys and values (tiny-llama at 256 tokens, cp=2) run lowered,
+    with no fallback; ring attention runs on DTensor, never traced. Each matches single-process training."""
+    from autopar.testing.parity import train_parallel_many
+
+    runs = [("tiny-moe", NO_DROP, {"ep": 2}), ("tiny-llama", LONG, {"cp": 2, "cp_attention": "allgather"}),
+            ("tiny-llama", LONG, {"cp": 2, "cp_attention": "ring"})]
+    specs = [dict(name=name, overrides=overrides, global_batch=BATCH, seq=None, steps=STEPS, plan=None,
+                  constraints=constraints, lowered=None) for name, overrides, constraints in runs]
+    expert, gathered, ring = train_parallel_many(2, specs)
+    for result in (expert, gathered):
+        assert result.lowered["programs"] == 1 and not result.lowered["fallbacks"], result.lowered
+        assert result.lowered["local_parameters"] > 0, result.lowered
+    assert ring.lowered["programs"] == 0, ring.lowered
+    for (name, overrides, _), result in zip(runs, (expert, gathered, ring)):
+        result.assert_matches(train_single(name, overrides, BATCH, None, STEPS))

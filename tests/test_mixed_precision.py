@@ -256,18 +256,26 @@ def test_export_gives_fsdp_the_plans_mixed_precision_policy() -> None:
     assert "MixedPrecisionPolicy" not in ddp and any("mixed precision (bf16 compute" in n for n in notes)
 
 
+HF_RUNS_IN_BF16 = {"gpt2-fsdp": ("gpt2", {"mask": True}, {"dp": 2, "fsdp": 3}),
+                   "llama-tp": ("llama", {"own_loss": True}, {"tp": 2}),
+                   "vit-bf16-reductions": ("vit", {"own_loss": True}, {"dp": 2, "reduce_dtype": "bf16"}),
+                   "gpt2-pp": ("gpt2", {"mask": True}, {"pp": 2})}
+"""Hugging Face models as they come, in bf16: GPT-2 with a mask and its tied embedding under FSDP and
+across two pipeline stages, Llama returning its own loss under tensor parallelism, ViT (float inputs,
+cast on their way in) with bf16 gradient reductions."""
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
-def test_hugging_face_models_train_in_bf16_like_mixed_precision_done_by_hand() -> None:
-    """Hugging Face models as they come, in bf16: GPT-2 with a mask and its tied embedding under FSDP and
-    across two pipeline stages, Llama returning its own loss under tensor parallelism, ViT (float
-    inputs, cast on their way in) with bf16 gradient reductions."""
+@pytest.mark.parametrize("runs", [["gpt2-fsdp"], pytest.param(["llama-tp", "vit-bf16-reductions", "gpt2-pp"],
+                                                                marks=pytest.mark.extended)],
+                         ids=["gpt2-fsdp", "llama-tp-vit-gpt2-pp"])
+def test_hugging_face_models_train_in_bf16_like_mixed_precision_done_by_hand(runs: list[str]) -> None:
+    """``HF_RUNS_IN_BF16``: GPT-2 under FSDP in the default tier, the others (one spawn) in the extended tier."""
     pytest.importorskip("transformers")
-    runs = [("gpt2", {"mask": True}, {"dp": 2, "fsdp": 3}), ("llama", {"own_loss": True}, {"tp": 2}),
-            ("vit", {"own_loss": True}, {"dp": 2, "reduce_dtype": "bf16"}), ("gpt2", {"mask": True}, {"pp": 2})]
     specs = [dict(name=f"autopar.models.hf:{family}", overrides=overrides, global_batch=BATCH, seq=None,
                   steps=STEPS, plan=None, constraints={**constraints, "dtype": "bf16"})
-             for family, overrides, constraints in runs]
+             for family, overrides, constraints in (HF_RUNS_IN_BF16[run] for run in runs)]
     for spec, result in zip(specs, train_parallel_many(2, specs)):
         result.assert_matches(train_single(spec["name"], spec["overrides"], BATCH, None, STEPS, dtype="bf16"))

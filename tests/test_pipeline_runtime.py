@@ -10,14 +10,15 @@
   gathered final parameters (all stages) within atol 1e-5; and pp=2 x dp=2 with the data-parallel
   dim sharding the optimizer state (ZeRO-1), also the gradients (ZeRO-2), or the parameters (FSDP);
 * torch's zero-bubble schedule (``ScheduleInterleavedZeroBubble``: each backward split into its input-
-  and weight-gradient steps), under the same check: pp=2 with one and two chunks a device and with full
-  checkpointing on 2 ranks; pp=2 x dp=2 under ZeRO-2 (whose reduce_scatter runs from the post-accumulate
+  and weight-gradient steps), under the same check: pp=2 with one chunk a device on 2 ranks (with two
+  chunks a device, and with full checkpointing, in the extended tier); pp=2 x dp=2 under ZeRO-2 (whose reduce_scatter runs from the post-accumulate
   hooks that torch's weight step bypasses: ``AccumulatingStage``), pp=2 x tp=2, and pp=2 x dp=2 under
   ZeRO-1 in bf16 (whose chunks read compute-dtype copies of the optimizer's parameters: the leaves
   ``StageModule.parameters()`` hands torch's split) on 4;
 * lowered chunks (``lowered=True``), under the same check, each chunk asserted to run lowered with its
   parameters as local tensors: 1F1B, GPipe with full checkpointing and interleaved on 2 ranks; pp=2 x dp=2
-  plain, under ZeRO-1 (fp32 and bf16), FSDP and selective checkpointing, and pp=2 x tp=2 on 4.
+  plain, under ZeRO-1 (fp32 and bf16), FSDP and selective checkpointing, and pp=2 x tp=2 on 4; in the heavy
+  tier, compiled by inductor (``compile=True``): 1F1B and interleaved on 2 ranks.
 """
 
 from __future__ import annotations
@@ -188,6 +189,24 @@ def test_lowered_pipeline_chunks_with_dp_tp_and_zero_match_single_process() -> N
         result.assert_matches(reference)
 
 
+@pytest.mark.heavy
+@pytest.mark.slow
+@pytest.mark.dist
+def test_compiled_pipeline_chunks_match_single_process() -> None:
+    """Each chunk's lowered graphs compiled by inductor (``compile=True``; a minute or two of C++ compilation
+    per rank on 2 cores): 1F1B on tiny-llama and interleaved 1F1B (two chunks a rank) on tiny-gpt, every
+    chunk compiled, none fallen back to DTensor."""
+    four_layers = {"layers": 4}
+    runs = _runs("tiny-llama", [{"pp": 2, "microbatches": 4, "schedule": "1f1b", "checkpointing": "none"}])
+    runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 4, "schedule": "interleaved"}], overrides=four_layers)
+    llama, interleaved = train_parallel_many(2, [{**run, "lowered": True, "compile": True} for run in runs])
+    for result, chunks in ((llama, 1), (interleaved, 2)):
+        _assert_every_chunk_lowered(result, chunks)
+        assert result.lowered["compiled"] == chunks, result.lowered
+    llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
+    interleaved.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.dist
@@ -212,19 +231,29 @@ def test_the_runtime_runs_the_zero_bubble_schedule_the_planner_prices() -> None:
     assert {name: SCHEDULES[name].__name__ for name in ZERO_BUBBLE} == ZERO_BUBBLE  # torch 2.13 has it
 
 
+ZERO_BUBBLE = {"pp": 2, "schedule": "zero_bubble"}
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_zero_bubble_pp2_matches_single_process() -> None:
+    (one_chunk,) = train_parallel_many(2, _runs("tiny-gpt", [{**ZERO_BUBBLE, "microbatches": 4,
+                                                               "checkpointing": "none"}]))
+    assert one_chunk.plan["pipeline"]["schedule"] == "zero_bubble"
+    one_chunk.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS))
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.dist
+def test_zero_bubble_with_two_chunks_a_rank_and_full_checkpointing_matches_single_process() -> None:
     four_layers = {"layers": 4}
-    zero_bubble = {"pp": 2, "schedule": "zero_bubble"}
-    runs = _runs("tiny-gpt", [{**zero_bubble, "microbatches": 4, "checkpointing": "none"}])
-    runs += _runs("tiny-gpt", [{**zero_bubble, "microbatches": 4, "virtual_stages": 2}], overrides=four_layers)
-    runs += _runs("tiny-llama", [{**zero_bubble, "microbatches": 2, "checkpointing": "full"}])
-    one_chunk, two_chunks, llama = train_parallel_many(2, runs)
-    for result in (one_chunk, two_chunks, llama):
+    runs = _runs("tiny-gpt", [{**ZERO_BUBBLE, "microbatches": 4, "virtual_stages": 2}], overrides=four_layers)
+    runs += _runs("tiny-llama", [{**ZERO_BUBBLE, "microbatches": 2, "checkpointing": "full"}])
+    two_chunks, llama = train_parallel_many(2, runs)
+    for result in (two_chunks, llama):
         assert result.plan["pipeline"]["schedule"] == "zero_bubble"
     assert two_chunks.plan["pipeline"]["virtual_stages"] == 2 and len(two_chunks.plan["pipeline"]["stages"]) == 4
-    one_chunk.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS))
     two_chunks.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
     llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
 

@@ -317,9 +317,11 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
                         global_batch: int, seq: int | None, steps: int, plan: dict | None,
                         constraints: Mapping[str, Any] | None, seed: int = 0,
                         under: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-                        lowered: bool = False) -> dict[str, Any]:
+                        lowered: bool | None = False, compile: bool = False) -> dict[str, Any]:
     """One rank's training under ``plan`` (or a plan made here for this world), as ``train_module``;
-    ``lowered``: on the lowered runtime (``autoparallelize(..., lowered=True)``).
+    ``lowered``: on the lowered runtime (``autoparallelize(..., lowered=True)``), on DTensor (False, the
+    runtime these parity runs check unless told), or on ``autoparallelize``'s default (None); ``compile``:
+    the lowered program compiled by inductor (``compile=True``).
 
     ``under``, if given, is called on the rank and the run made inside the context it returns: a test
     perturbs the runtime there (a picklable, module-level function) to prove the check fails.
@@ -328,7 +330,7 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
         bundle = build(name, overrides, global_batch, seq, seed)
         pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                              example_targets=bundle.example_targets, constraints=constraints,
-                             plan=Plan.from_dict(plan) if plan else None, lowered=lowered)
+                             plan=Plan.from_dict(plan) if plan else None, lowered=lowered, compile=compile)
         return train_module(pm, bundle, steps, seed, rank)
 
 
