@@ -159,3 +159,26 @@ def test_data_parallel_zero_step_runs_the_predicted_collectives(trained, index: 
     reduce_scatters (per microbatch under ZeRO-2) and parameter all_gathers."""
     result = trained[0][index]
     assert result["counted"] == predicted_collectives(result["plan"])
+
+
+def test_a_resharding_costs_the_same_under_zero_one_so_a_meshs_two_searches_share_its_price(llama) -> None:
+    """The search of a mesh under ZeRO-1 after its search without (``_MeshSearch.search_mesh``) reuses the
+    first one's strategies and resharding prices (``Pricer.share_edge_prices``): every edge the two
+    problems have in common is priced the same, pair by pair, built apart; and only a pricer of the same
+    mesh, dtype and runtime may share them."""
+    from autopar.planning.meshes import MeshChoice
+    from autopar.core.axes import MeshAxis
+    from autopar.planning.roles import pricer_for, problem_for
+
+    cluster = parse_cluster("1x4xH100")
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 2)), 1)
+    plain, zero_one = Constraints(), Constraints(zero_stage=1)
+    problems = [problem_for(llama, mesh, pricer_for(cluster, mesh, "bf16", c), 80e9, c) for c in (plain, zero_one)]
+    prices = [{(e.src, e.src_out, e.dst, e.slot, pair): cost.exposed_s for e in p.edges for pair, cost in e.price.items()}
+              for p in problems]
+    common = prices[0].keys() & prices[1].keys()
+    assert len(common) > 100
+    assert all(prices[0][k] == prices[1][k] for k in common)
+    other = MeshChoice(((MeshAxis.DP_SHARD, 4),), 1)
+    with pytest.raises(ValueError, match="one mesh, dtype and runtime"):
+        pricer_for(cluster, other, "bf16", plain).share_edge_prices(pricer_for(cluster, mesh, "bf16", plain).edge_prices())

@@ -676,6 +676,22 @@ class Pricer:
         return numel * _DTYPE_BYTES[self.reduce_dtype] if reduced and widened else 0.0
 
     # ---- edges -------------------------------------------------------------------------------
+    def edge_prices(self) -> "EdgePrices":
+        """This pricer's resharding prices (``edge``), to share with another pricer of its mesh
+        (``share_edge_prices``)."""
+        return EdgePrices(self._edge_signature(), self._edge_cache)
+
+    def share_edge_prices(self, prices: "EdgePrices") -> None:
+        """Keep the prices of reshardings (``edge``) with ``prices``, another pricer's of the same mesh, dtype
+        and runtime, which may differ in its ZeRO stage (and so in its parameters' state and gradient sync),
+        on which no resharding's price depends (``edge_collectives``)."""
+        if prices.signature != self._edge_signature():
+            raise ValueError("edge prices are shared only between pricers of one mesh, dtype and runtime")
+        self._edge_cache = prices.cache
+
+    def _edge_signature(self) -> tuple:
+        return (id(self.cluster), self.mesh_shape, self.stages, self.dtype, self.runtime)
+
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
              grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0,
              shared: bool = False, gradient: bool = True) -> Cost:
@@ -747,6 +763,14 @@ class Pricer:
         if regathered:
             found += [replace(c, phase="backward", regather=True) for c in moves if c.phase == "forward"]
         return found
+
+
+@dataclass(frozen=True)
+class EdgePrices:
+    """A pricer's resharding prices by (value, placements, flags) (``Pricer.edge``), and what they depend on."""
+
+    signature: tuple
+    cache: dict[tuple, Cost]
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
 
 from __future__ import annotations
 import math
+from dataclasses import dataclass
 from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
@@ -62,11 +63,50 @@ def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Cons
                   runtime=runtime, master_dtype=constraints.master_dtype or "fp32")
 
 
+@dataclass(frozen=True)
+class MeshTrace:
+    """What every problem of one mesh reads the same way whatever its ZeRO stage (``problem_for``): the
+    strategies (``finder``, which keeps those it has enumerated), the context-parallel rows, the ops
+    downstream of the data, and where the batch and the sequence run through the graph."""
+
+    finder: StrategyFinder
+    rows: tuple[int, int]
+    on_data: set[str]
+    batch: dict[tuple[str, int], int | None]
+    seq: dict[tuple[str, int], int | None]
+
+
+def mesh_trace(captured: CapturedGraph, mesh: MeshChoice, cp_attention: str | None) -> MeshTrace:
+    """``MeshTrace`` of ``mesh`` (``cp_attention``: the variant of fused attention its cp dim offers, None:
+    both), its context parallelism checked (``check_context_parallel``, ``check_groups_within_a_chunk``)."""
+    dp_dims, tp_dims = mesh.dims_of(*DATA_PARALLEL_AXES), mesh.dims_of(MeshAxis.TP)
+    shard_dims, replica_dims = mesh.dims_of(MeshAxis.DP_SHARD), mesh.dims_of(MeshAxis.DP_REPLICATE)
+    cp_dims, ep_dims = mesh.dims_of(MeshAxis.CP), mesh.dims_of(MeshAxis.EP)
+    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP), cp_attention) if cp_dims else (0, 0)
+    copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
+    finder = StrategyFinder(mesh.shape, copies, sequence_dims=cp_dims, rows=rows, cp_attention=cp_attention)
+    on_data = _downstream_of(captured.graph, set(captured.user_inputs))
+    traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
+    batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}
+    seq = sequence_dims(captured, on_data, cp_dims[0], finder) if cp_dims else {}
+    if cp_dims:
+        check_groups_within_a_chunk(captured, mesh.size(MeshAxis.CP), on_data, seq, rows)
+    return MeshTrace(finder, rows, on_data, batch, seq)
+
+
+def mesh_cp_attention(pricer: Pricer, constraints: Constraints) -> str | None:
+    """The fused attention a cp dim offers: as pinned; under the lowered runtime, which runs no ring attention
+    (eager only), keys and values gathered; else both."""
+    return constraints.cp_attention or (ALLGATHER if pricer.runtime == LOWERED else None)
+
+
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
-                 constraints: Constraints) -> Problem:
+                constraints: Constraints, trace: MeshTrace | None = None) -> Problem:
     """The ILP of one stage under the dims' roles. ``dp`` and ``dp_replicate`` split the batch;
     parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp`` and ``cp``,
-    replicated (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose."""
+    replicated (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose.
+    ``trace``: the mesh's ``MeshTrace`` from an earlier problem of it (the search's ZeRO-1 try of a mesh
+    reuses its first problem's), made here when not given."""
     shape = mesh.shape
     dp_dims = mesh.dims_of(*DATA_PARALLEL_AXES)
     shard_dims = mesh.dims_of(MeshAxis.DP_SHARD)
@@ -79,22 +119,13 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     sharded_on_dp = shard_dims + cp_dims if zero_stage == 3 else []  # FSDP shards over dp x cp (torchtitan)
     ep_dims = mesh.dims_of(MeshAxis.EP)
     pins_buffers.update({i: Replicate() for i in ep_dims})
-    # the lowered program runs no ring attention (eager only): its keys and values are gathered
-    cp_attention = constraints.cp_attention or (ALLGATHER if pricer.runtime == LOWERED else None)
-    rows = check_context_parallel(captured, mesh.size(MeshAxis.CP), cp_attention) if cp_dims else (0, 0)
+    trace = trace or mesh_trace(captured, mesh, mesh_cp_attention(pricer, constraints))
+    on_data, batch = trace.on_data, trace.batch
     pins_buffers.update({i: Replicate() for i in cp_dims})
     pins_params.update({i: Replicate() for i in cp_dims if zero_stage in (0, 1, 2)})
     pins_inputs = {i: (Shard(0) if n in (*DATA_PARALLEL_AXES, MeshAxis.EP) else
                        Shard(SEQUENCE_DIM) if n == MeshAxis.CP else Replicate()) for i, n in enumerate(mesh.names)}
     param_candidates = _expert_split(captured, shape, pins_params, ep_dims)
-    copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
-    finder = StrategyFinder(shape, copies, sequence_dims=cp_dims, rows=rows, cp_attention=cp_attention)
-    on_data = _downstream_of(captured.graph, set(captured.user_inputs))
-    traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
-    batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}
-    seq = sequence_dims(captured, on_data, cp_dims[0], finder) if cp_dims else {}
-    if cp_dims:
-        check_groups_within_a_chunk(captured, mesh.size(MeshAxis.CP), on_data, seq, rows)
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
@@ -103,13 +134,13 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
                       _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch,
                                                    smallest_microbatch(captured, mesh, constraints)),
                       _no_average_partials_on(tp_dims),
-                      _sequence_stays_split(cp_dims, on_data, seq, rows[1]),
-                      _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, finder),
+                      _sequence_stays_split(cp_dims, on_data, trace.seq, trace.rows[1]),
+                      _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, trace.finder),
                       _weights_stay_split(captured, tp_dims),
                       _replicas_act_as_shards(replica_dims, shard_dims),
                       sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
-    return build_problem(captured, finder, pricer, roles, capacity, OVERLAP_FRACTION)
+    return build_problem(captured, trace.finder, pricer, roles, capacity, OVERLAP_FRACTION)
 
 
 def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:

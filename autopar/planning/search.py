@@ -18,7 +18,9 @@ Unless the ZeRO stage is pinned, a data-parallel mesh whose plan had to recomput
 to fit (or where nothing fit) is searched again with the optimizer state sharded over data parallelism
 (ZeRO-1, Megatron-LM's distributed optimizer): it frees 12 bytes of state per parameter for a
 reduce_scatter and an all_gather per parameter in place of the gradient all_reduce, which often costs
-less than the gathers of FSDP or the recomputation it replaces (``_distributed_optimizer_may_help``).
+less than the gathers of FSDP or the recomputation it replaces (``_distributed_optimizer_may_help``);
+that second search of a mesh reads the strategies, the traced batch and sequence dims and the resharding
+prices of the first (``_shared_with_earlier_search``), which ZeRO does not change.
 Where the parameters' state replicated over dp cannot fit a device at all (``must_shard_parameters``),
 ZeRO-1 is searched first and the search without it second, against ZeRO-1's step time: a mesh whose
 search without ZeRO the cutoff prunes is then not left untried under ZeRO-1. (Where it can fit, a mesh
@@ -54,7 +56,7 @@ from autopar.cost_models import Cluster, usable_bytes
 from autopar.cost_models.pipeline import SIMULATED, schedule_available
 from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
-from autopar.planning.pricing import Pricer, with_fields
+from autopar.planning.pricing import EdgePrices, Pricer, with_fields
 from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
@@ -65,7 +67,8 @@ from autopar.planning.stages import FewestHeld, Staging, stage_problem
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
 from autopar.planning.workers import Workers, worker_count
-from autopar.planning.roles import check_context_parallel, expert_count, pricer_for, problem_for
+from autopar.planning.roles import (MeshTrace, check_context_parallel, expert_count, mesh_cp_attention, mesh_trace,
+                                    pricer_for, problem_for)
 
 def make_plan(
     captured: CapturedGraph, cluster: Cluster, *, model_name: str, constraints: Constraints = Constraints(),
@@ -301,6 +304,7 @@ class _MeshSearch:
         self.progress = progress
         self._staged_problems: dict[tuple[int, Staging], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self._solved: dict[tuple[int, tuple[str, ...], int], tuple[Staging, Solution]] = {}  # ``_solved_before``
+        self._traced: dict[tuple, tuple[EdgePrices, MeshTrace]] = {}  # ``_shared_with_earlier_search``
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
@@ -317,6 +321,7 @@ class _MeshSearch:
         if in_worker:  # a worker's own clock; its seconds are added to the parent's by ``make_plan``
             self.progress = SearchProgress()
         self.closest, self.solver_failed, self.fits_whole = None, False, False
+        self._traced.clear()  # one mesh's at a time
         if _zero_one_applies(self, mesh) and self.must_shard_parameters(mesh):
             found = self.run(mesh, cutoff_s, zero_stage=1)
             found = _better(found, self.run(mesh, _cutoff(cutoff_s, found)))
@@ -367,7 +372,8 @@ class _MeshSearch:
         self._solved.clear()
         try:
             with self.progress.phase("build"):
-                whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints)
+                whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints,
+                                    self._shared_with_earlier_search(mesh, pricer, constraints))
         except BadInputError as exc:  # a cp degree the search chose that the model cannot split
             if self.constraints.cp is not None or mesh.size(MeshAxis.CP) == 1:
                 raise
@@ -417,6 +423,19 @@ class _MeshSearch:
         if best is not None and best.step_s < (cutoff_s or math.inf):
             return best
         return mesh if was_pruned or best is not None or not reason else reason
+
+    def _shared_with_earlier_search(self, mesh: MeshChoice, pricer: Pricer, constraints: Constraints) -> MeshTrace:
+        """``mesh``'s ``MeshTrace``, and its resharding prices shared with ``pricer``: made by the mesh's first
+        search, kept for its second (under ZeRO-1, or without it: ``search_mesh``), which reads the same
+        strategies and reshardings; only parameter pins, their state and their gradient sync differ."""
+        key = (mesh, pricer.runtime, mesh_cp_attention(pricer, constraints))
+        if key in self._traced:
+            prices, trace = self._traced[key]
+            pricer.share_edge_prices(prices)
+            return trace
+        trace = mesh_trace(self.captured, mesh, mesh_cp_attention(pricer, constraints))
+        self._traced[key] = (pricer.edge_prices(), trace)
+        return trace
 
     def _cannot_win(self, mesh: MeshChoice, first: Staging, fewest: Problem, cutoff_s: float) -> bool:
         """Whether no configuration of ``mesh`` can beat ``cutoff_s``, by one LP relaxation: ``fewest`` (its
