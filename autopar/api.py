@@ -22,7 +22,8 @@ from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.files import check_writable
-from autopar.core.plan import RING, Plan
+from autopar.core.axes import ZERO_AXES
+from autopar.core.plan import LOWERED, RING, Plan
 from autopar.cost_models.pipeline import SIMULATED as ZERO_BUBBLE_SCHEDULES
 from autopar.models.moe import routing_facts
 from autopar.planning import whatif
@@ -168,10 +169,11 @@ def autoparallelize(
 
         return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory, lowered=lowered,
                                       compile=compile)
-    if the_plan.predicted.get("runtime") == "lowered" and not (lowered or compile):
-        warnings.warn("autopar: the plan was priced for the lowered runtime (constraint runtime=lowered) and runs "
-                      "on DTensor: its FSDP gradient reductions will not overlap backward as priced; pass "
-                      "lowered=True", stacklevel=2)
+    priced_lowered = the_plan.predicted.get("runtime") == LOWERED
+    if priced_lowered and shards_parameters_over_data(the_plan) and not (lowered or compile):
+        warnings.warn("autopar: the plan was priced for the lowered runtime and runs on DTensor (lowered=False): its "
+                      "FSDP gradient reductions and backward regathers will not overlap backward as priced; pass "
+                      "lowered=True or plan with constraint runtime=dtensor", stacklevel=2)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory,
                           lowered=lowered, compile=compile)
 
@@ -186,6 +188,14 @@ def lowered_by_default(plan: Plan) -> bool:
     zero_bubble = plan.degrees.pp > 1 and plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES
     ring = plan.degrees.cp > 1 and plan.cp_attention == RING
     return not (zero_bubble or ring)
+
+
+def shards_parameters_over_data(plan: Plan) -> bool:
+    """Whether some parameter of ``plan`` is sharded over a dim whose ranks read the same parameters (``dp``,
+    ``cp``: FSDP), where the lowered runtime overlaps its backward regathers and gradient reduce_scatters
+    with backward and DTensor does not (``planning/pricing.py``); elsewhere both runtimes price alike."""
+    dims = [i for i, name in enumerate(plan.mesh.dim_names) if name in {axis.value for axis in ZERO_AXES}]
+    return any(placements[i].startswith("S") for placements in plan.placements.values() for i in dims)
 
 
 def compare(*plans: Plan) -> str:

@@ -50,11 +50,11 @@ after Dynamo), which keeps the functional collectives (``all_reduce`` becomes it
 
 What changes with the runtime: the collective counts of FSDP (one gather and one reduce_scatter per
 layer and kind, where DTensor issues one per parameter: ``LoweredProgram.buckets`` says what was
-merged), and overlap that pricing does not count (``planning/pricing.py`` prices the DTensor runtime,
-whose FSDP gathers and reduce_scatters are on the critical path, one per parameter; here the gathers
-are prefetched and the reduce_scatters waited at the end); the gradient all_reduces are the plan's
-buckets either way. The first call pays the trace (seconds; inductor's compilation: a minute or more
-on a small CPU).
+merged), and overlap: the gathers are prefetched and the reduce_scatters waited at the end, which
+``planning/pricing.py`` counts on one-stage plans (priced for this runtime, ``roles.priced_runtime``) and
+not under pipelines (priced for DTensor, whose FSDP collectives are on the critical path, one per
+parameter); the gradient all_reduces are the plan's buckets either way. The first call pays the trace
+(seconds; inductor's compilation: a minute or more on a small CPU).
 
 Where we diverge from torch's own tools: ``torch.compile`` would add Dynamo's bytecode capture and its
 guards to a program that is already an fx graph with fixed shapes; we hand the graph to AOT autograd
@@ -139,6 +139,8 @@ class LoweredProgram(nn.Module):
         self.deferred: dict[bool, fx.GraphModule] = {}  # as graphs: the loss's end, run by ``finish``
         self._pending: tuple[torch.Tensor, fx.GraphModule, list[Any]] | None = None
         self.local: dict[int, DTensorSpec] | None = None  # as the class says; set at the first call
+        self._leaves: dict[int, tuple[DTensor, torch.Tensor, torch.Tensor]] = {}  # ``_leaf``'s
+        self.leaves_made = 0  # by ``_leaf``, over all calls
         self.dtensor_parameters: str | None = None  # as the class says
 
     def forward(self, *args: Any) -> Any:
@@ -155,7 +157,7 @@ class LoweredProgram(nn.Module):
         grad = torch.is_grad_enabled()
         if self.local is None:
             self.local = self._local_parameters(args)
-        inputs = [_local_leaf(a, self._hooked_spec(i, a)) if i in self.local else a for i, a in enumerate(args)]
+        inputs = [self._leaf(i, a) if i in self.local else a for i, a in enumerate(args)]
         if grad not in self._lowered:
             lowered = self._lower(args, inputs, grad)
             if lowered is None and self.local and not self._lowered and self.fallback is not None:
@@ -180,6 +182,20 @@ class LoweredProgram(nn.Module):
     def collectives(self, grad: bool = True) -> dict[str, dict[str, int]]:
         """Per graph (``forward``, ``backward``), the collectives one run of it issues, per kind."""
         return {name: graph_collectives(gm) for name, gm in self.graphs.get(grad, {}).items()}
+
+    def _leaf(self, position: int, param: DTensor) -> torch.Tensor:
+        """The leaf the program reads for ``param``, the argument at ``position`` (``_local_leaf``): the last
+        call's where it stands for the same parameter, local tensor and grad mode and holds no gradient
+        (its hook stores each one and lets it go). A pipeline chunk runs once per microbatch on the same
+        parameters; a new leaf and its hook cost about 10 us a parameter each time."""
+        kept = self._leaves.get(position)
+        if kept is not None and kept[0] is param and kept[1] is param._local_tensor \
+                and kept[2].requires_grad == torch.is_grad_enabled() and kept[2].grad is None:
+            return kept[2]
+        leaf = _local_leaf(param, self._hooked_spec(position, param))
+        self._leaves[position] = (param, param._local_tensor, leaf)
+        self.leaves_made += 1
+        return leaf
 
     def _hooked_spec(self, position: int, param: DTensor) -> Callable[[], DTensorSpec] | None:
         """For hooked gradients, what gives the spec of the gradient of ``param``, the argument at
@@ -360,12 +376,13 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTe
 def lowering_of(module: nn.Module) -> dict[str, Any]:
     """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s (and of them, how many inductor
     compiles), why any runs its DTensor program instead (``LoweredProgram.fallback``, set once it was traced),
-    how many parameters they read as local tensors, and why any reads them as DTensors
-    (``LoweredProgram.dtensor_parameters``)."""
+    how many parameters they read as local tensors and how many leaves they made for them over all calls
+    (``LoweredProgram._leaf``), and why any reads them as DTensors (``LoweredProgram.dtensor_parameters``)."""
     programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
     return {"programs": len(programs), "compiled": sum(p.compile for p in programs),
             "fallbacks": [p.fallback for p in programs if p.fallback is not None],
             "local_parameters": sum(len(p.local or {}) for p in programs),
+            "leaves_made": sum(p.leaves_made for p in programs),
             "dtensor_parameters": [p.dtensor_parameters for p in programs if p.dtensor_parameters is not None]}
 
 

@@ -48,7 +48,7 @@ the graph's start, its wait left where it was, so no rank waits on it there.
 all-reduced sum on, move out of the forward graph into a graph of their own, run after backward, so
 no rank waits for the others at the end of its forward.
 
-A unit's bucket is one collective where the plan (which prices the DTensor runtime) counts one per
+A unit's bucket is one collective where the plan (priced per parameter on either runtime) counts one per
 parameter; ``LoweredProgram.buckets`` records how many each merged.
 
 Where we diverge from torch: inductor's own bucketing passes (``torch._inductor.fx_passes.bucketing``)

@@ -288,7 +288,7 @@ def test_gradient_sync_host_work_is_charged_per_reduced_gradient():
     base = resolve_cluster("1x2xcpu")
     host = 50e-6
     plans = [make_plan(captured, replace(base, device=cpu_device(host_op_s=h)), model_name="mlp",
-                       constraints=Constraints(dp=2, microbatches=m))
+                       constraints=Constraints(dp=2, microbatches=m, runtime="dtensor"))
              for h, m in ((0.0, 1), (host, 1), (0.0, 2), (host, 2))]
     synced = 0
     for name, op in plans[1].ops.items():

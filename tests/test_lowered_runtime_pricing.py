@@ -29,11 +29,11 @@ CLUSTER = "1x8xH100"
 FSDP_ON_8 = {"dp": 8, "tp": 1, "fsdp": 3, "microbatches": 1, "checkpointing": "none"}
 
 
-def _plan(runtime: str, **more) -> autopar.Plan:
+def _plan(runtime: str | None, **more) -> autopar.Plan:
     bundle = build_model("tiny-llama", global_batch=8)
+    pinned = {"runtime": runtime} if runtime else {}
     return autopar.plan(bundle.model, bundle.example_inputs, CLUSTER, bundle.loss_fn,
-                        example_targets=bundle.example_targets,
-                        constraints={**FSDP_ON_8, "runtime": runtime, **more})
+                        example_targets=bundle.example_targets, constraints={**FSDP_ON_8, **pinned, **more})
 
 
 def test_runtime_constraint_refuses_what_lowered_programs_do_not_run():
@@ -49,7 +49,7 @@ def test_lowered_fsdp_reduce_scatter_is_a_gradient_sync_of_its_formula():
     cluster = parse_cluster(CLUSTER)
     mesh = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1)
     lowered = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=lowered"))
-    dtensor = pricer_for(cluster, mesh, "bf16", Constraints())
+    dtensor = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=dtensor"))
     assert (lowered.runtime, dtensor.runtime) == ("lowered", "dtensor")
     nbytes = 1024 * 1024 * 4
     scatter = Collective("reduce_scatter", "backward", nbytes, 0, (Replicate(),), slot=1)
@@ -68,7 +68,7 @@ def test_lowered_regather_of_a_parameter_is_a_gradient_sync_of_its_formula():
     cluster = parse_cluster(CLUSTER)
     mesh = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1)
     lowered = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=lowered"))
-    dtensor = pricer_for(cluster, mesh, "bf16", Constraints())
+    dtensor = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=dtensor"))
     weight = torch.empty(1024, 1024, device="meta")
     group = lowered.groups[0]
     gather = group.base_latency_s + 7 * group.intra_latency_s + 7 / 8 * 1024 * 1024 * 2 / group.intra_bw
@@ -119,6 +119,30 @@ def test_pipeline_meshes_are_priced_on_dtensor():
     assert pricer_for(cluster, staged, "bf16", Constraints.parse("runtime=lowered")).runtime == "dtensor"
 
 
+def test_by_default_each_mesh_is_priced_for_the_runtime_that_runs_its_plans():
+    """``autoparallelize`` runs one-stage plans lowered but for ring attention (``api.lowered_by_default``):
+    a one-stage mesh is priced lowered unless a cp dim may pick the ring; a pipeline mesh on DTensor (its
+    FSDP collectives per microbatch are not priced as overlapped); ``runtime=dtensor`` pins DTensor."""
+    cluster = parse_cluster(CLUSTER)
+    one_stage = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1)
+    context = MeshChoice(((MeshAxis.DP_SHARD, 4), (MeshAxis.CP, 2)), 1)
+    staged = MeshChoice(((MeshAxis.DP_SHARD, 4),), 2)
+    runtime = lambda mesh, text="": pricer_for(cluster, mesh, "bf16", Constraints.parse(text)).runtime  # noqa: E731
+    assert runtime(one_stage) == runtime(one_stage, "runtime=lowered") == "lowered"
+    assert runtime(one_stage, "runtime=dtensor") == "dtensor"
+    assert runtime(context) == "dtensor" and runtime(context, "cp_attention=ring") == "dtensor"
+    assert runtime(context, "cp_attention=allgather") == runtime(context, "runtime=lowered") == "lowered"
+    assert runtime(staged) == runtime(staged, "runtime=lowered") == "dtensor"
+
+
+def test_a_free_plan_is_priced_as_the_pinned_lowered_runtime_prices_it():
+    free = _plan(None)
+    pinned = _plan("lowered")
+    assert free.predicted["runtime"] == "lowered"
+    assert free.predicted["step_time_s"] == pinned.predicted["step_time_s"]
+    assert free.placements == pinned.placements
+
+
 def test_context_parallel_attention_on_the_lowered_runtime_gathers_keys_and_values():
     """Ring attention runs eager only (a lowered program falls back to DTensor): not offered there."""
     assert _plan("lowered", dp=4, cp=2, fsdp=3).cp_attention == "allgather"
@@ -152,16 +176,28 @@ def test_solver_and_explanations_count_a_regather_in_the_gradient_sync():
 
 
 def test_a_plan_priced_for_the_lowered_runtime_warns_when_run_on_dtensor(two_fake_ranks):
+    """Only where the runtimes' prices differ: a plan sharding parameters over dp (FSDP); the same plan priced
+    for DTensor (pinned), or one replicating its parameters, runs on DTensor without a word."""
     bundle = build_model("tiny-llama", global_batch=8)
-    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
-                        example_targets=bundle.example_targets,
-                        constraints={"dp": 2, "fsdp": 3, "runtime": "lowered"})
+
+    def plan_of(**constraints) -> autopar.Plan:
+        return autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
+                            example_targets=bundle.example_targets, constraints=constraints)
+
+    def run(plan: autopar.Plan, lowered: bool | None) -> None:
+        autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
+                                example_targets=bundle.example_targets, check_memory=False, lowered=lowered)
+
+    plan = plan_of(dp=2, fsdp=3)
     assert plan.predicted["runtime"] == "lowered"
     with pytest.warns(UserWarning, match="priced for the lowered runtime"):
-        autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
-                                example_targets=bundle.example_targets, check_memory=False, lowered=False)
+        run(plan, lowered=False)
+    for quiet in (plan_of(dp=2, fsdp=3, runtime="dtensor"), plan_of(dp=2, fsdp=0)):
+        assert quiet.predicted["runtime"] == ("dtensor" if quiet.degrees.fsdp > 1 else "lowered")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            run(quiet, lowered=False)
     for lowered in (True, None):  # asked for, and by default
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            autopar.autoparallelize(bundle.model, bundle.example_inputs, bundle.loss_fn, plan=plan,
-                                    example_targets=bundle.example_targets, check_memory=False, lowered=lowered)
+            run(plan, lowered)

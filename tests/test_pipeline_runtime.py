@@ -150,10 +150,12 @@ def _lowered(runs: list[dict]) -> list[dict]:
 
 
 def _assert_every_chunk_lowered(result, chunks_per_rank: int) -> None:
-    """Each chunk of rank 0 ran lowered, its parameters as local tensors (their gradients hooked)."""
+    """Each chunk of rank 0 ran lowered, its parameters as local tensors (their gradients hooked), each
+    parameter's leaf made once for every microbatch of every step (made again, the same numbers)."""
     lowering = result.lowered
     assert lowering["programs"] == chunks_per_rank and not lowering["fallbacks"], lowering
     assert lowering["local_parameters"] > 0 and not lowering["dtensor_parameters"], lowering
+    assert lowering["leaves_made"] == lowering["local_parameters"], lowering
 
 
 @pytest.mark.slow

@@ -218,11 +218,12 @@ def test_fsdp3_shards_weight_matrices_on_dp(mlp8):
 
 
 def test_fsdp_gradients_are_reduce_scattered_by_the_gathers_backward_not_synced(mlp8):
-    """A sharded weight's gradient is reduced by its gather's backward (a reduce_scatter on the
+    """On DTensor, a sharded weight's gradient is reduced by its gather's backward (a reduce_scatter on the
     critical path, every microbatch), so the plan predicts no gradient sync for it; only parameters
-    left replicated (biases) may sync. The same weights replicated (DDP) sync instead."""
-    fsdp = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 3}).to_dict()
-    ddp = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 0}).to_dict()
+    left replicated (biases) may sync. The same weights replicated (DDP) sync instead. (The lowered
+    runtime's: ``tests/test_lowered_runtime_pricing.py``.)"""
+    fsdp = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 3, "runtime": "dtensor"}).to_dict()
+    ddp = _plan(mlp8, "1x8xH100", {"dp": 8, "fsdp": 0, "runtime": "dtensor"}).to_dict()
     terms = [t for op in fsdp["ops"].values() for t in op.get("collectives", [])]
     weights = {k for k, pls in fsdp["placements"].items() if pls[0].startswith("S(")}
     reduced = [t for t in terms if t["kind"] == "reduce_scatter" and t["phase"] == "backward"]

@@ -353,7 +353,8 @@ def test_a_mesh_that_must_shard_is_searched_under_zero_one_first_and_keeps_its_b
     def planned():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return autopar.plan(bundle.model, bundle.example_inputs, "4x8xH100", bundle.loss_fn, {"memory_gb": 12},
+            return autopar.plan(bundle.model, bundle.example_inputs, "4x8xH100", bundle.loss_fn,
+                                {"memory_gb": 12, "runtime": "dtensor"},
                                 example_targets=bundle.example_targets)
 
     plan = planned()

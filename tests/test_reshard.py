@@ -36,7 +36,8 @@ def _fsdp_step(rank: int, world: int) -> dict:
 
     bundle = build_model("tiny-gpt", overrides={"layers": 4}, global_batch=8, device="cpu")
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, constraints={"dp": world, "fsdp": 3},
+                                 example_targets=bundle.example_targets,
+                                 constraints={"dp": world, "fsdp": 3, "runtime": "dtensor"},
                                  lowered=False)  # reads the DTensor program's regather hooks
     (batch,) = batches(bundle, 1, seed=0)
     with CollectiveCounter() as forward:

@@ -170,13 +170,15 @@ class Constraints:
     gradient reductions, whose bucket holds a widened copy), under ZeRO-1 2 + 2 + 6/dp. bf16 masters need
     bf16 compute (the program reads them): ``dtype`` free becomes bf16, ``dtype`` fp32 or fp16 is refused."""
     runtime: str | None = _pinned(_one_of(RUNTIMES))
-    """The runtime the plan will run on, which the price assumes (``predicted.runtime``): dtensor (free:
-    ``autoparallelize``'s default, collectives where each op needs them) or lowered
-    (``autoparallelize(..., lowered=True)``: an FSDP layer's gradient reduce_scatter is launched as soon as
+    """The runtime the plan will run on, which the price assumes (``predicted.runtime``): dtensor
+    (``autoparallelize(..., lowered=False)``, collectives where each op needs them) or lowered
+    (``autoparallelize``'s default: an FSDP layer's gradient reduce_scatter is launched as soon as
     its gradients exist and its backward regather a layer ahead, both hiding behind backward's compute,
     priced like data parallelism's bucketed all_reduce; the forward's gathers stay on the critical path).
-    Lowered programs have one stage and no ring attention: it needs pp = 1 (free, pipeline
-    meshes are priced on DTensor) and gathers keys and values under context parallelism (``cp_attention``
+    Free: each mesh priced for the runtime ``autoparallelize`` runs its plans on by default
+    (``planning/roles.priced_runtime``): lowered on one stage, DTensor on pipeline meshes and where a cp dim
+    may choose ring attention. Pinned lowered: one-stage meshes only (pp free: pipeline meshes are priced on
+    DTensor; pp > 1 refused), keys and values gathered under context parallelism (``cp_attention``
     allgather; ring refused)."""
 
     def __post_init__(self) -> None:

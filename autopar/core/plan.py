@@ -47,11 +47,13 @@ before it (Llama 3's context parallelism; plans before the ring), or passed arou
 which each runs (keys split on the sequence over cp: the ring), and this key says what they chose."""
 DTENSOR, LOWERED = "dtensor", "lowered"
 RUNTIMES = (DTENSOR, LOWERED)
-"""The runtime a plan's prediction assumes (``predicted.runtime``): DTensor's per-op dispatch (the default
-of ``autoparallelize``), whose collectives run where each op needs them, or the lowered program
-(``autoparallelize(..., lowered=True)``, ``passes/lower.py``), which launches each layer's FSDP gradient
-reduce_scatter as soon as its gradients exist and waits on it when backward ends, and issues its backward
-regathers a layer ahead. Plans without the key assumed DTensor."""
+"""The runtime a plan's prediction assumes (``predicted.runtime``): DTensor's per-op dispatch
+(``autoparallelize(..., lowered=False)``), whose collectives run where each op needs them, or the lowered
+program (``passes/lower.py``, ``autoparallelize``'s default where it runs the plan), which launches each
+layer's FSDP gradient reduce_scatter as soon as its gradients exist and waits on it when backward ends, and
+issues its backward regathers a layer ahead. The planner prices each mesh for the runtime that runs its plans
+by default (``planning/roles.priced_runtime``) unless constraint ``runtime`` pins one. Plans without the key
+assumed DTensor."""
 MEMORY_STAGES = ("first", "last")
 """A pipeline's memory rows (``predicted.memory_stage``, ``stage_peak_memory_bytes``): the first stage's
 device, with the embedding and the most microbatches in flight, and the last's, with the head and loss."""

@@ -31,11 +31,12 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   (``passes/reshard.py``, FSDP's reshard-after-forward), so such an edge's forward collectives run
   again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
   re-gathers once, as part of its recompute).
-* on the lowered runtime (``runtime``, constraint ``runtime=lowered``) an FSDP parameter's backward
-  regather (an all_gather, ``_prefetched``) and its gradient reduce_scatter (``_overlapped_where_lowered``)
-  are issued ahead of their use and waited on late (``passes/lower_buckets.py``): gradient sync, hidden
-  behind backward's compute with the rest of it (the ILP's constraint (3)). The forward's gathers, which
-  that runtime issues a layer ahead too, stay on the critical path: (3) holds backward compute only.
+* on the lowered runtime (``runtime``: one-stage meshes by default, ``roles.priced_runtime``) an FSDP
+  parameter's backward regather (an all_gather, ``_prefetched``) and its gradient reduce_scatter
+  (``_overlapped_where_lowered``) are issued ahead of their use and waited on late
+  (``passes/lower_buckets.py``): gradient sync, hidden behind backward's compute with the rest of it (the
+  ILP's constraint (3)). The forward's gathers, which that runtime issues a layer ahead too, stay on the
+  critical path: (3) holds backward compute only.
 * a parameter sharded where it is stored and gathered to be read (FSDP) has its gradient reduced by
   the gather's backward, on the critical path (a reduce_scatter onto the shard), not by the gradient
   sync: ``Pricer.node`` prices the sync of an ungathered parameter and ``gathered_root_delta`` the

@@ -54,13 +54,28 @@ the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."
 
 
 def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Constraints) -> Pricer:
-    """The pricer of one stage of ``mesh``; ``fsdp`` 1 or 2 pins ZeRO-1/2 optimizer (and gradient) sharding;
-    ``runtime=lowered`` prices the lowered program where it runs (one stage), DTensor elsewhere."""
+    """The pricer of one stage of ``mesh`` for the runtime that runs it (``priced_runtime``); ``fsdp`` 1 or 2
+    pins ZeRO-1/2 optimizer (and gradient) sharding."""
     zero = constraints.zero_stage if constraints.zero_stage in (1, 2) else 0
-    runtime = LOWERED if constraints.runtime == LOWERED and mesh.stages == 1 else DTENSOR
+    runtime = priced_runtime(mesh, constraints)
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
                   zero_dims=mesh.dims_of(*ZERO_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
                   runtime=runtime, master_dtype=constraints.master_dtype or "fp32")
+
+
+def priced_runtime(mesh: MeshChoice, constraints: Constraints) -> str:
+    """The runtime a plan on ``mesh`` is priced for: the one ``autoparallelize`` runs it on by default
+    (``api.lowered_by_default``), as far as the mesh decides it. Pinned ``runtime=dtensor``: DTensor.
+    Otherwise the lowered program wherever it runs every plan the mesh's problem offers: one stage, and
+    keys and values gathered if a cp dim splits the sequence (pinned ``runtime=lowered`` offers only
+    that). Elsewhere DTensor, whose prices are the lowered program's or above: a pipeline stage (its
+    FSDP reductions, per microbatch, are not priced as overlapped), and a cp dim whose attention may be
+    the ring, which runs on DTensor (a plan gathering keys and values there runs lowered all the same)."""
+    if constraints.runtime == DTENSOR or mesh.stages > 1:
+        return DTENSOR
+    if constraints.runtime == LOWERED or mesh.size(MeshAxis.CP) == 1 or constraints.cp_attention == ALLGATHER:
+        return LOWERED
+    return DTENSOR
 
 
 @dataclass(frozen=True)

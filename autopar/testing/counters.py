@@ -62,18 +62,19 @@ def _tensor_dtypes(args: tuple) -> set[torch.dtype]:
 
 def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: int,
                  constraints: Mapping[str, Any], step: bool = True) -> dict[str, Any]:
-    """On this rank: the built-in ``name`` planned under ``constraints`` for this world and parallelized on
-    the DTensor runtime (whose collectives are the plan's, one per redistribute; the lowered runtime's
-    buckets merge some: ``tests/test_lowering.py``), then one forward and (with ``step``) one training
-    step on one batch, each counted: the plan as JSON, and the collectives of the forward and of the step
-    per kind."""
+    """On this rank: the built-in ``name`` planned under ``constraints`` for this world and the DTensor
+    runtime (``runtime=dtensor`` unless they pin one), and parallelized on it (its collectives are the
+    plan's, one per redistribute; the lowered runtime's buckets merge some: ``tests/test_lowering.py``),
+    then one forward and (with ``step``) one training step on one batch, each counted: the plan as JSON,
+    and the collectives of the forward and of the step per kind."""
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.testing.parity import batches
 
     bundle = build_model(name, overrides=overrides, global_batch=global_batch, device="cpu")
     pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                         example_targets=bundle.example_targets, constraints=constraints, lowered=False)
+                         example_targets=bundle.example_targets, constraints={"runtime": "dtensor", **constraints},
+                         lowered=False)
     (batch,) = batches(bundle, 1, seed=0)
     with CollectiveCounter() as forward:
         pm(*batch)

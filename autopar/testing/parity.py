@@ -320,16 +320,19 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
                         lowered: bool | None = False, compile: bool = False) -> dict[str, Any]:
     """One rank's training under ``plan`` (or a plan made here for this world), as ``train_module``;
     ``lowered``: on the lowered runtime (``autoparallelize(..., lowered=True)``), on DTensor (False, the
-    runtime these parity runs check unless told), or on ``autoparallelize``'s default (None); ``compile``:
-    the lowered program compiled by inductor (``compile=True``).
+    runtime these parity runs check unless told; a plan made here is then priced for it, ``runtime=dtensor``
+    unless ``constraints`` pin one), or on ``autoparallelize``'s default (None); ``compile``: the lowered
+    program compiled by inductor (``compile=True``).
 
     ``under``, if given, is called on the rank and the run made inside the context it returns: a test
     perturbs the runtime there (a picklable, module-level function) to prove the check fails.
     """
     with under() if under else contextlib.nullcontext():
         bundle = build(name, overrides, global_batch, seq, seed)
+        on_dtensor = lowered is False and not compile and plan is None
         pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                             example_targets=bundle.example_targets, constraints=constraints,
+                             example_targets=bundle.example_targets,
+                             constraints={"runtime": "dtensor", **(constraints or {})} if on_dtensor else constraints,
                              plan=Plan.from_dict(plan) if plan else None, lowered=lowered, compile=compile)
         return train_module(pm, bundle, steps, seed, rank)
 
