@@ -137,7 +137,7 @@ def summarize(plan: Plan) -> str:
                  f"   (gradient sync {fmt_seconds(p.get('grad_sync_s', 0.0))}, overlapped with backward)")
     lines += _collective_count_line(plan)
     if p.get("runtime") == LOWERED:
-        lines.append("  priced for the lowered runtime (autoparallelize(..., lowered=True)): FSDP gradient "
+        lines.append("  priced for the lowered runtime (autoparallelize's default): FSDP gradient "
                      "reduce_scatters and backward regathers overlapped with backward, in the gradient sync")
     mem = p["memory_bytes"]
     cap = p.get("memory_capacity_bytes", 0)
