@@ -23,6 +23,7 @@ from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.files import check_writable
 from autopar.core.axes import ZERO_AXES
+from autopar.core.placement import str_to_placement
 from autopar.core.plan import LOWERED, RING, Plan
 from autopar.cost_models.pipeline import SIMULATED as ZERO_BUBBLE_SCHEDULES
 from autopar.models.moe import routing_facts
@@ -194,8 +195,9 @@ def shards_parameters_over_data(plan: Plan) -> bool:
     """Whether some parameter of ``plan`` is sharded over a dim whose ranks read the same parameters (``dp``,
     ``cp``: FSDP), where the lowered runtime overlaps its backward regathers and gradient reduce_scatters
     with backward and DTensor does not (``planning/pricing.py``); elsewhere both runtimes price alike."""
-    dims = [i for i, name in enumerate(plan.mesh.dim_names) if name in {axis.value for axis in ZERO_AXES}]
-    return any(placements[i].startswith("S") for placements in plan.placements.values() for i in dims)
+    zero_axes = {axis.value for axis in ZERO_AXES}
+    dims = [i for i, name in enumerate(plan.mesh.dim_names) if name in zero_axes]
+    return any(str_to_placement(placements[i]).is_shard() for placements in plan.placements.values() for i in dims)
 
 
 def compare(*plans: Plan) -> str:

@@ -10,6 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.core.plan import DTENSOR
+
 _OP_KINDS = {
     "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
@@ -60,6 +62,12 @@ def _tensor_dtypes(args: tuple) -> set[torch.dtype]:
     return {a.dtype for a in flat if isinstance(a, torch.Tensor)}
 
 
+def planned_for_dtensor(constraints: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``constraints`` for a plan run on the DTensor runtime: priced for it (``runtime=dtensor``) unless they
+    pin a runtime."""
+    return {"runtime": DTENSOR, **(constraints or {})}
+
+
 def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: int,
                  constraints: Mapping[str, Any], step: bool = True) -> dict[str, Any]:
     """On this rank: the built-in ``name`` planned under ``constraints`` for this world and the DTensor
@@ -73,7 +81,7 @@ def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: i
 
     bundle = build_model(name, overrides=overrides, global_batch=global_batch, device="cpu")
     pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                         example_targets=bundle.example_targets, constraints={"runtime": "dtensor", **constraints},
+                         example_targets=bundle.example_targets, constraints=planned_for_dtensor(constraints),
                          lowered=False)
     (batch,) = batches(bundle, 1, seed=0)
     with CollectiveCounter() as forward:

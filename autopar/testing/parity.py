@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from autopar.api import autoparallelize
 from autopar.core.plan import Plan
 from autopar.models import ModelBundle, build_model
-from autopar.testing.counters import CollectiveCounter
+from autopar.testing.counters import CollectiveCounter, planned_for_dtensor
 from autopar.testing.launch import run_on_ranks
 
 LR = 0.1
@@ -332,7 +332,7 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
         on_dtensor = lowered is False and not compile and plan is None
         pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                              example_targets=bundle.example_targets,
-                             constraints={"runtime": "dtensor", **(constraints or {})} if on_dtensor else constraints,
+                             constraints=planned_for_dtensor(constraints) if on_dtensor else constraints,
                              plan=Plan.from_dict(plan) if plan else None, lowered=lowered, compile=compile)
         return train_module(pm, bundle, steps, seed, rank)
 
