@@ -85,7 +85,7 @@ from torch._functorch.partitioners import default_partition
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autopar.ir.layers import layer_of_path
+from autopar.ir.layers import gather_unit
 
 from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
@@ -264,7 +264,7 @@ class LoweredProgram(nn.Module):
     def _units(self, args: Sequence[Any]) -> dict[str, str]:
         """Parameter placeholder name of the traced graphs (``primals_<i+1>``) -> the unit its gathers
         and gradient reduce_scatters are bucketed by: its layer, or outside layers its module."""
-        return {f"primals_{k + 1}": layer_of_path(fqn) or fqn.rpartition(".")[0] or fqn
+        return {f"primals_{k + 1}": gather_unit(fqn)
                 for i, fqn in self.parameters.items() for k in flat_positions(args, [i])}
 
     def _keep(self, name: str, graphs: dict[str, fx.GraphModule], buckets: dict[str, dict[str, list[int]]],

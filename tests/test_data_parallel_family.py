@@ -56,6 +56,37 @@ def test_zero_1_and_2_move_what_ddp_moves(by_stage):
         assert by_stage[stage].predicted["peak_memory_bytes"] < ddp["peak_memory_bytes"]
 
 
+@pytest.mark.parametrize("runtime", ["lowered", "dtensor"])
+def test_fsdp_plans_hold_their_largest_gathered_unit(runtime):
+    """An FSDP plan's memory holds, beside the shards, the largest unit of its sharded parameters gathered
+    whole (bf16 on H100) with its whole gradient (fp32 reduction): 6 bytes an element. The lowered runtime
+    gathers a layer (outside layers a module) at a time, DTensor each parameter alone. A DDP plan gathers
+    nothing. Worked out here from the plan's own placements (no tensor parallelism: every split is over
+    data parallelism), through the public API."""
+    from collections import defaultdict
+
+    import autopar
+    from autopar.ir.layers import gather_unit
+
+    bundle = build_model("tiny-gpt", global_batch=64)
+    numel = {name: p.numel() for name, p in bundle.model.named_parameters()}
+
+    def planned(constraints):
+        return autopar.plan(bundle.model, bundle.example_inputs, cluster=CLUSTER, loss_fn=bundle.loss_fn,
+                            example_targets=bundle.example_targets, constraints={**constraints, "runtime": runtime})
+
+    fsdp = planned({"dp": 32, "fsdp": 3})
+    units: dict[str, int] = defaultdict(int)
+    for name, placements in fsdp.to_dict()["placements"].items():
+        if name in numel and any(p.startswith("S") for p in placements):  # FSDP, or HSDP's shard dim
+            units[name if runtime == "dtensor" else gather_unit(name)] += 6 * numel[name]
+    assert "blocks.0.mlp.fc_in.weight" in units if runtime == "dtensor" else "blocks.0" in units
+    memory = fsdp.predicted["memory_bytes"]
+    assert memory["gathered"] == max(units.values())
+    assert fsdp.predicted["peak_memory_bytes"] == pytest.approx(sum(memory.values()), abs=8)
+    assert "gathered" not in planned({"dp": 32, "fsdp": 0}).predicted["memory_bytes"]
+
+
 def test_pinned_hsdp_shards_inside_a_node_and_replicates_across(gpt):
     plan = _plan(gpt, {"dp": 32, "dp_shard": 8})
     assert plan.mesh == {"shape": [4, 8], "dim_names": ["dp_replicate", "dp"]}

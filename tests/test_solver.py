@@ -584,3 +584,57 @@ def test_the_cheap_bound_charges_each_edge_to_the_reader_option_it_serves():
         RootSharding("b", frozenset({1}), 0, "a", frozenset({1}), 1.0, Cost(compute_s=-2e-3))])
     assert least_time(lowered) == pytest.approx(5e-3)
     assert solve(lowered).objective_s == pytest.approx(5e-3)
+
+
+# ---- (f) FSDP's working set: the largest gathered unit, constraint (12) ----------------------------
+
+def _gathered_problem(capacity_gib: float) -> Problem:
+    """Parameters ``a`` and ``b`` of one unit and ``c`` of another, each replicated (1 ms, 4 GiB for a and
+    b, 2 GiB for c) or sharded (2 ms, 1 GiB or 0.5 GiB) and then gathered while its unit runs (3 GiB each
+    for a and b, 5 GiB for c). Step and memory (GiB) by choice: RRR 3 ms, 10; RRS 4, 8.5 + 5; SRR and RSR
+    4, 7 + 3; SSR 5, 4 + 6; SRS and RSS 5, 5.5 + 5; SSS 6, 2.5 + max(6, 5) = 8.5 (13.5 if units added)."""
+    def param(key: str, whole_gib: float, shard_gib: float, gathered_gib: float) -> Decision:
+        sharded = dataclasses.replace(opt(S0, compute=2e-3, mem=shard_gib * GIB), gathered_bytes=gathered_gib * GIB)
+        return dec(key, [opt(R, compute=1e-3, mem=whole_gib * GIB), sharded])
+
+    decisions = [param("a", 4, 1, 3), param("b", 4, 1, 3), param("c", 2, 0.5, 5)]
+    return dataclasses.replace(problem(decisions, capacity=capacity_gib * GIB),
+                               gathered_units={"u1": {"a": 1, "b": 1}, "u2": {"c": 1}})
+
+
+@pytest.mark.parametrize("capacity_gib, want, want_s", [
+    (12, {"a": 0, "b": 0, "c": 0}, 3e-3),
+    (9, {"a": 1, "b": 1, "c": 1}, 6e-3),  # only all sharded fits: the units' working sets are not added up
+])
+def test_the_largest_gathered_unit_is_held_not_every_unit(capacity_gib, want, want_s):
+    p = _gathered_problem(capacity_gib)
+    sol = solve(p)
+    assert sol.choice == want and close(sol.objective_s, want_s)
+    assert close(evaluate(p, {"a": 1, "b": 1, "c": 1})[1], 8.5 * GIB)
+    assert close(evaluate(p, {"a": 0, "b": 0, "c": 1})[1], 13.5 * GIB)
+    assert brute_force(p)[0] == sol.choice
+
+
+def test_no_fit_when_the_smallest_plan_leaves_no_room_for_a_gathered_unit():
+    with pytest.raises(NoFeasiblePlanError):
+        solve(_gathered_problem(8))
+
+
+@pytest.mark.parametrize("seed", SEEDS[:12])
+def test_random_problems_with_gathered_units_match_brute_force(seed):
+    """Random problems whose options gather, in two units over their decisions, tighter memory to make
+    the working set matter: the ILP's (12) and ``evaluate``'s largest unit agree."""
+    p = random_problem(seed)
+    rng = random.Random(1000 + seed)
+    for d in p.decisions.values():
+        for option in d.options:
+            option.gathered_bytes = rng.choice([0.0, rng.uniform(0, 3 * GIB)])
+    keys = list(p.decisions)
+    units = {"u1": {k: len(p.decisions[k].nodes) for k in keys[::2]}, "u2": {k: 1 for k in keys[1::2]}}
+    p = dataclasses.replace(p, gathered_units=units,
+                            memory_capacity_bytes=p.memory_capacity_bytes + rng.uniform(0, 3) * GIB)
+    try:
+        check_against_brute_force(p)
+    except NoFeasiblePlanError:
+        with pytest.raises(NoFeasiblePlanError):
+            brute_force(p)

@@ -156,6 +156,14 @@ def layer_of_path(path: str) -> str | None:
     return match.group(1) if match else None
 
 
+def gather_unit(path: str) -> str:
+    """The unit a parameter at ``path`` is gathered and its gradient reduce-scattered with, when sharded
+    over data parallelism: its repeated layer, outside layers its module (the path less its last name),
+    as ``fully_shard`` wraps each block and the root. The lowered runtime buckets by it
+    (``passes/lower_buckets.py``) and the planner prices its working set by it (``planning/problem.py``)."""
+    return layer_of_path(path) or path.rpartition(".")[0] or path
+
+
 def reader_regions(graph: fx.Graph) -> dict[fx.Node, str]:
     """Per computing node, the region whose readers of one value share one redistribute (the runtime's
     ``passes/insert_redistributes.py``, priced once by ``planning/problem.py``): its repeated layer, or,

@@ -378,9 +378,13 @@ def _optimizer_s(captured: CapturedGraph, problem: Problem, chosen: dict, pricer
 def _memory_parts(captured: CapturedGraph, problem: Problem, chosen: dict, pricer: Pricer, stage: str
                   ) -> dict[str, float]:
     """Bytes per part of what the device of memory row ``stage`` (``Problem.memory_rows``: a pipeline's
-    first or last stage) holds: the solver's row (4), split into parameters, gradients, optimizer state
-    and activations."""
+    first or last stage) holds: the solver's rows (4) and (12), split into parameters, gradients, optimizer
+    state, activations and, where the plan shards parameters over data parallelism, the largest unit of
+    them gathered (``gathered``: FSDP's working set, ``problem.gathered_units``)."""
     memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    gathered = problem.gathered_bytes(stage, chosen)
+    if gathered:
+        memory["gathered"] = gathered
     for key, opt in chosen.items():
         d = problem.decisions[key]
         if not problem.holds(stage, key):

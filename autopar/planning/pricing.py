@@ -595,6 +595,19 @@ class Pricer:
                                     slot=slot))
         return found
 
+    def gathered_bytes(self, val: torch.Tensor, placements: Placements) -> float:
+        """Bytes a parameter stored sharded over data parallelism (FSDP, ZeRO-3: ``Shard`` on a dp or cp
+        dim, ``zero_dims``) adds to a device while its unit runs: the parameter gathered whole on those
+        dims, in the compute dtype, and in backward its gradient at that size, in the reduction dtype,
+        until it is reduce-scattered onto the shard (0 for a parameter not sharded there). The forward
+        holds the gathered unit beside the next one prefetched, the backward beside its gradients:
+        the two terms bound both (``problem.gathered_units`` takes the largest unit)."""
+        whole = tuple(Replicate() if d in self.zero_dims and p.is_shard() and self.mesh_shape[d] > 1 else p
+                      for d, p in enumerate(placements))
+        if whole == tuple(placements):
+            return 0.0
+        return self.local_bytes(val, whole) + self.reduced_gradient_bytes(val, whole)
+
     def reduced_gradient_bytes(self, val: torch.Tensor, placements: Placements) -> float:
         """Bytes of a parameter shard's gradient as the reductions outside the program move it: in
         ``reduce_dtype`` (``passes/gradient_sync.py`` and ``passes/zero.py`` cast to it)."""

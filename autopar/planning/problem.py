@@ -43,11 +43,11 @@ from torch import fx
 from torch.distributed.tensor import Placement, Replicate
 
 from autopar.core.placement import Placements
-from autopar.core.plan import MEMORY_STAGES
+from autopar.core.plan import DTENSOR, MEMORY_STAGES
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost, with_fields
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
-from autopar.ir.layers import is_getitem, output_vals, reader_regions, tensor_inputs
+from autopar.ir.layers import gather_unit, is_getitem, output_vals, reader_regions, tensor_inputs
 
 
 @dataclass
@@ -61,6 +61,8 @@ class Option:
     # layer's backward runs (charged once when any layer runs in the mode)
     working_set_bytes: float = 0.0  # per occurrence, the part of ``cost.memory_bytes`` that is recomputing
     # modes' working sets (``settled_option``): live once, not held per microbatch in flight
+    gathered_bytes: float = 0.0  # a parameter's: what gathering it adds while its unit runs
+    # (``Pricer.gathered_bytes``), held for the largest unit only (``Problem.gathered_units``)
 
     def edge_key(self, slot: int) -> tuple[Placements, tuple[int, ...]]:
         """What an edge into input ``slot`` depends on: the placement this option reads it in, and the
@@ -246,6 +248,9 @@ class Problem:
     root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
     shared: list[SharedResharding] = field(default_factory=list)  # moves several edges share (11)
     stage_rows: StageRows | None = None  # under a pipeline, what its end stages hold apart (memory rows (4))
+    gathered_units: dict[str, dict[str, int]] = field(default_factory=dict)
+    # unit -> its parameters' decisions (and how many of each one's nodes are in it) where an option
+    # gathers a parameter sharded over data parallelism (``gathered_units``): memory rows (12)
     edge_rows: "dict[int, EdgeRows] | None" = field(default=None, repr=False, compare=False)
     # the rows (2) of each edge (by index), shared by the problems derived from a built one that keep its
     # edges' placement pairs and its decisions' options, re-priced or staged (``solver.add_edge_variables``
@@ -276,11 +281,20 @@ class Problem:
 
     def memory_by_stage(self, choice: Mapping[str, int]) -> dict[str, float]:
         """Bytes per device of each memory row at ``choice``, on a problem whose layers' modes are settled
-        (``with_layer_modes``): the solver's constraint (4)."""
+        (``with_layer_modes``): the solver's constraints (4) and (12)."""
         problem = self.settled(choice)
+        chosen = {key: d.options[choice[key]] for key, d in problem.decisions.items()}
         return {stage: sum(d.count * problem.held_bytes(stage, key, o.cost, o.working_set_bytes)
-                           for key, d in problem.decisions.items() for o in (d.options[choice[key]],))
+                           for key, d in problem.decisions.items() for o in (chosen[key],))
+                + problem.gathered_bytes(stage, chosen)
                 for stage in problem.memory_rows}
+
+    def gathered_bytes(self, stage: str, chosen: Mapping[str, Option]) -> float:
+        """What the largest unit of parameters gathered over data parallelism adds to the device of memory
+        row ``stage`` at the options ``chosen`` (decision key -> option): the solver's (12)."""
+        return max((sum(count * chosen[key].gathered_bytes for key, count in members.items()
+                        if self.holds(stage, key))
+                    for members in self.gathered_units.values()), default=0.0)
 
     def with_microbatches(self, m: int, pricer: Pricer) -> "Problem":
         """The same problem priced for gradient accumulation over ``m`` microbatches (each distinct
@@ -461,7 +475,7 @@ def build_problem(
     edges, shared = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
                    set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer), shared=shared,
-                   edge_rows={})
+                   gathered_units=gathered_units(captured, decisions, pricer), edge_rows={})
 
 
 def _is_decision(node: fx.Node) -> bool:
@@ -530,6 +544,36 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
     for option in decision.options:
         extra = _working_set_bytes(widest, captured, pricer, option.strategy) / decision.occurrences
         option.cost = with_fields(option.cost, memory_bytes=option.cost.memory_bytes + extra)
+
+
+def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer
+                   ) -> dict[str, dict[str, int]]:
+    """Set each parameter option's ``gathered_bytes`` and return the units they are gathered by: unit ->
+    {decision key: its nodes in the unit}, for the decisions with an option that gathers.
+
+    A parameter sharded over data parallelism is gathered whole to be read and its gradient made whole
+    before it is reduce-scattered (``Pricer.gathered_bytes``). The lowered runtime gathers a unit at a
+    time (``ir.layers.gather_unit``: a layer, or a module outside layers), one unit ahead, and
+    reduce-scatters the unit's gradients together (``passes/lower_buckets.py``), as FSDP2 does; DTensor
+    gathers each parameter for its reader alone, so there each parameter is its own unit. A device holds
+    one unit's working set at a time, so the memory rows charge the largest (the solver's (12)), on
+    top of the sharded parameters, the saved activations and the largest op's working set."""
+    by_parameter = pricer.runtime == DTENSOR
+    units: dict[str, dict[str, int]] = defaultdict(dict)
+    for key, d in decisions.items():
+        first = d.nodes[0]
+        if first not in captured.params:
+            continue
+        val = captured.node(first).meta["val"]
+        for option in d.options:
+            option.gathered_bytes = pricer.gathered_bytes(val, option.strategy.outputs[0])
+        if not any(o.gathered_bytes for o in d.options):
+            continue
+        for name in d.nodes:
+            path = captured.params[name]
+            unit = units[path if by_parameter else gather_unit(path)]
+            unit[key] = unit.get(key, 0) + 1
+    return dict(units)
 
 
 def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, strategy: Strategy | None) -> float:

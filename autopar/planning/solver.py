@@ -24,6 +24,7 @@ Variables::
     v_dkm >= 0             = a_m x_dk: option k's working set is held
     u_epqm >= 0            = n_m y_epq: layers whose edge p->q reruns    (add_recompute_edge_variables)
     g_t in [0,1]           = X_t Y_t: a root-sharding term t holds       (add_root_sharding_variables)
+    G^s >= 0               memory row s's largest gathered unit          (add_memory_constraint)
     s_gpq in [0,1]         shared move g runs from p to q                (add_shared_move_variables)
     u_gpqm >= 0            = n_m s_gpq: layers whose shared move reruns
 
@@ -47,6 +48,8 @@ Constraints::
                                                                  (f: the pipeline bubble's share, 0 without)
     (11) s_gpq >= sum_h y_e,p,(q,h)   for every edge e of g      a move shared by readers runs once
          u_gpqm >= n_m - L (1 - s_gpq)                          ... and once more per recomputed layer
+    (12) G^s >= sum_{d in unit, k} c_du W_dk x_dk  for each unit  the largest unit gathered over data
+                                                                 parallelism, a term of row s of (4)
 
 In (3), (4) and the objective a layer op's term ``n_d P_dk x_dk`` becomes ``sum_m (n_d / L) P_dkm w_dkm``
 (its price mixed over the layers' modes), memory (4) adds ``sum_dkm R_dkm v_dkm`` and the objective
@@ -76,6 +79,14 @@ own prices ``r_e`` leave it out. ``s`` and ``u`` are continuous: the objective p
 max of the group's ``y`` (and to ``n_m`` times it), exact once ``y`` is integral. Only groups of two or
 more edges whose moves cost something get variables: one ``s`` per (group, pair) and one row per
 member edge.
+
+(12) prices FSDP's working set (``Problem.gathered_units``): a parameter stored sharded over data
+parallelism is gathered whole while its unit (a layer, a module outside layers; each parameter alone on
+the DTensor runtime) runs, and its gradient is whole until reduce-scattered; ``W_dk`` is that for option
+``k`` of parameter decision ``d`` (``Option.gathered_bytes``), ``c_du`` how many of ``d``'s nodes unit
+``u`` holds. A device holds one unit's at a time, so each memory row adds the largest: ``G^s`` is
+continuous and bounded below by every unit's sum, which is what the row needs (feasible exactly when
+the largest fits).
 
 Objective (predicted step time)::
 
@@ -582,8 +593,24 @@ def add_memory_constraint(model: Ilp, problem: Problem, x: Mapping[str, list], w
     last stage of a pipeline), with the working sets of (7); ``roots``: the root-sharding terms of (9),
     in the order of ``problem.root_terms``."""
     for stage in problem.memory_rows:
-        terms = _memory_terms(problem, stage, x, w, v, roots)
+        terms = _memory_terms(problem, stage, x, w, v, roots) + _gathered_terms(model, problem, stage, x)
         model.row(-math.inf, problem.memory_capacity_bytes / _GIB, [(var, gib) for var, gib in terms if gib])
+
+
+def _gathered_terms(model: Ilp, problem: Problem, stage: str, x: Mapping[str, list]) -> list[tuple[int, float]]:
+    """(12) for memory row ``stage``: a variable ``G`` at least each unit's gathered bytes on that device,
+    returned as the row's term (none when nothing can be gathered there)."""
+    units = [[(x[key][k], count * option.gathered_bytes / _GIB)
+              for key, count in members.items() if problem.holds(stage, key)
+              for k, option in enumerate(problem.decisions[key].options) if option.gathered_bytes]
+             for members in problem.gathered_units.values()]
+    units = [terms for terms in units if terms]
+    if not units:
+        return []
+    largest = model.var(0.0, math.inf)
+    for terms in units:
+        model.row(-math.inf, 0.0, terms + [(largest, -1.0)])
+    return [(largest, 1.0)]
 
 
 def _memory_terms(problem: Problem, stage: str, x: Mapping[str, list], w: Mapping[tuple[str, int], dict],
