@@ -616,8 +616,12 @@ def test_the_largest_gathered_unit_is_held_not_every_unit(capacity_gib, want, wa
 
 
 def test_no_fit_when_the_smallest_plan_leaves_no_room_for_a_gathered_unit():
-    with pytest.raises(NoFeasiblePlanError):
-        solve(_gathered_problem(8))
+    """The bound counts the unit that raises it most, each of its parameters at its least with its working
+    set: 2.5 GiB of shards, u1 +6 (a and b: 1 + 3 each against 4 whole), u2 +1.5 (c: 2 whole)."""
+    p = _gathered_problem(8)
+    assert close(least_memory(p), 8.5 * GIB)
+    with pytest.raises(NoFeasiblePlanError, match="GiB"):
+        solve(p)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:12])

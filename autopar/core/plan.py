@@ -57,6 +57,12 @@ assumed DTensor."""
 MEMORY_STAGES = ("first", "last")
 """A pipeline's memory rows (``predicted.memory_stage``, ``stage_peak_memory_bytes``): the first stage's
 device, with the embedding and the most microbatches in flight, and the last's, with the head and loss."""
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered")
+"""The parts of ``predicted.memory_bytes``, bytes per device that add up to ``peak_memory_bytes``: the local
+parameter shards, their gradients, the optimizer state, the activations held for backward (with the largest
+op's working set), and, only where the plan shards parameters over data parallelism (FSDP, ZeRO-3), the
+largest unit of them gathered whole with its whole gradients (``planning/problem.gathered_units``; plans
+made before it was priced lack it)."""
 _AXIS_NAMES = tuple(axis.value for axis in MeshAxis)
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")

@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any, Iterable, Sequence
 
-from autopar.core.plan import Plan
+from autopar.core.plan import MEMORY_PARTS, Plan
 from autopar.core.units import fmt_bytes
 from autopar.inspect.show import checkpointing_text, collapsed_placements, fmt_count, fmt_seconds
 
@@ -27,7 +27,7 @@ _CHAR_W = 7.3  # px per character of the 12 px monospace font the charts use
 _COLORS = {
     "compute": "#4e79a7", "all_reduce": "#e15759", "all_gather": "#f28e2b", "reduce_scatter": "#b6992d",
     "all_to_all": "#b07aa1", "p2p": "#9c755f", "grad sync": "#59a14f", "bubble": "#bab0ac",
-    "params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
+    "params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759", "gathered": "#76b7b2",
     "forward": "#4e79a7", "backward": "#a0cbe8",
 }
 _PLACEMENT_COLORS = {"R": "#e9ecef", "P": "#e15759", "S(0)": "#4e79a7", "S(1)": "#f28e2b", "S(2)": "#59a14f",
@@ -238,7 +238,7 @@ def _split_placements(text: str) -> list[str]:
 # ---- (d) memory --------------------------------------------------------------------------------
 def _memory_section(plan: Plan) -> str:
     p = plan.predicted
-    parts = [(k, float(p["memory_bytes"].get(k, 0))) for k in ("params", "grads", "optimizer", "activations")]
+    parts = [(k, float(p["memory_bytes"][k])) for k in MEMORY_PARTS if k in p["memory_bytes"]]
     used = sum(v for _, v in parts)
     cap = float(p.get("memory_capacity_bytes") or plan.cluster.get("hbm_bytes") or used)
     hbm = float(plan.cluster.get("hbm_bytes") or cap)
@@ -253,7 +253,9 @@ def _memory_section(plan: Plan) -> str:
         rows.append(["device HBM", fmt_bytes(hbm), f"{hbm / cap * 100:.1f}%"])
     note = ("<p class=\"dim\">With one pipeline stage every device holds the same parameters, gradients, optimizer "
             "state and activations, so one bar stands for all of them. The dashed line is the usable capacity the "
-            "solver had to fit.</p>")
+            "solver had to fit." + (" <i>gathered</i>: the largest unit of the parameters sharded over data "
+                                    "parallelism (a layer), gathered whole while it runs, with its whole gradients."
+                                    if "gathered" in p["memory_bytes"] else "") + "</p>")
     legend = _legend([(k, _COLORS[k]) for k, _ in parts])
     return note + f"<figure>{svg}{legend}</figure>" + _table(["part", "bytes", "of capacity"], rows, numeric=(1, 2))
 

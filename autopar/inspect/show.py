@@ -143,6 +143,9 @@ def summarize(plan: Plan) -> str:
     cap = p.get("memory_capacity_bytes", 0)
     lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
+    if "gathered" in mem:
+        lines.append("  gathered: the largest unit of the parameters sharded over data parallelism (a layer on the "
+                     "lowered runtime, a parameter on DTensor), whole while it runs, with its whole gradients")
     lines += _stage_memory_line(p)
     s = plan.solver
     lines.append(f"solver    {s['status']}, gap {s['gap'] * 100:.2f}%, {s['variables']} vars, "

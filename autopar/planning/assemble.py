@@ -9,7 +9,7 @@ predictions, the solver's figures and the explanations.
 from __future__ import annotations
 from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.placement import placements_to_strs
-from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MIXED, RING, Plan, Precision
+from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MEMORY_PARTS, MIXED, RING, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
@@ -381,7 +381,7 @@ def _memory_parts(captured: CapturedGraph, problem: Problem, chosen: dict, price
     first or last stage) holds: the solver's rows (4) and (12), split into parameters, gradients, optimizer
     state, activations and, where the plan shards parameters over data parallelism, the largest unit of
     them gathered (``gathered``: FSDP's working set, ``problem.gathered_units``)."""
-    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    memory = {part: 0.0 for part in MEMORY_PARTS if part != "gathered"}
     gathered = problem.gathered_bytes(stage, chosen)
     if gathered:
         memory["gathered"] = gathered

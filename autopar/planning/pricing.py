@@ -596,17 +596,12 @@ class Pricer:
         return found
 
     def gathered_bytes(self, val: torch.Tensor, placements: Placements) -> float:
-        """Bytes a parameter stored sharded over data parallelism (FSDP, ZeRO-3: ``Shard`` on a dp or cp
-        dim, ``zero_dims``) adds to a device while its unit runs: the parameter gathered whole on those
-        dims, in the compute dtype, and in backward its gradient at that size, in the reduction dtype,
-        until it is reduce-scattered onto the shard (0 for a parameter not sharded there). The forward
-        holds the gathered unit beside the next one prefetched, the backward beside its gradients:
-        the two terms bound both (``problem.gathered_units`` takes the largest unit)."""
+        """Bytes of a parameter stored sharded over data parallelism (FSDP, ZeRO-3: ``Shard`` on a dp or cp
+        dim, ``zero_dims``) once gathered whole on those dims to be read, in the compute dtype; 0 for a
+        parameter not sharded there (``problem.gathered_units`` holds them while their unit runs)."""
         whole = tuple(Replicate() if d in self.zero_dims and p.is_shard() and self.mesh_shape[d] > 1 else p
                       for d, p in enumerate(placements))
-        if whole == tuple(placements):
-            return 0.0
-        return self.local_bytes(val, whole) + self.reduced_gradient_bytes(val, whole)
+        return 0.0 if whole == tuple(placements) else self.local_bytes(val, whole)
 
     def reduced_gradient_bytes(self, val: torch.Tensor, placements: Placements) -> float:
         """Bytes of a parameter shard's gradient as the reductions outside the program move it: in

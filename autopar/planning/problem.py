@@ -62,7 +62,7 @@ class Option:
     working_set_bytes: float = 0.0  # per occurrence, the part of ``cost.memory_bytes`` that is recomputing
     # modes' working sets (``settled_option``): live once, not held per microbatch in flight
     gathered_bytes: float = 0.0  # a parameter's: what gathering it adds while its unit runs
-    # (``Pricer.gathered_bytes``), held for the largest unit only (``Problem.gathered_units``)
+    # (``GATHERED_COPIES`` x ``Pricer.gathered_bytes``), held for the largest unit only (``gathered_units``)
 
     def edge_key(self, slot: int) -> tuple[Placements, tuple[int, ...]]:
         """What an edge into input ``slot`` depends on: the placement this option reads it in, and the
@@ -546,18 +546,27 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
         option.cost = with_fields(option.cost, memory_bytes=option.cost.memory_bytes + extra)
 
 
+GATHERED_COPIES = 2
+"""Copies of a gathered unit's parameters a device holds at the step's peak. The plan's peak is the start of
+backward (every activation held, ``_charge_working_set``): on the lowered runtime the unit running and the
+next one gathered ahead (``passes/lower_buckets.py``, as FSDP2 prefetches); on DTensor the parameter and,
+as its backward runs, its whole gradient before the reduce_scatter. Later in backward a unit's whole
+gradients take the prefetched copy's place, in the compute dtype (cast to the reduction dtype as they
+are reduce-scattered) while the activations of the layers behind are freed."""
+
+
 def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer
                    ) -> dict[str, dict[str, int]]:
     """Set each parameter option's ``gathered_bytes`` and return the units they are gathered by: unit ->
     {decision key: its nodes in the unit}, for the decisions with an option that gathers.
 
-    A parameter sharded over data parallelism is gathered whole to be read and its gradient made whole
-    before it is reduce-scattered (``Pricer.gathered_bytes``). The lowered runtime gathers a unit at a
-    time (``ir.layers.gather_unit``: a layer, or a module outside layers), one unit ahead, and
-    reduce-scatters the unit's gradients together (``passes/lower_buckets.py``), as FSDP2 does; DTensor
-    gathers each parameter for its reader alone, so there each parameter is its own unit. A device holds
-    one unit's working set at a time, so the memory rows charge the largest (the solver's (12)), on
-    top of the sharded parameters, the saved activations and the largest op's working set."""
+    A parameter sharded over data parallelism is gathered whole to be read (``Pricer.gathered_bytes``,
+    ``GATHERED_COPIES`` of it held). The lowered runtime gathers a unit at a time
+    (``ir.layers.gather_unit``: a layer, or a module outside layers) and reduce-scatters the unit's
+    gradients together (``passes/lower_buckets.py``), as FSDP2 does; DTensor gathers each parameter for
+    its reader alone, so there each parameter is its own unit. A device holds one unit's working set at a
+    time, so the memory rows charge the largest (the solver's (12)), on top of the sharded parameters,
+    the saved activations and the largest op's working set."""
     by_parameter = pricer.runtime == DTENSOR
     units: dict[str, dict[str, int]] = defaultdict(dict)
     for key, d in decisions.items():
@@ -566,7 +575,7 @@ def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pric
             continue
         val = captured.node(first).meta["val"]
         for option in d.options:
-            option.gathered_bytes = pricer.gathered_bytes(val, option.strategy.outputs[0])
+            option.gathered_bytes = GATHERED_COPIES * pricer.gathered_bytes(val, option.strategy.outputs[0])
         if not any(o.gathered_bytes for o in d.options):
             continue
         for name in d.nodes:

@@ -82,9 +82,9 @@ member edge.
 
 (12) prices FSDP's working set (``Problem.gathered_units``): a parameter stored sharded over data
 parallelism is gathered whole while its unit (a layer, a module outside layers; each parameter alone on
-the DTensor runtime) runs, and its gradient is whole until reduce-scattered; ``W_dk`` is that for option
-``k`` of parameter decision ``d`` (``Option.gathered_bytes``), ``c_du`` how many of ``d``'s nodes unit
-``u`` holds. A device holds one unit's at a time, so each memory row adds the largest: ``G^s`` is
+the DTensor runtime) runs, beside the next unit gathered ahead (``problem.GATHERED_COPIES``); ``W_dk``
+is that for option ``k`` of parameter decision ``d`` (``Option.gathered_bytes``), ``c_du`` how many of
+``d``'s nodes unit ``u`` holds. A device holds one unit's at a time, so each memory row adds the largest: ``G^s`` is
 continuous and bounded below by every unit's sum, which is what the row needs (feasible exactly when
 the largest fits).
 
@@ -738,12 +738,32 @@ def _layer_mode_counts(problem: Problem) -> Iterator[dict[str, int]]:
 
 def least_memory(problem: Problem) -> float:
     """A lower bound of any plan's memory per device: in each memory row (``Problem.memory_rows``), every
-    decision at its smallest option (and checkpointing mode); the largest row."""
+    decision at its smallest option (and checkpointing mode), the decisions of one gathered unit at their
+    smallest with its working set (12) (``_least_with_unit``), of the unit that raises it most; the
+    largest row."""
     as_priced = {key: d.least_memory() for key, d in problem.decisions.items()}
-    return max(sum(as_priced[key] if problem.held_as_priced(stage, key)
-                   else d.least_memory(functools.partial(problem.held_bytes, stage, key))
-                   for key, d in problem.decisions.items() if problem.holds(stage, key))
-               for stage in problem.memory_rows)
+
+    def row(stage: str) -> float:
+        least = {key: as_priced[key] if problem.held_as_priced(stage, key)
+                 else d.least_memory(functools.partial(problem.held_bytes, stage, key))
+                 for key, d in problem.decisions.items() if problem.holds(stage, key)}
+        return sum(least.values()) + max((_least_with_unit(problem, stage, members, least)
+                                          for members in problem.gathered_units.values()), default=0.0)
+
+    return max(row(stage) for stage in problem.memory_rows)
+
+
+def _least_with_unit(problem: Problem, stage: str, members: Mapping[str, int], least: Mapping[str, float]) -> float:
+    """How much one gathered unit's working set (12) raises row ``stage``'s bound ``least`` (per decision):
+    each of its parameters at its smallest memory with its part of the working set counted, less its
+    smallest memory alone. Whatever the options, the row holds at least that unit's working set."""
+    raised = 0.0
+    for key, count in members.items():
+        if key in least:
+            d = problem.decisions[key]
+            raised += min(d.count * problem.held_bytes(stage, key, o.cost, o.working_set_bytes)
+                          + count * o.gathered_bytes for o in d.options) - least[key]
+    return raised
 
 
 def least_time(problem: Problem) -> float:
