@@ -40,13 +40,14 @@ from typing import Any
 import torch
 
 from autopar.api import autoparallelize
+from autopar.core.plan import MEMORY_PARTS
 from autopar.testing.launch import run_on_ranks
 from autopar.testing.memory import measure_step
 from autopar.testing.parity import batches, build
 
 RESULTS = Path(__file__).parent / "results" / "memory_check.json"
 BATCH = 8
-PARTS = ("params", "grads", "optimizer", "activations")
+PARTS = MEMORY_PARTS  # the last, gathered, only where parameters are sharded over data parallelism
 
 ROWS: dict[int, list[tuple[str, dict[str, Any]]]] = {  # world size -> (model, constraints)
     2: [("mlp", {"dp": 2, "fsdp": 0}), ("mlp", {"tp": 2}), ("mlp", {"dp": 2, "fsdp": 3}),
@@ -97,7 +98,7 @@ def _kib(n: float | None) -> str:
 
 
 def _table(records: list[dict[str, Any]]) -> str:
-    head = ("| model | plan | predicted params / grads / optimizer / activations | predicted peak | "
+    head = ("| model | plan | predicted params / grads / optimizer / activations / gathered | predicted peak | "
             "measured params / grads / Adam state | Adam peak (phase) | error | SGD peak | "
             "error vs peak less optimizer | RSS growth |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -108,7 +109,7 @@ def _table(records: list[dict[str, Any]]) -> str:
         p, a, s = r["predicted"], r["adam"], r["sgd"]
         phase = "optimizer" if a["optimizer_peak"] > a["step_peak"] else "fwd+bwd"
         lines.append(f"| {r['model']} | {plan}{' ' + ' '.join(extra) if extra else ''} | "
-                     f"{' / '.join(_kib(p[k]) for k in PARTS)} | {_kib(p['peak'])} | "
+                     f"{' / '.join(_kib(p.get(k)) for k in PARTS)} | {_kib(p['peak'])} | "
                      f"{_kib(a['params'])} / {_kib(a['grads'])} / {_kib(a['optimizer'])} | "
                      f"{_kib(a['peak'])} ({phase}) | {r['adam_error'] * 100:+.0f}% | {_kib(s['peak'])} | "
                      f"{r['sgd_error'] * 100:+.0f}% | {_kib(a['rss_growth'])} |")
