@@ -502,6 +502,18 @@ def test_a_gathered_parameter_trades_its_gradient_sync_for_a_reduce_scatter(capa
     assert close(brute_force(p).step_s, want_s)
 
 
+def test_no_fit_under_an_infinite_cutoff_is_no_fit_not_pruned():
+    """A search's first solve of a mesh has nothing to beat (cutoff infinite). Where memory leaves no plan
+    that the cheap bound sees (here a root term's 5 GiB: sharded ``w`` needs 1 + 5 GiB, whole 4, of 3),
+    the ILP must say nothing fits: "pruned" made the search report "no mesh shape satisfies the
+    constraints" for a pinned mesh that did not fit memory."""
+    p = _fsdp_or_ddp_problem(3)
+    p = dataclasses.replace(p, root_terms=[dataclasses.replace(p.root_terms[0], delta=Cost(memory_bytes=5 * GIB))])
+    assert least_memory(p) <= p.memory_capacity_bytes
+    with pytest.raises(NoFeasiblePlanError):
+        solve(p, cutoff_s=math.inf)
+
+
 @pytest.mark.parametrize("choice, want_s", [({"w": 0, "mm": 0}, 3.0e-3), ({"w": 1, "mm": 0}, 2.9e-3)])
 def test_a_held_choice_keeps_the_root_terms_that_hold_there(choice, want_s):
     """``Problem.with_choice`` keeps a term where the choice takes both its options (FSDP's reduce_scatter

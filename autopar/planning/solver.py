@@ -192,9 +192,12 @@ def solve(problem: Problem, node_limit: int = NODE_LIMIT, cutoff_s: float | None
     With a cutoff, the LP relaxation is solved first, alone: most cutoffs the search sets are proven
     unbeatable by it, where HiGHS's MIP would add cuts and heuristics at the root before it stopped (on
     Mixtral's search, 109 pruned ILPs took 5.7 s this way and 17.0 s without it; the 14 it solved, 2.1
-    and 2.0 s)."""
+    and 2.0 s). An infinite cutoff (a search with nothing found yet) is none: a problem that then has no plan
+    has none because nothing fits, not because nothing is faster."""
     if least_memory(problem) > problem.memory_capacity_bytes:
         raise NoFeasiblePlanError(infeasible_reason(problem))
+    if cutoff_s is not None and math.isinf(cutoff_s):
+        cutoff_s = None
     if cutoff_s is not None and (1.0 + bubble_fraction) * least_time(problem) >= cutoff_s:
         raise Pruned(f"mesh {problem.mesh_shape}: its least step time cannot beat {cutoff_s:.6g} s")
     model, x, n = build_model(problem, cutoff_s, bubble_fraction)
