@@ -117,6 +117,8 @@ class Cost:
     grad_sync_s: float = 0.0  # gradient all_reduce that can hide behind backward
     grad_sync_per_microbatch_s: float = 0.0  # the part of grad_sync_s redone every microbatch (ZeRO-2)
     memory_bytes: float = 0.0  # per device
+    transient_bytes: float = 0.0  # the part of memory_bytes live only while the op runs on one microbatch
+    # (the largest op's working set, ``problem._charge_working_set``): held once, not per microbatch in flight
     output_bytes: float = 0.0  # per device, all of an op's outputs (what selective checkpointing keeps)
     backward_compute_s: float = 0.0  # part of compute_s that runs in backward (overlap budget)
     kernel: Kernel | None = None  # forward kernel on the whole batch
@@ -236,6 +238,7 @@ class Pricer:
         out.compute_s += (m - 1) * cost.accumulate_s
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
+            out.transient_bytes = cost.transient_bytes / m
             out.output_bytes = cost.output_bytes / m
         out.grad_sync_s = cost.grad_sync_s + (m - 1) * cost.grad_sync_per_microbatch_s
         if cost.repeats_per_microbatch:

@@ -231,7 +231,8 @@ class StageRows:
         if not self.holds(stage, key):
             return 0.0
         if cost.batch_memory and self.rescaled(stage, key):
-            return self.last_share * (cost.memory_bytes - working_set) + working_set
+            once = working_set + cost.transient_bytes
+            return self.last_share * (cost.memory_bytes - once) + once
         return cost.memory_bytes
 
 
@@ -530,10 +531,9 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
     by the saved bytes plus the largest such working set (in a language model the loss's: the
     logits, their log-softmax and its gradient), which we charge to the op that has it, at the
     placements each of its strategies gives those tensors, divided among the nodes that share the
-    decision so that it counts once. It is per microbatch (``batch_memory``); under a pipeline,
-    ``stages.py`` holds it for every microbatch in flight where that op runs (for the loss, the last
-    chunk's: one under 1F1B), which overstates it elsewhere (only one is in backward at a time) on the
-    side of caution.
+    decision so that it counts once. It is per microbatch (``batch_memory``) and held once
+    (``Cost.transient_bytes``): under a pipeline, ``stages.py`` holds the op's saved activations for
+    every microbatch in flight where it runs, and its working set for the one microbatch it runs on.
     """
     candidates = [n for n in captured.graph.nodes if _is_decision(n) and n.op == "call_function"
                   and not getattr(n.target, "is_view", False)]
@@ -543,7 +543,8 @@ def _charge_working_set(captured: CapturedGraph, decisions: dict[str, Decision],
     decision = decisions[captured.tie_keys[widest.name]]
     for option in decision.options:
         extra = _working_set_bytes(widest, captured, pricer, option.strategy) / decision.occurrences
-        option.cost = with_fields(option.cost, memory_bytes=option.cost.memory_bytes + extra)
+        option.cost = with_fields(option.cost, memory_bytes=option.cost.memory_bytes + extra,
+                                  transient_bytes=option.cost.transient_bytes + extra)
 
 
 GATHERED_COPIES = 2

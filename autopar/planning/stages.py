@@ -393,7 +393,7 @@ def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool, bool]
             by_mode[mode] = cost
         elif recomputed:
             forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
-            memory = cost.memory_bytes * in_flight if held_anyway else 0.0
+            memory = _held(cost, in_flight).memory_bytes if held_anyway else 0.0
             by_mode[mode] = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=memory,
                                     backward_compute_s=cost.backward_compute_s + forward / microbatches)
             if not held_anyway:  # (the held copy of a layer is freed by its reader's backward before the recompute)
@@ -437,9 +437,17 @@ def _kept_by(roles: LayerRoles, checkpointing: str) -> frozenset[str]:
 
 
 def _as_kept(cost: Cost) -> Cost:
-    return with_fields(cost, memory_bytes=max(cost.memory_bytes, cost.output_bytes)) if cost.batch_memory else cost
+    """Its outputs kept whole for backward (selective recomputation's linear layers), beside its working set."""
+    if not cost.batch_memory:
+        return cost
+    return with_fields(cost, memory_bytes=max(cost.memory_bytes - cost.transient_bytes, cost.output_bytes)
+                       + cost.transient_bytes)
 
 
 def _held(cost: Cost, in_flight: float) -> Cost:
-    """Saved activations held for every microbatch in flight."""
-    return with_fields(cost, memory_bytes=cost.memory_bytes * in_flight) if cost.batch_memory else cost
+    """Saved activations held for every microbatch in flight; a working set (``Cost.transient_bytes``) for
+    the one the op runs on."""
+    if not cost.batch_memory:
+        return cost
+    transient = cost.transient_bytes
+    return with_fields(cost, memory_bytes=(cost.memory_bytes - transient) * in_flight + transient)
