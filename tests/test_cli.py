@@ -85,6 +85,21 @@ def test_show_reads_a_saved_plan(plans):
     assert "tok_emb.weight" in run.stdout
 
 
+def test_an_fsdp_plan_holds_and_shows_its_gathered_unit(plans):
+    """An FSDP plan's memory has a ``gathered`` part (the largest unit of sharded parameters, held whole),
+    counted in its peak and explained by ``show``; a DDP plan has none."""
+    run = run_cli("plan", "tiny-gpt", "--cluster", "1x4xcpu", "--fix", "dp=4,fsdp=3", "-o", "fsdp.json",
+                  cwd=plans["dir"])
+    assert run.returncode == 0, run.stderr
+    fsdp = json.loads((plans["dir"] / "fsdp.json").read_text())
+    memory = fsdp["predicted"]["memory_bytes"]
+    assert memory["gathered"] > 0 and fsdp["predicted"]["peak_memory_bytes"] == pytest.approx(sum(memory.values()), abs=8)
+    assert "gathered" not in json.loads((plans["dir"] / "dp4.json").read_text())["predicted"]["memory_bytes"]
+    shown = run_cli("show", "fsdp.json", cwd=plans["dir"]).stdout
+    assert "gathered: the largest unit of the parameters sharded over data parallelism" in shown
+    assert "gathered" not in run_cli("show", "dp4.json", cwd=plans["dir"]).stdout
+
+
 def test_compare_names_differences_and_the_faster_plan(plans):
     run = run_cli("compare", "dp4.json", "tp4.json", cwd=plans["dir"])
     assert run.returncode == 0, run.stderr
