@@ -56,12 +56,14 @@ def test_zero_1_and_2_move_what_ddp_moves(by_stage):
         assert by_stage[stage].predicted["peak_memory_bytes"] < ddp["peak_memory_bytes"]
 
 
-@pytest.mark.parametrize("runtime", ["lowered", "dtensor"])
-def test_fsdp_plans_hold_their_largest_gathered_unit(runtime):
+@pytest.mark.parametrize("runtime, pipeline", [("lowered", {}), ("dtensor", {}),
+                                               (None, {"pp": 2, "microbatches": 2})])
+def test_fsdp_plans_hold_their_largest_gathered_unit(runtime, pipeline):
     """An FSDP plan's memory holds, beside the shards, the largest unit of its sharded parameters gathered
     whole, twice (the unit running and the next gathered ahead; bf16 on H100: 4 bytes an element). The
-    lowered runtime gathers a layer (outside layers a module) at a time, DTensor each parameter alone. A
-    DDP plan gathers nothing. Worked out here from the plan's own placements (no tensor parallelism: every split is over
+    lowered runtime gathers a layer (outside layers a module) at a time, DTensor each parameter alone; a
+    pipeline, priced for DTensor but run lowered by default, is held to layers. A DDP plan gathers
+    nothing. Worked out here from the plan's own placements (no tensor parallelism: every split is over
     data parallelism), through the public API."""
     from collections import defaultdict
 
@@ -72,10 +74,11 @@ def test_fsdp_plans_hold_their_largest_gathered_unit(runtime):
     numel = {name: p.numel() for name, p in bundle.model.named_parameters()}
 
     def planned(constraints):
+        pinned = {**constraints, **pipeline, **({"runtime": runtime} if runtime else {})}
         return autopar.plan(bundle.model, bundle.example_inputs, cluster=CLUSTER, loss_fn=bundle.loss_fn,
-                            example_targets=bundle.example_targets, constraints={**constraints, "runtime": runtime})
+                            example_targets=bundle.example_targets, constraints=pinned)
 
-    fsdp = planned({"dp": 32, "fsdp": 3})
+    fsdp = planned({"dp": 16 if pipeline else 32, "fsdp": 3})
     units: dict[str, int] = defaultdict(int)
     for name, placements in fsdp.to_dict()["placements"].items():
         if name in numel and any(p.startswith("S") for p in placements):  # FSDP, or HSDP's shard dim
@@ -84,7 +87,7 @@ def test_fsdp_plans_hold_their_largest_gathered_unit(runtime):
     memory = fsdp.predicted["memory_bytes"]
     assert memory["gathered"] == max(units.values())
     assert fsdp.predicted["peak_memory_bytes"] == pytest.approx(sum(memory.values()), abs=8)
-    assert "gathered" not in planned({"dp": 32, "fsdp": 0}).predicted["memory_bytes"]
+    assert "gathered" not in planned({"dp": 16 if pipeline else 32, "fsdp": 0}).predicted["memory_bytes"]
 
 
 def test_pinned_hsdp_shards_inside_a_node_and_replicates_across(gpt):

@@ -254,7 +254,7 @@ def _memory_section(plan: Plan) -> str:
     note = ("<p class=\"dim\">With one pipeline stage every device holds the same parameters, gradients, optimizer "
             "state and activations, so one bar stands for all of them. The dashed line is the usable capacity the "
             "solver had to fit." + (" <i>gathered</i>: the largest unit of the parameters sharded over data "
-                                    "parallelism (a layer), gathered whole while it runs, with its whole gradients."
+                                    "parallelism (a layer), gathered whole, twice: the unit running and the next one gathered ahead."
                                     if "gathered" in p["memory_bytes"] else "") + "</p>")
     legend = _legend([(k, _COLORS[k]) for k, _ in parts])
     return note + f"<figure>{svg}{legend}</figure>" + _table(["part", "bytes", "of capacity"], rows, numeric=(1, 2))

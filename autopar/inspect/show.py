@@ -144,8 +144,9 @@ def summarize(plan: Plan) -> str:
     lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
     if "gathered" in mem:
-        lines.append("  gathered: the largest unit of the parameters sharded over data parallelism (a layer on the "
-                     "lowered runtime, a parameter on DTensor), whole while it runs, with its whole gradients")
+        lines.append("  gathered: the largest unit of the parameters sharded over data parallelism (a layer, or a "
+                     "parameter in a plan pinned to DTensor), whole, twice: the unit running and the next one "
+                     "gathered ahead (on DTensor, a parameter and its whole gradient)")
     lines += _stage_memory_line(p)
     s = plan.solver
     lines.append(f"solver    {s['status']}, gap {s['gap'] * 100:.2f}%, {s['variables']} vars, "

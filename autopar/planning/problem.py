@@ -43,7 +43,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Replicate
 
 from autopar.core.placement import Placements
-from autopar.core.plan import DTENSOR, MEMORY_STAGES
+from autopar.core.plan import MEMORY_STAGES
 from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost, with_fields
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
@@ -456,8 +456,10 @@ class Roles:
 
 def build_problem(
     captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer, roles: Roles,
-    memory_capacity_bytes: float, overlap_fraction: float,
+    memory_capacity_bytes: float, overlap_fraction: float, gathered_by_parameter: bool = False,
 ) -> Problem:
+    """The problem of one mesh; ``gathered_by_parameter``: the plan runs on DTensor, which gathers a
+    parameter sharded over data parallelism alone (``gathered_units``)."""
     graph = captured.graph
     keys = captured.tie_keys
     members: dict[str, list[fx.Node]] = defaultdict(list)
@@ -476,7 +478,7 @@ def build_problem(
     edges, shared = _edges(captured, decisions, pricer)
     return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
                    set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer), shared=shared,
-                   gathered_units=gathered_units(captured, decisions, pricer), edge_rows={})
+                   gathered_units=gathered_units(captured, decisions, pricer, gathered_by_parameter), edge_rows={})
 
 
 def _is_decision(node: fx.Node) -> bool:
@@ -556,7 +558,7 @@ gradients take the prefetched copy's place, in the compute dtype (cast to the re
 are reduce-scattered) while the activations of the layers behind are freed."""
 
 
-def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer
+def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer, by_parameter: bool
                    ) -> dict[str, dict[str, int]]:
     """Set each parameter option's ``gathered_bytes`` and return the units they are gathered by: unit ->
     {decision key: its nodes in the unit}, for the decisions with an option that gathers.
@@ -564,11 +566,12 @@ def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pric
     A parameter sharded over data parallelism is gathered whole to be read (``Pricer.gathered_bytes``,
     ``GATHERED_COPIES`` of it held). The lowered runtime gathers a unit at a time
     (``ir.layers.gather_unit``: a layer, or a module outside layers) and reduce-scatters the unit's
-    gradients together (``passes/lower_buckets.py``), as FSDP2 does; DTensor gathers each parameter for
-    its reader alone, so there each parameter is its own unit. A device holds one unit's working set at a
-    time, so the memory rows charge the largest (the solver's (12)), on top of the sharded parameters,
-    the saved activations and the largest op's working set."""
-    by_parameter = pricer.runtime == DTENSOR
+    gradients together (``passes/lower_buckets.py``), as FSDP2 does, in one-stage programs and in each
+    pipeline chunk; DTensor gathers each parameter for its reader alone, so under ``by_parameter`` (a plan
+    pinned to DTensor) each parameter is its own unit. Plans priced for DTensor that run lowered by
+    default (pipelines: ``roles.priced_runtime``) are held to units, on the side of caution. A device
+    holds one unit's working set at a time, so the memory rows charge the largest (the solver's (12)), on
+    top of the sharded parameters, the saved activations and the largest op's working set."""
     units: dict[str, dict[str, int]] = defaultdict(dict)
     for key, d in decisions.items():
         first = d.nodes[0]

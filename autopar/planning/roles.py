@@ -155,7 +155,8 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
                       _replicas_act_as_shards(replica_dims, shard_dims),
                       sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
-    return build_problem(captured, trace.finder, pricer, roles, capacity, OVERLAP_FRACTION)
+    return build_problem(captured, trace.finder, pricer, roles, capacity, OVERLAP_FRACTION,
+                         gathered_by_parameter=constraints.runtime == DTENSOR)
 
 
 def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:

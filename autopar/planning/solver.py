@@ -81,8 +81,8 @@ more edges whose moves cost something get variables: one ``s`` per (group, pair)
 member edge.
 
 (12) prices FSDP's working set (``Problem.gathered_units``): a parameter stored sharded over data
-parallelism is gathered whole while its unit (a layer, a module outside layers; each parameter alone on
-the DTensor runtime) runs, beside the next unit gathered ahead (``problem.GATHERED_COPIES``); ``W_dk``
+parallelism is gathered whole while its unit (a layer, a module outside layers; each parameter alone in
+a plan pinned to DTensor) runs, beside the next unit gathered ahead (``problem.GATHERED_COPIES``); ``W_dk``
 is that for option ``k`` of parameter decision ``d`` (``Option.gathered_bytes``), ``c_du`` how many of
 ``d``'s nodes unit ``u`` holds. A device holds one unit's at a time, so each memory row adds the largest: ``G^s`` is
 continuous and bounded below by every unit's sum, which is what the row needs (feasible exactly when
