@@ -61,8 +61,8 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered")
 """The parts of ``predicted.memory_bytes``, bytes per device that add up to ``peak_memory_bytes``: the local
 parameter shards, their gradients, the optimizer state, the activations held for backward (with the largest
 op's working set), and, only where the plan shards parameters over data parallelism (FSDP, ZeRO-3), the
-largest unit of them gathered whole with its whole gradients (``planning/problem.gathered_units``; plans
-made before it was priced lack it)."""
+largest unit of them gathered whole, twice: the unit running and the next gathered ahead
+(``planning/problem.gathered_units``; plans made before it was priced lack it)."""
 _AXIS_NAMES = tuple(axis.value for axis in MeshAxis)
 _REQUIRED = ("schema", "model", "cluster", "mesh", "degrees", "pipeline", "checkpointing", "placements",
              "ops", "predicted", "solver")
