@@ -40,6 +40,7 @@ import statistics
 import time
 import traceback
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +50,7 @@ import torch.distributed as dist
 import autopar
 from autopar.core.files import write_atomically
 from autopar.cost_models.calibrate import build_profile, measure_in_job, profile_source, profile_text
+from autopar.cost_models.memory import adamw_state_bytes
 from autopar.testing.launch import free_port
 from autopar.models import build_model
 
@@ -113,8 +115,19 @@ def planned(bundle: Any, cluster: str, dtype: str, name: str) -> autopar.Plan:
                             example_targets=bundle.example_targets, name=name)
 
 
+RUNTIMES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "compiled": {"compile": True},
+    "dtensor": {"lowered": False},
+}
+"""autopar's runtimes a row can time, by name: ``autoparallelize``'s keywords for each (the default
+runs the plan lowered to local ops with explicit collectives, ``compiled`` runs those graphs through
+inductor, ``dtensor`` runs the plan op by op on DTensor). ``default`` is reported as ``autopar``, the
+others as ``autopar_<name>``."""
+
+
 def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict[str, str], device: str,
-                  steps: int) -> dict[str, Any]:
+                  steps: int, runtimes: list[str], eager_compiled: bool) -> dict[str, Any]:
     name, preset, overrides, batch, seq = row
     dtype, dtype_key = (torch.bfloat16, "bf16") if device == "cuda" else (torch.float32, "fp32")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -125,19 +138,45 @@ def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict
     out: dict[str, Any] = {"model": name, "preset": preset, "overrides": overrides, "global_batch": batch,
                            "seq": seq, "dtype": dtype_key, "params": bundle.num_params(),
                            "mesh": dict(zip(chosen.mesh.dim_names, chosen.mesh.shape)),
-                           "checkpointing": chosen.checkpointing,
+                           "checkpointing": chosen.checkpointing, "precision": _precision(chosen),
                            "predicted": {which: p.predicted for which, p in plans.items()}}
-    out["eager"] = _eager(bundle, sync, steps, device, baseline)
-    out["autopar"] = _autopar(bundle, chosen, sync, steps, device, baseline)
+    out["eager"] = _eager(bundle, sync, steps, device, baseline, compiled=False)
+    if eager_compiled:
+        out["eager_compiled"] = _guarded(partial(_eager, bundle, sync, steps, device, baseline, compiled=True))
+    del bundle
+    for runtime in runtimes:
+        key = "autopar" if runtime == "default" else f"autopar_{runtime}"
+        before = _allocated(device)  # what earlier runtimes left (compiled programs' caches) is not this one's
+        fresh = bundle_for(preset, overrides, batch, seq, device, dtype)  # each runtime starts from the same weights
+        out[key] = _guarded(partial(_autopar, fresh, chosen, sync, steps, device, before, **RUNTIMES[runtime]))
+        del fresh
     return out
 
 
-def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, baseline: int) -> dict[str, Any]:
+_DEFAULT_PRECISION = {"compute": "bf16", "master": "fp32"}
+"""The precision of rows written before the JSON recorded it (2026-11-29): bf16 compute, fp32 masters."""
+
+
+def _precision(chosen: autopar.Plan) -> dict[str, str]:
+    return {"compute": chosen.precision.compute, "master": chosen.precision.master}
+
+
+def _guarded(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()``, or why it failed: one runtime that fails leaves the row's others measured."""
+    try:
+        return measure()
+    except Exception as exc:  # a benchmark reports every variant it could run, and why one failed
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, baseline: int,
+           compiled: bool) -> dict[str, Any]:
     model, inputs, targets = bundle.model, bundle.example_inputs, bundle.example_targets
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        bundle.loss_fn(model(*inputs), targets).backward()
+        bundle.loss_fn(forward(*inputs), targets).backward()
 
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
@@ -146,9 +185,9 @@ def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, basel
 
 
 def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps: int, device: str,
-             baseline: int) -> dict[str, Any]:
+             baseline: int, **runtime: Any) -> dict[str, Any]:
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                 example_targets=bundle.example_targets, plan=chosen)
+                                 example_targets=bundle.example_targets, plan=chosen, **runtime)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -189,12 +228,12 @@ def measure_alignment(steps: int) -> list[dict[str, Any]]:
     rows = []
     for m, k, n in ALIGNMENT_PROBE:
         x, w, dy = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n)))
-        for product, fn in (("forward", lambda: x @ w), ("grad_input", lambda: dy @ w.t()),
-                            ("grad_weight", lambda: x.t() @ dy)):
+        for product, fn in (("forward", partial(torch.matmul, x, w)), ("grad_input", partial(torch.matmul, dy, w.t())),
+                            ("grad_weight", partial(torch.matmul, x.t(), dy))):
             seconds = statistics.median(timed(fn, torch.cuda.synchronize, steps))
             rows.append({"m": m, "k": k, "n": n, "product": product, "seconds": seconds,
                          "tflops": 2 * m * k * n / seconds / 1e12})
-        del x, w, dy
+        del x, w, dy, fn
     return rows
 
 
@@ -256,22 +295,54 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{r['model']:<16} failed: {r['error']}")
             continue
         pred, calib = r["predicted"]["preset"], r["predicted"]["calibrated"]
-        eager, run = r["eager"]["median_s"], r["autopar"]["median_s"]
+        ours = r.get("autopar", {})
+        eager, run = r["eager"]["median_s"], ours.get("median_s", float("nan"))
         step = calib["step_time_s"]
-        peaks = [r["eager"]["peak_gb"], r["autopar"]["peak_gb"]]
+        peaks = [r["eager"]["peak_gb"], ours.get("peak_gb")]
         peak_text = [f"{p:.2f} GB" if p is not None else "-" for p in peaks]
         print(f"{r['model']:<16} {r['params'] / 1e6:>6.0f}M {r['global_batch']:>3}x{r['seq']:<5} "
               f"{pred['step_time_s'] * 1e3:>8.1f} ms {step * 1e3:>7.1f} ms {eager * 1e3:>6.1f} ms "
               f"{run * 1e3:>6.1f} ms {(step - eager) / eager * 100:>+8.0f}% {(step - run) / run * 100:>+10.0f}% "
-              f"{_step_memory_gb(calib):>5.2f} GB {peak_text[0]:>9} {peak_text[1]:>11} "
-              f"{r['autopar'].get('redistributes', '-'):>13}")
+              f"{_step_memory_gb(calib, r.get('precision', _DEFAULT_PRECISION)):>5.2f} GB {peak_text[0]:>9} {peak_text[1]:>11} "
+              f"{ours.get('redistributes', '-'):>13}")
+    print_runtimes(rows)
 
 
-def _step_memory_gb(predicted: dict[str, Any]) -> float:
+def print_runtimes(rows: list[dict[str, Any]]) -> None:
+    """Each runtime's median step beside eager PyTorch's, as a multiple of it (and why one failed)."""
+    keys = [k for k in ("eager_compiled", "autopar", "autopar_compiled", "autopar_dtensor")
+            if any(k in r for r in rows)]
+    print(f"\n{'model':<16} {'eager':>9} " + " ".join(f"{k:>22}" for k in keys))
+    for r in rows:
+        if "error" in r:
+            continue
+        eager = r["eager"]["median_s"]
+        cells = []
+        for key in keys:
+            run = r.get(key)
+            if run is None:
+                cells.append(f"{'-':>22}")
+            elif "error" in run:
+                cells.append(f"{'failed':>22}")
+            else:
+                cells.append(f"{run['median_s'] * 1e3:>10.1f} ms ({run['median_s'] / eager:4.2f}x)")
+        print(f"{r['model']:<16} {eager * 1e3:>6.1f} ms " + " ".join(cells))
+    for r in rows:
+        for key in keys:
+            if "error" in r.get(key, {}):
+                print(f"{r['model']} {key} failed: {r[key]['error']}")
+
+
+def _step_memory_gb(predicted: dict[str, Any], precision: dict[str, str]) -> float:
     """Predicted bytes a device holds during ``pm.step``: all but the optimizer state, which the timed
-    steps have not created yet (the update is timed after them)."""
+    steps have not created yet (the update is timed after them), except the master copy of each
+    parameter under mixed precision: the runtime's parameters are those masters (``precision.master``)
+    from the start, and the step computes with copies in ``precision.compute``."""
     memory = predicted["memory_bytes"]
-    return sum(v for k, v in memory.items() if k != "optimizer") / 1e9
+    state = adamw_state_bytes(1, precision["compute"], precision["master"])
+    moments = adamw_state_bytes(1, precision["master"], precision["master"])
+    masters = memory.get("optimizer", 0) * (state - moments) / state
+    return (sum(v for k, v in memory.items() if k != "optimizer") + masters) / 1e9
 
 
 def main() -> None:
@@ -283,6 +354,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "device_step.json"))
     parser.add_argument("--reprice", default=None, metavar="FILE",
                         help="re-plan the rows of an earlier run's JSON with today's cost model (no GPU needed)")
+    parser.add_argument("--runtimes", default="default",
+                        help=f"autopar runtimes to time, comma-separated, from {', '.join(RUNTIMES)} (default: default)")
+    parser.add_argument("--eager-compiled", action="store_true", help="also time eager PyTorch under torch.compile")
+    parser.add_argument("--skip-alignment", action="store_true", help="leave out the GEMM alignment probe")
     args = parser.parse_args()
     if args.reprice:
         reprice(args.reprice)
@@ -294,22 +369,34 @@ def main() -> None:
     configs = CONFIGS if args.device == "cuda" else CPU_CONFIGS
     if args.models:
         configs = [configs[int(i)] for i in args.models.split(",")]
-    rows = []
+    runtimes = args.runtimes.split(",")
+    unknown = sorted(set(runtimes) - set(RUNTIMES))
+    if unknown:
+        parser.error(f"unknown runtime(s) {', '.join(unknown)}: choose from {', '.join(RUNTIMES)}")
+    rows: list[dict[str, Any]] = []
     for row in configs:
         try:
-            rows.append(measure_model(row, clusters, args.device, args.steps))
+            rows.append(measure_model(row, clusters, args.device, args.steps, runtimes, args.eager_compiled))
         except Exception as exc:  # a benchmark reports every model it could run, and why one failed
             rows.append({"model": row[0], "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    alignment = measure_alignment(args.steps) if args.device == "cuda" else []
+        write_results(out, profile, clusters, rows, [])  # each row kept as it ends, should a later one hang
+    alignment = measure_alignment(args.steps) if args.device == "cuda" and not args.skip_alignment else []
     if dist.get_rank() == 0:
         print_table(rows)
         for a in alignment:
             print(f"[{a['m']}, {a['k']}] @ [{a['k']}, {a['n']}] bf16 {a['product']:<11} {a['tflops']:6.0f} TFLOP/s")
-        out.write_text(json.dumps({"profile": profile, "clusters": clusters, "rows": rows, "gemm_alignment": alignment},
-                                  indent=2) + "\n")
+        write_results(out, profile, clusters, rows, alignment)
         print(f"wrote {out}")
+
+
+def write_results(out: Path, profile: dict[str, Any] | None, clusters: dict[str, str], rows: list[dict[str, Any]],
+                  alignment: list[dict[str, Any]]) -> None:
+    """The run's JSON (rank 0 writes it): the profile, the clusters planned for, the rows, the GEMM probe."""
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"torch": torch.__version__, "profile": profile, "clusters": clusters, "rows": rows,
+                                   "gemm_alignment": alignment}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

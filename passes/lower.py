@@ -69,6 +69,7 @@ and runs the DTensor program instead.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
@@ -80,6 +81,8 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache
 from torch._functorch import config as functorch_config
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -236,7 +239,7 @@ class LoweredProgram(nn.Module):
         partition = self._partition(flat_positions(inputs, list(self.parameters)))
         _forget_propagated_meshes()
         try:
-            with functorch_config.patch(force_non_lazy_backward_lowering=True):  # a backward failure shows here
+            with functorch_config.patch(force_non_lazy_backward_lowering=True), self._tracing():  # a backward failure shows here
                 lowered = aot_module_simplified(
                     self._marked(args), list(inputs), fw_compiler=self._keep("forward", graphs, buckets, units, grad),
                     bw_compiler=self._keep("backward", graphs, buckets, units, grad),
@@ -251,6 +254,16 @@ class LoweredProgram(nn.Module):
         self.graphs[grad] = graphs
         self.buckets[grad] = buckets
         return lowered
+
+    def _tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """Where inductor compiles, a tracing context as Dynamo gives ``torch.compile``'s: through it the
+        compiled forward reports the strides it chose for what it saves (inductor pads a row of 50,257
+        bf16 elements to 50,304 on GPUs, ``comprehensive_padding``), and AOT autograd compiles the
+        backward for those strides. Without one the backward asserts the unpadded strides it was traced
+        with and fails on its first call."""
+        if not self.compile:
+            return contextlib.nullcontext()
+        return tracing(TracingContext(FakeTensorMode()))
 
     def _marked(self, args: Sequence[Any]) -> nn.Module:
         """The program to trace: with ``grad_sync``, the parameters it reduces marked to be reduced in

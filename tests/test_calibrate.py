@@ -425,13 +425,37 @@ def test_device_step_benchmark_runs_on_cpu_and_reprices_its_rows(tmp_path):
     the file back and re-plans each row."""
     out = tmp_path / "device_step.json"
     run = run_python(str(REPO / "benchmarks" / "device_step.py"), "--device", "cpu", "--quick", "--steps", "1",
-                     "--out", str(out), cwd=tmp_path)
+                     "--runtimes", "default,dtensor", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     assert [r["model"] for r in data["rows"]] == ["gpt h64 L2", "llama h64 L2"], data["rows"]
     for row in data["rows"]:
         assert row["eager"]["median_s"] > 0 and row["autopar"]["median_s"] > 0
+        assert row["autopar_dtensor"]["median_s"] > 0, row["autopar_dtensor"]
         assert row["predicted"]["calibrated"]["step_time_s"] > 0
     again = run_python(str(REPO / "benchmarks" / "device_step.py"), "--reprice", str(out), cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "gpt h64 L2" in again.stdout and "llama h64 L2" in again.stdout
+
+
+@pytest.mark.slow
+def test_kernel_probe_benchmark_prices_each_block_by_its_own_ops(tmp_path):
+    """The kernel probe's CPU stand-in: each block is planned alone and timed forward + backward; its
+    prediction is the sum of its own ops' prices (the loss feeding the gradient in left out): one ``mm``
+    for the GEMM, the fused op for attention, the norm's elementwise ops, the loss's log-softmax."""
+    out = tmp_path / "kernel_probe.json"
+    run = run_python(str(REPO / "benchmarks" / "kernel_probe.py"), "--device", "cpu", "--steps", "2",
+                     "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    rows = {r["family"]: r for r in data["rows"]}
+    assert set(rows) == {"gemm", "attention", "bandwidth", "loss"}, data["rows"]
+    for row in rows.values():
+        assert row["measured_s"] > 0 and len(row["samples_s"]) == 2
+        assert row["predicted_s"] == pytest.approx(sum(row["ops"].values())) and row["predicted_s"] > 0
+        assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
+    assert [name for name, s in rows["gemm"]["ops"].items() if s > 0] == ["mm"]  # the loss's mul and sum left out
+    assert rows["gemm"]["flops"] == 6 * 256 * 128 * 128
+    assert list(rows["attention"]["ops"]) == ["scaled_dot_product_attention"]
+    assert {"pow_1", "mean", "rsqrt"} <= set(rows["bandwidth"]["ops"])
+    assert "_log_softmax" in rows["loss"]["ops"]

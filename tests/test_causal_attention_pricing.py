@@ -73,3 +73,21 @@ def test_the_plan_prices_causal_attention_at_its_kernel_flops() -> None:
         assert op["cost"]["compute_s"] == pytest.approx(forward + 2.5 * backward)
     full_attention_flops = 3 * 2 * 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM  # two layers, forward + backward
     assert plan.model["flops_per_step"] > full_attention_flops
+
+
+def test_grouped_attention_is_counted_where_torchs_flop_counter_wants_equal_heads(monkeypatch) -> None:
+    """torch's ``sdpa_flop_count`` takes key-value heads fewer than the query's only from torch 2.13 on;
+    2.11's raised on them, so no GQA model could be planned with it (Llama on the H200, 2026-12-04).
+    Counted as the kernel broadcasts the key-value heads, with a counter that refuses unequal heads."""
+    from autopar.planning import pricing
+
+    def equal_heads_only(q, k, v, *rest):
+        assert q[1] == k[1] == v[1], "shapes are incompatible"
+        return counter(q, k, v, *rest)
+
+    counter = pricing.sdpa_flop_count
+    monkeypatch.setattr(pricing, "sdpa_flop_count", equal_heads_only)
+    full = 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM
+    for node in _attention_nodes():
+        assert global_flops(node) == full
+        assert backward_ratio(node) == 2.5

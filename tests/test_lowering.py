@@ -171,6 +171,43 @@ def test_compiled_program_matches_single_process_and_keeps_the_collectives() -> 
     _assert_predicted_collectives(run, f"{name} {constraints}")
 
 
+PADDED_VOCAB = 1030
+"""A vocabulary whose logits rows inductor pads (1,030 fp32 elements: a stride of at least
+``padding_stride_threshold``, 1,024, not a multiple of its 32-element alignment, so 1,056)."""
+
+
+def _padded_compiled_run(rank: int, world: int) -> dict[str, Any]:
+    """``STEPS`` SGD steps of tiny-gpt with ``PADDED_VOCAB`` compiled, inductor padding strides on CPU
+    as it does on GPUs (``disable_padding_cpu=False``)."""
+    import torch._inductor.config as inductor_config
+
+    import autopar
+    from autopar.testing.parity import build, train_module
+
+    bundle = build("tiny-gpt", {"vocab": PADDED_VOCAB}, BATCH, None, seed=0)
+    with inductor_config.patch(disable_padding_cpu=False):
+        pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                     example_targets=bundle.example_targets, constraints={"dp": world}, compile=True)
+        result = train_module(pm, bundle, STEPS, 0, rank)
+    return {**result, "fallback": pm.program.fallback, "compiled": pm.program.compile}
+
+
+@pytest.mark.extended
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_compiled_program_whose_forward_pads_what_it_saves_runs_its_backward() -> None:
+    """On GPUs inductor pads a saved row of 50,257 bf16 logits to 50,304; the backward must be compiled
+    for the strides the compiled forward chose (as ``torch.compile`` does, through its tracing context),
+    else its first call fails asserting the unpadded ones (GPT-2 small on an H200 did, 2026-12-04). CPU
+    pads too once asked to: one rank, the same numbers as single-process training."""
+    from autopar.testing.launch import run_on_ranks
+
+    ranks = run_on_ranks(_padded_compiled_run, 1, timeout_s=600)
+    assert ranks[0]["compiled"] and ranks[0]["fallback"] is None
+    AutoparResult.from_ranks(ranks).assert_matches(train_single("tiny-gpt", {"vocab": PADDED_VOCAB}, BATCH, None,
+                                                                STEPS))
+
+
 def _as_plan_kinds(counts: Mapping[str, int]) -> dict[str, int]:
     """``CollectiveCounter``'s counts with inductor's in-place collectives under their plan kinds."""
     out: dict[str, int] = {}

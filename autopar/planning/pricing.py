@@ -869,8 +869,7 @@ def is_matmul(node: fx.Node) -> bool:
 def global_flops(node: fx.Node) -> float:
     packet = getattr(node.target, "overloadpacket", None)
     if packet is _SDPA:  # torch counts the fused kernels; the composite op has q, k, v first
-        q, k, v = (a.meta["val"] for a in node.args[:3])
-        return float(sdpa_flop_count(q.shape, k.shape, v.shape))
+        return float(sdpa_flop_count(*_sdpa_shapes(node)))
     if packet in flop_registry:
         args = _vals(node.args)
         kwargs = _vals(node.kwargs)
@@ -910,9 +909,19 @@ def backward_ratio(node: fx.Node) -> float:
     ``sdpa_backward_flop_count``: five products against the forward's two, 2.5x with equal head dims)."""
     if getattr(node.target, "overloadpacket", None) is not _SDPA:
         return MATMUL_BACKWARD_RATIO
-    q, k, v = (a.meta["val"].shape for a in node.args[:3])
+    q, k, v = _sdpa_shapes(node)
     out = (*q[:-1], v[-1])
     return sdpa_backward_flop_count(out, q, k, v) / sdpa_flop_count(q, k, v)
+
+
+def _sdpa_shapes(node: fx.Node) -> tuple[tuple[int, ...], ...]:
+    """Shapes of fused attention's q, k and v, ``[b, heads, s, d]``, with grouped-query attention's key
+    and value heads broadcast to the query's as the kernel broadcasts them: the FLOPs are those of the
+    broadcast products. torch's flop counter takes GQA shapes itself only from 2.13 on; earlier ones
+    (``torch>=2.6`` is supported) raise on them."""
+    q, k, v = (tuple(a.meta["val"].shape) for a in node.args[:3])
+    heads = q[-3]
+    return q, (*k[:-3], heads, *k[-2:]), (*v[:-3], heads, *v[-2:])
 
 
 def _is_causal(node: fx.Node) -> bool:
