@@ -69,6 +69,8 @@ CPU_CONFIGS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("gpt h64 L2", "tiny-gpt", {}, 8, 32),
     ("llama h64 L2", "tiny-llama", {}, 8, 32),
 ]
+PROFILE = False
+"""``--profile``: each measured step is also profiled (``profiled``)."""
 WARMUP_STEPS = 3
 """Steps left out of the timing: DTensor's propagation caches, the allocator and autotuning warm up."""
 
@@ -180,8 +182,10 @@ def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, basel
 
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
+    out = {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": _peak_gb(device, baseline),
+           **profiled(step, sync, device)}
     model.zero_grad(set_to_none=True)
-    return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": _peak_gb(device, baseline)}
+    return out
 
 
 def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps: int, device: str,
@@ -197,9 +201,35 @@ def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps:
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
     peak = _peak_gb(device, baseline)
+    profile = profiled(step, sync, device)
     updates = slowest_rank(timed(opt.step, sync, steps))
     return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": peak,
-            "update_s": updates, "update_median_s": statistics.median(updates), "redistributes": pm.redistributes}
+            "update_s": updates, "update_median_s": statistics.median(updates), "redistributes": pm.redistributes,
+            **profile}
+
+
+PROFILED_STEPS = 3
+"""Steps ``--profile`` records after the timed ones (their kernels and host ops, summed)."""
+PROFILE_ROWS = 25
+
+
+def profiled(step: Callable[[], None], sync: Callable[[], None], device: str) -> dict[str, str]:
+    """With ``--profile``: torch.profiler's tables of ``PROFILED_STEPS`` steps, the ops by their own
+    device time (on CUDA) and by their own host time; else nothing."""
+    if not PROFILE:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        sync()
+    averages = prof.key_averages()
+    tables = {"profile_host": averages.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)}
+    if device == "cuda":
+        tables["profile_device"] = averages.table(sort_by="self_device_time_total", row_limit=PROFILE_ROWS)
+    return tables
 
 
 def _reset_peak(device: str) -> None:
@@ -358,7 +388,11 @@ def main() -> None:
                         help=f"autopar runtimes to time, comma-separated, from {', '.join(RUNTIMES)} (default: default)")
     parser.add_argument("--eager-compiled", action="store_true", help="also time eager PyTorch under torch.compile")
     parser.add_argument("--skip-alignment", action="store_true", help="leave out the GEMM alignment probe")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"also profile {PROFILED_STEPS} steps of each runtime (tables in the JSON)")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if args.reprice:
         reprice(args.reprice)
         return
