@@ -333,7 +333,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['model']:<16} {r['params'] / 1e6:>6.0f}M {r['global_batch']:>3}x{r['seq']:<5} "
               f"{pred['step_time_s'] * 1e3:>8.1f} ms {step * 1e3:>7.1f} ms {eager * 1e3:>6.1f} ms "
               f"{run * 1e3:>6.1f} ms {(step - eager) / eager * 100:>+8.0f}% {(step - run) / run * 100:>+10.0f}% "
-              f"{_step_memory_gb(calib, r.get('precision', _DEFAULT_PRECISION)):>5.2f} GB {peak_text[0]:>9} {peak_text[1]:>11} "
+              f"{_step_memory_gb(calib, r.get('precision', _DEFAULT_PRECISION)):>5.2f} GB "
+              f"{peak_text[0]:>9} {peak_text[1]:>11} "
               f"{ours.get('redistributes', '-'):>13}")
     print_runtimes(rows)
 
@@ -385,7 +386,8 @@ def main() -> None:
     parser.add_argument("--reprice", default=None, metavar="FILE",
                         help="re-plan the rows of an earlier run's JSON with today's cost model (no GPU needed)")
     parser.add_argument("--runtimes", default="default",
-                        help=f"autopar runtimes to time, comma-separated, from {', '.join(RUNTIMES)} (default: default)")
+                        help=f"autopar runtimes to time, comma-separated, from {', '.join(RUNTIMES)} "
+                             "(default: default)")
     parser.add_argument("--eager-compiled", action="store_true", help="also time eager PyTorch under torch.compile")
     parser.add_argument("--skip-alignment", action="store_true", help="leave out the GEMM alignment probe")
     parser.add_argument("--profile", action="store_true",

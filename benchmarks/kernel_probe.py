@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=10, help="timed calls per probe (default 10)")
-    parser.add_argument("--only", default=None, help="probes of this family (gemm, attention, bandwidth, loss) or whose name contains this text")
+    parser.add_argument("--only", default=None,
+                        help="probes of this family (gemm, attention, bandwidth, loss) or whose name contains this text")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernel_probe.json"))
     parser.add_argument("--reprice", default=None, metavar="FILE",
                         help="re-plan the probes of an earlier run's JSON with today's cost model (no GPU needed)")

@@ -239,7 +239,8 @@ class LoweredProgram(nn.Module):
         partition = self._partition(flat_positions(inputs, list(self.parameters)))
         _forget_propagated_meshes()
         try:
-            with functorch_config.patch(force_non_lazy_backward_lowering=True), self._tracing():  # a backward failure shows here
+            # non-lazy: a backward failure shows here
+            with functorch_config.patch(force_non_lazy_backward_lowering=True), self._tracing():
                 lowered = aot_module_simplified(
                     self._marked(args), list(inputs), fw_compiler=self._keep("forward", graphs, buckets, units, grad),
                     bw_compiler=self._keep("backward", graphs, buckets, units, grad),

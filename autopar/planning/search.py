@@ -124,12 +124,14 @@ def make_plan(
                                    " x ".join(f"{k}={v}" for k, v in found.mesh.describe().items()))
         return searched
 
+    more: list[MeshChoice] = []
     with _long_lived_objects_frozen(), Workers(search.search_mesh, worker_count()) as workers:
-        solve_each(meshes)
+        searched = solve_each(meshes)
         if _context_parallel_may_help(constraints, results):
             more = context_parallel_meshes(captured, cluster, constraints, batch_size)
             progress.candidates += len(more)
-            fit_whole: set[tuple] = set()
+            # cp = 1 is the smallest degree: its one-stage meshes that fit whole rule out larger ones too
+            fit_whole = {_without_cp(mesh) for mesh, outcome in searched if outcome.fits_whole}
             for degree in sorted({m.size(MeshAxis.CP) for m in more}):
                 group = [m for m in more if m.size(MeshAxis.CP) == degree]
                 kept = [m for m in group if not _dominated_by_less_cp(m, fit_whole)]
@@ -140,6 +142,8 @@ def make_plan(
     if not results:
         raise NoFeasiblePlanError(_shortfall(failures, shortfall.closest if not shortfall.solver_failed else None,
                                              constraints))
+    listed = {mesh: i for i, mesh in enumerate([*meshes, *more])}
+    pruned.sort(key=listed.__getitem__)  # in the order listed, however each was ruled out
     results.sort(key=lambda c: c.step_s)
     refined = search.refine_layer_modes(results[0])
     if refined is not results[0]:
@@ -184,8 +188,9 @@ def _without_cp(mesh: MeshChoice) -> tuple:
 
 def _dominated_by_less_cp(mesh: MeshChoice, fit_whole: set[tuple]) -> bool:
     """Whether a one-stage mesh with a larger ``cp`` degree is skipped unsolved: a one-stage mesh searched
-    before with a smaller degree and otherwise the same dims (``_without_cp``: the same tp, the rest data
-    parallel) fit its activations without recomputation at some microbatch count ``m``.
+    before with a smaller degree (1 included: the search's own meshes, which have no cp dim) and otherwise
+    the same dims (``_without_cp``: the same tp, the rest data parallel) fit its activations without
+    recomputation at some microbatch count ``m`` it can run.
 
     At a fixed world, tp and global batch, a device holds the same tokens of a microbatch whatever the cp
     degree (``B S tp / (world m)``); what a larger degree buys is more microbatch counts (``dp`` shrinks,
