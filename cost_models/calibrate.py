@@ -50,6 +50,9 @@ How the numbers become profile fields (``build_profile``):
   ``autopar/planning/pricing.py``: backward = 2x forward), and 1 per leaf whose gradient autograd accumulates
   (``Pricer.gradient_accumulation``). ``compute.dispatched_time`` adds it to each op's kernel (CPU)
   or takes the longer of the two (CUDA).
+* ``lowered_host_op_s``: ``host_op_s`` of the same block run as the lowered runtime runs a plan (its
+  forward and backward traced once by AOT autograd into graphs of local tensor ops), counted the same
+  way; plans priced for that runtime charge it (``planning/pricing.dispatched_by``).
 * ``host_update_op_s``: AdamW's update time divided by its kernels (``ADAMW_KERNELS_PER_TENSOR``
   per weight), less the op floor on CPU: what ``compute.adamw_step_time`` charges per kernel
   besides bytes.
@@ -84,6 +87,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.compilers import nop
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -426,6 +431,7 @@ def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict
         forward()
     agree = _most_calls_in(None)
     forward_s = _seconds_per_call(forward, sync, sizes, agree)
+    lowered_s = _seconds_per_call(_lowered_block(x, weights), sync, sizes, agree)
     if cuda:
         forward_backward_s = _seconds_per_call(forward_backward, sync, sizes, agree)
     else:
@@ -445,6 +451,10 @@ def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict
                 "forward_s": forward_s / dispatched,
                 "forward_backward_s": forward_backward_s / dispatched,
                 "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, leaves, floor),
+                "lowered_method": "the same block traced once by AOT autograd into forward and backward graphs "
+                                  "over the rank's local tensors (as passes/lower.py runs a plan), per op dispatched",
+                "lowered_forward_backward_s": lowered_s / dispatched,
+                "lowered_host_op_s": host_dispatch_s(lowered_s, counter.ops, counter.views, leaves, floor),
                 "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
                 "update_s": update_s / update_ops,
                 "host_update_op_s": max(0.0, update_s / update_ops - floor)}
@@ -455,6 +465,20 @@ def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict
                                    "(Shard(0) -> Replicate) by DTensor, less the block alone",
             "redistribute": {"kind": "all_gather", "nbytes": x.numel() * DTYPE_BYTES["fp32"], "ranks": world,
                              "seconds": max(0.0, redistribute_s)}}
+
+
+def _lowered_block(x: Any, weights: Mapping[str, Any]) -> Callable[[], None]:
+    """The block's forward and backward as the lowered runtime runs a rank's program: graphs of local
+    tensor ops traced once by AOT autograd (``aot_function``, graphs run as traced: no compiler), over
+    each DTensor's local shard."""
+    local = {name: w.to_local().detach().requires_grad_() for name, w in weights.items()}
+    h = x.to_local().detach().requires_grad_()
+    program = aot_function(_transformer_block, fw_compiler=nop, bw_compiler=nop)
+
+    def forward_backward() -> None:
+        program(h, local).sum().backward()
+
+    return forward_backward
 
 
 def host_dispatch_s(forward_backward_s: float, ops: int, views: int, leaves: int, kernel_launch_s: float) -> float:
@@ -625,7 +649,7 @@ def _slowest_rank(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
     floor = dict(first["op_floor"])
     for key in ("forward_s", "forward_backward_s", "seconds_per_op", "kernel_launch_s", "host_op_s", "update_s",
-                "host_update_op_s"):
+                "host_update_op_s", "lowered_forward_backward_s", "lowered_host_op_s"):
         if key in floor:
             floor[key] = max(r["op_floor"][key] for r in per_rank)
     if "redistribute" in floor:
@@ -663,7 +687,7 @@ def build_profile(measured: Mapping[str, Any], source: str) -> dict[str, Any]:
         "hbm_bw": fits["memory"]["rate"] / MEMORY_EFFICIENCY,
         "kernel_launch_s": measured["op_floor"]["kernel_launch_s"],
     }
-    device.update({key: measured["op_floor"][key] for key in ("host_op_s", "host_update_op_s")
+    device.update({key: measured["op_floor"][key] for key in ("host_op_s", "host_update_op_s", "lowered_host_op_s")
                    if key in measured["op_floor"]})
     device.update(_link_fields(fits["links"]))
     if "redistribute" in measured["op_floor"] and fits["links"]:  # one rank runs no collective to charge
@@ -718,6 +742,8 @@ def profile_summary(profile: Mapping[str, Any]) -> str:
     if "host_op_s" in device:
         lines.append(f"  dispatch     {device['host_op_s'] * 1e6:10.1f} us per op (views included) on the host, "
                      f"{device['host_update_op_s'] * 1e6:.1f} us per optimizer kernel")
+    if "lowered_host_op_s" in device:
+        lines.append(f"  lowered      {device['lowered_host_op_s'] * 1e6:10.1f} us per op in the lowered runtime's graphs")
     if "redistribute_s" in device:
         lines.append(f"  redistribute {device['redistribute_s'] * 1e6:10.1f} us per collective in a step, "
                      "beyond the link's formula")

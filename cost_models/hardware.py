@@ -141,6 +141,11 @@ class DeviceSpec:
     autograd, Python), views and collectives included; ``compute.dispatched_time`` applies it."""
     host_update_op_s: float = 0.0
     """Host seconds to dispatch one op of the optimizer update, which runs outside autograd."""
+    lowered_host_op_s: float | None = None
+    """``host_op_s`` of the lowered runtime (``passes/lower.py``: the rank's program run as graphs of
+    local tensor ops, no DTensor on the way), counted per op as ``host_op_s`` is; plans priced for that
+    runtime charge it instead (``planning/pricing.Pricer``). None: as ``host_op_s`` (the presets, and
+    profiles calibrated before it was measured)."""
     redistribute_s: float = 0.0
     """Seconds a collective run inside a training step (a DTensor redistribute) costs beyond the
     link's formula: DTensor's and autograd's wrapping of it and, where ranks share cores, the wait
@@ -174,6 +179,8 @@ class DeviceSpec:
         for attr in ("intra_latency_s", "inter_latency_s", "base_latency_s", "kernel_launch_s", "host_op_s",
                      "host_update_op_s", "redistribute_s"):
             _require_non_negative(self.name, attr, getattr(self, attr))
+        if self.lowered_host_op_s is not None:
+            _require_non_negative(self.name, "lowered_host_op_s", self.lowered_host_op_s)
         if not isinstance(self.gemm_alignment_bytes, int) or isinstance(self.gemm_alignment_bytes, bool) \
                 or self.gemm_alignment_bytes < 0:
             raise ValueError(f"device {self.name}: gemm_alignment_bytes must be a non-negative int, "

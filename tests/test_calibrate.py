@@ -115,7 +115,8 @@ def synthetic_measurement(world: int = 2) -> dict:
             "threads_per_rank": 1, "hbm_bytes": 8 * 10**9, "matmul": matmul, "memory": memory,
             "links": {"intra": link},
             "op_floor": {"method": "synthetic", "forward_s": 1e-4, "forward_backward_s": 3e-4,
-                         "kernel_launch_s": 1e-4, "host_op_s": 2e-4, "host_update_op_s": 5e-5}}
+                         "kernel_launch_s": 1e-4, "host_op_s": 2e-4, "host_update_op_s": 5e-5,
+                         "lowered_host_op_s": 3e-5}}
 
 
 @pytest.fixture
@@ -136,6 +137,7 @@ def test_profile_is_a_cluster_file_with_the_measured_figures(profile_path):
     assert device.base_latency_s == pytest.approx(25e-6, rel=1e-6)
     assert device.kernel_launch_s == 1e-4
     assert (device.host_op_s, device.host_update_op_s, device.host_runs_kernels) == (2e-4, 5e-5, True)
+    assert device.lowered_host_op_s == 3e-5
     data = json.loads(profile_path.read_text())
     assert data["source"].startswith("autopar calibrate")
     assert {"matmul", "memory", "links", "op_floor", "fits"} <= set(data["measured"])
@@ -272,6 +274,30 @@ def test_a_view_costs_its_dispatch_and_an_op_its_kernel_plus_dispatch():
     assert compute_time(0, 0, get_device("H100"), "bf16", "elementwise") == 0.0  # presets: no host term
 
 
+def test_each_runtime_is_priced_with_its_own_host_dispatch(profile_path):
+    """A calibrated profile states DTensor's dispatch per op (``host_op_s``, 200 us here) and the lowered
+    runtime's (``lowered_host_op_s``, 30 us): a view, which launches no kernel, costs its dispatch forward
+    and twice backward, 3 x 30 us in a plan priced for the lowered runtime and 3 x 200 us on DTensor; a
+    device without the lowered figure (the presets, older profiles) charges ``host_op_s`` to both."""
+    from dataclasses import replace
+
+    import autopar
+    from autopar.core.plan import DTENSOR, LOWERED
+    from autopar.models import build_model
+    from autopar.planning.pricing import dispatched_by
+
+    bundle = build_model("mlp", global_batch=8)
+    for runtime, host in ((LOWERED, 3e-5), (DTENSOR, 2e-4)):
+        plan = autopar.plan(bundle.model, bundle.example_inputs, str(profile_path), bundle.loss_fn,
+                            {"dp": 2, "runtime": runtime}, example_targets=bundle.example_targets)
+        assert plan.predicted["runtime"] == runtime
+        views = [op["cost"]["compute_s"] for op in plan.ops.values() if op["op"] == "aten.permute.default"]
+        assert views and all(v == pytest.approx(3 * host) for v in views), (runtime, views)
+    older = resolve_cluster(str(profile_path))
+    older = replace(older, device=replace(older.device, lowered_host_op_s=None))
+    assert dispatched_by(older, LOWERED) is older
+
+
 def test_gradient_sync_host_work_is_charged_per_reduced_gradient():
     """Every op pays its dispatch forward and twice backward (3 x host_op_s); an op whose weight
     gradient the bucketed sync reduces pays GRADIENT_SYNC_HOST_OPS more per gradient, once per step."""
@@ -405,13 +431,16 @@ def test_calibration_benchmark_runs_and_writes_its_fields(tmp_path):
                      "--steps", "2", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
-    first, second = data["rows"]
+    assert [(r["round"], r["runtime"]) for r in data["rows"]] == [(0, "lowered"), (0, "dtensor"), (1, "lowered"),
+                                                                   (1, "dtensor")]
+    first, second = [r for r in data["rows"] if r["runtime"] == "dtensor"]
     assert {"world", "round", "predicted_step_s", "preset_predicted_step_s", "measured_step_s", "measured_update_s",
             "error", "profile"} <= set(first)
     assert (first["round"], second["round"]) == (0, 1)
     assert first["world"] == 2 and first["measured_step_s"] > 0 and first["predicted_step_s"] > 0
-    (pooled,) = data["pooled"]
-    predictions = sorted(r["predicted_step_s"] for r in data["rows"])
+    pooled, lowered = data["pooled"]
+    assert (pooled["runtime"], lowered["runtime"]) == ("dtensor", "lowered")
+    predictions = sorted(r["predicted_step_s"] for r in data["rows"] if r["runtime"] == "dtensor")
     assert pooled["world"] == 2 and pooled["rounds"] == 2
     assert pooled["predicted_step_s"] == pytest.approx(sum(predictions) / 2)  # the median of two
     assert 0 <= pooled["rounds_within_30_percent"] <= 2

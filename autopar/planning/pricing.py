@@ -195,7 +195,7 @@ class Pricer:
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
                  zero_stage: int = 0, zero_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
                  runtime: str = DTENSOR, master_dtype: str = "fp32"):
-        self.cluster = cluster
+        self.cluster = dispatched_by(cluster, runtime)
         self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
@@ -799,6 +799,15 @@ class Collective:
     per_microbatch: bool = False  # a gradient sync redone after every microbatch (ZeRO-2's reduce_scatter)
     regather: bool = False  # a parameter's forward collective run again in backward (reshard after forward)
     share: float = 1.0  # the part of it charged here (a gradient several readers leave partial is reduced once)
+
+
+def dispatched_by(cluster: Cluster, runtime: str) -> Cluster:
+    """``cluster`` with the host dispatch per op of ``runtime``: the lowered runtime's
+    (``DeviceSpec.lowered_host_op_s``) where the device states one, else DTensor's ``host_op_s``."""
+    device = cluster.device
+    if runtime != LOWERED or device.lowered_host_op_s is None:
+        return cluster
+    return replace(cluster, device=replace(device, host_op_s=device.lowered_host_op_s))
 
 
 def bucketed_all_reduce_time(nbytes: float, group) -> float:
