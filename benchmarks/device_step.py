@@ -75,11 +75,13 @@ WARMUP_STEPS = 3
 """Steps left out of the timing: DTensor's propagation caches, the allocator and autotuning warm up."""
 
 
-def timed(fn: Callable[[], Any], sync: Callable[[], None], steps: int) -> list[float]:
-    """Seconds of each of ``steps`` calls of ``fn`` after the warm-up ones, each ended by ``sync``."""
+def timed(fn: Callable[[], Any], sync: Callable[[], None], steps: int,
+          align: Callable[[], None] = dist.barrier) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``fn`` after the warm-up ones, each started together on every
+    rank (``align``) and ended by ``sync``."""
     samples = []
     for i in range(WARMUP_STEPS + steps):
-        dist.barrier()
+        align()
         sync()
         start = time.perf_counter()
         fn()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +45,8 @@ import torch.nn.functional as F
 import autopar
 from autopar.models.common import RMSNorm, lm_loss
 from autopar.models.llama import apply_rope, grouped_causal_attention
+from device_step import timed  # the benchmarks' timing loop (its warm-up calls left out)
 
-WARMUP_CALLS = 3
-"""Calls left out of the timing: cuBLAS heuristics, the allocator and autotuning warm up."""
 PROBE_MODULE = "block"
 """The probed block's attribute in ``Probe``: the plan's ops under this module path are the block's."""
 
@@ -207,19 +205,6 @@ CPU_PROBES: list[KernelProbe] = [
 ]
 
 
-def timed(call: Callable[[], Any], sync: Callable[[], None], steps: int) -> list[float]:
-    """Seconds of each of ``steps`` calls of ``call`` after ``WARMUP_CALLS``, each ended by ``sync``."""
-    samples = []
-    for i in range(WARMUP_CALLS + steps):
-        sync()
-        start = time.perf_counter()
-        call()
-        sync()
-        if i >= WARMUP_CALLS:
-            samples.append(time.perf_counter() - start)
-    return samples
-
-
 def predicted_ops(block: nn.Module, inputs: tuple[torch.Tensor, ...], cluster: str, dtype: str) -> dict[str, float]:
     """Each of the block's captured ops and its predicted forward + backward seconds on ``cluster``."""
     with warnings.catch_warnings():
@@ -249,7 +234,7 @@ def measure(probe: KernelProbe, device: str, dtype: torch.dtype, cluster: str, s
         block.zero_grad(set_to_none=True)
         block(*inputs).backward(grad)
 
-    samples = timed(step, sync, steps)
+    samples = timed(step, sync, steps, align=lambda: None)  # one process: nothing to align
     row: dict[str, Any] = {"family": probe.family, "name": probe.name, "measured_s": statistics.median(samples),
                            "samples_s": samples}
     if probe.flops is not None:
