@@ -216,14 +216,11 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
         args = [(slot, batch.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
         if any(bd is None for _, bd in args):
-            kept = []
+            splits: tuple[frozenset[int], ...] = (frozenset(),) * len(output_vals(node))
         else:
-            wanted = [(slot, Shard(bd)) for slot, bd in args]
-            kept = [s for s in finder.for_node(node) if all(s.inputs[slot][dp_dim] == want for slot, want in wanted)]
-        for i in range(len(output_vals(node))):
-            dims = {s.outputs[i][dp_dim].dim for s in kept
-                    if s.outputs[i] is not None and s.outputs[i][dp_dim].is_shard()}
-            batch[node.name, i] = dims.pop() if len(dims) == 1 else None
+            splits = finder.output_splits(node, dp_dim, tuple((slot, Shard(bd)) for slot, bd in args))
+        for i, dims in enumerate(splits):
+            batch[node.name, i] = next(iter(dims)) if len(dims) == 1 else None
     return batch
 
 
@@ -379,15 +376,15 @@ def sequence_dims(captured: CapturedGraph, on_data: set[str], cp_dim: int, finde
             continue
         args = [(slot, seq.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
-        kept = [s for s in finder.for_node(node)
-                if all(sd is not None and s.inputs[slot][cp_dim] == Shard(sd) for slot, sd in args)]
+        if any(sd is None for _, sd in args):
+            splits: tuple[frozenset[int], ...] = (frozenset(),) * len(output_vals(node))
+        else:
+            splits = finder.output_splits(node, cp_dim, tuple((slot, Shard(sd)) for slot, sd in args))
         moved = sequence_view(node, finder.rows)
-        for i in range(len(output_vals(node))):
-            dims = {s.outputs[i][cp_dim].dim for s in kept
-                    if s.outputs[i] is not None and s.outputs[i][cp_dim].is_shard()}
+        for i, dims in enumerate(splits):
             if moved is not None and args and args[0][1] == moved[0]:
-                dims = {moved[1]}
-            seq[node.name, i] = dims.pop() if len(dims) == 1 else None
+                dims = frozenset({moved[1]})
+            seq[node.name, i] = next(iter(dims)) if len(dims) == 1 else None
     return seq
 
 

@@ -320,6 +320,7 @@ class StrategyFinder:
         self.mesh = planning_mesh(tuple(2 for _ in range(self._ndim)))  # sizes do not matter, see _RAW
         self.unsupported: set[str] = set()
         self._cache: dict[Any, list[Strategy]] = {}
+        self._splits: dict[Any, tuple[frozenset[int], ...]] = {}
 
     def for_node(self, node: fx.Node) -> list[Strategy]:
         inputs = tensor_inputs(node)
@@ -338,6 +339,19 @@ class StrategyFinder:
             fitting = [st for st in raw if self._fits(shapes, st)]
             self._cache[key] = fitting or [_replicated(node, len(inputs), len(self.mesh_shape))]
         return self._cache[key]
+
+    def output_splits(self, node: fx.Node, mesh_dim: int, split: tuple[tuple[int, Placement], ...]
+                      ) -> tuple[frozenset[int], ...]:
+        """Per output of ``node``, the tensor dims its strategies split it on over ``mesh_dim`` when they
+        place each input slot of ``split`` as given there (``(slot, placement)`` pairs). Remembered by op,
+        shapes and ``split``, as ``for_node`` remembers strategies: a stack of identical layers asks once."""
+        key = (node.target, _arg_signature(node), mesh_dim, split)
+        if key not in self._splits:
+            kept = [s for s in self.for_node(node) if all(s.inputs[slot][mesh_dim] == want for slot, want in split)]
+            self._splits[key] = tuple(frozenset(s.outputs[i][mesh_dim].dim for s in kept
+                                                if s.outputs[i] is not None and s.outputs[i][mesh_dim].is_shard())
+                                      for i in range(len(output_vals(node))))
+        return self._splits[key]
 
     def _raw(self, node: fx.Node, inputs: list[fx.Node], key: Any) -> tuple[list[Strategy], bool]:
         raw_key = (self._ndim, key)
