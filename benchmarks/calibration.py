@@ -116,7 +116,8 @@ def measure_runtime(world: int, steps: int, quick: bool, path: str, profile: dic
     measured, fastest = statistics.median(step_s), min(step_s)
     predicted = calibrated.predicted["step_time_s"]
     return {
-        "world": world, "round": round_index, "runtime": runtime, "model": MODEL, "global_batch": GLOBAL_BATCH, "quick": quick,
+        "world": world, "round": round_index, "runtime": runtime, "model": MODEL, "global_batch": GLOBAL_BATCH,
+        "quick": quick,
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "mesh": dict(zip(calibrated.mesh.dim_names, calibrated.mesh.shape)),
         "predicted_step_s": predicted, "predicted_compute_s": calibrated.predicted["compute_s"],
@@ -159,14 +160,16 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in rows if (r["world"], r["runtime"]) == (world, runtime)]
         predicted = statistics.median(r["predicted_step_s"] for r in mine)
         measured = statistics.median(r["measured_step_s"] for r in mine)
-        out.append({"world": world, "runtime": runtime, "rounds": len(mine), "predicted_step_s": predicted, "measured_step_s": measured,
+        out.append({"world": world, "runtime": runtime, "rounds": len(mine), "predicted_step_s": predicted,
+                    "measured_step_s": measured,
                     "error": (predicted - measured) / measured,
                     "rounds_within_30_percent": sum(abs(r["error"]) <= 0.30 for r in mine)})
     return out
 
 
 def print_pooled(summary: list[dict[str, Any]]) -> None:
-    print(f"{'W':>2}  {'runtime':<8} {'rounds':>6} {'median pred':>11} {'median measured':>15} {'error':>7} {'rounds within 30%':>17}")
+    print(f"{'W':>2}  {'runtime':<8} {'rounds':>6} {'median pred':>11} {'median measured':>15} {'error':>7} "
+          f"{'rounds within 30%':>17}")
     for s in summary:
         print(f"{s['world']:>2}  {s['runtime']:<8} {s['rounds']:>6} {s['predicted_step_s'] * 1e3:>8.1f} ms "
               f"{s['measured_step_s'] * 1e3:>12.1f} ms {s['error'] * 100:>+6.0f}% "

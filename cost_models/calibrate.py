@@ -390,7 +390,8 @@ def measure_op_floor(device: Any, sizes: Sizes) -> dict[str, Any]:
 
 
 def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict[str, Any]:
-    """Host seconds per op dispatched through DTensor: a small transformer block, forward and backward.
+    """Host seconds per op dispatched through DTensor: a small transformer block, forward and backward;
+    and per op of the same block as the lowered runtime runs it (``_lowered_block``).
 
     The pricer charges every op of a graph, views included, one dispatch forward and two backward, and
     a non-view op also its kernel floor (3 times); so the block's time less those floors, divided by
@@ -452,7 +453,8 @@ def _dtensor_dispatch(device: Any, sizes: Sizes, kernel_launch_s: float) -> dict
                 "forward_backward_s": forward_backward_s / dispatched,
                 "host_op_s": host_dispatch_s(forward_backward_s, counter.ops, counter.views, leaves, floor),
                 "lowered_method": "the same block traced once by AOT autograd into forward and backward graphs "
-                                  "over the rank's local tensors (as passes/lower.py runs a plan), per op dispatched",
+                                  "over the rank's local tensors (as passes/lower.py runs a plan), "
+                                  "per op dispatched",
                 "lowered_forward_backward_s": lowered_s / dispatched,
                 "lowered_host_op_s": host_dispatch_s(lowered_s, counter.ops, counter.views, leaves, floor),
                 "update_method": "torch.optim.AdamW.step over the block's weights, per elementwise kernel",
@@ -743,7 +745,8 @@ def profile_summary(profile: Mapping[str, Any]) -> str:
         lines.append(f"  dispatch     {device['host_op_s'] * 1e6:10.1f} us per op (views included) on the host, "
                      f"{device['host_update_op_s'] * 1e6:.1f} us per optimizer kernel")
     if "lowered_host_op_s" in device:
-        lines.append(f"  lowered      {device['lowered_host_op_s'] * 1e6:10.1f} us per op in the lowered runtime's graphs")
+        lines.append(f"  lowered      {device['lowered_host_op_s'] * 1e6:10.1f} us per op in the lowered "
+                     "runtime's graphs")
     if "redistribute_s" in device:
         lines.append(f"  redistribute {device['redistribute_s'] * 1e6:10.1f} us per collective in a step, "
                      "beyond the link's formula")
