@@ -471,7 +471,8 @@ def test_device_step_benchmark_runs_on_cpu_and_reprices_its_rows(tmp_path):
 def test_kernel_probe_benchmark_prices_each_block_by_its_own_ops(tmp_path):
     """The kernel probe's CPU stand-in: each block is planned alone and timed forward + backward; its
     prediction is the sum of its own ops' prices (the loss feeding the gradient in left out): one ``mm``
-    for the GEMM, the fused op for attention, the norm's elementwise ops, the loss's log-softmax."""
+    for the GEMM, the fused op for attention, the norm's elementwise ops, the loss's log-softmax.
+    ``--reprice`` reads the file back and re-plans each probe."""
     out = tmp_path / "kernel_probe.json"
     run = run_python(str(REPO / "benchmarks" / "kernel_probe.py"), "--device", "cpu", "--steps", "2",
                      "--out", str(out), cwd=tmp_path)
@@ -488,3 +489,6 @@ def test_kernel_probe_benchmark_prices_each_block_by_its_own_ops(tmp_path):
     assert list(rows["attention"]["ops"]) == ["scaled_dot_product_attention"]
     assert {"pow_1", "mean", "rsqrt"} <= set(rows["bandwidth"]["ops"])
     assert "_log_softmax" in rows["loss"]["ops"]
+    again = run_python(str(REPO / "benchmarks" / "kernel_probe.py"), "--reprice", str(out), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert all(row["name"] in again.stdout for row in data["rows"])  # each probe re-planned on meta tensors
