@@ -69,8 +69,6 @@ CPU_CONFIGS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("gpt h64 L2", "tiny-gpt", {}, 8, 32),
     ("llama h64 L2", "tiny-llama", {}, 8, 32),
 ]
-PROFILE = False
-"""``--profile``: each measured step is also profiled (``profiled``)."""
 WARMUP_STEPS = 3
 """Steps left out of the timing: DTensor's propagation caches, the allocator and autotuning warm up."""
 
@@ -131,7 +129,7 @@ others as ``autopar_<name>``."""
 
 
 def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict[str, str], device: str,
-                  steps: int, runtimes: list[str], eager_compiled: bool) -> dict[str, Any]:
+                  steps: int, runtimes: list[str], eager_compiled: bool, profiling: bool) -> dict[str, Any]:
     name, preset, overrides, batch, seq = row
     dtype, dtype_key = (torch.bfloat16, "bf16") if device == "cuda" else (torch.float32, "fp32")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -144,15 +142,17 @@ def measure_model(row: tuple[str, str, dict[str, Any], int, int], clusters: dict
                            "mesh": dict(zip(chosen.mesh.dim_names, chosen.mesh.shape)),
                            "checkpointing": chosen.checkpointing, "precision": _precision(chosen),
                            "predicted": {which: p.predicted for which, p in plans.items()}}
-    out["eager"] = _eager(bundle, sync, steps, device, baseline, compiled=False)
+    out["eager"] = _eager(bundle, sync, steps, device, baseline, profiling, compiled=False)
     if eager_compiled:
-        out["eager_compiled"] = _guarded(partial(_eager, bundle, sync, steps, device, baseline, compiled=True))
+        out["eager_compiled"] = _guarded(partial(_eager, bundle, sync, steps, device, baseline, profiling,
+                                                 compiled=True))
     del bundle
     for runtime in runtimes:
         key = "autopar" if runtime == "default" else f"autopar_{runtime}"
         before = _allocated(device)  # what earlier runtimes left (compiled programs' caches) is not this one's
         fresh = bundle_for(preset, overrides, batch, seq, device, dtype)  # each runtime starts from the same weights
-        out[key] = _guarded(partial(_autopar, fresh, chosen, sync, steps, device, before, **RUNTIMES[runtime]))
+        out[key] = _guarded(partial(_autopar, fresh, chosen, sync, steps, device, before, profiling,
+                                    **RUNTIMES[runtime]))
         del fresh
     return out
 
@@ -173,7 +173,7 @@ def _guarded(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
-def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, baseline: int,
+def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, baseline: int, profiling: bool,
            compiled: bool) -> dict[str, Any]:
     model, inputs, targets = bundle.model, bundle.example_inputs, bundle.example_targets
     forward = torch.compile(model) if compiled else model
@@ -185,13 +185,13 @@ def _eager(bundle: Any, sync: Callable[[], None], steps: int, device: str, basel
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
     out = {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": _peak_gb(device, baseline),
-           **profiled(step, sync, device)}
+           **(profiled(step, sync, device) if profiling else {})}
     model.zero_grad(set_to_none=True)
     return out
 
 
 def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps: int, device: str,
-             baseline: int, **runtime: Any) -> dict[str, Any]:
+             baseline: int, profiling: bool, **runtime: Any) -> dict[str, Any]:
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, plan=chosen, **runtime)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
@@ -203,7 +203,7 @@ def _autopar(bundle: Any, chosen: autopar.Plan, sync: Callable[[], None], steps:
     _reset_peak(device)
     samples = slowest_rank(timed(step, sync, steps))
     peak = _peak_gb(device, baseline)
-    profile = profiled(step, sync, device)
+    profile = profiled(step, sync, device) if profiling else {}
     updates = slowest_rank(timed(opt.step, sync, steps))
     return {"step_s": samples, "median_s": statistics.median(samples), "peak_gb": peak,
             "update_s": updates, "update_median_s": statistics.median(updates), "redistributes": pm.redistributes,
@@ -216,10 +216,8 @@ PROFILE_ROWS = 25
 
 
 def profiled(step: Callable[[], None], sync: Callable[[], None], device: str) -> dict[str, str]:
-    """With ``--profile``: torch.profiler's tables of ``PROFILED_STEPS`` steps, the ops by their own
-    device time (on CUDA) and by their own host time; else nothing."""
-    if not PROFILE:
-        return {}
+    """``--profile``'s tables: torch.profiler over ``PROFILED_STEPS`` steps, the ops by their own device
+    time (on CUDA) and by their own host time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -395,8 +393,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help=f"also profile {PROFILED_STEPS} steps of each runtime (tables in the JSON)")
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
     if args.reprice:
         reprice(args.reprice)
         return
@@ -414,7 +410,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for row in configs:
         try:
-            rows.append(measure_model(row, clusters, args.device, args.steps, runtimes, args.eager_compiled))
+            rows.append(measure_model(row, clusters, args.device, args.steps, runtimes, args.eager_compiled,
+                                      args.profile))
         except Exception as exc:  # a benchmark reports every model it could run, and why one failed
             rows.append({"model": row[0], "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         if args.device == "cuda":

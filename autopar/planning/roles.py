@@ -215,13 +215,19 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
             continue
         args = [(slot, batch.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
-        if any(bd is None for _, bd in args):
-            splits: tuple[frozenset[int], ...] = (frozenset(),) * len(output_vals(node))
-        else:
-            splits = finder.output_splits(node, dp_dim, tuple((slot, Shard(bd)) for slot, bd in args))
-        for i, dims in enumerate(splits):
+        for i, dims in enumerate(_traced_splits(finder, node, dp_dim, args)):
             batch[node.name, i] = next(iter(dims)) if len(dims) == 1 else None
     return batch
+
+
+def _traced_splits(finder: StrategyFinder, node: fx.Node, mesh_dim: int, args: list[tuple[int, int | None]]
+                   ) -> tuple[frozenset[int], ...]:
+    """Per output of ``node``, the dims its strategies split it on over ``mesh_dim`` when each input slot of
+    ``args`` is split on its traced dim there (``batch_dims``, ``sequence_dims``); none where an input's
+    dim was lost (None)."""
+    if any(dim is None for _, dim in args):
+        return (frozenset(),) * len(output_vals(node))
+    return finder.output_splits(node, mesh_dim, tuple((slot, Shard(dim)) for slot, dim in args))
 
 
 def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...], tp_dims: list[int],
@@ -376,12 +382,8 @@ def sequence_dims(captured: CapturedGraph, on_data: set[str], cp_dim: int, finde
             continue
         args = [(slot, seq.get(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
                 if a.name in on_data and a.meta["val"].ndim > 0]
-        if any(sd is None for _, sd in args):
-            splits: tuple[frozenset[int], ...] = (frozenset(),) * len(output_vals(node))
-        else:
-            splits = finder.output_splits(node, cp_dim, tuple((slot, Shard(sd)) for slot, sd in args))
         moved = sequence_view(node, finder.rows)
-        for i, dims in enumerate(splits):
+        for i, dims in enumerate(_traced_splits(finder, node, cp_dim, args)):
             if moved is not None and args and args[0][1] == moved[0]:
                 dims = frozenset({moved[1]})
             seq[node.name, i] = next(iter(dims)) if len(dims) == 1 else None
