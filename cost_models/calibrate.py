@@ -125,7 +125,7 @@ def sizes_for(device_type: str, quick: bool) -> Sizes:
     """What to measure on ``device_type`` ("cpu" or "cuda"); ``quick`` for tests (seconds, not minutes)."""
     if device_type == "cuda":
         if quick:
-            return Sizes(((1024, 1024, 1024), (4096, 4096, 4096)), (1 << 24,), (1 << 16, 1 << 22),
+            return Sizes(((1024, 1024, 1024), (4096, 4096, 4096)), (1 << 24, 1 << 26), (1 << 16, 1 << 22),
                          min_repeat_s=0.005, repeats=3)
         return Sizes(((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
                       (8192, 8192, 8192), (16384, 1024, 4096)),
@@ -206,10 +206,14 @@ class RateFit:
 
 
 def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
-    """Least-squares (non-negative) intercept and rate of ``seconds`` against ``work`` (FLOPs or bytes)."""
+    """Least-squares (non-negative) intercept and rate of ``seconds`` against ``work`` (FLOPs or bytes).
+    Timings of one size alone cannot tell a fixed cost from a rate: they give the rate through the
+    origin (no intercept) rather than a fit that puts all the time in the intercept."""
     if len(work) != len(seconds) or not work:
         raise ValueError(f"fit_rate needs as many timings as work sizes (at least one), got "
                          f"{len(work)} and {len(seconds)}")
+    if len(set(work)) == 1 and sum(seconds) > 0:
+        return RateFit(intercept_s=0.0, rate=work[0] * len(seconds) / sum(seconds))
     intercept, inverse_rate = nonnegative_least_squares([[1.0, float(w)] for w in work], seconds)
     if inverse_rate <= 0:
         raise ValueError(f"timings {list(seconds)} do not grow with work {list(work)}: no rate to fit; "

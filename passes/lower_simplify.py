@@ -120,10 +120,18 @@ def _is_2d_transpose(node: object) -> bool:
 
 
 _FILLS = frozenset({_aten.new_zeros.default})
-_ATTENTIONS = frozenset({_aten._scaled_dot_product_flash_attention_for_cpu.default,
-                         _aten._scaled_dot_product_efficient_attention.default,
-                         _aten._scaled_dot_product_flash_attention.default})
-"""Fused attention kernels, tagged random for their ``dropout_p``."""
+
+
+def _is_fused_attention(target: object) -> bool:
+    """Whether ``target`` is one of aten's fused attention forwards (``_scaled_dot_product_*``: flash,
+    efficient, cuDNN, the CPU flash kernel, the math fallback), which torch tags random for their
+    ``dropout_p``. Asked of the schema, not a list, so a kernel a newer torch adds is covered too."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or getattr(target, "namespace", None) != "aten":
+        return False
+    name = schema.name.split("::")[-1]
+    return (name.startswith("_scaled_dot_product_") and not name.endswith("_backward")
+            and any(argument.name == "dropout_p" for argument in schema.arguments))
 
 
 def _sliced_fill(clone: fx.Node) -> fx.Node | None:
@@ -160,7 +168,7 @@ def _effect_free(node: fx.Node) -> bool:
     tagged random for its dropout)."""
     if getattr(node.target, "namespace", None) == "_c10d_functional":
         return False
-    if node.target in _ATTENTIONS:
+    if _is_fused_attention(node.target):
         return _argument(node, "dropout_p") == 0.0
     return not node.is_impure()
 

@@ -95,6 +95,12 @@ def test_fit_rate_recovers_rate_and_intercept():
     assert fit.intercept_s == pytest.approx(30e-6, rel=1e-6)
 
 
+def test_fit_rate_of_one_size_is_the_rate_through_the_origin():
+    """One size (what `calibrate --quick` measured of an H200's bandwidth) gave no fit at all before."""
+    fit = fit_rate([1 << 27, 1 << 27], [40e-6, 60e-6])
+    assert fit.intercept_s == 0.0 and fit.rate == pytest.approx((1 << 27) / 50e-6)
+
+
 def test_nonnegative_least_squares_clamps_at_zero():
     # y = -1 + 2x fits best with a negative intercept; constrained, the intercept is 0
     x = nonnegative_least_squares([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [1.0, 3.0, 5.0])

@@ -505,6 +505,26 @@ def test_simplifying_drops_ops_that_compute_nothing_and_keeps_the_values() -> No
     torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
 
 
+def test_every_fused_attention_forward_no_op_reads_is_dropped_unless_it_draws_dropout() -> None:
+    """The GPU kernels too (cuDNN's ran twice per layer on an H200 when only the CPU and flash kernels
+    were known): an unread forward without dropout goes, one with dropout stays (it advances the
+    generator). Not run, only simplified: the CUDA kernels have no CPU implementation."""
+    from autopar.passes.lower_simplify import simplify_local_ops
+
+    graph = torch.fx.Graph()
+    q = _placeholder(graph, "q", torch.randn(1, 2, 4, 8))
+    for kernel in (_aten._scaled_dot_product_cudnn_attention.default,
+                   _aten._scaled_dot_product_efficient_attention.default):
+        graph.call_function(kernel, (q, q, q, None, True, 0.0, True))
+    graph.call_function(_aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.0, True))
+    kept = graph.call_function(_aten._scaled_dot_product_cudnn_attention.default, (q, q, q, None, True, 0.1))
+    graph.output((q,))
+    gm = torch.fx.GraphModule({}, graph)
+
+    assert simplify_local_ops(gm) == 3
+    assert [n for n in gm.graph.nodes if n.op == "call_function"] == [kept]
+
+
 def test_the_first_gradient_bucket_is_ddps_one_megabyte_and_the_rest_the_bucket_size() -> None:
     """``gradient_sync.buckets`` (GradientSync's, the lowered graphs' and the plan's count): the first
     bucket closes past 1 MB, the later ones past the bucket size; a bucket size under 1 MB applies to
