@@ -440,6 +440,12 @@ def scaled_cost(cost: Cost, factor: float) -> Cost:
 OUTPUT_KEY = "<loss>"
 
 
+def allow_any(node: fx.Node, strategy: Strategy) -> bool:
+    """The role rule with nothing to check (a role whose mesh dims the mesh lacks): every strategy may run.
+    Rules return this very function then, so that ``roles._all_of`` leaves them out of the per-strategy loop."""
+    return True
+
+
 @dataclass
 class Roles:
     """What each mesh dimension's role allows (the planner encodes dp/tp semantics here).
@@ -451,7 +457,8 @@ class Roles:
     param: Callable[[torch.Tensor], list[Placements]]
     user_input: Callable[[torch.Tensor], list[Placements]]
     buffer: Callable[[torch.Tensor], list[Placements]]
-    allow: Callable[[fx.Node, Strategy], bool] = lambda node, strategy: True
+    allow: Callable[[fx.Node, Strategy], bool] = allow_any
+
 
 
 def build_problem(

@@ -37,13 +37,13 @@ from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, Capt
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
-from autopar.planning.problem import Problem, Roles, build_problem, placeholder_candidates, source_of
+from autopar.planning.problem import Problem, Roles, allow_any, build_problem, placeholder_candidates, source_of
 from autopar.planning.sequence_parallel import sequence_parallel_rule
 from autopar.core.plan import ALLGATHER, DTENSOR, LOWERED, RING
 from autopar.planning.strategies import (KEY_VALUE_SLOTS, StrategyFinder, merged_dim, ring_refusal, rings,
                                          sequence_view)
 from torch import fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 import torch
 
 
@@ -173,34 +173,68 @@ def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[
     batch away (the loss): each rank works on its own share of the batch. Gathering the data on dp, or
     splitting another dimension over it (heads, sequence), would be tensor or context parallelism on
     the dp dim under the wrong name, which the role forbids. Where no strategy of an op keeps the
-    batch dimension traceable, its output only has to stay split (any dimension) or partial on dp."""
+    batch dimension traceable, its output only has to stay split (any dimension) or partial on dp.
+    What each op requires is worked out once per op (``_DataSplits``) and then asked of each of its
+    strategies: on a 4-D mesh an op has hundreds of them."""
+    if not dp_dims:
+        return allow_any
+    required: dict[str, _DataSplits | None] = {}
 
     def allow(node: fx.Node, strategy) -> bool:
-        if node.name not in on_data or not dp_dims:
+        if node.name not in on_data:
             return True
-        return _stays_split(node, strategy, dp_dims, on_data, batch)
+        if node.name not in required:
+            required[node.name] = _DataSplits.of(node, on_data, batch)
+        splits = required[node.name]
+        return splits is None or splits.allow(strategy, dp_dims)
 
     return allow
 
 
-def _stays_split(node: fx.Node, strategy, dims: list[int], on_data: set[str],
-                 split: dict[tuple[str, int], int | None]) -> bool:
-    """Whether ``strategy`` of data op ``node`` reads its data inputs split on ``dims`` along the
-    dimension ``split`` traces for each, and keeps its output split so (or partial where the op
-    reduces that dimension away; any split where the trace lost it)."""
-    out, val = strategy.outputs[0], node.meta.get("val")
-    val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
-    if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
-        return True
-    args = tensor_inputs(node)
-    if not all(_keeps_batch(placements, split.get(_value_of(a)), a.meta["val"].ndim, dims)
-               for a, placements in zip(args, strategy.inputs) if a.name in on_data):
-        return False
-    want = split.get((node.name, 0))
-    if want is not None:
-        return all(out[d] == Shard(want) for d in dims)
-    reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
-    return all(out[d].is_shard() or (reduces and out[d].is_partial()) for d in dims)
+@dataclass(frozen=True)
+class _DataSplits:
+    """What a data op's strategy must do on the data-parallel dims (``_batch_stays_split``): read each data
+    input split on its traced batch dim (``inputs``: slot and that ``Shard``, or None where the trace lost
+    the dim: any split or partial), and keep its output split on its own (``output``), or, where the trace
+    lost that, split on any dim or partial when the op reduces the data (``reduces``)."""
+
+    inputs: tuple[tuple[int, Placement | None], ...]
+    output: Placement | None
+    reduces: bool
+
+    @staticmethod
+    def of(node: fx.Node, on_data: set[str], split: dict[tuple[str, int], int | None]) -> "_DataSplits | None":
+        """``node``'s requirements; None where it has none (its main output is not a tensor, or a scalar)."""
+        val = node.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
+        if not isinstance(val, torch.Tensor) or val.ndim == 0:
+            return None
+        args = tensor_inputs(node)
+        inputs = []
+        for slot, arg in enumerate(args):
+            if arg.name in on_data and arg.meta["val"].ndim > 0:
+                dim = split.get(_value_of(arg))
+                inputs.append((slot, Shard(dim) if dim is not None else None))
+        want = split.get((node.name, 0))
+        reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
+        return _DataSplits(tuple(inputs), Shard(want) if want is not None else None, reduces)
+
+    def allow(self, strategy, dims: list[int]) -> bool:
+        out = strategy.outputs[0]
+        if out is None:
+            return True
+        for slot, want in self.inputs:
+            if slot >= len(strategy.inputs):
+                break
+            placements = strategy.inputs[slot]
+            if want is not None:
+                if any(placements[d] != want for d in dims):
+                    return False
+            elif any(placements[d].is_replicate() for d in dims):
+                return False
+        if self.output is not None:
+            return all(out[d] == self.output for d in dims)
+        return all(out[d].is_shard() or (self.reduces and out[d].is_partial()) for d in dims)
 
 
 def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: StrategyFinder
@@ -240,22 +274,40 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
     plain batch dim leaves one rank all the work and the others none, where the whole-batch price divides
     it by tp. What one sample brings to the dimension counts (the sequence, in a ``[batch * seq, ...]``
     flattening), so a flattened value may split its rows over tp."""
+    if not tp_dims:
+        return allow_any
     whole_batch = global_batch(captured) or 1
+    splits: dict[str, tuple[list, list]] = {}  # per data op: its inputs' and outputs' ``batch_split``s
 
-    def even_for_every_microbatch(value: tuple[str, int], dim: int, placements) -> bool:
-        if not any(placements[d] == Shard(dim) for d in tp_dims):
-            return True
-        split = math.prod(size for size, p in zip(shape, placements) if p == Shard(dim))
+    def batch_split(value: tuple[str, int]) -> tuple[Placement, int | None] | None:
+        """The split of ``value``'s batch dim and the size of that dim in the smallest microbatch (None
+        where it is no whole multiple of the samples); None where the trace lost the dim."""
+        dim = batch.get(value)
+        if dim is None:
+            return None
         per_sample, rest = divmod(int(output_vals(captured.node(value[0]))[value[1]].shape[dim]), whole_batch)
-        return rest == 0 and (samples * per_sample) % split == 0
+        return Shard(dim), samples * per_sample if rest == 0 else None
+
+    def even_for_every_microbatch(placements, shard: Placement, rows: int | None) -> bool:
+        if not any(placements[d] == shard for d in tp_dims):
+            return True
+        split = math.prod(size for size, p in zip(shape, placements) if p == shard)
+        return rows is not None and rows % split == 0
 
     def allow(node: fx.Node, strategy) -> bool:
-        if not tp_dims or node.name not in on_data:
+        if node.name not in on_data:
             return True
-        placed = [(_value_of(a), p) for a, p in zip(tensor_inputs(node), strategy.inputs) if a.name in on_data]
-        placed += [((node.name, i), p) for i, p in enumerate(strategy.outputs)]
-        return all(even_for_every_microbatch(value, batch[value], placements) for value, placements in placed
-                   if placements is not None and batch.get(value) is not None)
+        if node.name not in splits:
+            splits[node.name] = ([(slot, batch_split(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
+                                  if a.name in on_data],
+                                 [(i, batch_split((node.name, i))) for i in range(len(output_vals(node)))])
+        inputs, outputs = splits[node.name]
+        for placed, wanted in ((strategy.inputs, inputs), (strategy.outputs, outputs)):
+            for slot, split in wanted:
+                if (split is not None and slot < len(placed) and placed[slot] is not None
+                        and not even_for_every_microbatch(placed[slot], *split)):
+                    return False
+        return True
 
     return allow
 
@@ -274,6 +326,8 @@ def _no_average_partials_on(tp_dims: list[int]):
     the backward of moving such a value: its gradient arrives partial by sum, and DTensor refuses to turn
     ``P(sum)`` into ``P(avg)``, so the plan would fail at its first backward. The op reads its input whole,
     or split on another dim, instead."""
+    if not tp_dims:
+        return allow_any
 
     def allow(node: fx.Node, strategy) -> bool:
         for out, val in zip(strategy.outputs, output_vals(node)):
@@ -305,6 +359,8 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
     """Tensor-parallel role: an op reading a weight matrix reads it split on every tp dim, never
     gathered (gathering weights is what the dp dims with fsdp are for; on a tp dim it would turn
     tensor parallelism into sharded data parallelism under the wrong name)."""
+    if not tp_dims:
+        return allow_any
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (the permute before a mm)
 
     def allow(node: fx.Node, strategy) -> bool:
@@ -410,9 +466,10 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
         return _keeps_batch(placements, dim, val.ndim, cp_dims) or (whole and dim is not None
                                                                     and val.shape[dim] == length)
 
+    if not cp_dims:
+        return allow_any
+
     def allow(node: fx.Node, strategy) -> bool:
-        if not cp_dims:
-            return True
         if node.name not in on_data:
             return all(p is None or all(p[d].is_replicate() for d in cp_dims) for p in strategy.outputs)
         gathered = KEY_VALUE_SLOTS if node.target is FUSED_ATTENTION and not any(
@@ -594,37 +651,46 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
     expert weight reads its data as its strategy requires (split like the weight's experts). Moving a
     value from one split to the other is the all_to_all the ILP places and prices on an edge."""
     if not ep_dims:
-        return lambda node, strategy: True
+        return allow_any
     experts = expert_dims(captured, on_data, ep_dims[0], finder)
     weights = expert_weights(captured)
     reads_experts = {node.name for node in captured.graph.nodes
                      if any(view_root(a).name in weights for a in tensor_inputs(node))}
 
-    def splits(value: tuple[str, int]) -> set:
-        return {Shard(d) for d in (batch.get(value), experts.get(value)) if d is not None}
+    required: dict[str, tuple[list, tuple | None]] = {}  # per data op: what its inputs and output must be
 
-    def fits(placements, value: tuple[str, int], ndim: int, reduces: bool) -> bool:
-        if ndim == 0:
-            return True
-        allowed = splits(value)
+    def splits(value: tuple[str, int]) -> tuple[Placement, ...]:
+        return tuple(dict.fromkeys(Shard(d) for d in (batch.get(value), experts.get(value)) if d is not None))
+
+    def fits(placements, allowed: tuple[Placement, ...], reduces: bool) -> bool:
         if allowed:
             return all(placements[d] in allowed for d in ep_dims)
         return all(placements[d].is_shard() or (reduces and placements[d].is_partial()) for d in ep_dims)
 
+    def requirements(node: fx.Node) -> tuple[list, tuple | None]:
+        """(slot, allowed splits) of each data input it must read split (none for an op reading expert
+        weights), and (allowed splits, reduces) of its main output (None: not a tensor, or a scalar)."""
+        args = tensor_inputs(node)
+        inputs = [] if node.name in reads_experts else [
+            (slot, splits(_value_of(a))) for slot, a in enumerate(args) if a.name in on_data and a.meta["val"].ndim > 0]
+        val = node.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        if not isinstance(val, torch.Tensor) or val.ndim == 0:
+            return inputs, None
+        reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
+        return inputs, (splits((node.name, 0)), reduces)
+
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data:
             return True
-        args = tensor_inputs(node)
-        if node.name not in reads_experts and not all(
-                fits(placements, _value_of(a), a.meta["val"].ndim, True)
-                for a, placements in zip(args, strategy.inputs) if a.name in on_data):
-            return False
-        out, val = strategy.outputs[0], node.meta.get("val")
-        val = val[0] if isinstance(val, (tuple, list)) and val else val
-        if out is None or not isinstance(val, torch.Tensor) or val.ndim == 0:
-            return True
-        reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
-        return fits(out, (node.name, 0), val.ndim, reduces)
+        if node.name not in required:
+            required[node.name] = requirements(node)
+        inputs, output = required[node.name]
+        for slot, allowed in inputs:
+            if slot < len(strategy.inputs) and not fits(strategy.inputs[slot], allowed, True):
+                return False
+        out = strategy.outputs[0]
+        return out is None or output is None or fits(out, *output)
 
     return allow
 
@@ -633,6 +699,8 @@ def _replicas_act_as_shards(replica_dims: list[int], shard_dims: list[int]):
     """HSDP: its two data-parallel dims split the work as one; every op places its tensors alike on
     both (only parameters differ: replicated across replica groups, sharded within one)."""
     pairs = [(r, s) for r in replica_dims for s in shard_dims]
+    if not pairs:
+        return allow_any
 
     def allow(node: fx.Node, strategy) -> bool:
         placed = [p for p in (*strategy.inputs, *strategy.outputs) if p is not None]
@@ -642,7 +710,21 @@ def _replicas_act_as_shards(replica_dims: list[int], shard_dims: list[int]):
 
 
 def _all_of(*rules):
-    return lambda node, strategy: all(rule(node, strategy) for rule in rules)
+    """The rule that allows what each of ``rules`` allows; rules with nothing to check (``allow_any``) are
+    left out, since every strategy of every op on every mesh searched passes through it."""
+    kept = tuple(rule for rule in rules if rule is not allow_any)
+    if not kept:
+        return allow_any
+    if len(kept) == 1:
+        return kept[0]
+
+    def allow(node: fx.Node, strategy) -> bool:
+        for rule in kept:
+            if not rule(node, strategy):
+                return False
+        return True
+
+    return allow
 
 
 def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import is_getitem
+from autopar.planning.problem import allow_any
 from autopar.planning.strategies import Strategy
 
 _NORM_MODULE = re.compile(r"(layernorm|rmsnorm)$", re.IGNORECASE)
@@ -87,7 +88,7 @@ def sequence_parallel_rule(captured: CapturedGraph, tp_dims: list[int], sp: int 
     Megatron-LM without sequence parallelism runs the norms, dropouts and residual adds whole on each
     tp rank); unpinned (None), or without a tp dim, the solver chooses."""
     if sp is None or not tp_dims:
-        return lambda node, strategy: True
+        return allow_any
     constrained = sequence_region(captured, norm_sites(captured))
 
     def allow(node: fx.Node, strategy: Strategy) -> bool:

@@ -382,10 +382,10 @@ class Ilp:
         self.row_lower.append(lower)
         self.row_upper.append(upper)
         rows, columns, values = self.entries
-        for var in sorted(coefs):
-            rows.append(index)
-            columns.append(var)
-            values.append(coefs[var])
+        ordered = sorted(coefs)
+        rows.extend([index] * len(ordered))
+        columns.extend(ordered)
+        values.extend([coefs[var] for var in ordered])
 
     def to_proto(self, relaxed: bool = False) -> model_pb2.ModelProto:
         """The model for MathOpt; ``relaxed``: its LP relaxation (no variable integral)."""
