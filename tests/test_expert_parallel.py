@@ -261,14 +261,14 @@ def test_a_mesh_whose_fewest_microbatches_do_not_fit_is_searched_under_zero_one_
 
     pinned = {"pp": 4, "dp": 8, "ep": 4, "tp": 2}
     plan = _plan("mixtral-8x7b", "8x8xH100", pinned, batch=256, seq=4096)
-    monkeypatch.setattr(search._MeshSearch, "run", _never_raising(search._MeshSearch.run))
+    monkeypatch.setattr(search._MeshSearch, "run", _fewest_microbatches_ignored(search._MeshSearch.run))
     without = _plan("mixtral-8x7b", "8x8xH100", pinned, batch=256, seq=4096)
     assert without.degrees.zero in (0, None) and without.pipeline.microbatches == 32
     assert plan.degrees.zero == 1 and plan.pipeline.microbatches == 16
     assert plan.predicted["step_time_s"] < 0.96 * without.predicted["step_time_s"]
 
 
-def _never_raising(run):
+def _fewest_microbatches_ignored(run):
     """``_MeshSearch.run`` with ``microbatches_raised`` cleared after it: the search as it was before."""
     def cleared(self, *args, **kwargs):
         found = run(self, *args, **kwargs)

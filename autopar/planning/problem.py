@@ -460,7 +460,6 @@ class Roles:
     allow: Callable[[fx.Node, Strategy], bool] = allow_any
 
 
-
 def build_problem(
     captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer, roles: Roles,
     memory_capacity_bytes: float, overlap_fraction: float, gathered_by_parameter: bool = False,

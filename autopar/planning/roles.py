@@ -29,6 +29,7 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
 from __future__ import annotations
 import math
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
@@ -45,6 +46,8 @@ from autopar.planning.strategies import (KEY_VALUE_SLOTS, StrategyFinder, merged
 from torch import fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 import torch
+
+_R = TypeVar("_R")
 
 
 
@@ -174,18 +177,15 @@ def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[
     splitting another dimension over it (heads, sequence), would be tensor or context parallelism on
     the dp dim under the wrong name, which the role forbids. Where no strategy of an op keeps the
     batch dimension traceable, its output only has to stay split (any dimension) or partial on dp.
-    What each op requires is worked out once per op (``_DataSplits``) and then asked of each of its
-    strategies: on a 4-D mesh an op has hundreds of them."""
+    What each op requires is worked out once per op (``_DataSplits``, ``_once_per_op``)."""
     if not dp_dims:
         return allow_any
-    required: dict[str, _DataSplits | None] = {}
+    required = _once_per_op(lambda node: _DataSplits.of(node, on_data, batch))
 
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data:
             return True
-        if node.name not in required:
-            required[node.name] = _DataSplits.of(node, on_data, batch)
-        splits = required[node.name]
+        splits = required(node)
         return splits is None or splits.allow(strategy, dp_dims)
 
     return allow
@@ -226,11 +226,7 @@ class _DataSplits:
         for slot, want in self.inputs:
             if slot >= len(strategy.inputs):
                 break
-            placements = strategy.inputs[slot]
-            if want is not None:
-                if any(placements[d] != want for d in dims):
-                    return False
-            elif any(placements[d].is_replicate() for d in dims):
+            if not _stays_split(strategy.inputs[slot], want, dims):
                 return False
         if self.output is not None:
             return all(out[d] == self.output for d in dims)
@@ -277,7 +273,6 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
     if not tp_dims:
         return allow_any
     whole_batch = global_batch(captured) or 1
-    splits: dict[str, tuple[list, list]] = {}  # per data op: its inputs' and outputs' ``batch_split``s
 
     def batch_split(value: tuple[str, int]) -> tuple[Placement, int | None] | None:
         """The split of ``value``'s batch dim and the size of that dim in the smallest microbatch (None
@@ -288,6 +283,10 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
         per_sample, rest = divmod(int(output_vals(captured.node(value[0]))[value[1]].shape[dim]), whole_batch)
         return Shard(dim), samples * per_sample if rest == 0 else None
 
+    splits = _once_per_op(lambda node: (  # per data op: its inputs' and outputs' ``batch_split``s
+        [(slot, batch_split(_value_of(a))) for slot, a in enumerate(tensor_inputs(node)) if a.name in on_data],
+        [(i, batch_split((node.name, i))) for i in range(len(output_vals(node)))]))
+
     def even_for_every_microbatch(placements, shard: Placement, rows: int | None) -> bool:
         if not any(placements[d] == shard for d in tp_dims):
             return True
@@ -297,11 +296,7 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data:
             return True
-        if node.name not in splits:
-            splits[node.name] = ([(slot, batch_split(_value_of(a))) for slot, a in enumerate(tensor_inputs(node))
-                                  if a.name in on_data],
-                                 [(i, batch_split((node.name, i))) for i in range(len(output_vals(node)))])
-        inputs, outputs = splits[node.name]
+        inputs, outputs = splits(node)
         for placed, wanted in ((strategy.inputs, inputs), (strategy.outputs, outputs)):
             for slot, split in wanted:
                 if (split is not None and slot < len(placed) and placed[slot] is not None
@@ -342,11 +337,28 @@ def _no_average_partials_on(tp_dims: list[int]):
 def _keeps_batch(placements, batch_dim: int | None, ndim: int, dp_dims: list[int]) -> bool:
     """Whether a data input read in ``placements`` stays split on dp along its batch dim (any split,
     or partial, when that dim is unknown)."""
-    if ndim == 0:
-        return True
-    if batch_dim is not None:
-        return all(placements[d] == Shard(batch_dim) for d in dp_dims)
-    return not any(placements[d].is_replicate() for d in dp_dims)
+    return ndim == 0 or _stays_split(placements, Shard(batch_dim) if batch_dim is not None else None, dp_dims)
+
+
+def _stays_split(placements, want: Placement | None, dims: list[int]) -> bool:
+    """Whether ``placements`` are ``want`` on every one of ``dims`` (where ``want`` is None: not replicated
+    on any of them, any split or partial)."""
+    if want is not None:
+        return all(placements[d] == want for d in dims)
+    return not any(placements[d].is_replicate() for d in dims)
+
+
+def _once_per_op(work_out: Callable[[fx.Node], _R]) -> Callable[[fx.Node], _R]:
+    """``work_out`` remembered per op (by node name): what a rule requires of an op, worked out at its first
+    strategy and asked of each of the others (on a 4-D mesh an op has hundreds)."""
+    known: dict[str, _R] = {}
+
+    def of(node: fx.Node) -> _R:
+        if node.name not in known:
+            known[node.name] = work_out(node)
+        return known[node.name]
+
+    return of
 
 
 def _value_of(arg: fx.Node) -> tuple[str, int]:
@@ -657,8 +669,6 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
     reads_experts = {node.name for node in captured.graph.nodes
                      if any(view_root(a).name in weights for a in tensor_inputs(node))}
 
-    required: dict[str, tuple[list, tuple | None]] = {}  # per data op: what its inputs and output must be
-
     def splits(value: tuple[str, int]) -> tuple[Placement, ...]:
         return tuple(dict.fromkeys(Shard(d) for d in (batch.get(value), experts.get(value)) if d is not None))
 
@@ -680,12 +690,12 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
         reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)
         return inputs, (splits((node.name, 0)), reduces)
 
+    required = _once_per_op(requirements)
+
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data:
             return True
-        if node.name not in required:
-            required[node.name] = requirements(node)
-        inputs, output = required[node.name]
+        inputs, output = required(node)
         for slot, allowed in inputs:
             if slot < len(strategy.inputs) and not fits(strategy.inputs[slot], allowed, True):
                 return False
