@@ -182,3 +182,30 @@ def test_a_resharding_costs_the_same_under_zero_one_so_a_meshs_two_searches_shar
     other = MeshChoice(((MeshAxis.DP_SHARD, 4),), 1)
     with pytest.raises(ValueError, match="one mesh, dtype and runtime"):
         pricer_for(cluster, other, "bf16", plain).share_edge_prices(pricer_for(cluster, mesh, "bf16", plain).edge_prices())
+
+
+def test_a_plan_sharding_parameters_over_cp_may_be_searched_again_under_zero_one() -> None:
+    """A plan that shards parameters over a context-parallel dim (FSDP over ``cp``) is one ZeRO-1 may
+    replace: its optimizer state split over the same ranks (``ZERO_AXES``). The rule that sends a mesh's
+    search again under ZeRO-1 (``_MeshSearch.shards_parameters_over_data_dims``) counts ``cp`` as it counts
+    ``dp``; it looked at data-parallel dims alone, so a cp-only mesh never qualified."""
+    from autopar.core.axes import MeshAxis
+    from autopar.planning.meshes import MeshChoice
+    from autopar.planning.progress import SearchProgress
+    from autopar.planning.search import Candidate, _MeshSearch
+
+    b = build_model("llama3-8b", overrides={"layers": 2}, global_batch=1, seq=8192, device="meta")
+    captured = capture(b.model, b.example_inputs, b.example_targets, b.loss_fn)
+
+    def searched(dims: tuple, fsdp: int) -> tuple[_MeshSearch, Candidate]:
+        search = _MeshSearch(captured, parse_cluster("1x8xH100"), "bf16", 80e9, 1,
+                             Constraints.from_mapping({"fsdp": fsdp}), SearchProgress())
+        found = search.run(MeshChoice(dims, 1), None)
+        assert isinstance(found, Candidate)
+        return search, found
+
+    for dims in (((MeshAxis.CP, 8),), ((MeshAxis.CP, 4), (MeshAxis.TP, 2))):
+        search, sharded = searched(dims, fsdp=3)
+        assert search.shards_parameters_over_data_dims(sharded)
+        search, whole = searched(dims, fsdp=0)
+        assert not search.shards_parameters_over_data_dims(whole)

@@ -48,7 +48,7 @@ from typing import Iterator, Mapping
 
 from torch.distributed.tensor import Replicate
 
-from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
+from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
@@ -239,20 +239,20 @@ def _zero_one_applies(search: "_MeshSearch", mesh: MeshChoice) -> bool:
 
 def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
                                     found: "Candidate | MeshChoice | str") -> bool:
-    """Whether ``mesh`` is searched again under ZeRO-1 (``_zero_one_applies``) after its search without:
-    memory was what shaped the plan there: nothing fit, the plan recomputes or shards parameters over
-    data parallelism, or memory refused the fewest microbatch counts at the least recomputation
-    (``microbatches_raised``), where the state ZeRO-1 frees may let fewer, larger microbatches run, or more
-    model chunks a device, without sharding parameters. (Mixtral 8x7B on 64 H100s: pp4 x dp2 x ep4 x tp2
-    ran 32 microbatches of 1 sample, 2 chunks a device, 3,575 ms, without ZeRO; under ZeRO-1 16 of 2, 4
-    chunks, 3,407 ms, the search's winner, where pp4 x dp8 x tp2 had won at 3,504 ms. Llama 3 8B, 70B and
-    405B keep their plans.) A mesh pruned by the cutoff is not retried, though its bound holds for the plans
-    without ZeRO only (ZeRO-1 frees memory): the gap the module docstring states, closed where the
-    parameters must be sharded by searching ZeRO-1 first (``must_shard_parameters``)."""
+    """Whether ``mesh`` is searched again under ZeRO-1 (``_zero_one_applies``) after its search without: memory
+    was what shaped the plan there: nothing fit, the plan recomputes or shards parameters over data or context
+    parallelism (``shards_parameters_over_data_dims``), or memory refused the fewest microbatch counts at the
+    least recomputation (``microbatches_raised``), where the state ZeRO-1 frees may let fewer, larger
+    microbatches run, or more model chunks a device, without sharding parameters. (Mixtral 8x7B on 64 H100s: pp4
+    x dp2 x ep4 x tp2 ran 32 microbatches of 1 sample, 2 chunks a device, 3,575 ms, without ZeRO; under ZeRO-1
+    16 of 2, 4 chunks, 3,407 ms, the search's winner, where pp4 x dp8 x tp2 had won at 3,504 ms. Llama 3 8B, 70B
+    and 405B keep their plans.) A mesh pruned by the cutoff is not retried, though its bound holds for the plans
+    without ZeRO only (ZeRO-1 frees memory): the gap the module docstring states, closed where the parameters
+    must be sharded by searching ZeRO-1 first (``must_shard_parameters``)."""
     if not _zero_one_applies(search, mesh) or isinstance(found, MeshChoice):
         return False
     return (isinstance(found, str) or found.checkpointing != "none" or search.microbatches_raised
-            or search.shards_parameters_over_dp(found))
+            or search.shards_parameters_over_data_dims(found))
 
 
 def _cutoff(best_s: float | None, found: "Candidate | MeshChoice | str") -> float | None:
@@ -576,14 +576,16 @@ class _MeshSearch:
         """The constraints, with ``zero_stage`` (when given) as the ZeRO stage."""
         return self.constraints if zero_stage is None else replace(self.constraints, zero_stage=zero_stage)
 
-    def shards_parameters_over_dp(self, candidate: Candidate) -> bool:
-        """Whether ``candidate`` splits any parameter over a data-parallel mesh dim (FSDP)."""
-        dp_dims = candidate.mesh.dims_of(*DATA_PARALLEL_AXES)
+    def shards_parameters_over_data_dims(self, candidate: Candidate) -> bool:
+        """Whether ``candidate`` splits any parameter over a dim whose ranks read the same weights, ``dp`` or
+        ``cp`` (FSDP over either, as torchtitan shards over both): the dims ZeRO-1 splits the optimizer
+        state over instead (``ZERO_AXES``)."""
+        zero_dims = candidate.mesh.dims_of(*ZERO_AXES)
         params = set(self.captured.params)
         for key, decision in candidate.problem.decisions.items():
             if params.intersection(decision.nodes):
                 placements = decision.options[candidate.solution.choice[key]].strategy.outputs[0]
-                if any(not placements[i].is_replicate() for i in dp_dims):
+                if any(not placements[i].is_replicate() for i in zero_dims):
                     return True
         return False
 
