@@ -487,11 +487,12 @@ def test_kernel_probe_benchmark_prices_each_block_by_its_own_ops(tmp_path):
     rows = {r["family"]: r for r in data["rows"]}
     assert set(rows) == {"gemm", "attention", "bandwidth", "loss"}, data["rows"]
     for row in rows.values():
-        assert row["measured_s"] > 0 and len(row["samples_s"]) == 2
+        assert row["measured_s"] > 0 and len(row["samples_s"]) == 2 and row["enqueued_s"] > 0
         assert row["predicted_s"] == pytest.approx(sum(row["ops"].values())) and row["predicted_s"] > 0
         assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
     assert [name for name, s in rows["gemm"]["ops"].items() if s > 0] == ["mm"]  # the loss's mul and sum left out
     assert rows["gemm"]["flops"] == 6 * 256 * 128 * 128
+    assert rows["gemm"]["enqueued_tflops"] == pytest.approx(rows["gemm"]["flops"] / rows["gemm"]["enqueued_s"] / 1e12)
     assert list(rows["attention"]["ops"]) == ["scaled_dot_product_attention"]
     assert {"pow_1", "mean", "rsqrt"} <= set(rows["bandwidth"]["ops"])
     assert "_log_softmax" in rows["loss"]["ops"]
