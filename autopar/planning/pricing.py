@@ -72,6 +72,7 @@ bf16 masters (``precision.master``, ``master_dtype``) the optimizer state is pri
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple, Sequence, TypeVar
 
@@ -145,12 +146,18 @@ def with_fields(record: _R, **changes: Any) -> _R:
     re-run (``Decision``'s fills ``occurrences`` once, when it is missing). Re-pricing a problem for each
     microbatch count and checkpointing mode copies hundreds of thousands of them; ``replace`` was a
     sixth of the planning time of a 70B model on 1,024 GPUs."""
-    if not changes.keys() <= record.__dataclass_fields__.keys():
-        unknown = sorted(changes.keys() - record.__dataclass_fields__.keys())
+    if not changes.keys() <= _field_names(type(record)):
+        unknown = sorted(changes.keys() - _field_names(type(record)))
         raise TypeError(f"{type(record).__name__} has no field {', '.join(unknown)}")
     copy = object.__new__(type(record))
     object.__setattr__(copy, "__dict__", record.__dict__ | changes)  # frozen records too
     return copy
+
+
+@functools.cache
+def _field_names(kind: type) -> frozenset[str]:
+    """The field names of dataclass ``kind`` (``with_fields`` checks every change against them)."""
+    return frozenset(kind.__dataclass_fields__)
 
 
 def _varies_with_microbatches(cost: Cost) -> bool:

@@ -91,10 +91,10 @@ class Decision:
         """Its smallest memory over options (and checkpointing modes, each with its recompute working set);
         ``held(cost, working_set)``, where a device holds other than each price's ``memory_bytes``: the
         bytes per occurrence a cost (with that working set in it) puts on it (``Problem.held_bytes``)."""
-        if held is None:  # (no call per option: the search bounds thousands of problems' memory)
-            return min(min((self.count * c.memory_bytes + o.recompute_bytes.get(m, 0.0)
-                            for m, c in o.by_mode.items()), default=self.count * o.cost.memory_bytes)
-                       for o in self.options)
+        if held is None:  # (no call per option, nor a generator where an option has no modes: the search
+            # bounds thousands of problems' memory)
+            return min(min(self.count * c.memory_bytes + o.recompute_bytes.get(m, 0.0) for m, c in o.by_mode.items())
+                       if o.by_mode else self.count * o.cost.memory_bytes for o in self.options)
         return min(min((self.count * held(c, 0.0) + o.recompute_bytes.get(m, 0.0)
                         for m, c in o.by_mode.items()), default=self.count * held(o.cost, o.working_set_bytes))
                    for o in self.options)
@@ -123,6 +123,7 @@ class EdgeRows(NamedTuple):
     key: tuple[str, int, str, int]  # (src, src_out, dst, slot): checked where the rows are shared
     pairs: int
     rows: tuple[tuple[tuple[int, ...], str, tuple[int, ...]], ...]  # (pair indices, end decision, its options)
+    consumer_from: int  # index in ``rows`` of the first consumer row (an edge may join a decision to itself)
 
 
 @dataclass

@@ -373,6 +373,14 @@ class Ilp:
     def binary(self) -> int:
         return self.var(0.0, 1.0, integer=True)
 
+    def vars(self, count: int, lower: float, upper: float, integer: bool = False) -> list[int]:
+        """``count`` new variables with the same bounds, as ``var`` would make them one by one."""
+        first = len(self.lower)
+        self.lower.extend([lower] * count)
+        self.upper.extend([upper] * count)
+        self.integer.extend([integer] * count)
+        return list(range(first, first + count))
+
     def row(self, lower: float, upper: float, terms) -> None:
         """Row ``lower <= sum coef * var <= upper``, a variable's coefficients summed where it appears twice."""
         coefs: dict[int, float] = {}
@@ -386,6 +394,17 @@ class Ilp:
         rows.extend([index] * len(ordered))
         columns.extend(ordered)
         values.extend([coefs[var] for var in ordered])
+
+    def sorted_row(self, lower: float, upper: float, columns: list[int], values: list[float]) -> None:
+        """What ``row`` makes of terms whose variables are distinct and already in ascending order (the
+        caller's guarantee): the hot rows (1) and (2), written without merging or sorting."""
+        index = len(self.row_lower)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        rows, entry_columns, entry_values = self.entries
+        rows.extend([index] * len(columns))
+        entry_columns.extend(columns)
+        entry_values.extend(values)
 
     def to_proto(self, relaxed: bool = False) -> model_pb2.ModelProto:
         """The model for MathOpt; ``relaxed``: its LP relaxation (no variable integral)."""
@@ -411,31 +430,25 @@ def add_choice_variables(model: Ilp, problem: Problem) -> dict[str, list]:
     """x_dk and constraint (1)."""
     x = {}
     for key, d in problem.decisions.items():
-        x[key] = [model.binary() for _ in d.options]
-        model.row(1.0, 1.0, [(v, 1.0) for v in x[key]])
+        x[key] = model.vars(len(d.options), 0.0, 1.0, integer=True)
+        model.sorted_row(1.0, 1.0, x[key], [1.0] * len(x[key]))
     return x
 
 
 def add_edge_variables(model: Ilp, problem: Problem, x: Mapping[str, list]) -> dict[int, list]:
     """y_epq and constraints (2), per edge a list in the order of its ``price`` pairs. y may be continuous:
-    with x integral the marginals fix it.
-
-    Which pairs and options share a row depends on the placements alone, which hashing reads through
-    DTensor's Python ``__hash__``: it is worked out once per edge for the problems that share
-    ``Problem.edge_rows`` (a mesh's, re-priced per microbatch count and staged per schedule and mode),
-    and reused by each of their ILPs and LP relaxations."""
+    with x integral the marginals fix it. The rows come from ``shared_edge_rows``, reused by each of the
+    ILPs and LP relaxations of the problems that share them."""
     y = {}
-    shared = problem.edge_rows
-    for e_idx, edge in enumerate(problem.edges):
-        key = (edge.src, edge.src_out, edge.dst, edge.slot)
-        rows = shared.get(e_idx) if shared is not None else None
-        if rows is None or rows.key != key:
-            rows = edge_rows(problem, edge)
-            if shared is not None:
-                shared[e_idx] = rows
-        pairs = [model.var(0.0, 1.0) for _ in range(rows.pairs)]
+    for e_idx in range(len(problem.edges)):
+        rows = shared_edge_rows(problem, e_idx)
+        pairs = model.vars(rows.pairs, 0.0, 1.0)
         for pair_indices, end, options in rows.rows:
-            model.row(0.0, 0.0, [(pairs[i], 1.0) for i in pair_indices] + [(x[end][k], -1.0) for k in options])
+            # an end's x were made before any y, each decision's in option order, and ``edge_rows`` lists
+            # options and pairs ascending: the row's variables are distinct and already sorted
+            ends = x[end]
+            model.sorted_row(0.0, 0.0, [ends[k] for k in options] + [pairs[i] for i in pair_indices],
+                             [-1.0] * len(options) + [1.0] * len(pair_indices))
         y[e_idx] = pairs
     return y
 
@@ -453,8 +466,25 @@ def edge_rows(problem: Problem, edge: Edge) -> EdgeRows:
     for k, o in enumerate(problem.decisions[edge.dst].options):
         by_dst.setdefault(o.edge_key(edge.slot), ([], []))[1].append(k)
     rows = [(tuple(pairs), edge.src, tuple(options)) for pairs, options in by_src.values()]
+    consumer_from = len(rows)
     rows += [(tuple(pairs), edge.dst, tuple(options)) for pairs, options in by_dst.values()]
-    return EdgeRows((edge.src, edge.src_out, edge.dst, edge.slot), len(edge.price), tuple(rows))
+    return EdgeRows((edge.src, edge.src_out, edge.dst, edge.slot), len(edge.price), tuple(rows), consumer_from)
+
+
+def shared_edge_rows(problem: Problem, e_idx: int) -> EdgeRows:
+    """``edge_rows`` of ``problem``'s edge ``e_idx``, worked out once for the problems that share
+    ``Problem.edge_rows`` (a mesh's, re-priced per microbatch count and staged per schedule and mode):
+    which pairs and options share a row depends on the placements alone, which hashing reads through
+    DTensor's Python ``__hash__``."""
+    edge = problem.edges[e_idx]
+    key = (edge.src, edge.src_out, edge.dst, edge.slot)
+    shared = problem.edge_rows
+    rows = shared.get(e_idx) if shared is not None else None
+    if rows is None or rows.key != key:
+        rows = edge_rows(problem, edge)
+        if shared is not None:
+            shared[e_idx] = rows
+    return rows
 
 
 def add_layer_mode_variables(model: Ilp, problem: Problem) -> tuple[dict, dict]:
@@ -528,8 +558,9 @@ def add_shared_move_variables(model: Ilp, problem: Problem, y: Mapping[int, list
         for (p, q), cost in g.price.items():
             s = model.var(0.0, 1.0)
             for by_move in carried:  # s >= sum_h y_e,p,(q,h)
-                if (p, q) in by_move:
-                    model.row(0.0, math.inf, [(s, 1.0), *((var, -1.0) for var in by_move[p, q])])
+                if (p, q) in by_move:  # the edge's y, ascending and made before s: a sorted row
+                    carrying = by_move[p, q]
+                    model.sorted_row(0.0, math.inf, [*carrying, s], [-1.0] * len(carrying) + [1.0])
             priced.append((s, count * cost.exposed_s))
             again = sum(cost.forward_comm_s.values())
             for m in rerun if again else ():  # u - n_m - L s >= -L
@@ -785,14 +816,14 @@ def least_time(problem: Problem) -> float:
         for k in t.options:
             own[t.consumer][k] += gain
     with_edges = {key: list(prices) for key, prices in own.items()}
-    for edge in problem.edges:
-        cheapest: dict = {}
-        for (_, q), cost in edge.price.items():
-            if cost.exposed_s < cheapest.get(q, math.inf):
-                cheapest[q] = cost.exposed_s
+    for e_idx, edge in enumerate(problem.edges):
+        rows = shared_edge_rows(problem, e_idx)
+        pair_prices = [cost.exposed_s for cost in edge.price.values()]
         prices = with_edges[edge.dst]
-        for k, option in enumerate(problem.decisions[edge.dst].options):
-            prices[k] += edge.count * cheapest.get(option.edge_key(edge.slot), math.inf)
+        for pair_indices, _, options in rows.rows[rows.consumer_from:]:  # one per consumer edge key
+            cheapest = min((pair_prices[i] for i in pair_indices), default=math.inf)
+            for k in options:
+                prices[k] += edge.count * cheapest
     if any(min(prices) == math.inf for prices in with_edges.values()):
         with_edges = own
     return sum(min(prices) for prices in with_edges.values())
