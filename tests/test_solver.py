@@ -16,8 +16,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.planning.pricing import Cost
 from autopar.planning.problem import Decision, Edge, LayerModes, Option, Problem, RootSharding
-from autopar.planning.solver import (Pruned, brute_force, cannot_beat, evaluate, least_memory, least_time,
-                                     relaxed_objective, solve)
+from autopar.planning.solver import (Pruned, brute_force, build_model, cannot_beat, evaluate, least_memory,
+                                     least_time, relaxed_objective, solve)
 from autopar.planning.strategies import Strategy
 
 GIB = 2.0**30
@@ -292,6 +292,23 @@ class _TiedStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+@pytest.mark.parametrize("seed", SEEDS[:8])
+def test_every_row_of_the_model_lists_its_variables_once_in_ascending_order(seed, wide_problem):
+    """What ``Ilp.sorted_row`` takes on trust from its callers (rows (1), (2) and (11) are written as they
+    are made, unsorted and unmerged): every row of a built model, those of ``Ilp.row`` alike, lists each
+    variable once and in ascending order, as MathOpt's sparse matrix wants it. Random problems have
+    decisions that feed themselves (tied layers): an edge whose producer and consumer rows are one
+    decision's."""
+    for p in (random_problem(seed), random_layered_problem(seed), wide_problem):
+        model = build_model(p, cutoff_s=1.0, bubble_fraction=0.1)[0]
+        rows, columns, _ = model.entries
+        by_row: dict[int, list[int]] = {}
+        for row, column in zip(rows, columns):
+            by_row.setdefault(row, []).append(column)
+        assert rows == sorted(rows)
+        assert all(cols == sorted(set(cols)) for cols in by_row.values())
 
 
 def _real_problem(dim: int, batch: int):
