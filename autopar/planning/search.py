@@ -19,8 +19,9 @@ to fit, or whose fewest microbatch counts did not fit (or where nothing fit) is 
 optimizer state sharded over data parallelism (ZeRO-1, Megatron-LM's distributed optimizer): it frees 12
 bytes of state per parameter for a reduce_scatter and an all_gather per parameter in place of the
 gradient all_reduce, which often costs less than the gathers of FSDP or the recomputation it replaces
-(``_distributed_optimizer_may_help``); that second search of a mesh reads the strategies, the traced batch and sequence dims and the resharding
-prices of the first (``_shared_with_earlier_search``), which ZeRO does not change.
+(``_distributed_optimizer_may_help``); that second search of a mesh reads the strategies, the traced
+batch and sequence dims and the resharding prices of the first (``_shared_with_earlier_search``), which
+ZeRO does not change.
 Where the parameters' state replicated over dp cannot fit a device at all (``must_shard_parameters``),
 ZeRO-1 is searched first and the search without it second, against ZeRO-1's step time: a mesh whose
 search without ZeRO the cutoff prunes is then not left untried under ZeRO-1. (Where it can fit, a mesh

@@ -397,7 +397,7 @@ class Ilp:
 
     def sorted_row(self, lower: float, upper: float, columns: list[int], values: list[float]) -> None:
         """What ``row`` makes of terms whose variables are distinct and already in ascending order (the
-        caller's guarantee): the hot rows (1) and (2), written without merging or sorting."""
+        caller's guarantee): the hot rows (1), (2) and (11), written without merging or sorting."""
         index = len(self.row_lower)
         self.row_lower.append(lower)
         self.row_upper.append(upper)
