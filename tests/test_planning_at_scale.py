@@ -412,22 +412,6 @@ def _pinned_70b_solves(monkeypatch, cluster: str = "16x8xH100") -> tuple[object,
 
 
 @pytest.mark.extended
-def test_recomputing_modes_skip_the_pipeline_counts_that_none_settles(monkeypatch):
-    """On a pinned pipeline mesh, at a microbatch count where none's problem solved without its memory
-    row fits memory, or cannot beat the cutoff even with the least time a mode's recomputation adds,
-    that mode is not solved (recomputation prices every option at least as high): fewer ILPs, the same
-    plan. (On Llama 3 70B at 1,024 sequences a step: 15 ILPs against 17. At 512, since SiLU is captured
-    whole and a layer saves less, none fits enough counts that the rule saves no solve there.)"""
-    from autopar.planning import search
-
-    plan, with_rule = _pinned_70b_solves(monkeypatch)
-    monkeypatch.setattr(search._Settled, "noting", lambda self, first_mode: None)
-    every_count, without = _pinned_70b_solves(monkeypatch)
-    assert len(with_rule) < len(without)
-    assert _without_timings(every_count) == _without_timings(plan)
-
-
-@pytest.mark.extended
 def test_other_schedules_reuse_the_solution_of_the_counts_1f1b_solved(monkeypatch):
     """Interleaved and zero-bubble schedules hold more microbatches' activations than 1F1B at the same
     count and layers a device, and their ILP has the same objective: where 1F1B's optimum at a count fits

@@ -17,7 +17,7 @@ from autopar.core.errors import NoFeasiblePlanError
 from autopar.planning.pricing import Cost
 from autopar.planning.problem import Decision, Edge, LayerModes, Option, Problem, RootSharding
 from autopar.planning.solver import (Pruned, brute_force, build_model, cannot_beat, evaluate, least_memory,
-                                     least_time, relaxed_objective, solve)
+                                     least_time, solve)
 from autopar.planning.strategies import Strategy
 
 GIB = 2.0**30
@@ -249,17 +249,6 @@ def test_the_relaxation_prunes_only_cutoffs_the_optimum_does_not_beat(seed):
     with pytest.raises(Pruned):
         solve(p, cutoff_s=halfway)
 
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_the_relaxed_objective_bounds_the_optimum_from_below(seed):
-    """``relaxed_objective``: the LP relaxation's optimum is positive and at most the ILP's (by brute force
-    and by ``solve``), and infinite where even the least memory does not fit."""
-    p = random_problem(seed)
-    _, best, _ = brute_force(p)
-    relaxed = relaxed_objective(p)
-    assert 0.0 < relaxed <= best * (1 + 1e-9)
-    assert relaxed <= solve(p).objective_s * (1 + 1e-9)
-    assert relaxed_objective(dataclasses.replace(p, memory_capacity_bytes=least_memory(p) * 0.99)) == math.inf
 
 def test_random_problems_exercise_memory_and_overlap():
     """The property test above is only as good as its problems: some must be memory-bound and some

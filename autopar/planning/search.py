@@ -62,7 +62,7 @@ from autopar.planning.progress import SearchProgress
 from autopar.planning.problem import Problem
 from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import (NODE_LIMIT, Pruned, Solution, cannot_beat, evaluate, infeasible_reason,
-                                     least_memory, relaxed_objective, solve)
+                                     least_memory, solve)
 from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
 from autopar.planning.stages import FewestHeld, Staging, stage_problem
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
@@ -404,8 +404,6 @@ class _MeshSearch:
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
         least_bubble = self.least_bubble(mesh, after_first=True)
-        settled = _Settled(mesh.stages > 1 and len(stagings) > 1 and stagings[0].checkpointing == ("none",),
-                           stagings[0], per_m)
         for staging in stagings:
             # more recomputation only pays when it lets fewer microbatches fit than less did
             tried = counts if fewest_fitting is None else [m for m in counts if m < fewest_fitting]
@@ -423,7 +421,7 @@ class _MeshSearch:
             fitting = counts[counts.index(tried[first]):]  # activations shrink with more microbatches
             found = self._best_microbatching(mesh, staging, per_m, fitting, pricer,
                                              min(cutoff_s or float("inf"), best.step_s if best else float("inf")),
-                                             settled.noting(staging is stagings[0]), least_bubble)
+                                             least_bubble)
             if isinstance(found, Candidate):
                 # its cutoff row stretched the least bubble (``least_bubble``), so it may be slower than ``best``
                 best = found if best is None or found.step_s < best.step_s else best
@@ -462,7 +460,7 @@ class _MeshSearch:
         microbatches only add to a price (a kernel run ``m`` times on ``1/m`` of the batch is no faster in
         all, parameter gathers and per-microbatch syncs repeat, and the gradient sync hides behind a
         shorter last backward; reshardings move the same bytes), a recomputing mode only adds forward
-        time (``_least_step_of_mode``), the schedules differ in the bubble, the activations in flight
+        time, the schedules differ in the bubble, the activations in flight
         and the stage-to-stage sends, which only add, and memory only takes plans away. So where its
         relaxation proves the cutoff unbeatable (``solver.cannot_beat``), the mesh's search of modes,
         counts and schedules (each ILP pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is
@@ -659,13 +657,11 @@ class _MeshSearch:
         return self._staged_problems[key][1]
 
     def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s,
-                            settled: "_Settled | None" = None, least_bubble: float = math.inf,
-                            bound: "_ChunkBound | None" = None) -> Candidate | MeshChoice | str:
+                            least_bubble: float = math.inf, bound: "_ChunkBound | None" = None) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
         more microbatches shrink the bubble: larger counts are tried while the step time improves.
-        ``settled``: the first checkpointing mode's (none's) problems, noted while it is searched, and
-        the counts they settle for the modes after it (skipped); ``bound``: the counts at which no
-        chunk count of ``staging``'s schedule can beat the cutoff (skipped unsolved)."""
+        ``bound``: the counts at which no chunk count of ``staging``'s schedule can beat the cutoff
+        (skipped unsolved)."""
         best: Candidate | None = None
         reason = ""
         for m in fitting[:1] if mesh.stages == 1 else _pipeline_microbatch_counts(fitting, mesh.stages):
@@ -673,9 +669,6 @@ class _MeshSearch:
                 continue
             bubble = min(staging.bubble_fraction(m), least_bubble)  # what the cutoff stretches
             problem = self._staged(per_m[m], staging)
-            if settled is not None and not settled.noting_now and self._settled_by_none(settled, m, cutoff_s, bubble,
-                                                                                         problem):
-                continue
             try:
                 solution = self._solved_before(per_m[m], staging, problem, cutoff_s)
                 if solution is None:
@@ -687,14 +680,10 @@ class _MeshSearch:
                 elif with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer).step_s >= cutoff_s:
                     raise Pruned(f"mesh {problem.mesh_shape}: no plan faster than {cutoff_s:.6g} s")
             except Pruned:
-                if settled is not None and settled.noting_now:
-                    settled.first[m] = problem
                 continue  # the cutoff counts this count's bubble; more microbatches shrink it
             except NoFeasiblePlanError as exc:
                 reason = str(exc)
                 continue
-            if settled is not None and settled.noting_now:
-                settled.first[m] = problem
             found = with_pipeline_time(self.captured, mesh, staging, problem, solution, pricer)
             if best is not None and found.step_s >= best.step_s:
                 break
@@ -728,38 +717,6 @@ class _MeshSearch:
             raise Pruned(f"mesh {problem.mesh_shape}: its objective is at least {solution.bound_s:.6g} s")
         return solution if evaluate(problem, solution.choice)[1] <= problem.memory_capacity_bytes else None
 
-    def _settled_by_none(self, settled: "_Settled", m: int, cutoff_s: float, bubble_fraction: float,
-                         problem: Problem) -> bool:
-        """Whether ``problem``, a mode that recomputes at ``m`` microbatches, is skipped unsolved: none's
-        problem at ``m``, solved without its memory row, has an optimum that fits memory anyway (so it is
-        none's plan at ``m``), or cannot beat ``cutoff_s`` even with the least time ``problem``'s
-        recomputation adds to any of its plans (``_least_step_of_mode``). One solve, the first time a
-        later mode reaches ``m``, in place of up to one per later mode (``_Settled``); none where the
-        bound from that problem's LP relaxation (``relaxed_objective``, weaker than its ILP's but the
-        same test) already shows the mode cannot win: on Mixtral's search, most of them."""
-        if m not in settled.first:
-            settled.first[m] = self._staged(settled.per_m[m], settled.staging)
-        none = settled.first[m]
-        if m not in settled.relaxed:
-            with self.progress.phase("solve"):
-                settled.relaxed[m] = relaxed_objective(with_fields(none, memory_capacity_bytes=math.inf))
-        if _least_step_of_mode(none, settled.relaxed[m], problem, bubble_fraction) >= cutoff_s:
-            return True
-        if m not in settled.known:
-            with self.progress.phase("solve"):
-                try:
-                    free = solve(with_fields(none, memory_capacity_bytes=math.inf), self.node_limit,
-                                 cutoff_s=cutoff_s, bubble_fraction=bubble_fraction)
-                    fits = evaluate(none, free.choice)[1] <= none.memory_capacity_bytes
-                    settled.known[m] = (fits, free.bound_s)
-                except Pruned:
-                    settled.known[m] = (True, math.inf)  # the cutoff only falls as the search goes on
-                except NoFeasiblePlanError:  # the node limit stopped it without a plan
-                    settled.known[m] = (False, 0.0)
-        fits, least_objective = settled.known[m]
-        return fits or _least_step_of_mode(none, least_objective, problem, bubble_fraction) >= cutoff_s
-
-
 def _same_options(best: Candidate, problem: Problem) -> dict[str, int]:
     """``best``'s choice as indices into ``problem``'s options: the option of each decision with the
     strategy ``best`` took (``problem`` is built again for the same mesh, so it offers the same ones)."""
@@ -774,54 +731,6 @@ def _solved_key(unstaged: Problem, staging: Staging) -> tuple[int, tuple[str, ..
     """What a solution of ``unstaged`` under ``staging`` is shared by (``_MeshSearch._solved_before``): the
     problem (one per microbatch count and pricer), the checkpointing mode and the layers a device holds."""
     return id(unstaged), staging.checkpointing, staging.layers_per_stage
-
-
-def _least_step_of_mode(none: Problem, least_objective_s: float, mode: Problem, bubble_fraction: float) -> float:
-    """A lower bound of the step time of any plan of ``mode`` (a recomputing mode's problem at the count
-    of ``none``, none's problem, whose objective is at least ``least_objective_s`` without a memory row).
-
-    A plan's step under a bubble ``f`` is ``(1 + f) (objective - z) + z`` (``solver.add_cutoff``), at
-    least ``(1 + f) objective - f Z`` where ``Z`` bounds the exposed gradient sync ``z`` (constraint (3):
-    every decision's largest sync less the backward compute that hides it). Recomputing adds, per option, forward time ``R`` that the step stretches by ``1 + f``
-    and whose backward share (``R / m``, at most) may hide ``beta R / m`` more of the sync: at least
-    ``(1 + f - beta / m) R``, and ``R`` is at least each decision's smallest addition."""
-    beta = none.overlap_fraction
-    most_sync = max(0.0, sum(d.count * max(o.cost.grad_sync_s - beta * o.cost.backward_compute_s for o in d.options)
-                             for d in none.decisions.values()))
-    added = sum(d.count * min(o.cost.exposed_s - n.cost.exposed_s for o, n in zip(d.options, none.decisions[key].options))
-                for key, d in mode.decisions.items())
-    stretch = max(0.0, 1.0 + bubble_fraction - beta / none.microbatches)
-    return (1.0 + bubble_fraction) * least_objective_s - bubble_fraction * most_sync + stretch * added
-
-
-class _Settled:
-    """Of one pipeline mesh and schedule, the microbatch counts at which no checkpointing mode but the
-    first (none) can win. (Without a pipeline, a mode that recomputes only tries fewer microbatches than
-    none did.)
-
-    Recomputation only adds to an option's price (a forward pass again in backward, and its inputs'
-    forward collectives again), and frees memory. So where none's problem at a count, solved without
-    its memory row, has an optimum that fits memory anyway (none's own plan there) or none that beats
-    the cutoff, every recomputing mode at that count is priced at least as high and is skipped unsolved.
-    ``staging``: none's; ``per_m``: the mesh's problems per count, which none's are staged from;
-    ``first``: none's staged problem at each count it solved or a later mode reached; ``known``: the
-    counts checked, whether none's optimum there fits memory and a lower bound of that optimum;
-    ``relaxed``: a weaker lower bound, its LP relaxation's, tried first; ``noting_now``: the search of
-    none, which fills ``first``, is under way."""
-
-    def __init__(self, enabled: bool, staging: Staging, per_m: "_MicrobatchProblems"):
-        self.enabled, self.staging, self.per_m = enabled, staging, per_m
-        self.first: dict[int, Problem] = {}
-        self.known: dict[int, tuple[bool, float]] = {}
-        self.relaxed: dict[int, float] = {}  # none's problem at a count, its LP relaxation's optimum
-        self.noting_now = False
-
-    def noting(self, first_mode: bool) -> "_Settled | None":
-        """Itself for a search of a mode (``first_mode``: none, which notes its problems), or None when off."""
-        if not self.enabled:
-            return None
-        self.noting_now = first_mode
-        return self
 
 
 class _ChunkBound:

@@ -255,23 +255,6 @@ _PROVEN_INFEASIBLE = (mathopt.TerminationReason.INFEASIBLE, mathopt.TerminationR
 """HiGHS's reasons for an LP with no feasible point (its variables are bounded: never unbounded)."""
 
 
-def relaxed_objective(problem: Problem) -> float:
-    """The optimum of the ILP's LP relaxation (seconds, no cutoff): a lower bound of every plan's objective
-    that costs one LP, weaker than the ILP's own (``Solution.bound_s``); infinite where no fractional
-    assignment fits memory. ``search._MeshSearch._settled_by_none`` bounds the recomputing modes by it
-    before it solves an ILP for a tighter bound. (Where HiGHS stops the LP short of its optimum, the bound
-    it proved, which may be minus infinity.)"""
-    if least_memory(problem) > problem.memory_capacity_bytes:
-        return math.inf
-    model, _, _ = build_model(problem, None, 0.0)
-    result = _solved(model.to_proto(relaxed=True), NODE_LIMIT)
-    if result.reason == mathopt.TerminationReason.OPTIMAL:
-        return result.objective / _US
-    if result.reason in _PROVEN_INFEASIBLE:
-        return math.inf
-    return result.dual_bound / _US
-
-
 def build_model(problem: Problem, cutoff_s: float | None, bubble_fraction: float
                 ) -> tuple[Ilp, dict[str, list], dict[str, int]]:
     """The ILP of ``problem`` (the module docstring's variables and constraints (1)-(11), (10) where
