@@ -656,8 +656,9 @@ class _MeshSearch:
                 self._staged_problems[key] = (problem, stage_problem(problem, self.captured, staging))
         return self._staged_problems[key][1]
 
-    def _best_microbatching(self, mesh, staging, per_m, fitting, pricer, cutoff_s,
-                            least_bubble: float = math.inf, bound: "_ChunkBound | None" = None) -> Candidate | MeshChoice | str:
+    def _best_microbatching(self, mesh: MeshChoice, staging: Staging, per_m: "_MicrobatchProblems", fitting: list[int],
+                            pricer: Pricer, cutoff_s: float, least_bubble: float = math.inf,
+                            bound: "_ChunkBound | None" = None) -> Candidate | MeshChoice | str:
         """Without a pipeline the fewest microbatches that fit win (more only add cost). With one,
         more microbatches shrink the bubble: larger counts are tried while the step time improves.
         ``bound``: the counts at which no chunk count of ``staging``'s schedule can beat the cutoff
