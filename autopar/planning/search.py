@@ -460,8 +460,8 @@ class _MeshSearch:
         microbatches only add to a price (a kernel run ``m`` times on ``1/m`` of the batch is no faster in
         all, parameter gathers and per-microbatch syncs repeat, and the gradient sync hides behind a
         shorter last backward; reshardings move the same bytes), a recomputing mode only adds forward
-        time, the schedules differ in the bubble, the activations in flight
-        and the stage-to-stage sends, which only add, and memory only takes plans away. So where its
+        time, the schedules differ in the bubble, the activations in flight and the stage-to-stage sends,
+        which only add, and memory only takes plans away. So where its
         relaxation proves the cutoff unbeatable (``solver.cannot_beat``), the mesh's search of modes,
         counts and schedules (each ILP pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is
         skipped."""
