@@ -464,9 +464,13 @@ class Roles:
 def build_problem(
     captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer, roles: Roles,
     memory_capacity_bytes: float, overlap_fraction: float, gathered_by_parameter: bool = False,
+    edges: bool = True,
 ) -> Problem:
     """The problem of one mesh; ``gathered_by_parameter``: the plan runs on DTensor, which gathers a
-    parameter sharded over data parallelism alone (``gathered_units``)."""
+    parameter sharded over data parallelism alone (``gathered_units``). Without ``edges``, the problem
+    has no edges and no shared moves (``with_edges`` adds them): a relaxation of the whole one (every
+    edge and move only adds to the objective and to the gradient sync, and only constrains), cheaper to
+    build by half."""
     graph = captured.graph
     keys = captured.tie_keys
     members: dict[str, list[fx.Node]] = defaultdict(list)
@@ -482,10 +486,17 @@ def build_problem(
         Option(Strategy((tuple([Replicate()] * len(pricer.mesh_shape)),), ()), Cost())
     ])
     _charge_working_set(captured, decisions, pricer)
-    edges, shared = _edges(captured, decisions, pricer)
-    return Problem(tuple(pricer.mesh_shape), decisions, edges, memory_capacity_bytes, overlap_fraction,
-                   set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer), shared=shared,
-                   gathered_units=gathered_units(captured, decisions, pricer, gathered_by_parameter), edge_rows={})
+    problem = Problem(tuple(pricer.mesh_shape), decisions, [], memory_capacity_bytes, overlap_fraction,
+                      set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer),
+                      gathered_units=gathered_units(captured, decisions, pricer, gathered_by_parameter), edge_rows={})
+    return with_edges(problem, captured, pricer) if edges else problem
+
+
+def with_edges(problem: Problem, captured: CapturedGraph, pricer: Pricer) -> Problem:
+    """``problem``, as ``build_problem`` makes it without edges, with its edges and the moves their readers
+    share, priced by ``pricer`` (the one it was built with)."""
+    edges, shared = _edges(captured, problem.decisions, pricer)
+    return with_fields(problem, edges=edges, shared=shared, edge_rows={})
 
 
 def _is_decision(node: fx.Node) -> bool:

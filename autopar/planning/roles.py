@@ -119,12 +119,12 @@ def mesh_cp_attention(pricer: Pricer, constraints: Constraints) -> str | None:
 
 
 def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capacity: float,
-                constraints: Constraints, trace: MeshTrace | None = None) -> Problem:
+                constraints: Constraints, trace: MeshTrace | None = None, edges: bool = True) -> Problem:
     """The ILP of one stage under the dims' roles. ``dp`` and ``dp_replicate`` split the batch;
     parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp`` and ``cp``,
     replicated (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose.
     ``trace``: the mesh's ``MeshTrace`` from an earlier problem of it (the search's ZeRO-1 try of a mesh
-    reuses its first problem's), made here when not given."""
+    reuses its first problem's), made here when not given. ``edges``: as ``build_problem``'s."""
     shape = mesh.shape
     dp_dims = mesh.dims_of(*DATA_PARALLEL_AXES)
     shard_dims = mesh.dims_of(MeshAxis.DP_SHARD)
@@ -159,7 +159,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
                       sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
     return build_problem(captured, trace.finder, pricer, roles, capacity, OVERLAP_FRACTION,
-                         gathered_by_parameter=constraints.runtime == DTENSOR)
+                         gathered_by_parameter=constraints.runtime == DTENSOR, edges=edges)
 
 
 def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:

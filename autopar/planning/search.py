@@ -59,7 +59,7 @@ from autopar.core.errors import BadInputError, NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
 from autopar.planning.pricing import EdgePrices, Pricer, with_fields
 from autopar.planning.progress import SearchProgress
-from autopar.planning.problem import Problem
+from autopar.planning.problem import Problem, with_edges
 from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import (NODE_LIMIT, Pruned, Solution, cannot_beat, evaluate, infeasible_reason,
                                      least_memory, solve)
@@ -386,20 +386,26 @@ class _MeshSearch:
         self._solved.clear()
         try:
             with self.progress.phase("build"):
-                whole = problem_for(self.captured, mesh, pricer, self.capacity, constraints,
-                                    self._shared_with_earlier_search(mesh, pricer, constraints))
+                decided = problem_for(self.captured, mesh, pricer, self.capacity, constraints,
+                                      self._shared_with_earlier_search(mesh, pricer, constraints), edges=False)
         except BadInputError as exc:  # a cp degree the search chose that the model cannot split
             if self.constraints.cp is not None or mesh.size(MeshAxis.CP) == 1:
                 raise
             return f"mesh {mesh.describe()}: {exc}"
-        per_m = _MicrobatchProblems(whole, pricer, self.progress)
-        # the problems without edges: memory reads only decisions (``least_memory``), and they are cheap to stage
-        memory = _MicrobatchProblems(replace(whole, edges=[], root_terms=[], shared=[]), pricer, self.progress)
+        # the problems without edges or root terms: memory reads only decisions (``least_memory``), and they
+        # are cheap to stage
+        memory = _MicrobatchProblems(replace(decided, root_terms=[]), pricer, self.progress)
         stagings = self._stagings(mesh)
+        # the mesh bound on the problem without edges first (a relaxation: 24 of the 31 meshes the whole
+        # problem's bound prunes in Llama 3 70B's search on 1,024 GPUs), then on the whole problem
+        if cutoff_s is not None and self._cannot_win(mesh, stagings[0], decided.with_microbatches(counts[0], pricer),
+                                                     cutoff_s):
+            return self._pruned(mesh, counts, stagings[0], memory)
+        with self.progress.phase("build"):
+            whole = with_edges(decided, self.captured, pricer)
+        per_m = _MicrobatchProblems(whole, pricer, self.progress)
         if cutoff_s is not None and self._cannot_win(mesh, stagings[0], per_m[counts[0]], cutoff_s):
-            self.fits_whole = mesh.stages == 1 and stagings[0].checkpointing == ("none",) \
-                and self._first_fitting(counts, stagings[0], memory) is not None
-            return mesh
+            return self._pruned(mesh, counts, stagings[0], memory)
         best: Candidate | None = None
         reason, was_pruned = "", False
         fewest_fitting: int | None = None
@@ -438,6 +444,13 @@ class _MeshSearch:
             return best
         return mesh if was_pruned or best is not None or not reason else reason
 
+    def _pruned(self, mesh: MeshChoice, counts: list[int], first: Staging, memory: "_MicrobatchProblems") -> MeshChoice:
+        """``mesh``, which its bound shows cannot win, noting whether its activations fit whole there
+        (one stage, no recomputation: ``fits_whole``, which rules out larger cp degrees)."""
+        self.fits_whole = mesh.stages == 1 and first.checkpointing == ("none",) \
+            and self._first_fitting(counts, first, memory) is not None
+        return mesh
+
     def _shared_with_earlier_search(self, mesh: MeshChoice, pricer: Pricer, constraints: Constraints) -> MeshTrace:
         """``mesh``'s ``MeshTrace``, and its resharding prices shared with ``pricer``: made by the mesh's first
         search, kept for its second (under ZeRO-1, or without it: ``search_mesh``), which reads the same
@@ -461,10 +474,10 @@ class _MeshSearch:
         all, parameter gathers and per-microbatch syncs repeat, and the gradient sync hides behind a
         shorter last backward; reshardings move the same bytes), a recomputing mode only adds forward
         time, the schedules differ in the bubble, the activations in flight and the stage-to-stage sends,
-        which only add, and memory only takes plans away. So where its
-        relaxation proves the cutoff unbeatable (``solver.cannot_beat``), the mesh's search of modes,
-        counts and schedules (each ILP pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is
-        skipped."""
+        which only add, and memory only takes plans away. So where its relaxation proves the cutoff
+        unbeatable (``solver.cannot_beat``), the mesh's search of modes, counts and schedules (each ILP
+        pruned at its own root, 8 to 11 of them on a 4-D MoE mesh) is skipped. ``fewest`` may be the
+        problem without its edges (``problem.build_problem``), whose objective bounds the whole one's."""
         bound = replace(first, checkpointing=("none",))
         problem = with_fields(self._staged(fewest, bound), memory_capacity_bytes=math.inf)
         with self.progress.phase("solve"):
