@@ -1,7 +1,5 @@
 """``python -m autopar`` is the ``autopar`` command."""
 
-import sys
+from autopar.cli import console
 
-from autopar.cli import main
-
-sys.exit(main())
+console()

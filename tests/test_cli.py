@@ -227,6 +227,30 @@ def test_compare_rejects_a_malformed_plan(plans, tmp_path):
     assert_one_line_error(run, "bad.json")
 
 
+# ---- the process's end ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, code", [(["show", "free.json"], 0), (["show", "missing.json"], 2)])
+def test_the_command_runs_exit_handlers_and_keeps_its_exit_code(plans, args, code):
+    """``autopar`` ends its process without Python's teardown (``cli.end_process``): exit handlers registered
+    before it still run, after all of its output, and the process exits with the command's code. (Its
+    stdout is buffered, as a user's is, whatever this environment says: ``os._exit`` drops a buffer.)"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    script = ("import atexit, sys\n"
+              "atexit.register(print, 'exit handler ran')\n"
+              "from autopar.cli import console\n"
+              "console()\n")
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=plans["dir"],
+                         env=env, timeout=120)
+    assert run.returncode == code, run.stderr
+    assert run.stdout.endswith("exit handler ran\n")
+    if code == 0:
+        assert run.stdout.startswith(run_cli(*args, cwd=plans["dir"]).stdout)
+    else:
+        assert run.stdout == "exit handler ran\n"
+        assert_one_line_error(subprocess.CompletedProcess(run.args, code, "", run.stderr), "missing.json")
+
+
 # ---- no plan fits: exit 3 with the reason ----------------------------------------------------------
 
 
