@@ -108,6 +108,30 @@ def test_zero_bubble_depends_on_the_split_of_the_backward():
     assert simulate(order, 1, (1.0, 2.0, 1.0)).bubble_fraction == pytest.approx(3 * 2 / (8 * 4))
 
 
+@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 2, 1), (4, 2, 1), (4, 8, 2), (4, 3, 3), (8, 16, 2)])
+def test_the_table_is_torchs_order_of_each_devices_actions_without_its_idle_slots(stages, microbatches, chunks):
+    """``torch_schedule_order`` skips the pass torch's zero-bubble schedule pads each device's order with
+    (``_add_bubbles_to_actions``); built with it, the installed torch's table has the same actions in the
+    same order on every device, with idle slots (None) between them where fewer microbatches than stages
+    leave devices waiting."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    stand_ins = [SimpleNamespace(num_stages=stages * chunks, group_size=stages, group_rank=0,
+                                 stage_index=i * stages, submod=None) for i in range(chunks)]
+    padded = type("Padded", (ScheduleInterleavedZeroBubble,),
+                  {"_prepare_schedule_with_comms": lambda self, *args: None})(stand_ins, microbatches,
+                                                                                 loss_fn=lambda y, target: y)
+    table = torch_schedule_order("ScheduleInterleavedZeroBubble", stages, microbatches, chunks)
+    assert sorted(table) == sorted(padded.pipeline_order)
+    for device, actions in padded.pipeline_order.items():
+        kept = [(a.stage_index, a.microbatch_index) for a in actions if a is not None]
+        assert kept == [(a.stage, a.microbatch) for a in table[device]]
+    if microbatches < stages:
+        assert any(a is None for actions in padded.pipeline_order.values() for a in actions)
+
+
 def test_a_table_whose_actions_wait_on_each_other_is_refused():
     backward_first = {0: [Action(0, "B", 0), Action(0, "F", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
     with pytest.raises(ValueError, match="wait on each other"):
