@@ -1,7 +1,7 @@
 """The ``autopar`` command line (docs/architecture.md "Command line"): plan, reprice, show, compare, demo.
 
 Exit codes: 0 success; 2 bad input (one line on stderr saying what and where); 3 no plan fits (with the
-reason). With ``--json`` the plan JSON is the only thing on stdout. The ``autopar`` command (``console``,
+reason). A warning is one line on stderr too. With ``--json`` the plan JSON is the only thing on stdout. The ``autopar`` command (``console``,
 also ``python -m autopar``) ends its process once the command has returned, without tearing down what
 it loaded (``end_process``). On a terminal, ``plan`` keeps a live
 progress line on stderr (phase, meshes solved and pruned, best plan so far and its bound), erased
@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import warnings
-from typing import TYPE_CHECKING, NoReturn, Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence, TextIO
 
 from autopar.core.constraints import KEYS as CONSTRAINT_KEYS, Constraints
 from autopar.core.errors import AutoparError, BadInputError
@@ -33,11 +33,25 @@ DEFAULT_GLOBAL_BATCH = 8
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except AutoparError as exc:  # anything else is a bug in autopar: its traceback is kept (exit 1)
-        print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    with warnings.catch_warnings():
+        warnings.showwarning = _warning_line(args.command)
+        try:
+            return args.run(args)
+        except AutoparError as exc:  # anything else is a bug in autopar: its traceback is kept (exit 1)
+            print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+
+
+def _warning_line(command: str) -> Callable[..., None]:
+    """How ``command`` shows a warning: one line on stderr in the form of its errors (``autopar plan:
+    warning: no DTensor sharding strategy for ...``), the category named unless a plain ``UserWarning``,
+    instead of Python's file, line number and line of source (autopar's warnings say what they concern)."""
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        kind = "" if category is UserWarning else f"{category.__name__}: "
+        text = str(message).removeprefix("autopar: ")
+        (file or sys.stderr).write(f"autopar {command}: warning: {kind}{text}\n")
+    return show
 
 
 def console() -> NoReturn:

@@ -227,6 +227,30 @@ def test_compare_rejects_a_malformed_plan(plans, tmp_path):
     assert_one_line_error(run, "bad.json")
 
 
+# ---- warnings: one line, as errors are --------------------------------------------------------------
+
+
+def test_a_warning_is_one_line_on_stderr(plans, monkeypatch):
+    """A command's warnings read as its errors do (``autopar show: warning: ...``), without Python's file,
+    line and source line; a category other than ``UserWarning`` is named."""
+    import warnings
+
+    import autopar.cli as cli
+
+    shown = cli._cmd_show
+
+    def warning_then_show(args):
+        warnings.warn("autopar: something worth knowing")
+        warnings.warn("an old way", FutureWarning)
+        return shown(args)
+
+    monkeypatch.setattr(cli, "_cmd_show", warning_then_show)
+    run = run_cli("show", "dp4.json", cwd=plans["dir"])
+    assert run.returncode == 0
+    assert run.stderr == ("autopar show: warning: something worth knowing\n"
+                          "autopar show: warning: FutureWarning: an old way\n")
+
+
 # ---- the process's end ----------------------------------------------------------------------------
 
 
