@@ -1,9 +1,9 @@
 """The ``autopar`` command line (docs/architecture.md "Command line"): plan, reprice, show, compare, demo.
 
 Exit codes: 0 success; 2 bad input (one line on stderr saying what and where); 3 no plan fits (with the
-reason). A warning is one line on stderr too. With ``--json`` the plan JSON is the only thing on stdout. The ``autopar`` command (``console``,
-also ``python -m autopar``) ends its process once the command has returned, without tearing down what
-it loaded (``end_process``). On a terminal, ``plan`` keeps a live
+reason). A warning is one line on stderr too. With ``--json`` the plan JSON is the only thing on stdout.
+The ``autopar`` command (``console``, also ``python -m autopar``) ends its process once the command has
+returned, without tearing down what it loaded (``end_process``). On a terminal, ``plan`` keeps a live
 progress line on stderr (phase, meshes solved and pruned, best plan so far and its bound), erased
 when the plan is printed; it is silent under ``--json`` and when stderr is not a terminal.
 """
@@ -63,9 +63,9 @@ def console() -> NoReturn:
 
 def end_process(code: int) -> NoReturn:
     """End this process with ``code`` once its exit handlers (``atexit``: logging's, ``weakref.finalize``'s
-    temporary folders, multiprocessing's) have run and its output is flushed, but without
-    Python's teardown of every module and object the command loaded: torch, its distributed packages,
-    and after a plan the captured graph and the search's records. That teardown does nothing the
+    temporary folders, multiprocessing's) have run and its output is flushed, but without Python's
+    teardown of every module and object the command loaded: torch, its distributed packages, and after
+    a plan the captured graph and the search's records. That teardown does nothing the
     command needs (each file autopar writes is closed as it is written, ``core/files.write_atomically``)
     and took 0.45 s after ``import autopar.cli`` alone and 0.8 s after pinning Llama 3 8B's degrees on the
     2-core development machine: a sixth of that command's wall time. Where stdout cannot be flushed (its
