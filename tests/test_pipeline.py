@@ -19,7 +19,7 @@ from autopar.planning.search import make_plan
 from autopar.core.axes import MeshAxis
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for, problem_for
-from autopar.planning.stages import FewestHeld, Staging, layer_roles, stage_problem
+from autopar.planning.stages import FewestHeld, Staging, layer_roles, stage_problem, staged_alike
 from autopar.cost_models.pipeline import (Action, last_chunk_in_flight, least_bubble_fraction, microbatches_in_flight,
                                           pipeline_bubble_fraction, simulate, torch_schedule_order)
 from autopar.api import reprice
@@ -503,6 +503,24 @@ def test_a_schedules_fewest_held_staging_bounds_each_chunk_count(gpt8, schedule,
             staged = stage_problem(problem, gpt8, staging)
             assert evaluate(staged, choice)[0] == pytest.approx(step, rel=1e-12)
             assert all(rows[row] <= held * (1 + 1e-12) for row, held in staged.memory_by_stage(choice).items())
+
+
+def test_stagings_alike_stage_a_problem_alike(gpt8):
+    """``staged_alike`` (what the search shares a staged problem by) lists all ``stage_problem`` reads of a
+    staging: torch's zero-bubble schedule at 1, 2 and 4 chunks a device holds ``p`` microbatches in flight
+    on every row, so the three stage one problem into the same one, ILP for ILP; interleaved 1F1B at 2 and 4
+    chunks holds different counts, and its two problems differ."""
+    from autopar.planning.solver import build_model
+
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 8)), stages=2)
+    pricer = pricer_for(parse_cluster(CLUSTER), mesh, "bf16", Constraints())
+    problem = problem_for(gpt8, mesh, pricer, 80e9, Constraints()).with_microbatches(4, pricer)
+    for schedule, chunks, alike in (("zero_bubble", (1, 2, 4), True), ("interleaved", (2, 4), False)):
+        stagings = [Staging(2, 8, schedule, v, ("none", "full")) for v in chunks]
+        keys = {staged_alike(s, problem.microbatches) for s in stagings}
+        models = {build_model(stage_problem(problem, gpt8, s), 1.0, 0.1)[0].to_proto().SerializeToString()
+                  for s in stagings}
+        assert (len(keys), len(models)) == ((1, 1) if alike else (len(chunks), len(chunks)))
 
 
 def test_problems_derived_from_one_mesh_share_their_edge_rows_and_build_the_same_ilp(gpt8):

@@ -64,7 +64,7 @@ from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import (NODE_LIMIT, Pruned, Solution, cannot_beat, evaluate, infeasible_reason,
                                      least_memory, solve)
 from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
-from autopar.planning.stages import FewestHeld, Staging, stage_problem
+from autopar.planning.stages import FewestHeld, Staging, stage_problem, staged_alike
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
 from autopar.planning.workers import Workers, worker_count
@@ -314,7 +314,7 @@ class _MeshSearch:
         self.captured, self.cluster, self.dtype = captured, cluster, dtype
         self.capacity, self.batch, self.constraints = capacity, batch, constraints
         self.progress = progress
-        self._staged_problems: dict[tuple[int, Staging], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
+        self._staged_problems: dict[tuple[int, tuple], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self._solved: dict[tuple[int, tuple[str, ...], int], tuple[Staging, Solution]] = {}  # ``_solved_before``
         self._traced: dict[tuple, tuple[EdgePrices, MeshTrace]] = {}  # ``_shared_with_earlier_search``
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
@@ -662,8 +662,9 @@ class _MeshSearch:
         return low if low < len(counts) else None
 
     def _staged(self, problem: Problem, staging: Staging) -> Problem:
-        """``stage_problem``, once per (problem, staging): the fitting search and the solves share it."""
-        key = (id(problem), staging)
+        """``stage_problem``, once per problem and stagings alike (``staged_alike``): the fitting search, the
+        solves and the schedules that hold as many microbatches in flight share it."""
+        key = (id(problem), staged_alike(staging, problem.microbatches))
         if key not in self._staged_problems:
             with self.progress.phase("build"):
                 self._staged_problems[key] = (problem, stage_problem(problem, self.captured, staging))

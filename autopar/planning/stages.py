@@ -313,11 +313,22 @@ def _users_through_getitem(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def staged_alike(staging: Staging, microbatches: int) -> tuple:
+    """What of ``staging`` ``stage_problem`` reads for a problem of ``microbatches``: two stagings equal in it
+    stage a problem alike. Schedules and chunk counts differ only in the microbatches in flight (torch's
+    zero-bubble schedule holds ``p`` on the first stage at any count of chunks a device), and the chunk
+    counts a search tries hold as many layers a device (``search.interleaving_chunks``)."""
+    m = microbatches
+    return (staging.stages, staging.layers_per_stage, staging.layer_scale, staging.checkpointing,
+            staging.in_flight(m), staging.last_chunk_in_flight(m), staging.last_stage_in_flight(m))
+
+
 def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -> Problem:
     """``problem`` (priced for its microbatches) as one device of ``staging`` pays for it. With one
     checkpointing mode the result is plain; with several, each layer op is priced per mode and the
     problem carries ``LayerModes`` for the solver to choose how many layers run in each. Prices are the
-    first stage's; under a pipeline the problem carries ``StageRows``, what the last stage holds apart."""
+    first stage's; under a pipeline the problem carries ``StageRows``, what the last stage holds apart.
+    It reads of ``staging`` only what ``staged_alike`` lists."""
     layers = staging.layers_per_stage
     modes = staging.checkpointing if layers else ("none",)
     if staging.stages == 1 and modes == ("none",):
