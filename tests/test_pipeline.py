@@ -523,6 +523,24 @@ def test_stagings_alike_stage_a_problem_alike(gpt8):
         assert (len(keys), len(models)) == ((1, 1) if alike else (len(chunks), len(chunks)))
 
 
+@pytest.mark.parametrize("mode", [m for m in CHECKPOINTING if m != "none"])
+def test_a_problem_staged_in_one_mode_is_the_general_staging_with_every_layer_in_it(gpt8, mode):
+    """``stage_problem`` prices a staging of one checkpointing mode in one pass (``_settled_in_one_mode``):
+    the same ILP as staging it with none beside it and then running every layer in the mode
+    (``Problem.with_layer_modes``), on one stage and on the first of two."""
+    from autopar.planning.solver import build_model
+
+    for stages, mesh in ((1, MeshChoice(((MeshAxis.DP_SHARD, 4), (MeshAxis.TP, 8)))),
+                         (2, MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 8)), stages=2))):
+        pricer = pricer_for(parse_cluster(CLUSTER), mesh, "bf16", Constraints())
+        problem = problem_for(gpt8, mesh, pricer, 80e9, Constraints()).with_microbatches(4, pricer)
+        one = stage_problem(problem, gpt8, Staging(stages, 8, "1f1b" if stages > 1 else "none", 1, (mode,)))
+        both = stage_problem(problem, gpt8, Staging(stages, 8, "1f1b" if stages > 1 else "none", 1, ("none", mode)))
+        layers = both.layer_modes.layers
+        general = both.with_layer_modes({mode: layers})
+        assert build_model(one, 1.0, 0.1)[0].to_proto() == build_model(general, 1.0, 0.1)[0].to_proto()
+
+
 def test_problems_derived_from_one_mesh_share_their_edge_rows_and_build_the_same_ilp(gpt8):
     """``Problem.edge_rows``: the rows (2) the solver works out for one problem of a mesh serve the problems
     re-priced and staged from it, and the model built with them is the one built from scratch."""

@@ -86,7 +86,7 @@ from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
 from autopar.cost_models.pipeline import (last_chunk_in_flight, last_stage_in_flight, least_bubble_fraction,
                                           microbatches_in_flight, pipeline_bubble_fraction)
 from autopar.planning.pricing import Cost, with_fields
-from autopar.planning.problem import LayerModes, Option, Problem, StageRows, settled_moves, settled_option
+from autopar.planning.problem import LayerModes, Option, Problem, StageRows, settled_moves
 
 @dataclass(frozen=True)
 class Staging:
@@ -345,11 +345,15 @@ def stage_problem(problem: Problem, captured: CapturedGraph, staging: Staging) -
     for key, d in problem.decisions.items():
         staged = with_fields(d, scale=d.scale * (staging.layer_scale if _is_layer_decision(key, roles) else 1.0))
         if key in roles.in_layer - roles.boundary:
-            options = [_priced_by_mode(o, {m: (*_treatment(key, o, m, recomputed[m], kept_whole[m]),
-                                               key in still_held[m]) for m in modes},
-                                       in_flight, staged.count / layers, problem.microbatches) for o in d.options]
+            treated = [(o, {m: (*_treatment(key, o, m, recomputed[m], kept_whole[m]), key in still_held[m])
+                            for m in modes}) for o in d.options]
+            per_layer = staged.count / layers
             if one_mode:
-                options = [settled_option(o, one_mode, staged.count) for o in options]
+                options = [_settled_in_one_mode(o, treatment[modes[0]], in_flight, per_layer, problem.microbatches,
+                                                staged.count) for o, treatment in treated]
+            else:
+                options = [_priced_by_mode(o, treatment, in_flight, per_layer, problem.microbatches)
+                           for o, treatment in treated]
         else:
             held = last_in_flight if key in roles.after_layers else in_flight
             options = [with_fields(o, cost=_held(o.cost, held)) for o in d.options]
@@ -390,28 +394,48 @@ def _leaves_partial(option: Option) -> bool:
 
 def _priced_by_mode(option: Option, treatment: dict[str, tuple[bool, bool, bool]], in_flight: float,
                     per_layer: float, microbatches: int) -> Option:
-    """A layer op's option priced in each checkpointing mode (``treatment[mode]``: whether the mode
-    recomputes the op, whether it keeps its outputs whole, whether a reader the mode does not recompute
-    saves them all the same): its saved activations held for every microbatch in flight, kept whole
-    (selective's linear layers), or recomputed: paid again in forward time during backward (which also
-    lengthens the last microbatch's backward that gradient sync hides behind), its activations live for
-    one layer of one microbatch at a time (``recompute_bytes``), unless still held (an attention core's
-    output that the output projection saves: core_attention)."""
-    cost = option.cost
+    """A layer op's option priced in each checkpointing mode (``treatment[mode]``, ``_priced_in_mode``), its
+    ``by_mode`` prices and the ``recompute_bytes`` of the modes that recompute it."""
     by_mode, recompute_bytes = {}, {}
-    for mode, (recomputed, kept_whole, held_anyway) in treatment.items():
-        if not cost.batch_memory:
-            by_mode[mode] = cost
-        elif recomputed:
-            forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
-            memory = _held(cost, in_flight).memory_bytes if held_anyway else 0.0
-            by_mode[mode] = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=memory,
-                                    backward_compute_s=cost.backward_compute_s + forward / microbatches)
-            if not held_anyway:  # (the held copy of a layer is freed by its reader's backward before the recompute)
-                recompute_bytes[mode] = cost.memory_bytes * per_layer  # per_layer: occurrences in one layer
-        else:
-            by_mode[mode] = _held(_as_kept(cost) if kept_whole else cost, in_flight)
+    for mode, treated in treatment.items():
+        by_mode[mode], recompute = _priced_in_mode(option.cost, *treated, in_flight, per_layer, microbatches)
+        if recompute is not None:
+            recompute_bytes[mode] = recompute
     return with_fields(option, by_mode=by_mode, recompute_bytes=recompute_bytes)
+
+
+def _settled_in_one_mode(option: Option, treated: tuple[bool, bool, bool], in_flight: float, per_layer: float,
+                         microbatches: int, count: float) -> Option:
+    """``option`` priced in the one mode every layer runs in: what ``settled_option`` makes of
+    ``_priced_by_mode``'s option with that mode's share 1, its recompute working set per occurrence in its
+    memory, in one copy of the option instead of two (a search stages tens of thousands of them)."""
+    cost, recompute = _priced_in_mode(option.cost, *treated, in_flight, per_layer, microbatches)
+    working_set = (recompute if recompute is not None else 0) / count
+    if working_set:
+        cost = with_fields(cost, memory_bytes=cost.memory_bytes + working_set)
+    return with_fields(option, cost=cost, by_mode={}, recompute_bytes={}, working_set_bytes=working_set)
+
+
+def _priced_in_mode(cost: Cost, recomputed: bool, kept_whole: bool, held_anyway: bool, in_flight: float,
+                    per_layer: float, microbatches: int) -> tuple[Cost, float | None]:
+    """A layer op's price in one checkpointing mode (whether the mode recomputes the op, whether it keeps
+    its outputs whole, whether a reader the mode does not recompute saves them all the same), and the
+    bytes its recomputation needs live (None where it is not recomputed, or held anyway): its saved
+    activations held for every microbatch in flight, kept whole (selective's linear layers), or
+    recomputed: paid again in forward time during backward (which also lengthens the last microbatch's
+    backward that gradient sync hides behind), its activations live for one layer of one microbatch at a
+    time, unless still held (an attention core's output that the output projection saves:
+    core_attention)."""
+    if not cost.batch_memory:
+        return cost, None
+    if recomputed:
+        forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
+        memory = _held(cost, in_flight).memory_bytes if held_anyway else 0.0
+        priced = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=memory,
+                             backward_compute_s=cost.backward_compute_s + forward / microbatches)
+        # (the held copy of a layer is freed by its reader's backward before the recompute)
+        return priced, None if held_anyway else cost.memory_bytes * per_layer  # per_layer: occurrences in a layer
+    return _held(_as_kept(cost) if kept_whole else cost, in_flight), None
 
 
 def _is_layer_decision(key: str, roles: LayerRoles) -> bool:
