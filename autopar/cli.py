@@ -1,11 +1,12 @@
 """The ``autopar`` command line (docs/architecture.md "Command line"): plan, reprice, show, compare, demo.
 
 Exit codes: 0 success; 2 bad input (one line on stderr saying what and where); 3 no plan fits (with the
-reason). A warning is one line on stderr too. With ``--json`` the plan JSON is the only thing on stdout.
-The ``autopar`` command (``console``, also ``python -m autopar``) ends its process once the command has
-returned, without tearing down what it loaded (``end_process``). On a terminal, ``plan`` keeps a live
-progress line on stderr (phase, meshes solved and pruned, best plan so far and its bound), erased
-when the plan is printed; it is silent under ``--json`` and when stderr is not a terminal.
+reason); 141 where stdout's reader has gone (``| head``), quietly. A warning is one line on stderr too.
+With ``--json`` the plan JSON is the only thing on stdout. The ``autopar`` command (``console``, also
+``python -m autopar``) ends its process once the command has returned, without tearing down what it
+loaded (``end_process``). On a terminal, ``plan`` keeps a live progress line on stderr (phase, meshes
+solved and pruned, best plan so far and its bound), erased when the plan is printed; it is silent under
+``--json`` and when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import sys
 import warnings
 from typing import TYPE_CHECKING, Callable, NoReturn, Sequence, TextIO
@@ -56,27 +58,47 @@ def _warning_line(command: str) -> Callable[..., None]:
 
 def console() -> NoReturn:
     """The ``autopar`` command (setup.cfg's console script, and ``python -m autopar``): ``main`` on
-    ``sys.argv``, then ``end_process`` with its exit code. An exception (argparse's ``SystemExit``, a
-    bug's traceback) leaves the ordinary way."""
-    end_process(main())
+    ``sys.argv``, then ``end_process`` with its exit code. Where stdout's reader has gone (``autopar plan
+    ... --json | head``) the command ends quietly (``_reader_gone``); any other exception (argparse's
+    ``SystemExit``, a bug's traceback) leaves the ordinary way."""
+    try:
+        code = main()
+    except BrokenPipeError:
+        code = _reader_gone()
+    end_process(code)
 
 
 def end_process(code: int) -> NoReturn:
     """End this process with ``code`` once its exit handlers (``atexit``: logging's, ``weakref.finalize``'s
     temporary folders, multiprocessing's) have run and its output is flushed, but without Python's
     teardown of every module and object the command loaded: torch, its distributed packages, and after
-    a plan the captured graph and the search's records. That teardown does nothing the
-    command needs (each file autopar writes is closed as it is written, ``core/files.write_atomically``)
-    and took 0.45 s after ``import autopar.cli`` alone and 0.8 s after pinning Llama 3 8B's degrees on the
-    2-core development machine: a sixth of that command's wall time. Where stdout cannot be flushed (its
-    reader has gone), the process exits the ordinary way, which reports it as before."""
+    a plan the captured graph and the search's records. That teardown does nothing the command needs
+    (each file autopar writes is closed as it is written, ``core/files.write_atomically``) and took 0.45 s
+    after ``import autopar.cli`` alone and 0.8 s after pinning Llama 3 8B's degrees on the 2-core
+    development machine: a sixth of that command's wall time."""
     atexit._run_exitfuncs()  # what Python's exit runs first (and forgets them); ``os._exit`` runs none
     try:
         sys.stdout.flush()
+    except BrokenPipeError:
+        code = _reader_gone()
+    except ValueError:  # stdout closed: nothing left to write
+        pass
+    try:
         sys.stderr.flush()
     except (BrokenPipeError, ValueError):
-        sys.exit(code)
+        pass
     os._exit(code)
+
+
+def _reader_gone() -> int:
+    """What is left for stdout, whose reader has gone, is sent nowhere, and the exit code is the one a
+    process SIGPIPE ended reports (128 + SIGPIPE; 1 where the platform has no SIGPIPE), as ``head`` ends a
+    pipeline, instead of Python's traceback of a ``BrokenPipeError``."""
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, sys.stdout.fileno())
+    os.close(nowhere)
+    sigpipe = getattr(signal, "SIGPIPE", None)
+    return 128 + int(sigpipe) if sigpipe is not None else 1
 
 
 def _parser() -> argparse.ArgumentParser:

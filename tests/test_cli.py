@@ -275,6 +275,17 @@ def test_the_command_runs_exit_handlers_and_keeps_its_exit_code(plans, args, cod
         assert_one_line_error(subprocess.CompletedProcess(run.args, code, "", run.stderr), "missing.json")
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly(plans):
+    """``autopar show plan.json | head``: where stdout's reader has gone the command ends with the code a
+    process SIGPIPE ended reports (141), without a ``BrokenPipeError`` traceback (``cli._reader_gone``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen([sys.executable, "-m", "autopar", "show", "free.json"], cwd=plans["dir"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes before the command writes
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (141, b"")
+
+
 # ---- no plan fits: exit 3 with the reason ----------------------------------------------------------
 
 
