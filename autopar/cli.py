@@ -15,6 +15,7 @@ import argparse
 import atexit
 import json
 import os
+import select
 import shutil
 import signal
 import sys
@@ -64,6 +65,8 @@ def console() -> NoReturn:
     try:
         code = main()
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # another pipe broke (a planning worker's): a bug's traceback
         code = _reader_gone()
     end_process(code)
 
@@ -88,6 +91,19 @@ def end_process(code: int) -> NoReturn:
     except (BrokenPipeError, ValueError):
         pass
     os._exit(code)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone: polled, it reports an error or a hang-up
+    (False where the platform cannot poll it)."""
+    if not hasattr(select, "poll"):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _reader_gone() -> int:

@@ -277,13 +277,23 @@ def test_the_command_runs_exit_handlers_and_keeps_its_exit_code(plans, args, cod
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(plans):
     """``autopar show plan.json | head``: where stdout's reader has gone the command ends with the code a
-    process SIGPIPE ended reports (141), without a ``BrokenPipeError`` traceback (``cli._reader_gone``)."""
+    process SIGPIPE ended reports (141), without a ``BrokenPipeError`` traceback (``cli._reader_gone``); a
+    pipe of its own breaking is still a bug's traceback."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen([sys.executable, "-m", "autopar", "show", "free.json"], cwd=plans["dir"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader goes before the command writes
     _, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (141, b"")
+    # another pipe breaking, stdout still read, is a bug: its traceback is kept (exit 1)
+    script = ("import autopar.cli as cli\n"
+              "def broken(args):\n"
+              "    raise BrokenPipeError(32, 'a worker pipe')\n"
+              "cli._cmd_show = broken\n"
+              "cli.console()\n")
+    run = subprocess.run([sys.executable, "-c", script, "show", "free.json"], cwd=plans["dir"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "BrokenPipeError: [Errno 32] a worker pipe" in run.stderr
 
 
 # ---- no plan fits: exit 3 with the reason ----------------------------------------------------------
