@@ -382,13 +382,15 @@ def settled_option(option: Option, share: dict[str, float], count: float) -> Opt
         return option
     used = [(share[m], c) for m, c in option.by_mode.items() if share[m]]
     working_set = sum(b for m, b in option.recompute_bytes.items() if share[m]) / count
-    if len(used) == 1 and used[0][0] == 1.0:  # every layer in one mode: its price as it is
-        cost = used[0][1]
-        if working_set:
-            cost = with_fields(cost, memory_bytes=cost.memory_bytes + working_set)
-        return with_fields(option, cost=cost, by_mode={}, recompute_bytes={}, working_set_bytes=working_set)
-    cost = weighted_cost(used)
-    cost.memory_bytes += working_set
+    every_layer_in_one = len(used) == 1 and used[0][0] == 1.0  # its price as it is
+    return option_settled_at(option, used[0][1] if every_layer_in_one else weighted_cost(used), working_set)
+
+
+def option_settled_at(option: Option, cost: Cost, working_set: float) -> Option:
+    """``option`` with no modes left: priced ``cost`` plus ``working_set``, the bytes per occurrence its
+    recomputation needs live (``settled_option``; ``stages.stage_problem`` for one mode)."""
+    if working_set:
+        cost = with_fields(cost, memory_bytes=cost.memory_bytes + working_set)
     return with_fields(option, cost=cost, by_mode={}, recompute_bytes={}, working_set_bytes=working_set)
 
 

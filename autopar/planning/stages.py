@@ -86,7 +86,7 @@ from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
 from autopar.cost_models.pipeline import (last_chunk_in_flight, last_stage_in_flight, least_bubble_fraction,
                                           microbatches_in_flight, pipeline_bubble_fraction)
 from autopar.planning.pricing import Cost, with_fields
-from autopar.planning.problem import LayerModes, Option, Problem, StageRows, settled_moves
+from autopar.planning.problem import LayerModes, Option, Problem, StageRows, option_settled_at, settled_moves
 
 @dataclass(frozen=True)
 class Staging:
@@ -410,10 +410,7 @@ def _settled_in_one_mode(option: Option, treated: tuple[bool, bool, bool], in_fl
     ``_priced_by_mode``'s option with that mode's share 1, its recompute working set per occurrence in its
     memory, in one copy of the option instead of two (a search stages tens of thousands of them)."""
     cost, recompute = _priced_in_mode(option.cost, *treated, in_flight, per_layer, microbatches)
-    working_set = (recompute if recompute is not None else 0) / count
-    if working_set:
-        cost = with_fields(cost, memory_bytes=cost.memory_bytes + working_set)
-    return with_fields(option, cost=cost, by_mode={}, recompute_bytes={}, working_set_bytes=working_set)
+    return option_settled_at(option, cost, (recompute if recompute is not None else 0) / count)
 
 
 def _priced_in_mode(cost: Cost, recomputed: bool, kept_whole: bool, held_anyway: bool, in_flight: float,
