@@ -67,6 +67,7 @@ MAIN = [
     Row(_model("llama3-405b", "2048x8xH100", 2048, 8192), 30),
     Row((*LLAMA8, "--fix", "dp=8,tp=8"), 5),
     Row(_model("llama3-70b", "16x8xH100", 512, 4096, "--fix", "pp=4,dp=4,tp=8"), 5),
+    Row(_model("llama3-405b", "2048x8xH100", 2048, 8192, "--fix", "pp=16,dp=128,tp=8"), 5),
     Row((*LLAMA8, *SAVE)),
     Row((*RESOLVE, "--cluster", "8x8xH100"), 5),
 ]
@@ -81,6 +82,7 @@ QUICK = [
 # 8-expert MoE on 64 GPUs (expert parallelism) and a 405B model at 128k tokens on 16,384 (context).
 CP_EP = [
     Row(_model("mixtral-8x7b", "8x8xH100", 256, 4096), 10),
+    Row(_model("mixtral-8x7b", "8x8xH100", 256, 4096, "--fix", "pp=4,dp=8,ep=4,tp=2"), 5),
     Row(_model("llama3-405b", "2048x8xH100", 128, None, "--set", "seq=131072"), 30),
 ]
 GRID_LAYERS = (8, 32, 80, 126)

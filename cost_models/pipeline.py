@@ -69,33 +69,35 @@ def least_bubble_fraction(schedule: str, stages: int, microbatches: int, chunks:
 def microbatches_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the first stage holds at once: ``m`` (GPipe), ``min(p, m)``
     (1F1B), ``min(m, ((v - 1) r + 2 (p - 1) + 1) / v)`` with ``r`` microbatches a round (interleaved);
-    zero-bubble schedules: the most any device holds in the simulation; 1 with a single stage."""
+    zero-bubble schedules: the most any device holds in torch's action table (``held_in_schedule``); 1 with a
+    single stage."""
     if _checked(schedule, stages, microbatches, chunks) == 1:
         return 1.0
     if schedule in SIMULATED:
-        return simulated_schedule(schedule, stages, microbatches, chunks).in_flight
+        return held_in_schedule(schedule, stages, microbatches, chunks).in_flight
     return float(_compiled("in_flight", schedule)(stages, microbatches, chunks))
 
 
 def last_stage_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the last stage (the device of the model's last chunk) holds at once,
     in stages' worth: ``m`` (GPipe), 1 (1F1B), ``((v - 1) r + 1) / v`` (interleaved); zero-bubble schedules:
-    simulated; 1 with a single stage."""
+    from torch's action table (``held_in_schedule``); 1 with a single stage."""
     if _checked(schedule, stages, microbatches, chunks) == 1:
         return 1.0
     if schedule in SIMULATED:
-        return simulated_schedule(schedule, stages, microbatches, chunks).last_stage_in_flight
+        return held_in_schedule(schedule, stages, microbatches, chunks).last_stage_in_flight
     return float(_compiled("last_stage_in_flight", schedule)(stages, microbatches, chunks))
 
 
 def last_chunk_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Microbatches whose activations the model's last chunk (final norm, head, loss) holds at once:
-    ``m`` (GPipe), 1 (1F1B, interleaved: its backward follows its forward); zero-bubble schedules:
-    simulated (the last chunk's W waits to fill a bubble); 1 with a single stage."""
+    ``m`` (GPipe), 1 (1F1B, interleaved: its backward follows its forward); zero-bubble schedules: from
+    torch's action table (the last chunk's W waits to fill a bubble, ``held_in_schedule``); 1 with a single
+    stage."""
     if _checked(schedule, stages, microbatches, chunks) == 1:
         return 1.0
     if schedule in SIMULATED:
-        return simulated_schedule(schedule, stages, microbatches, chunks).last_in_flight
+        return held_in_schedule(schedule, stages, microbatches, chunks).last_in_flight
     return float(_compiled("last_in_flight", schedule)(stages, microbatches, chunks))
 
 
@@ -111,14 +113,20 @@ class Action:
 
 
 @dataclass(frozen=True)
-class SimulatedSchedule:
-    """What ``simulate`` finds: the step's length, its idle share and the activations held."""
+class HeldActivations:
+    """The activations an action table holds (``held_activations``)."""
 
-    makespan: float  # from the first forward to the last step's end, on the busiest device
-    work: float  # one device's compute (every device has the same)
     in_flight: float  # most microbatches whose activations one device holds at once, in stages' worth
     last_in_flight: int  # most microbatches the model's last chunk holds at once
-    last_stage_in_flight: float = 0.0  # most microbatches the last chunk's device holds at once, in stages' worth
+    last_stage_in_flight: float  # most microbatches the last chunk's device holds at once, in stages' worth
+
+
+@dataclass(frozen=True)
+class SimulatedSchedule(HeldActivations):
+    """What ``simulate`` finds: the activations held, the step's length and its idle share."""
+
+    makespan: float = 0.0  # from the first forward to the last step's end, on the busiest device
+    work: float = 0.0  # one device's compute (every device has the same)
 
     @property
     def bubble_fraction(self) -> float:
@@ -145,15 +153,13 @@ def simulate(order: Mapping[int, Sequence[Action | None]], chunks: int,
     compiled = {rank: _compiled_actions(actions, last, microbatches, durations) for rank, actions in queues.items()}
     done: list[float | None] = [None] * (2 * (last + 1) * microbatches)  # (chunk, F or B, microbatch) -> end
     position, free = dict.fromkeys(order, 0), dict.fromkeys(order, 0.0)
-    held: dict[int, list[tuple[float, int]]] = {rank: [] for rank in order}  # (time, +1 or -1): ``_most_held``
-    last_held: list[tuple[float, int]] = []
     remaining = sum(len(actions) for actions in queues.values())
     while remaining:
         progressed = False
         for rank, actions in compiled.items():
-            at, end_of_rank, events, count = position[rank], free[rank], held[rank], len(actions)
+            at, end_of_rank, count = position[rank], free[rank], len(actions)
             while at < count:
-                needed, filled, cost, change, of_last = actions[at]
+                needed, filled, cost = actions[at]
                 if needed < 0:
                     start = end_of_rank
                 else:
@@ -165,11 +171,6 @@ def simulate(order: Mapping[int, Sequence[Action | None]], chunks: int,
                 at += 1
                 if filled >= 0:
                     done[filled] = end_of_rank
-                if change:  # a forward holds its activations, the end of its backward frees them
-                    event = (start, 1) if change > 0 else (end_of_rank, -1)
-                    events.append(event)
-                    if of_last:
-                        last_held.append(event)
             if at > position[rank]:
                 progressed = True
                 remaining -= at - position[rank]
@@ -178,16 +179,40 @@ def simulate(order: Mapping[int, Sequence[Action | None]], chunks: int,
             raise ValueError("pipeline schedule's actions wait on each other: not a valid action table")
     first_rank = next(iter(order))
     work = sum(action[2] for action in compiled[first_rank])
-    last_device = next(rank for rank, actions in queues.items() if any(a.stage == last for a in actions))
-    return SimulatedSchedule(max(free.values()), work, max(_most_held(e) for e in held.values()) / chunks,
-                             int(_most_held(last_held)), _most_held(held[last_device]) / chunks)
+    held = held_activations(order, chunks)
+    return SimulatedSchedule(held.in_flight, held.last_in_flight, held.last_stage_in_flight, max(free.values()), work)
+
+
+def held_activations(order: Mapping[int, Sequence[Action | None]], chunks: int) -> HeldActivations:
+    """The most activations each device of ``order`` (device -> its actions in order) holds at once: a
+    forward holds its microbatch's from its start, the end of its W or BW frees them. A device runs its
+    actions one after another, each starting no earlier than the one before it ends, so what it holds when
+    an action starts follows from the order alone, whatever the actions take and wait for (a free sorts
+    before a forward that starts as it ends): no simulation is needed, and the planner reads these for
+    every chunk count it bounds, where it simulates only the tables whose bubble it prices."""
+    last = max(a.stage for actions in order.values() for a in actions if a is not None)
+    most: dict[int, int] = {}
+    last_most = last_held = 0
+    last_device = None
+    for rank, actions in order.items():
+        held = most[rank] = 0
+        for a in actions:
+            if a is None or a.kind == "B":
+                continue
+            change = 1 if a.kind == "F" else -1
+            held += change
+            most[rank] = max(most[rank], held)
+            if a.stage == last:
+                last_device = rank
+                last_held += change
+                last_most = max(last_most, last_held)
+    return HeldActivations(max(most.values()) / chunks, last_most, most[last_device] / chunks)
 
 
 def _compiled_actions(actions: Sequence[Action], last: int, microbatches: int,
-                      durations: tuple[float, float, float]) -> list[tuple[int, int, float, int, bool]]:
+                      durations: tuple[float, float, float]) -> list[tuple[int, int, float]]:
     """Per action, for ``simulate``: the slot of the end time it waits for (-1: none), the slot it fills
-    (-1: none, a W), its duration, how it changes the activations held (+1 at a forward's start, -1 at
-    the end of a W or BW, else 0) and whether it is the last chunk's. Slot ``2 (c M + mb)`` holds the end
+    (-1: none, a W) and its duration. Slot ``2 (c M + mb)`` holds the end
     of chunk ``c``'s forward of microbatch ``mb`` (``M`` microbatches), the slot after it the end of its
     input gradient (a B or BW); the previous chunk's are ``2 M`` slots before, the next chunk's ``2 M``
     after."""
@@ -200,24 +225,13 @@ def _compiled_actions(actions: Sequence[Action], last: int, microbatches: int,
         kind, stage = a.kind, a.stage
         own = chunk * stage + 2 * a.microbatch  # this chunk's forward of the microbatch
         if kind == "F":
-            needed, filled, change = (own - chunk if stage > 0 else -1), own, 1
+            needed, filled = (own - chunk if stage > 0 else -1), own
         elif kind == "W":
-            needed, filled, change = own + 1, -1, -1
+            needed, filled = own + 1, -1
         else:  # B or BW: after the last chunk's own forward, or the next chunk's input gradient
-            needed, filled, change = (own if stage == last else own + chunk + 1), own + 1, (-1 if kind == "BW" else 0)
-        compiled.append((needed, filled, (first_cost if stage == 0 else cost)[kind], change, stage == last))
+            needed, filled = (own if stage == last else own + chunk + 1), own + 1
+        compiled.append((needed, filled, (first_cost if stage == 0 else cost)[kind]))
     return compiled
-
-
-def _most_held(events: list[tuple[float, int]]) -> int:
-    """The most activations held at once, from (time, +1 or -1) events: at equal times a release (-1)
-    sorts before a new forward."""
-    count = best = 0
-    for _, by in sorted(events):
-        count += by
-        if count > best:
-            best = count
-    return best
 
 
 def schedule_available(schedule: str) -> bool:
@@ -233,8 +247,21 @@ def schedule_available(schedule: str) -> bool:
 @functools.cache
 def simulated_schedule(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> SimulatedSchedule:
     """``simulate`` of torch's action table of ``schedule`` (``SIMULATED``) with ``F_B_W``."""
+    return simulate(_torch_table(schedule, stages, microbatches, chunks), chunks)
+
+
+@functools.cache
+def held_in_schedule(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> HeldActivations:
+    """``held_activations`` of torch's action table of ``schedule`` (``SIMULATED``)."""
+    return held_activations(_torch_table(schedule, stages, microbatches, chunks), chunks)
+
+
+@functools.lru_cache(maxsize=8)
+def _torch_table(schedule: str, stages: int, microbatches: int, chunks: int) -> dict[int, list[Action]]:
+    """``torch_schedule_order`` of ``schedule``, kept for the few sizes read last: the held activations and the
+    simulation of one size are asked for together, and tables run to tens of thousands of actions."""
     _checked(schedule, stages, microbatches, chunks)
-    return simulate(torch_schedule_order(SIMULATED.get(schedule, schedule), stages, microbatches, chunks), chunks)
+    return torch_schedule_order(SIMULATED.get(schedule, schedule), stages, microbatches, chunks)
 
 
 def torch_schedule_order(torch_class: str, stages: int, microbatches: int, chunks: int) -> dict[int, list[Action]]:

@@ -262,6 +262,7 @@ def test_a_mesh_whose_fewest_microbatches_do_not_fit_is_searched_under_zero_one_
     pinned = {"pp": 4, "dp": 8, "ep": 4, "tp": 2}
     plan = _plan("mixtral-8x7b", "8x8xH100", pinned, batch=256, seq=4096)
     monkeypatch.setattr(search._MeshSearch, "run", _fewest_microbatches_ignored(search._MeshSearch.run))
+    monkeypatch.setattr(search._MeshSearch, "fewest_count_refused", lambda self, mesh: False)
     without = _plan("mixtral-8x7b", "8x8xH100", pinned, batch=256, seq=4096)
     assert without.degrees.zero in (0, None) and without.pipeline.microbatches == 32
     assert plan.degrees.zero == 1 and plan.pipeline.microbatches == 16
@@ -269,7 +270,8 @@ def test_a_mesh_whose_fewest_microbatches_do_not_fit_is_searched_under_zero_one_
 
 
 def _fewest_microbatches_ignored(run):
-    """``_MeshSearch.run`` with ``microbatches_raised`` cleared after it: the search as it was before."""
+    """``_MeshSearch.run`` with ``microbatches_raised`` cleared after it (and ``fewest_count_refused`` never
+    true, so ZeRO-1 is not searched first): the search as it was before."""
     def cleared(self, *args, **kwargs):
         found = run(self, *args, **kwargs)
         self.microbatches_raised = False

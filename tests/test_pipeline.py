@@ -20,8 +20,9 @@ from autopar.core.axes import MeshAxis
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for, problem_for
 from autopar.planning.stages import FewestHeld, Staging, layer_roles, stage_problem, staged_alike
-from autopar.cost_models.pipeline import (Action, last_chunk_in_flight, least_bubble_fraction, microbatches_in_flight,
-                                          pipeline_bubble_fraction, simulate, torch_schedule_order)
+from autopar.cost_models.pipeline import (Action, held_activations, last_chunk_in_flight, least_bubble_fraction,
+                                          microbatches_in_flight, pipeline_bubble_fraction, simulate,
+                                          torch_schedule_order)
 from autopar.api import reprice
 
 CLUSTER = "4x8xA100-80GB"
@@ -130,6 +131,28 @@ def test_the_table_is_torchs_order_of_each_devices_actions_without_its_idle_slot
         assert kept == [(a.stage, a.microbatch) for a in table[device]]
     if microbatches < stages:
         assert any(a is None for actions in padded.pipeline_order.values() for a in actions)
+
+
+def test_the_activations_held_follow_from_each_devices_order_of_actions(monkeypatch):
+    """``held_activations`` by hand: two devices, two chunks of one layer each (no interleaving). Device 0
+    runs F0 F1 BW0 F2 BW1 BW2: two microbatches held at most; device 1 (the last chunk's) runs F0 F1 B0
+    F2 W0 B1 B2 W1 W2: its W frees, its B does not, so three at most, and the last chunk holds three. The
+    planner reads them without simulating a table (``microbatches_in_flight`` of zero bubble), which
+    ``simulate`` reports alike."""
+    from autopar.cost_models import pipeline
+
+    order = {0: [Action(0, k, mb) for k, mb in (("F", 0), ("F", 1), ("BW", 0), ("F", 2), ("BW", 1), ("BW", 2))],
+             1: [Action(1, k, mb) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("W", 0), ("B", 1),
+                                                ("B", 2), ("W", 1), ("W", 2))]}
+    held = held_activations(order, 1)
+    assert (held.in_flight, held.last_in_flight, held.last_stage_in_flight) == (3, 3, 3)
+    assert held_activations({0: order[0]}, 1).in_flight == 2
+    simulated = simulate(order, 1)
+    assert (simulated.in_flight, simulated.last_in_flight, simulated.last_stage_in_flight) == (3, 3, 3)
+    expected = simulate(torch_schedule_order("ScheduleInterleavedZeroBubble", 4, 16, 2), 2).in_flight
+    monkeypatch.setattr(pipeline, "simulate", None)  # not called
+    pipeline.held_in_schedule.cache_clear()
+    assert microbatches_in_flight("zero_bubble", 4, 16, 2) == expected
 
 
 def test_a_table_whose_actions_wait_on_each_other_is_refused():

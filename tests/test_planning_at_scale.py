@@ -366,6 +366,76 @@ def test_a_mesh_that_must_shard_is_searched_under_zero_one_first_and_keeps_its_b
     assert plan.predicted["step_time_s"] < 0.9 * plain_first.predicted["step_time_s"]
 
 
+def _tight_pipeline_plan(monkeypatch) -> tuple[object, list[int]]:
+    """tiny Llama, 8 layers at 1,024 tokens, pinned to pp=2 x dp=4 in 50 MB a device (the ZeRO stage, the
+    schedule, the counts and checkpointing free): the plan and the microbatch count of every ILP solved."""
+    from autopar.planning import search
+
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    solved: list[int] = []
+    solve_ = search.solve
+    monkeypatch.setattr(search, "solve", lambda problem, *a, **k: (solved.append(problem.microbatches),
+                                                                   solve_(problem, *a, **k))[1])
+    bundle = build_model("tiny-llama", overrides={"layers": 8, "seq": 1024}, global_batch=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn,
+                            {"pp": 2, "dp": 4, "memory_gb": 0.05}, example_targets=bundle.example_targets)
+    return plan, list(solved)
+
+
+def test_a_mesh_whose_fewest_count_does_not_fit_is_searched_under_zero_one_first_to_the_same_step(monkeypatch):
+    """With nothing to beat yet, a mesh whose fewest microbatch count does not fit without ZeRO
+    (``_MeshSearch.fewest_count_refused``) is searched under ZeRO-1 first: both searches run in either
+    order, so the plan's step time is the one the other order finds. (Which order solves fewer ILPs
+    depends on which search wins: here ZeRO-1 first solves 16 and the other order 15; on Llama 3 70B,
+    ``test_a_pinned_pipeline_searched_under_zero_one_first_solves_fewer_ilps``, far fewer.)"""
+    from autopar.planning import search
+
+    refused: list[bool] = []
+    check = search._MeshSearch.fewest_count_refused
+    monkeypatch.setattr(search._MeshSearch, "fewest_count_refused",
+                        lambda self, mesh: (refused.append(check(self, mesh)), refused[-1])[1])
+    plan, _ = _tight_pipeline_plan(monkeypatch)
+    assert refused == [True] and plan.degrees.zero == 1
+    monkeypatch.setattr(search._MeshSearch, "fewest_count_refused", lambda self, mesh: False)
+    other, _ = _tight_pipeline_plan(monkeypatch)
+    assert (plan.degrees, plan.pipeline, plan.checkpointing) == (other.degrees, other.pipeline, other.checkpointing)
+    assert plan.predicted["step_time_s"] == pytest.approx(other.predicted["step_time_s"], rel=1e-12)
+
+
+def test_microbatch_counts_a_staging_cannot_win_with_are_pruned_by_one_relaxation_to_the_same_plan(monkeypatch):
+    """``_MeshSearch._counts_cannot_win``: where the problem at a staging's fewest count, without memory
+    rows, stretched by the least bubble of any count and paying the fewest count's stage transfers, cannot
+    beat the cutoff, none of the counts is solved; each count's own ILP is pruned there too (checked by
+    solving it as ``_best_microbatching`` would), and the plan is the one solving each count finds."""
+    from autopar.core.errors import NoFeasiblePlanError
+    from autopar.planning import search
+    from autopar.planning.assemble import least_stage_transfers
+    from autopar.planning.solver import Pruned
+
+    verdicts: list[bool] = []
+    check = search._MeshSearch._counts_cannot_win
+
+    def noted(self, mesh, staging, per_m, counts, pricer, cutoff_s, least_bubble):
+        verdicts.append(check(self, mesh, staging, per_m, counts, pricer, cutoff_s, least_bubble))
+        for m in counts if verdicts[-1] else ():
+            problem = self._staged(per_m[m], staging)
+            bubble = min(staging.bubble_fraction(m), least_bubble)
+            sends = least_stage_transfers(self.captured, problem, staging, pricer, mesh)
+            with pytest.raises((Pruned, NoFeasiblePlanError)):
+                solve(problem, cutoff_s=cutoff_s - (1 + bubble) * sends, bubble_fraction=bubble)
+        return verdicts[-1]
+
+    monkeypatch.setattr(search._MeshSearch, "_counts_cannot_win", noted)
+    plan, bounded = _tight_pipeline_plan(monkeypatch)
+    assert any(verdicts) and not all(verdicts), verdicts
+    monkeypatch.setattr(search._MeshSearch, "_counts_cannot_win", lambda self, *args: False)
+    solved, each = _tight_pipeline_plan(monkeypatch)
+    assert len(bounded) < len(each)
+    assert _without_timings(solved) == _without_timings(plan)
+
+
 @pytest.mark.extended
 def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch):
     """tiny-llama at 4,096 tokens in 20 MB a device: the best plan without cp recomputes, so cp meshes are
@@ -430,6 +500,21 @@ def test_other_schedules_reuse_the_solution_of_the_counts_1f1b_solved(monkeypatc
     assert len(reusing) < len(every)
     assert (plan.degrees, plan.pipeline) == (solving_all.degrees, solving_all.pipeline)
     assert plan.predicted["step_time_s"] == pytest.approx(solving_all.predicted["step_time_s"], rel=1e-12)
+
+
+@pytest.mark.extended
+def test_a_pinned_pipeline_searched_under_zero_one_first_solves_fewer_ilps(monkeypatch):
+    """The pinned 70B pipeline's fewest counts do not fit without ZeRO, and ZeRO-1's plan wins: searched
+    first, its step prunes the other search's ILPs at their roots (``fewest_count_refused``). Fewer ILPs,
+    to the step time of the other order."""
+    from autopar.planning import search
+
+    plan, zero_one_first = _pinned_70b_solves(monkeypatch)
+    monkeypatch.setattr(search._MeshSearch, "fewest_count_refused", lambda self, mesh: False)
+    other, plain_first = _pinned_70b_solves(monkeypatch)
+    assert plan.degrees.zero == 1 and len(zero_one_first) < len(plain_first)
+    assert (plan.degrees, plan.pipeline) == (other.degrees, other.pipeline)
+    assert plan.predicted["step_time_s"] == pytest.approx(other.predicted["step_time_s"], rel=1e-12)
 
 
 def test_a_cp_degree_the_model_cannot_split_fails_its_mesh_not_the_search():
