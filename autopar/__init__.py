@@ -10,11 +10,15 @@ model and optimizer state in a layout any other plan (another world size, pipeli
 
 import importlib
 
-from autopar import inspect as _inspect  # noqa: F401  (registers Plan.summary and Plan.explain)
-from autopar.api import autoparallelize, compare, plan, reprice
-from autopar.core.errors import AutoparError, BadInputError, NoFeasiblePlanError, PlanFormatError, UnsupportedModelError
-from autopar.core.plan import Plan
-from autopar.ir.problem_file import SavedProblem, load_problem
+from autopar.core.collector import collector_paused
+
+with collector_paused():  # torch, DTensor and autopar load a million objects that live as long as the process
+    from autopar import inspect as _inspect  # noqa: F401  (registers Plan.summary and Plan.explain)
+    from autopar.api import autoparallelize, compare, plan, reprice
+    from autopar.core.errors import (AutoparError, BadInputError, NoFeasiblePlanError, PlanFormatError,
+                                     UnsupportedModelError)
+    from autopar.core.plan import Plan
+    from autopar.ir.problem_file import SavedProblem, load_problem
 
 _RUNTIME = {  # imported on first use: the runtimes pull in the rewrite passes and AOT autograd, which
     # planning, inspecting plans and re-solving saved problems do not need (a second off every command)

@@ -275,6 +275,27 @@ def test_the_command_runs_exit_handlers_and_keeps_its_exit_code(plans, args, cod
         assert_one_line_error(subprocess.CompletedProcess(run.args, code, "", run.stderr), "missing.json")
 
 
+def test_the_command_runs_commands_that_read_plans_uncollected_and_the_others_collected(plans, monkeypatch):
+    """In the process ``console`` ends, the commands of ``cli.UNCOLLECTED`` (plan, show, ...) run with
+    Python's cyclic garbage collector off; ``demo`` and ``calibrate`` keep it, and so does ``main`` called
+    from Python (tests, a user's script) for every command."""
+    import gc
+
+    from autopar import cli
+
+    seen: dict[str, bool] = {}
+    monkeypatch.setattr(cli, "_cmd_show", lambda args: seen.__setitem__("show", gc.isenabled()) or 0)
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: seen.__setitem__("demo", gc.isenabled()) or 0)
+    assert gc.isenabled()
+    try:
+        assert cli.main(["show", "x.json"]) == 0 and seen["show"]
+        assert cli.main(["demo"], ends_process=True) == 0 and seen["demo"]
+        assert cli.main(["show", "x.json"], ends_process=True) == 0 and not seen["show"]
+    finally:
+        gc.enable()
+    assert "demo" not in cli.UNCOLLECTED and "calibrate" not in cli.UNCOLLECTED
+
+
 def test_a_reader_that_goes_away_ends_the_command_quietly(plans):
     """``autopar show plan.json | head``: where stdout's reader has gone the command ends with the code a
     process SIGPIPE ended reports (141), without a ``BrokenPipeError`` traceback (``cli._reader_gone``); a

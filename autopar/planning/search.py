@@ -39,17 +39,17 @@ number of processes that run it, fixes every cutoff, so the plan is the same on 
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from torch.distributed.tensor import Replicate
 
 from autopar.core.axes import ZERO_AXES, MeshAxis
+from autopar.core.collector import collector_paused
 from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count
 from autopar.ir.capture import CapturedGraph
@@ -126,7 +126,7 @@ def make_plan(
         return searched
 
     more: list[MeshChoice] = []
-    with _long_lived_objects_frozen(), Workers(search.search_mesh, worker_count()) as workers:
+    with collector_paused(), Workers(search.search_mesh, worker_count()) as workers:
         searched = solve_each(meshes)
         if _context_parallel_may_help(constraints, results):
             more = context_parallel_meshes(captured, cluster, constraints, batch_size)
@@ -152,23 +152,6 @@ def make_plan(
     plan = to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
                     time.perf_counter() - start, progress.phases_s)
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
-
-
-@contextmanager
-def _long_lived_objects_frozen() -> Iterator[None]:
-    """Python's cyclic garbage collector told to leave alone, for the search, every object alive when it
-    starts (``gc.freeze``): the captured graph, its fake tensors and torch's own. The search allocates
-    millions of short-lived records (prices, options), whose collections otherwise rescan all of those
-    each time (about a tenth of building the problems of Llama 3 8B on 64 GPUs); forked workers then
-    also leave those objects' pages shared. Not done where the caller froze objects already."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _context_parallel_may_help(constraints: Constraints, results: list[Candidate]) -> bool:
