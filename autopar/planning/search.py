@@ -739,7 +739,8 @@ class _MeshSearch:
         microbatches only add to a price), without its memory rows, stretched by the least bubble any count
         has (the most microbatches', or a later schedule's, ``least_bubble``) and paying the fewest count's
         stage transfers, which grow with the count (a latency per microbatch). On a pinned Llama 3 70B
-        pipeline the recomputing modes' 22 LPs, each of which its root proved unbeatable, became 4."""
+        pipeline (pp 4 x dp 4 x tp 8) the recomputing modes' 22 counts, each pruned at its own root, became 4
+        LPs: 5 problems solved and 15 LPs, where 27 and 10 were."""
         if len(counts) < 2 or math.isinf(cutoff_s):
             return False
         fewest = self._staged(per_m[counts[0]], staging)
