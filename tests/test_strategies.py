@@ -71,3 +71,16 @@ def test_a_combination_mixing_reduce_ops_is_refused_and_its_sibling_kept() -> No
     ours, _ = StrategyFinder((2, 2))._enumerate(node, tensor_inputs(node))
     kinds = [{p.reduce_op for ps in (*s.inputs, *s.outputs) for p in ps if p.is_partial()} for s in ours]
     assert {"min"} in kinds and {"max"} in kinds and not any(len(k) > 1 for k in kinds)
+
+
+def test_ops_that_differ_only_in_their_sizes_share_one_expansion() -> None:
+    """``strategies._expanded_families`` remembers an expansion by the sizes capped at the most shards a dim
+    can get: tiny Llama's expandable ops on a three-dim mesh share fewer lists than they have signatures,
+    each still DTensor's own."""
+    nodes = _expandable_nodes(_built_in("tiny-llama"))
+    strategies._EXPANDED.clear()
+    finder = StrategyFinder((2, 2, 2))
+    for node in nodes:
+        ours, _ = finder._enumerate(node, tensor_inputs(node))
+        assert ours == strategies._first_of_each_family(finder._from_dtensor(node, PROP)), node.target
+    assert 0 < len(strategies._EXPANDED) < len(nodes)
