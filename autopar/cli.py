@@ -37,9 +37,10 @@ DEFAULT_GLOBAL_BATCH = 8
 UNCOLLECTED = ("plan", "reprice", "show", "compare", "explain", "report", "export")
 """The commands that load a model or plans, work on them and end: in the process ``console`` ends they run
 with Python's cyclic garbage collector off. What they make (the captured graph, the search's records, the
-plan) lives until the process ends anyway, and each collection rescanned it for nothing: 0.35 s of a pinned
-Llama 3 70B pipeline's 5 s on the 2-core development machine, 1 s of Llama 3 70B's search on 1,024 GPUs, for
-about 15 MB more at the peak. ``demo`` (training on local ranks) and ``calibrate`` keep it."""
+plan) lives until the process ends anyway, and each collection rescanned it for nothing: with the pauses of
+the import and of the search (``core/collector``) too, a pinned Llama 3 70B pipeline's plan took 4.3 s
+against 4.9 s with only the search's on the 2-core development machine, for about 10 MB more at the peak.
+``demo`` (training on local ranks) and ``calibrate`` keep it."""
 
 
 def main(argv: Sequence[str] | None = None, *, ends_process: bool = False) -> int:

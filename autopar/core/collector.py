@@ -20,8 +20,8 @@ def collector_paused() -> Iterator[None]:
     """The cyclic collector off inside (``gc.disable``), on again after unless it was off before. At the
     end every object alive is put in the oldest generation without a scan (``gc.freeze`` then
     ``gc.unfreeze``), where the collector's thresholds leave them until they are a quarter of it:
-    re-enabled with a young generation of millions, it would scan them all at the first allocation (a
-    quarter of a second after a pinned Llama 3 70B pipeline's search). That move is skipped where the
+    re-enabled with a young generation of millions, it would scan them all at the first allocation (half a
+    second after a pinned Llama 3 70B pipeline's search). That move is skipped where the
     caller froze objects itself, which ``gc.unfreeze`` would thaw too."""
     if not gc.isenabled():
         yield
