@@ -300,7 +300,7 @@ class _MeshSearch:
         self._staged_problems: dict[tuple[int, tuple], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self._solved: dict[tuple[int, tuple[str, ...], int], tuple[Staging, Solution]] = {}  # ``_solved_before``
         self._traced: dict[tuple, tuple[EdgePrices, MeshTrace]] = {}  # ``_shared_with_earlier_search``
-        self._decided_problems: dict[int | None, tuple[Pricer, Problem]] = {}  # ``_decided``, by ZeRO stage
+        self._decided_problems: dict[tuple[MeshChoice, int | None], tuple[Pricer, Problem]] = {}  # ``_decided``
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
@@ -320,7 +320,7 @@ class _MeshSearch:
         self.closest, self.solver_failed, self.fits_whole = None, False, False
         self.microbatches_raised = False
         self._traced.clear()  # one mesh's at a time
-        self._decided_problems.clear()
+        self._decided_problems.clear()  # one mesh's at a time
         if _zero_one_applies(self, mesh) and (self.must_shard_parameters(mesh)
                                               or cutoff_s is None and self.fewest_count_refused(mesh)):
             found = self.run(mesh, cutoff_s, zero_stage=1)
@@ -387,7 +387,7 @@ class _MeshSearch:
     def _decided(self, mesh: MeshChoice, constraints: Constraints) -> tuple[Pricer, Problem]:
         """``mesh``'s pricer and problem without edges under ``constraints`` (``problem_for``), built once per
         ZeRO stage while ``mesh`` is searched (``fewest_count_refused`` and ``run`` read the same one)."""
-        key = constraints.zero_stage
+        key = (mesh, constraints.zero_stage)
         if key not in self._decided_problems:
             pricer = pricer_for(self.cluster, mesh, self.dtype, constraints)
             with self.progress.phase("build"):
