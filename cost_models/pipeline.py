@@ -125,8 +125,8 @@ class HeldActivations:
 class SimulatedSchedule(HeldActivations):
     """What ``simulate`` finds: the activations held, the step's length and its idle share."""
 
-    makespan: float = 0.0  # from the first forward to the last step's end, on the busiest device
-    work: float = 0.0  # one device's compute (every device has the same)
+    makespan: float  # from the first forward to the last step's end, on the busiest device
+    work: float  # one device's compute (every device has the same)
 
     @property
     def bubble_fraction(self) -> float:

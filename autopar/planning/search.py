@@ -743,12 +743,18 @@ class _MeshSearch:
         LPs: 5 problems solved and 15 LPs, where 27 and 10 were."""
         if len(counts) < 2 or math.isinf(cutoff_s):
             return False
-        fewest = self._staged(per_m[counts[0]], staging)
+        fewest = with_fields(self._staged(per_m[counts[0]], staging), memory_capacity_bytes=math.inf)
         bubble = min(staging.least_bubble_fraction(counts[-1]), least_bubble)
-        sends = least_stage_transfers(self.captured, fewest, staging, pricer, mesh)
+        return self.sends_and_all_cannot_beat(mesh, fewest, staging, pricer, cutoff_s, bubble)
+
+    def sends_and_all_cannot_beat(self, mesh: MeshChoice, problem: Problem, staging: Staging, pricer: Pricer,
+                                  cutoff_s: float, bubble: float) -> bool:
+        """Whether ``problem`` (staged under ``staging``) cannot beat ``cutoff_s`` by its LP relaxation
+        (``solver.cannot_beat``), stretched by ``bubble`` and paying the stage transfers every plan of it
+        pays (``least_stage_transfers``): the bounds of ``_counts_cannot_win`` and ``_ChunkBound``."""
+        sends = least_stage_transfers(self.captured, problem, staging, pricer, mesh)
         with self.progress.phase("solve"):
-            return cannot_beat(with_fields(fewest, memory_capacity_bytes=math.inf), cutoff_s - (1.0 + bubble) * sends,
-                               bubble)
+            return cannot_beat(problem, cutoff_s - (1.0 + bubble) * sends, bubble)
 
     def _solved_before(self, unstaged: Problem, staging: Staging, problem: Problem, cutoff_s: float
                        ) -> Solution | None:
@@ -814,10 +820,8 @@ class _ChunkBound:
         if m not in self.pruned:
             search = self.search
             problem = search._staged(self.per_m[m], self.staging)
-            bubble = self.staging.least_bubble_fraction(m)
-            sends = least_stage_transfers(search.captured, problem, self.staging, self.pricer, self.mesh)
-            with search.progress.phase("solve"):
-                self.pruned[m] = cannot_beat(problem, cutoff_s - (1.0 + bubble) * sends, bubble)
+            self.pruned[m] = search.sends_and_all_cannot_beat(self.mesh, problem, self.staging, self.pricer, cutoff_s,
+                                                              self.staging.least_bubble_fraction(m))
         return self.pruned[m]
 
 
