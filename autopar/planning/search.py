@@ -745,9 +745,9 @@ class _MeshSearch:
             return False
         fewest = with_fields(self._staged(per_m[counts[0]], staging), memory_capacity_bytes=math.inf)
         bubble = min(staging.least_bubble_fraction(counts[-1]), least_bubble)
-        return self.sends_and_all_cannot_beat(mesh, fewest, staging, pricer, cutoff_s, bubble)
+        return self.cannot_beat_with_sends(mesh, fewest, staging, pricer, cutoff_s, bubble)
 
-    def sends_and_all_cannot_beat(self, mesh: MeshChoice, problem: Problem, staging: Staging, pricer: Pricer,
+    def cannot_beat_with_sends(self, mesh: MeshChoice, problem: Problem, staging: Staging, pricer: Pricer,
                                   cutoff_s: float, bubble: float) -> bool:
         """Whether ``problem`` (staged under ``staging``) cannot beat ``cutoff_s`` by its LP relaxation
         (``solver.cannot_beat``), stretched by ``bubble`` and paying the stage transfers every plan of it
@@ -820,7 +820,7 @@ class _ChunkBound:
         if m not in self.pruned:
             search = self.search
             problem = search._staged(self.per_m[m], self.staging)
-            self.pruned[m] = search.sends_and_all_cannot_beat(self.mesh, problem, self.staging, self.pricer, cutoff_s,
+            self.pruned[m] = search.cannot_beat_with_sends(self.mesh, problem, self.staging, self.pricer, cutoff_s,
                                                               self.staging.least_bubble_fraction(m))
         return self.pruned[m]
 
