@@ -748,7 +748,7 @@ class _MeshSearch:
         return self.cannot_beat_with_sends(mesh, fewest, staging, pricer, cutoff_s, bubble)
 
     def cannot_beat_with_sends(self, mesh: MeshChoice, problem: Problem, staging: Staging, pricer: Pricer,
-                                  cutoff_s: float, bubble: float) -> bool:
+                               cutoff_s: float, bubble: float) -> bool:
         """Whether ``problem`` (staged under ``staging``) cannot beat ``cutoff_s`` by its LP relaxation
         (``solver.cannot_beat``), stretched by ``bubble`` and paying the stage transfers every plan of it
         pays (``least_stage_transfers``): the bounds of ``_counts_cannot_win`` and ``_ChunkBound``."""
@@ -821,7 +821,7 @@ class _ChunkBound:
             search = self.search
             problem = search._staged(self.per_m[m], self.staging)
             self.pruned[m] = search.cannot_beat_with_sends(self.mesh, problem, self.staging, self.pricer, cutoff_s,
-                                                              self.staging.least_bubble_fraction(m))
+                                                           self.staging.least_bubble_fraction(m))
         return self.pruned[m]
 
 
