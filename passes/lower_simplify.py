@@ -7,8 +7,8 @@ backward are detached, a linear layer's weight gradient is transposed twice (``t
 ``permute(t(x), [1, 0])``), and views follow views. ``simplify_local_ops`` removes them in place:
 
 * **identity views**: ``view``/``reshape``/``_unsafe_view`` to the input's own shape, ``alias`` and
-  ``detach`` (the graphs are functional and run without autograd inside AOT autograd's function), read
-  as their input;
+  ``detach`` (the graphs are functional and run without autograd inside AOT autograd's function; a graph
+  run under autograd, ``lower_eager.py``'s, keeps its detaches, which cut gradients), read as their input;
 * **view chains**: a view of a view reads the first view's input, when its fake value says the shape is
   reachable from there directly;
 * **transpose pairs**: a 2-d transpose (``t`` or ``permute [1, 0]``) of a 2-d transpose is its input;
@@ -40,13 +40,13 @@ _IDENTITIES = frozenset({_aten.alias.default, _aten.detach.default})
 _TRANSPOSES = frozenset({_aten.t.default, _aten.permute.default, _aten.transpose.int})
 
 
-def simplify_local_ops(gm: fx.GraphModule) -> int:
+def simplify_local_ops(gm: fx.GraphModule, under_autograd: bool = False) -> int:
     """``lower_simplify``'s rewrites on ``gm``, in place (recompiled when any applied); returns how many
-    ops they removed."""
+    ops they removed. ``under_autograd``: ``gm`` runs under autograd, its detaches kept."""
     graph = gm.graph
     before = len(graph.nodes)
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or under_autograd and node.target is _aten.detach.default:
             continue
         replacement = _simpler(node)
         if replacement is not None and replacement is not node:

@@ -149,27 +149,35 @@ def _lowered(runs: list[dict]) -> list[dict]:
     return [{**run, "lowered": True} for run in runs]
 
 
-def _assert_every_chunk_lowered(result, chunks_per_rank: int) -> None:
+def _assert_every_chunk_lowered(result, chunks_per_rank: int, eager: int = 0, refused: str = "") -> None:
     """Each chunk of rank 0 ran lowered, its parameters as local tensors (their gradients hooked), each
-    parameter's leaf made once for every microbatch of every step (made again, the same numbers)."""
+    parameter's leaf made once for every microbatch of every step (made again, the same numbers); ``eager``
+    of them with their forward under eager autograd (``passes/lower_eager.py``), the others kept on AOT's
+    graphs for a reason that says ``refused``."""
     lowering = result.lowered
     assert lowering["programs"] == chunks_per_rank and not lowering["fallbacks"], lowering
     assert lowering["local_parameters"] > 0 and not lowering["dtensor_parameters"], lowering
     assert lowering["leaves_made"] == lowering["local_parameters"], lowering
+    assert lowering["eager"] == eager, lowering
+    assert all(refused in reason for reason in lowering["eager_refused"]), lowering
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_lowered_pipeline_chunks_match_single_process() -> None:
     """Each chunk of a rank as its lowered graphs (``lowered=True``): 1F1B on tiny-llama, GPipe with full
-    checkpointing, and interleaved 1F1B (two chunks a rank) on tiny-gpt."""
+    checkpointing, and interleaved 1F1B (two chunks a rank) on tiny-gpt. Chunks that run no collective and
+    recompute nothing run their forward under eager autograd, their gradients summed in their leaves and
+    filed in the last backward (``lower_eager.py``, ``LoweredProgram.filing_gradients``); the recomputing
+    GPipe chunk keeps AOT's graphs."""
     four_layers = {"layers": 4}
     runs = _runs("tiny-llama", [{"pp": 2, "microbatches": 4, "schedule": "1f1b", "checkpointing": "none"}])
     runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"}])
-    runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 4, "schedule": "interleaved"}], overrides=four_layers)
+    runs += _runs("tiny-gpt", [{"pp": 2, "microbatches": 4, "schedule": "interleaved", "checkpointing": "none"}],
+                  overrides=four_layers)
     llama, gpipe, interleaved = train_parallel_many(2, _lowered(runs))
-    for result, chunks in ((llama, 1), (gpipe, 1), (interleaved, 2)):
-        _assert_every_chunk_lowered(result, chunks)
+    for result, chunks, eager in ((llama, 1, 1), (gpipe, 1, 0), (interleaved, 2, 2)):
+        _assert_every_chunk_lowered(result, chunks, eager, refused="recomputes")
     llama.assert_matches(train_single("tiny-llama", None, BATCH, None, STEPS))
     gpipe.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS))
     interleaved.assert_matches(train_single("tiny-gpt", four_layers, BATCH, None, STEPS))
@@ -186,8 +194,12 @@ def test_lowered_pipeline_chunks_with_dp_tp_and_zero_match_single_process() -> N
                               {**one_f_one_b, "fsdp": 3}, {**one_f_one_b, "checkpointing": "selective"},
                               {**one_f_one_b, "dp": 1, "tp": 2}])
     reference = train_single("tiny-gpt", None, BATCH, None, STEPS)
-    for result in train_parallel_many(4, _lowered(runs)):
-        _assert_every_chunk_lowered(result, 1)
+    # rank 0, the first stage: eager where its graphs run no collective (FSDP's gathers, tp's reductions) and
+    # it recomputes nothing (selective checkpointing); its gradients reach ZeRO-1's reduce_scatter and the
+    # gradient sync's buckets from the leaves' sums, filed in the last backward
+    eager = [1, 1, 1, 0, 0, 0]
+    for result, eager_chunks in zip(train_parallel_many(4, _lowered(runs)), eager):
+        _assert_every_chunk_lowered(result, 1, eager_chunks)
         result.assert_matches(reference)
 
 

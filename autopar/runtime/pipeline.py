@@ -14,7 +14,9 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
 2. **Running** (``PipelineParallelModule``). Each of this rank's chunks is a ``StageModule`` that takes
    and returns plain local tensors: received values become DTensors with the plan's placements of that
    value (``DTensor.from_local`` with the global shape), values it sends are brought off any
-   ``Partial`` placement and sent as local shards (``split_stages.Boundary``).
+   ``Partial`` placement and sent as local shards (``split_stages.Boundary``); a lowered chunk that runs its
+   forward under eager autograd takes and gives the local tensors as they are, where the boundaries are
+   placed as its traced arguments and outputs (``StageModule.local_io``, ``passes/lower_eager.py``).
    ``torch.distributed.pipelining`` ``PipelineStage`` (with static shapes, so no shape-inference
    round) and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
    ``ScheduleInterleavedZeroBubble`` run the microbatches over the pipeline process group; the stage's
@@ -51,6 +53,7 @@ microbatches like the positional ones.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -67,11 +70,12 @@ from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
 from autopar.passes.lower import LoweredProgram, lowering_of
+from autopar.passes.lower_eager import EagerForward
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
-from autopar.runtime.inputs import check_user_inputs, microbatch_shape, user_input
+from autopar.runtime.inputs import check_user_inputs, microbatch_shape, user_input, user_input_shard
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout
 
 ZERO_BUBBLE = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
@@ -91,7 +95,7 @@ class StageModule(nn.Module):
     later chunk reads arrive as keyword arguments. Parameters are this rank's shards of the chunk's.
     """
 
-    def __init__(self, stage: Stage, values: Mapping[str, Any], user_input: Callable[[str, torch.Tensor], DTensor],
+    def __init__(self, stage: Stage, values: Mapping[str, Any], user_input: Callable[..., torch.Tensor],
                  user_names: list[str], mesh: DeviceMesh):
         super().__init__()
         self.index = stage.program.index
@@ -104,6 +108,7 @@ class StageModule(nn.Module):
         self.reads = [n for n in self.placeholders if n in user_names]  # user inputs this chunk reads
         self.mesh = mesh
         self.copies_outputs = False  # set under schedules that detach the outputs in place (``_schedule``)
+        self.local_io: bool | None = None  # received and sent as local tensors (``_reads_and_writes_locally``)
 
     def lower(self, params: Mapping[str, str], compile: bool) -> None:
         """Run the chunk's program as its lowered forward and backward graphs of local ops and explicit
@@ -123,15 +128,35 @@ class StageModule(nn.Module):
         return iter({id(v): v for v in self.values.values() if isinstance(v, nn.Parameter)}.values())
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        local = self.local_io is True
         if self.index == 0:
             received, users = [], dict(zip(self.user_names, args))
         else:
-            received, users = [b.to_dtensor(x, self.mesh) for b, x in zip(self.inputs, args)], kwargs
-        values = [self.values[n] if n in self.values else self._user_input(n, users[n]) for n in self.placeholders]
-        outs = tuple(b.to_local(v) for b, v in zip(self.outputs, self.program(*received, *values)))
+            received = list(args) if local else [b.to_dtensor(x, self.mesh) for b, x in zip(self.inputs, args)]
+            users = kwargs
+        values = [self.values[n] if n in self.values else self._user_input(n, users[n], as_local=local)
+                  for n in self.placeholders]
+        if local:
+            outs = tuple(v.contiguous() for v in self.program.start_locally(*received, *values))
+        else:
+            outs = tuple(b.to_local(v) for b, v in zip(self.outputs, self.program(*received, *values)))
+            if self.local_io is None and isinstance(self.program, LoweredProgram) and self.program.eager is not None:
+                self.local_io = self._reads_and_writes_locally(self.program.eager)
         if self.copies_outputs:
             outs = tuple(out.clone() if out._is_view() else out for out in outs)
         return outs[0] if len(outs) == 1 else outs
+
+
+    def _reads_and_writes_locally(self, eager: EagerForward) -> bool:
+        """Whether the chunk, whose lowered program runs under eager autograd, passes the values it receives
+        to it as the local tensors they arrive as and sends its outputs as the local tensors it returns
+        (``LoweredProgram.start_locally``): each is placed as its boundary says, and each received value's
+        gradient leaves so, so DTensor's wrapping there and unwrapping on the other side, forward and
+        backward (four DTensor conversions a microbatch, about 1.5 ms a step on the benchmark's GPT
+        stages), would move nothing."""
+        received = range(len(self.inputs)) if self.index > 0 else range(0)
+        return all(eager.reads_locally(i, self.inputs[i].placements) for i in received) \
+            and eager.writes_locally([b.placements for b in self.outputs])
 
 
 class AccumulatingStage(PipelineStage):
@@ -140,7 +165,14 @@ class AccumulatingStage(PipelineStage):
     and adds them to ``.grad`` itself, so the parameters' post-accumulate-grad hooks, where
     ``GradientSync`` and ZeRO take each gradient (``passes/gradient_sync.py``, ``passes/zero.py``), would
     not run: they are run here for every gradient the step changed that autograd did not accumulate (on
-    the first stage, whose W is a whole backward, autograd did)."""
+    the first stage, whose W is a whole backward, autograd did). The step's last backward of a lowered
+    chunk that sums gradients in its leaves files those sums (``LoweredProgram.filing_gradients``)."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, last_backward: bool = False, **kwargs: Any) -> None:
+        program = getattr(self.submod, "program", None)
+        files = last_backward and isinstance(program, LoweredProgram) and program.accumulates_in_leaves
+        with program.filing_gradients() if files else contextlib.nullcontext():
+            super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         params = list(self.submod.parameters())
@@ -177,6 +209,7 @@ class PipelineParallelModule(nn.Module):
         self.pp_group = self.world_mesh.get_group("pp")
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
         built = build_program(plan, captured, self.mesh)
+        self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self.redistributes = built.redistributes
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
@@ -188,6 +221,7 @@ class PipelineParallelModule(nn.Module):
         elif lowered or compile:
             for chunk in self.chunks:
                 chunk.lower(captured.params, compile)
+            self._accumulate_in_leaves(plan)
         self._local_inputs = False
         self.schedule = self._schedule(len(built.stages))
         self._program_params = ProgramParameters(dict(self._stage_parameters()), self.mesh, plan.precision,
@@ -239,12 +273,23 @@ class PipelineParallelModule(nn.Module):
         later = {n: by_name[n] for chunk in self.chunks if chunk.index > 0 for n in chunk.reads}
         losses: list[torch.Tensor] = []
         self._read_parameters(self._program_params.begin_step())
-        self._program_params.arm(self.microbatches)  # reduce each gradient during its last microbatch's backward
+        # reduce each gradient during its last microbatch's backward (filed there once: ``_accumulate_in_leaves``)
+        self._program_params.arm(1 if self._leaf_sums else self.microbatches)
         self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                            **later)
         self._program_params.end_step()
         self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
         return self._broadcast_loss(sum(l.detach().float() for l in losses) if losses else torch.zeros(()))
+
+    def _accumulate_in_leaves(self, plan: Plan) -> None:
+        """Let the lowered chunks sum their microbatches' gradients in their parameters' leaves and file each
+        sum once, in the step's last backward (``LoweredProgram._leaf``), where nothing needs a gradient
+        sooner: not under ZeRO-2 (which reduce-scatters each microbatch's to hold no whole gradient), and
+        no parameter read by two chunks of this rank (each would file its own sum as the whole)."""
+        read = [name for chunk in self.chunks for name in chunk.placeholders if name in self.captured.params]
+        self._leaf_sums = plan.degrees.zero != 2 and len(read) == len(set(read))
+        for chunk in self.chunks:
+            chunk.program.accumulates_in_leaves = self._leaf_sums
 
     def _read_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
         """Hand each chunk this step's value of every parameter it reads (``ProgramParameters.begin_step``)."""
@@ -282,9 +327,11 @@ class PipelineParallelModule(nn.Module):
                 values[name] = shard_tensor(cg.constants[name], self.mesh, ["R"] * self.mesh.ndim)
         return values
 
-    def _user_input(self, name: str, x: torch.Tensor) -> DTensor:
-        """One microbatch of a user input, as this step was given it (global, or with ``local`` a slice)."""
-        return in_compute_dtype(user_input(self.plan, self.mesh, name, x, self._local_inputs), self.plan.precision)
+    def _user_input(self, name: str, x: torch.Tensor, as_local: bool = False) -> torch.Tensor:
+        """One microbatch of a user input, as this step was given it (global, or with ``local`` a slice), as a
+        DTensor, or ``as_local`` as this rank's shard of it (``inputs.user_input_shard``)."""
+        made = user_input_shard if as_local else user_input
+        return in_compute_dtype(made(self.plan, self.mesh, name, x, self._local_inputs), self.plan.precision)
 
     def _schedule(self, num_chunks: int) -> Any:
         kind = self.plan.pipeline.schedule

@@ -1,0 +1,222 @@
+"""A pipeline chunk's lowered forward run under eager autograd, its backward in autograd's C++ engine.
+
+``lower.LoweredProgram`` runs a program as AOT autograd's forward and backward graphs: every op of both
+is a dispatch from Python, and AOT's runtime wrapper adds its own per call. A pipeline chunk runs once
+per microbatch, forward and backward, so that host work repeats ``m`` times a step, on the critical path
+of the schedule. Where the chunk's graphs run no collective (its gradients are reduced after the
+schedule, outside them, and nothing in it is recomputed), the backward graph is nothing but autograd's
+derivative of the forward's local ops, so the forward can run op by op under autograd instead and
+autograd's engine computes the same gradients in C++ (measured on the benchmark's GPT: one whole-model
+microbatch, forward and backward, 14.8 ms through AOT's graphs, 13.2 ms eager, as the native module).
+
+``EagerForward.traced`` traces the chunk's DTensor program once more, forward only, with ``make_fx`` over
+the local tensors of its arguments (each made a DTensor of its spec inside the trace, as AOT's wrapper
+does): DTensor's dispatch is traced through, leaving the local ops. A call then reads each DTensor
+argument as its local tensor (``to_local``, whose backward gives the gradient the placements the AOT
+trace recorded for it, ``LoweredProgram.input_gradient_placements``), runs the graph, and makes each
+output the DTensor of its traced spec. The parameters are the program's local leaves, as under AOT:
+their gradients, accumulated by the engine, are stored by the same hooks in the placements the AOT trace
+recorded (``lower._store_gradient``).
+
+``eager_refusal`` says why a program keeps AOT's graphs: compiled by inductor, collectives in its graphs
+(tensor parallelism, FSDP, the loss's reduction over data parallelism: their placement rules and
+bucketing live in the AOT graphs), recomputed layers (eager autograd would save what the plan recomputes),
+parameters read as DTensors, or an output partial over a mesh dim (its gradient's placements then depend
+on AOT's handling of tangents, which this path does not repeat).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .checkpoint import CheckpointedLayer
+from .lower_buckets import recompiled
+from .lower_simplify import simplify_local_ops
+
+_aten = torch.ops.aten
+_FLATTENING_VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
+
+
+class EagerRefused(Exception):
+    """Why a program's forward does not run under eager autograd (``eager_refusal``, ``EagerForward.traced``)."""
+
+
+def eager_refusal(program: nn.Module, graphs: Mapping[str, fx.GraphModule], collectives: Mapping[str, Any],
+                  parameters: Sequence[int], local: Mapping[int, DTensorSpec], compiled: bool) -> str | None:
+    """Why the lowered ``program`` (its AOT ``graphs`` with grad, their ``collectives`` per graph, the argument
+    positions of its ``parameters`` and of those it reads as ``local`` leaves) keeps its AOT graphs; None
+    where its forward may run under eager autograd."""
+    if compiled:
+        return "compiled by inductor"
+    if set(graphs) != {"forward", "backward"}:
+        return "no backward graph was traced"
+    if any(collectives.values()):
+        return "its graphs run collectives"
+    if any(isinstance(m, CheckpointedLayer) for m in program.modules()):
+        return "it recomputes checkpointed layers in backward"
+    if not set(parameters) <= set(local):
+        return "it reads parameters as DTensors"
+    return None
+
+
+class EagerForward:
+    """A program's forward over local tensors (``traced``), called as the program is (``__call__``)."""
+
+    def __init__(self, graph: fx.GraphModule, positions: list[int], input_specs: dict[int, DTensorSpec],
+                 gradient_placements: dict[int, tuple[Placement, ...]], outputs: pytree.TreeSpec,
+                 output_specs: list[DTensorSpec | None]):
+        self.graph = graph
+        self.positions = positions  # the tensor arguments, in the graph's input order
+        self.input_specs = input_specs  # of the DTensor arguments (not the parameters' leaves)
+        self.gradient_placements = gradient_placements  # of DTensor arguments, as their gradients leave
+        self.outputs = outputs
+        self.output_specs = output_specs  # per flat output: the DTensor it is made, None: a plain value
+
+    @classmethod
+    def traced(cls, program: nn.Module, args: Sequence[Any], local: Mapping[int, DTensorSpec],
+               gradient_placements: Mapping[int, tuple[Placement, ...]]) -> "EagerForward":
+        """``program`` traced over the local tensors of ``args`` (its arguments, DTensors and the local leaves
+        of the parameters at ``local``'s positions, which it reads as DTensors of those specs), with fake
+        tensors; ``gradient_placements``: per DTensor argument, its gradient's placements as AOT traced
+        them. Raises ``EagerRefused`` where an output is partial over a mesh dim of several ranks or the
+        traced graph runs a collective."""
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        specs = {i: local[i] if i in local else args[i]._spec for i in positions
+                 if i in local or isinstance(args[i], DTensor)}
+        traced: dict[str, Any] = {}
+
+        def local_program(*tensors: torch.Tensor) -> list[Any]:
+            values = list(args)
+            for i, tensor in zip(positions, tensors):
+                values[i] = _as_dtensor(tensor, specs[i]) if i in specs else tensor
+            flat, traced["outputs"] = pytree.tree_flatten(program(*values))
+            traced["specs"] = [v._spec if isinstance(v, DTensor) else None for v in flat]
+            return [v.to_local() if isinstance(v, DTensor) else v for v in flat]
+
+        examples = [(args[i]._local_tensor if isinstance(args[i], DTensor) else args[i]).detach() for i in positions]
+        with torch.no_grad():
+            graph = make_fx(local_program, tracing_mode="fake")(*examples)
+        fuse_linear_layers(graph)
+        simplify_local_ops(graph, under_autograd=True)
+        for spec in traced["specs"]:
+            if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
+                raise EagerRefused(f"an output is partial over a mesh dim ({spec.placements})")
+        if any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in graph.graph.nodes):
+            raise EagerRefused("its forward traced alone runs collectives")
+        kept = {i: tuple(p) for i, p in gradient_placements.items() if i not in local}
+        inputs = {i: spec for i, spec in specs.items() if i not in local}
+        return cls(graph, positions, inputs, kept, traced["outputs"], traced["specs"])
+
+    def __call__(self, inputs: Sequence[Any], local_outputs: bool = False) -> Any:
+        """The program's outputs for ``inputs`` (its arguments, the parameters as their local leaves; a
+        DTensor argument may come as its local tensor where ``reads_locally`` says so), with autograd
+        recording every op; ``local_outputs``: each output as its local tensor (where ``writes_locally``)."""
+        tensors = [_read_locally(inputs[i], self.gradient_placements.get(i)) for i in self.positions]
+        flat = self.graph(*tensors)
+        if not local_outputs:
+            flat = [_as_dtensor(v, spec) if spec is not None else v for v, spec in zip(flat, self.output_specs)]
+        return pytree.tree_unflatten(flat, self.outputs)
+
+    def reads_locally(self, position: int, placements: Sequence[Placement]) -> bool:
+        """Whether the DTensor argument at ``position``, where it would be made from a local tensor in
+        ``placements``, may come as that local tensor: the traced argument is placed so and its gradient
+        leaves so (``DTensor.from_local``'s backward would then move nothing)."""
+        spec = self.input_specs.get(position)
+        return spec is not None and _alike(spec.placements, placements, spec) \
+            and _alike(self.gradient_placements.get(position, spec.placements), placements, spec)
+
+    def writes_locally(self, placements: Sequence[Sequence[Placement]]) -> bool:
+        """Whether the flat outputs, each to be sent as its local tensor in ``placements`` (in order), may
+        leave as local tensors: each is a DTensor placed so."""
+        return len(placements) == len(self.output_specs) and all(
+            spec is not None and _alike(spec.placements, wanted, spec)
+            for spec, wanted in zip(self.output_specs, placements))
+
+
+def _alike(a: Sequence[Placement], b: Sequence[Placement], spec: DTensorSpec) -> bool:
+    """Whether placements ``a`` and ``b`` put the same data on every rank of ``spec``'s mesh: equal on each
+    dim of more than one rank."""
+    return len(a) == len(b) and all(x == y for d, (x, y) in enumerate(zip(a, b)) if spec.mesh.size(d) > 1)
+
+
+def _as_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``local`` as this rank's shard of the DTensor of ``spec`` (differentiable, no check across ranks)."""
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def _read_locally(value: Any, gradient_placements: tuple[Placement, ...] | None) -> Any:
+    """A DTensor argument's local tensor, its gradient leaving in ``gradient_placements`` (None: its own);
+    any other argument as it is."""
+    if isinstance(value, DTensor):
+        return value.to_local(grad_placements=gradient_placements)
+    return value
+
+
+def fuse_linear_layers(gm: fx.GraphModule) -> int:
+    """Each linear layer the trace decomposed (an input flattened to a matrix, ``addmm`` or ``mm`` with the
+    transposed weight, the product viewed back to the input's leading dims) as one ``aten.linear``, in place;
+    returns how many. Under autograd every op of the graph is a dispatch from Python with its autograd node;
+    ``linear`` runs the same matmul and records its derivative in C++, one dispatch for four."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        parts = _linear_parts(node)
+        if parts is None:
+            continue
+        x, weight, bias, end = parts
+        with gm.graph.inserting_before(end):
+            linear = gm.graph.call_function(_aten.linear.default, (x, weight) if bias is None else (x, weight, bias))
+        linear.meta.update(end.meta)
+        end.replace_all_uses_with(linear)
+        fused += 1
+    if fused:
+        gm.graph.eliminate_dead_code()
+    return recompiled(gm, fused)
+
+
+def _linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, fx.Node] | None:
+    """Where ``node`` is the matmul of a linear layer ``x @ weight.T (+ bias)``: ``x``, ``weight``, ``bias``
+    (None for ``mm``) and the node that ends the layer (the view back to ``x``'s leading dims, or the matmul
+    itself where ``x`` is a matrix); else None."""
+    if node.op != "call_function" or node.kwargs or node.target not in (_aten.addmm.default, _aten.mm.default):
+        return None
+    bias, mat1, mat2 = node.args if node.target is _aten.addmm.default else (None, *node.args)
+    weight = _transposed_matrix(mat2)
+    if weight is None or not isinstance(mat1, fx.Node) or "val" not in mat1.meta:
+        return None
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.meta.get("val") is not None
+                                 and bias.meta["val"].ndim == 1):
+        return None
+    unflattened = _viewed_back(node, mat1)
+    if unflattened is not None:
+        return mat1.args[0], weight, bias, unflattened
+    return (mat1, weight, bias, node) if mat1.meta["val"].ndim == 2 else None
+
+
+def _viewed_back(matmul: fx.Node, mat1: fx.Node) -> fx.Node | None:
+    """Where ``mat1`` flattens an input of three dims or more to a matrix and ``matmul``'s one reader views the
+    product back to that input's leading dims: that reader; else None."""
+    x = mat1.args[0] if mat1.target in _FLATTENING_VIEWS else None
+    if not isinstance(x, fx.Node) or x.meta.get("val") is None or x.meta["val"].ndim < 3 \
+            or x.meta["val"].shape[-1] != mat1.meta["val"].shape[-1] or len(matmul.users) != 1:
+        return None
+    end = next(iter(matmul.users))
+    wanted = (*x.meta["val"].shape[:-1], matmul.meta["val"].shape[-1])
+    return end if end.target in _FLATTENING_VIEWS and tuple(end.meta["val"].shape) == wanted else None
+
+
+def _transposed_matrix(node: object) -> fx.Node | None:
+    """The matrix ``node`` transposes (``t``, or ``permute`` by ``[1, 0]``), else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is _aten.t.default or node.target is _aten.permute.default and list(node.args[1]) == [1, 0]:
+        source = node.args[0]
+        return source if isinstance(source, fx.Node) and source.meta.get("val") is not None \
+            and source.meta["val"].ndim == 2 else None
+    return None

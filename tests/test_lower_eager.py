@@ -1,0 +1,100 @@
+"""Unit tests of ``passes/lower_eager.py``: the rewrites of a forward graph run under eager autograd, and
+when a lowered program may run so. (Its runs, on gloo pipelines against single-process training:
+``tests/test_pipeline_runtime.py``'s lowered chunks.)"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar.passes.checkpoint import CheckpointedLayer
+from autopar.passes.lower_eager import eager_refusal, fuse_linear_layers
+from autopar.passes.lower_simplify import simplify_local_ops
+
+aten = torch.ops.aten
+
+
+def _targets(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _grads(fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    out = fn(*leaves)
+    out.sum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def _two_layers(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """A linear layer with bias on a 3-d input, then one without bias on its output flattened to a matrix."""
+    hidden = torch.relu(F.linear(x, w1, b1))
+    return F.linear(hidden.reshape(-1, hidden.shape[-1]), w2)
+
+
+def test_decomposed_linear_layers_fuse_to_one_op_with_the_same_values_and_gradients() -> None:
+    torch.manual_seed(0)
+    x, w1, b1, w2 = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(6), torch.randn(3, 6)
+    with torch.no_grad():
+        traced = make_fx(_two_layers)(x, w1, b1, w2)
+    assert aten.addmm.default in _targets(traced) and aten.mm.default in _targets(traced)
+    reference = _grads(traced, x, w1, b1, w2)
+
+    assert fuse_linear_layers(traced) == 2
+    simplify_local_ops(traced, under_autograd=True)
+
+    targets = _targets(traced)
+    assert targets.count(aten.linear.default) == 2, traced.code
+    assert not {aten.addmm.default, aten.mm.default, aten.t.default, aten.permute.default} & set(targets), traced.code
+    out, grads = _grads(traced, x, w1, b1, w2)
+    torch.testing.assert_close(out, reference[0], rtol=0, atol=0)
+    for got, want in zip(grads, reference[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_matmul_that_is_not_a_linear_layer_is_left_alone() -> None:
+    """A weight that is not transposed (``x @ w``), or a product not viewed back to the input's leading dims,
+    stays as traced."""
+    def not_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x.reshape(-1, 4) @ w).reshape(5, 2, 3)  # rows regrouped: not x's leading dims
+
+    with torch.no_grad():
+        traced = make_fx(not_linear)(torch.randn(2, 5, 4), torch.randn(4, 3))
+    assert fuse_linear_layers(traced) == 0
+    assert aten.linear.default not in _targets(traced)
+
+
+def test_simplifying_under_autograd_keeps_detaches() -> None:
+    """A graph run under autograd keeps its ``detach``: it cuts the gradient (AOT's graphs, which run without
+    autograd, drop theirs)."""
+    def cut(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.detach() * y
+
+    with torch.no_grad():
+        under, without = make_fx(cut)(torch.randn(3), torch.randn(3)), make_fx(cut)(torch.randn(3), torch.randn(3))
+    simplify_local_ops(under, under_autograd=True)
+    simplify_local_ops(without)
+    assert aten.detach.default in _targets(under) and aten.detach.default not in _targets(without)
+    _, (x_grad, y_grad) = _grads(under, torch.randn(3), torch.randn(3))
+    assert x_grad is None and y_grad is not None
+
+
+def _graphs(collectives: int = 0) -> tuple[dict, dict]:
+    gm = fx.GraphModule(nn.Module(), fx.Graph())
+    return {"forward": gm, "backward": gm}, {"forward": {"all_reduce": collectives} if collectives else {},
+                                              "backward": {}}
+
+
+def test_a_program_runs_eagerly_only_without_collectives_recomputation_or_dtensor_parameters() -> None:
+    graphs, none = _graphs()
+    program = nn.Sequential(nn.Linear(2, 2))
+    local = {0: object(), 1: object()}
+    assert eager_refusal(program, graphs, none, [0, 1], local, compiled=False) is None
+    assert "inductor" in eager_refusal(program, graphs, none, [0, 1], local, compiled=True)
+    assert "collectives" in eager_refusal(program, *_graphs(collectives=1), [0, 1], local, compiled=False)
+    assert "backward" in eager_refusal(program, {"forward": graphs["forward"]}, none, [0, 1], local, compiled=False)
+    assert "DTensors" in eager_refusal(program, graphs, none, [0, 1, 2], local, compiled=False)
+    layer = fx.symbolic_trace(nn.Linear(2, 2))
+    checkpointed = nn.Sequential(CheckpointedLayer(layer, "layers.0", "full"))
+    assert "recomputes" in eager_refusal(checkpointed, graphs, none, [0, 1], local, compiled=False)
