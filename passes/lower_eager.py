@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -57,8 +58,11 @@ def eager_refusal(program: nn.Module, graphs: Mapping[str, fx.GraphModule], coll
         return "compiled by inductor"
     if set(graphs) != {"forward", "backward"}:
         return "no backward graph was traced"
-    if any(collectives.values()):
-        return "its graphs run collectives"
+    if collectives.get("backward"):
+        return "its backward graph runs collectives"
+    unfit = set(collectives.get("forward", {})) - _LOCAL_GRADIENT_KINDS
+    if unfit:
+        return f"its forward graph runs {', '.join(sorted(unfit))}"
     if any(isinstance(m, CheckpointedLayer) for m in program.modules()):
         return "it recomputes checkpointed layers in backward"
     if not set(parameters) <= set(local):
@@ -108,8 +112,7 @@ class EagerForward:
         for spec in traced["specs"]:
             if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
                 raise EagerRefused(f"an output is partial over a mesh dim ({spec.placements})")
-        if any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in graph.graph.nodes):
-            raise EagerRefused("its forward traced alone runs collectives")
+        with_local_gradients(graph)
         kept = {i: tuple(p) for i, p in gradient_placements.items() if i not in local}
         inputs = {i: spec for i, spec in specs.items() if i not in local}
         return cls(graph, positions, inputs, kept, traced["outputs"], traced["specs"])
@@ -157,6 +160,82 @@ def _read_locally(value: Any, gradient_placements: tuple[Placement, ...] | None)
     if isinstance(value, DTensor):
         return value.to_local(grad_placements=gradient_placements)
     return value
+
+
+_LOCAL_GRADIENT_KINDS = frozenset({"all_gather", "all_reduce"})
+"""Collectives (``lower.COLLECTIVE_KINDS``) a forward run under eager autograd may issue: where the AOT backward
+graph has none, their gradient is local (``with_local_gradients``)."""
+
+
+def with_local_gradients(gm: fx.GraphModule) -> int:
+    """Each collective of ``gm`` (a forward traced through DTensor, its backward traced by AOT without any
+    collective) run with the gradient DTensor's backward gives it, in place; returns how many.
+
+    Functional collectives have no derivative of their own; under DTensor a value's gradient comes from the
+    redistribute that moved it, and where the AOT backward graph holds no collective, none moved a gradient:
+    an ``all_gather_into_tensor`` (``Shard(0)`` to ``Replicate``) hands back this rank's chunk of its
+    replicated gradient (DTensor's ``Replicate`` to ``Shard``, a slice), an ``all_reduce`` of partial sums
+    (``Partial`` to ``Replicate``) its gradient as it is (DTensor keeps it ``Replicate``, Megatron-LM's ``g``).
+    So a pipeline's last stage under data parallelism, whose loss gathers its per-token losses and targets,
+    runs eagerly too. Any other collective raises ``EagerRefused``."""
+    rewritten = 0
+    for wait in list(gm.graph.nodes):
+        if wait.op != "call_function" or wait.target is not _c10d.wait_tensor.default:
+            continue
+        collective = wait.args[0]
+        local_gradient = _LOCAL_GRADIENTS.get(getattr(collective, "target", None))
+        if local_gradient is None or len(collective.users) != 1 \
+                or collective.target is _c10d.all_reduce.default and collective.args[1] != "sum":
+            raise EagerRefused(f"its forward runs {getattr(collective, 'target', collective)} (a gradient DTensor "
+                               f"would move)")
+        with gm.graph.inserting_before(wait):
+            replaced = gm.graph.call_function(local_gradient, tuple(collective.args))
+        replaced.meta.update(wait.meta)
+        wait.replace_all_uses_with(replaced)
+        gm.graph.erase_node(wait)
+        gm.graph.erase_node(collective)
+        rewritten += 1
+    if any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in gm.graph.nodes):
+        raise EagerRefused("its forward runs a collective it does not wait on")
+    return recompiled(gm, rewritten)
+
+
+class _GatheredWithLocalGradient(torch.autograd.Function):
+    """``all_gather_into_tensor`` (waited on) whose gradient is this rank's chunk of the gathered one."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+        ctx.group_size, ctx.rank = group_size, _resolve_process_group(group_name).rank()
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, group_size, group_name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.chunk(ctx.group_size)[ctx.rank], None, None
+
+
+class _SummedWithLocalGradient(torch.autograd.Function):
+    """``all_reduce`` of partial sums (waited on) whose gradient passes through to each partial sum."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+        return _c10d.wait_tensor(_c10d.all_reduce(partial, reduce_op, group_name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def _gathered_with_local_gradient(local: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return _GatheredWithLocalGradient.apply(local, group_size, group_name)
+
+
+def _summed_with_local_gradient(partial: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    return _SummedWithLocalGradient.apply(partial, reduce_op, group_name)
+
+
+_c10d = torch.ops._c10d_functional
+_LOCAL_GRADIENTS = {_c10d.all_gather_into_tensor.default: _gathered_with_local_gradient,
+                    _c10d.all_reduce.default: _summed_with_local_gradient}
 
 
 def fuse_linear_layers(gm: fx.GraphModule) -> int:

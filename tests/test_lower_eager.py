@@ -4,13 +4,14 @@ when a lowered program may run so. (Its runs, on gloo pipelines against single-p
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.passes.checkpoint import CheckpointedLayer
-from autopar.passes.lower_eager import eager_refusal, fuse_linear_layers
+from autopar.passes.lower_eager import EagerRefused, eager_refusal, fuse_linear_layers, with_local_gradients
 from autopar.passes.lower_simplify import simplify_local_ops
 
 aten = torch.ops.aten
@@ -80,21 +81,48 @@ def test_simplifying_under_autograd_keeps_detaches() -> None:
     assert x_grad is None and y_grad is not None
 
 
-def _graphs(collectives: int = 0) -> tuple[dict, dict]:
+def _graphs(forward: dict | None = None, backward: dict | None = None) -> tuple[dict, dict]:
     gm = fx.GraphModule(nn.Module(), fx.Graph())
-    return {"forward": gm, "backward": gm}, {"forward": {"all_reduce": collectives} if collectives else {},
-                                              "backward": {}}
+    return {"forward": gm, "backward": gm}, {"forward": forward or {}, "backward": backward or {}}
 
 
-def test_a_program_runs_eagerly_only_without_collectives_recomputation_or_dtensor_parameters() -> None:
+def test_a_program_runs_eagerly_only_without_backward_collectives_recomputation_or_dtensor_parameters() -> None:
+    """Forward gathers and sums (a loss over data parallelism) have local gradients where the backward graph
+    runs no collective; a backward collective, another forward collective, recomputation, inductor or a
+    parameter read as a DTensor keep the AOT graphs."""
     graphs, none = _graphs()
     program = nn.Sequential(nn.Linear(2, 2))
     local = {0: object(), 1: object()}
     assert eager_refusal(program, graphs, none, [0, 1], local, compiled=False) is None
+    loss_over_dp = _graphs(forward={"all_reduce": 2, "all_gather": 1})
+    assert eager_refusal(program, *loss_over_dp, [0, 1], local, compiled=False) is None
     assert "inductor" in eager_refusal(program, graphs, none, [0, 1], local, compiled=True)
-    assert "collectives" in eager_refusal(program, *_graphs(collectives=1), [0, 1], local, compiled=False)
+    assert "backward graph runs" in eager_refusal(program, *_graphs(backward={"all_reduce": 1}), [0, 1], local,
+                                                  compiled=False)
+    assert "reduce_scatter" in eager_refusal(program, *_graphs(forward={"reduce_scatter": 1}), [0, 1], local,
+                                             compiled=False)
     assert "backward" in eager_refusal(program, {"forward": graphs["forward"]}, none, [0, 1], local, compiled=False)
     assert "DTensors" in eager_refusal(program, graphs, none, [0, 1, 2], local, compiled=False)
     layer = fx.symbolic_trace(nn.Linear(2, 2))
     checkpointed = nn.Sequential(CheckpointedLayer(layer, "layers.0", "full"))
     assert "recomputes" in eager_refusal(checkpointed, graphs, none, [0, 1], local, compiled=False)
+
+
+def _waited(target, *args) -> fx.GraphModule:
+    """A graph running the functional collective ``target`` on its input and waiting on it."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    started = graph.call_function(target, (x, *args))
+    graph.output(graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (started,)))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_forward_gathers_and_sums_are_given_local_gradients_and_other_collectives_refused() -> None:
+    c10d = torch.ops._c10d_functional
+    gathered, summed = _waited(c10d.all_gather_into_tensor.default, 2, "0"), _waited(c10d.all_reduce.default, "sum", "0")
+    assert with_local_gradients(gathered) == 1 and with_local_gradients(summed) == 1
+    for gm in (gathered, summed):
+        assert not [n for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional"]
+    for refused in (_waited(c10d.all_reduce.default, "max", "0"), _waited(c10d.reduce_scatter_tensor.default, "sum", 2, "0")):
+        with pytest.raises(EagerRefused):
+            with_local_gradients(refused)
