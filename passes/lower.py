@@ -32,8 +32,8 @@ step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
 
 and ``lower_simplify.py`` removes the ops that compute nothing (identity views, detaches, transposes of
 transposes, unread attention forwards) that the trace through DTensor leaves. A pipeline chunk whose
-graphs run no collective and recompute nothing runs its forward under eager autograd instead, its backward
-in autograd's C++ engine (``lower_eager.py``, ``LoweredProgram.eager``).
+backward graph runs no collective and that recomputes nothing runs its forward under eager autograd
+instead, its backward in autograd's C++ engine (``lower_eager.py``, ``LoweredProgram.eager``).
 
 Passes of the DTensor program that become graph properties here:
 

@@ -3,9 +3,10 @@
 ``lower.LoweredProgram`` runs a program as AOT autograd's forward and backward graphs: every op of both
 is a dispatch from Python, and AOT's runtime wrapper adds its own per call. A pipeline chunk runs once
 per microbatch, forward and backward, so that host work repeats ``m`` times a step, on the critical path
-of the schedule. Where the chunk's graphs run no collective (its gradients are reduced after the
-schedule, outside them, and nothing in it is recomputed), the backward graph is nothing but autograd's
-derivative of the forward's local ops, so the forward can run op by op under autograd instead and
+of the schedule. Where the chunk's backward graph runs no collective (its gradients are reduced after the
+schedule, outside it; its forward may gather or sum over data parallelism, the loss, whose gradients are
+local: ``with_local_gradients``) and nothing in it is recomputed, the backward graph is nothing but
+autograd's derivative of the forward's local ops, so the forward can run op by op under autograd instead and
 autograd's engine computes the same gradients in C++ (measured on the benchmark's GPT: one whole-model
 microbatch, forward and backward, 14.8 ms through AOT's graphs, 13.2 ms eager, as the native module).
 
@@ -18,9 +19,9 @@ output the DTensor of its traced spec. The parameters are the program's local le
 their gradients, accumulated by the engine, are stored by the same hooks in the placements the AOT trace
 recorded (``lower._store_gradient``).
 
-``eager_refusal`` says why a program keeps AOT's graphs: compiled by inductor, collectives in its graphs
-(tensor parallelism, FSDP, the loss's reduction over data parallelism: their placement rules and
-bucketing live in the AOT graphs), recomputed layers (eager autograd would save what the plan recomputes),
+``eager_refusal`` says why a program keeps AOT's graphs: compiled by inductor, collectives in its backward
+graph or others than gathers and sums in its forward (tensor parallelism, FSDP, expert and context
+parallelism: their placement rules and bucketing live in the AOT graphs), recomputed layers (eager autograd would save what the plan recomputes),
 parameters read as DTensors, or an output partial over a mesh dim (its gradient's placements then depend
 on AOT's handling of tangents, which this path does not repeat).
 """
