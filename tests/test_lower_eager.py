@@ -11,7 +11,8 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.passes.checkpoint import CheckpointedLayer
-from autopar.passes.lower_eager import EagerRefused, eager_refusal, fuse_linear_layers, with_local_gradients
+from autopar.passes.lower_eager import (EagerRefused, eager_refusal, fuse_linear_layers, fuse_token_losses,
+                                       with_local_gradients)
 from autopar.passes.lower_simplify import simplify_local_ops
 
 aten = torch.ops.aten
@@ -52,6 +53,32 @@ def test_decomposed_linear_layers_fuse_to_one_op_with_the_same_values_and_gradie
     torch.testing.assert_close(out, reference[0], rtol=0, atol=0)
     for got, want in zip(grads, reference[1]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_decomposed_cross_entropy_fuses_its_token_losses_with_the_same_values_and_gradients() -> None:
+    """The capture's decomposition of ``cross_entropy`` (log-softmax, targets gathered, ignored ones zeroed,
+    mean over the counted ones): its per-token losses become one ``nll_loss_forward``; the mean stays."""
+    from torch._decomp import core_aten_decompositions
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(12, 7), torch.randint(0, 7, (12,))
+    targets[[2, 5]] = -100  # ignored
+
+    def loss(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.view(-1, 7), t.view(-1))
+
+    with torch.no_grad():
+        traced = make_fx(loss, decomposition_table=core_aten_decompositions())(logits, targets)
+    assert aten.gather.default in _targets(traced)
+    reference = _grads(traced, logits, targets)
+    assert fuse_token_losses(traced) == 1
+    simplify_local_ops(traced, under_autograd=True)
+    targets_of = _targets(traced)
+    assert aten.nll_loss_forward.default in targets_of and aten.gather.default not in targets_of, traced.code
+    out, grads = _grads(traced, logits, targets)
+    torch.testing.assert_close(out, reference[0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], reference[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(out, F.cross_entropy(logits, targets))
 
 
 def test_a_matmul_that_is_not_a_linear_layer_is_left_alone() -> None:
