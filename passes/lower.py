@@ -244,6 +244,12 @@ class LoweredProgram(nn.Module):
         self.leaves_made += 1
         return leaf
 
+    def forget_leaf_gradients(self) -> None:
+        """Drop what the kept leaves hold (``accumulates_in_leaves``): a step's sums are filed in its last
+        backward, so at the next step's start they hold nothing unless a step stopped before it."""
+        for _, _, leaf in self._leaves.values():
+            leaf.grad = None
+
     @contextlib.contextmanager
     def filing_gradients(self) -> Iterator[None]:
         """While the step's last backward runs (``accumulates_in_leaves``): each kept leaf hooked to store the

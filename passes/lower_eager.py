@@ -92,7 +92,7 @@ class EagerForward:
         of the parameters at ``local``'s positions, which it reads as DTensors of those specs), with fake
         tensors; ``gradient_placements``: per DTensor argument, its gradient's placements as AOT traced
         them. Raises ``EagerRefused`` where an output is partial over a mesh dim of several ranks or the
-        traced graph runs a collective."""
+        traced graph runs a collective other than a gather or a sum (``with_local_gradients``)."""
         positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         specs = {i: local[i] if i in local else args[i]._spec for i in positions
                  if i in local or isinstance(args[i], DTensor)}

@@ -146,7 +146,6 @@ class StageModule(nn.Module):
             outs = tuple(out.clone() if out._is_view() else out for out in outs)
         return outs[0] if len(outs) == 1 else outs
 
-
     def _reads_and_writes_locally(self, eager: EagerForward) -> bool:
         """Whether the chunk, whose lowered program runs under eager autograd, passes the values it receives
         to it as the local tensors they arrive as and sends its outputs as the local tensors it returns
@@ -272,6 +271,9 @@ class PipelineParallelModule(nn.Module):
         first = args if self.chunks[0].index == 0 else ()
         later = {n: by_name[n] for chunk in self.chunks if chunk.index > 0 for n in chunk.reads}
         losses: list[torch.Tensor] = []
+        if self._leaf_sums:  # what a step that failed before its last backward left in the leaves
+            for chunk in self.chunks:
+                chunk.program.forget_leaf_gradients()
         self._read_parameters(self._program_params.begin_step())
         # reduce each gradient during its last microbatch's backward (filed there once: ``_accumulate_in_leaves``)
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
