@@ -29,7 +29,7 @@ on AOT's handling of tangents, which this path does not repeat).
 from __future__ import annotations
 
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -246,16 +246,30 @@ def fuse_linear_layers(gm: fx.GraphModule) -> int:
     transposed weight, the product viewed back to the input's leading dims) as one ``aten.linear``, in place;
     returns how many. Under autograd every op of the graph is a dispatch from Python with its autograd node;
     ``linear`` runs the same matmul and records its derivative in C++, one dispatch for four."""
-    fused = 0
-    for node in list(gm.graph.nodes):
+    def linear(node: fx.Node) -> tuple[fx.Node, Callable[[fx.Graph], fx.Node]] | None:
         parts = _linear_parts(node)
         if parts is None:
-            continue
+            return None
         x, weight, bias, end = parts
-        with gm.graph.inserting_before(end):
-            linear = gm.graph.call_function(_aten.linear.default, (x, weight) if bias is None else (x, weight, bias))
-        linear.meta.update(end.meta)
-        end.replace_all_uses_with(linear)
+        args = (x, weight) if bias is None else (x, weight, bias)
+        return end, lambda graph: graph.call_function(_aten.linear.default, args)
+    return _fused(gm, linear)
+
+
+def _fused(gm: fx.GraphModule, match: Callable[[fx.Node], tuple[fx.Node, Callable[[fx.Graph], fx.Node]] | None]
+           ) -> int:
+    """Each node ``match`` finds a pattern at (None: none there) rewritten in place: the pattern's last node
+    replaced by what the builder it gives adds to the graph, the rest erased once unread; returns how many."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        found = match(node)
+        if found is None:
+            continue
+        replaced, build = found
+        with gm.graph.inserting_before(replaced):
+            made = build(gm.graph)
+        made.meta.update(replaced.meta)
+        replaced.replace_all_uses_with(made)
         fused += 1
     if fused:
         gm.graph.eliminate_dead_code()
@@ -300,21 +314,17 @@ def fuse_token_losses(gm: fx.GraphModule) -> int:
     same values, with ``nll_loss_backward``'s C++ kernel for their gradient (the decomposed loss's forward
     and backward took 355 us a microbatch on the benchmark's last stage, 128 tokens of 1,024 classes, where
     ``F.cross_entropy`` takes 178)."""
-    fused = 0
-    for node in list(gm.graph.nodes):
-        found = _token_loss_parts(node)
-        if found is None:
-            continue
-        log_probs, target, ignore_index = found
-        with gm.graph.inserting_before(node):
-            nll = gm.graph.call_function(_aten.nll_loss_forward.default, (log_probs, target, None, 0, ignore_index))
-            losses = gm.graph.call_function(operator.getitem, (nll, 0))
-        losses.meta.update(node.meta)
-        node.replace_all_uses_with(losses)
-        fused += 1
-    if fused:
-        gm.graph.eliminate_dead_code()
-    return recompiled(gm, fused)
+    def token_losses(node: fx.Node) -> tuple[fx.Node, Callable[[fx.Graph], fx.Node]] | None:
+        parts = _token_loss_parts(node)
+        if parts is None:
+            return None
+        log_probs, target, ignore_index = parts
+
+        def build(graph: fx.Graph) -> fx.Node:
+            nll = graph.call_function(_aten.nll_loss_forward.default, (log_probs, target, None, 0, ignore_index))
+            return graph.call_function(operator.getitem, (nll, 0))
+        return node, build
+    return _fused(gm, token_losses)
 
 
 def _token_loss_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
