@@ -95,7 +95,7 @@ from autopar.ir.layers import gather_unit
 from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
                             defer_output_waits, launch_from_inputs_first, reduce_gathered_sums, reduced_in_graph)
-from .lower_eager import EagerForward, EagerRefused, eager_refusal
+from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
 from .lower_simplify import simplify_local_ops
 from .reshard import ResavedParameters
 
@@ -167,7 +167,7 @@ class LoweredProgram(nn.Module):
         grad = torch.is_grad_enabled()
         if self.local is None:
             self.local = self._local_parameters(args)
-        inputs = [self._leaf(i, a) if i in self.local else a for i, a in enumerate(args)]
+        inputs = self._with_leaves(args)
         if grad not in self._lowered:
             lowered = self._lower(args, inputs, grad)
             if lowered is None and self.local and not self._lowered and self.fallback is not None:
@@ -188,8 +188,7 @@ class LoweredProgram(nn.Module):
         ``EagerForward.reads_locally`` may take as local tensors given so, and its outputs as local tensors
         (``EagerForward.writes_locally``): a pipeline chunk's received and sent values, without DTensor's
         wrapping and unwrapping on each side of every microbatch."""
-        inputs = [self._leaf(i, a) if i in self.local else a for i, a in enumerate(args)]
-        return self.eager(inputs, local_outputs=True)
+        return self.eager(self._with_leaves(args), local_outputs=True)
 
     def _eager_forward(self, args: Sequence[Any]) -> EagerForward | None:
         """The forward of a pipeline chunk (``hooked_gradients``), just lowered with grad, traced alone to run
@@ -221,6 +220,10 @@ class LoweredProgram(nn.Module):
     def collectives(self, grad: bool = True) -> dict[str, dict[str, int]]:
         """Per graph (``forward``, ``backward``), the collectives one run of it issues, per kind."""
         return {name: graph_collectives(gm) for name, gm in self.graphs.get(grad, {}).items()}
+
+    def _with_leaves(self, args: Sequence[Any]) -> list[Any]:
+        """``args`` with each parameter the program reads as a local tensor replaced by its leaf (``_leaf``)."""
+        return [self._leaf(i, a) if i in self.local else a for i, a in enumerate(args)]
 
     def _leaf(self, position: int, param: DTensor) -> torch.Tensor:
         """The leaf the program reads for ``param``, the argument at ``position`` (``_local_leaf``): the last
@@ -450,12 +453,6 @@ def _traced_mesh(args: Sequence[Any], local: Mapping[int, DTensorSpec]) -> Devic
     """The arguments' one mesh, as traced: a DTensor argument's other than those at ``local``'s positions,
     which come as local tensors (a real mesh made beside it would be a second mesh)."""
     return next(a.device_mesh for i, a in enumerate(args) if isinstance(a, DTensor) and i not in local)
-
-
-def _from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTensor:
-    """``local`` as the DTensor of ``spec`` on ``mesh``; its gradient leaves in ``spec``'s placements (what
-    a reduced gradient has: ``DTensor.from_local``'s backward redistributes to them otherwise)."""
-    return DTensor.from_local(local, mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def lowering_of(module: nn.Module) -> dict[str, Any]:

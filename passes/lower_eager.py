@@ -21,9 +21,9 @@ recorded (``lower._store_gradient``).
 
 ``eager_refusal`` says why a program keeps AOT's graphs: compiled by inductor, collectives in its backward
 graph or others than gathers and sums in its forward (tensor parallelism, FSDP, expert and context
-parallelism: their placement rules and bucketing live in the AOT graphs), recomputed layers (eager autograd would save what the plan recomputes),
-parameters read as DTensors, or an output partial over a mesh dim (its gradient's placements then depend
-on AOT's handling of tangents, which this path does not repeat).
+parallelism: their placement rules and bucketing live in the AOT graphs), recomputed layers (eager autograd
+would save what the plan recomputes), parameters read as DTensors, or an output partial over a mesh dim (its
+gradient's placements then depend on AOT's handling of tangents, which this path does not repeat).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -101,7 +102,7 @@ class EagerForward:
         def local_program(*tensors: torch.Tensor) -> list[Any]:
             values = list(args)
             for i, tensor in zip(positions, tensors):
-                values[i] = _as_dtensor(tensor, specs[i]) if i in specs else tensor
+                values[i] = from_local(tensor, specs[i].mesh, specs[i]) if i in specs else tensor
             flat, traced["outputs"] = pytree.tree_flatten(program(*values))
             traced["specs"] = [v._spec if isinstance(v, DTensor) else None for v in flat]
             return [v.to_local() if isinstance(v, DTensor) else v for v in flat]
@@ -127,7 +128,8 @@ class EagerForward:
         tensors = [_read_locally(inputs[i], self.gradient_placements.get(i)) for i in self.positions]
         flat = self.graph(*tensors)
         if not local_outputs:
-            flat = [_as_dtensor(v, spec) if spec is not None else v for v, spec in zip(flat, self.output_specs)]
+            flat = [from_local(v, spec.mesh, spec) if spec is not None else v
+                    for v, spec in zip(flat, self.output_specs)]
         return pytree.tree_unflatten(flat, self.outputs)
 
     def reads_locally(self, position: int, placements: Sequence[Placement]) -> bool:
@@ -152,9 +154,11 @@ def _alike(a: Sequence[Placement], b: Sequence[Placement], spec: DTensorSpec) ->
     return len(a) == len(b) and all(x == y for d, (x, y) in enumerate(zip(a, b)) if spec.mesh.size(d) > 1)
 
 
-def _as_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """``local`` as this rank's shard of the DTensor of ``spec`` (differentiable, no check across ranks)."""
-    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec) -> DTensor:
+    """``local`` as this rank's shard of the DTensor of ``spec`` on ``mesh`` (differentiable, no check across
+    ranks); its gradient leaves in ``spec``'s placements (what a reduced gradient has: ``DTensor.from_local``'s
+    backward redistributes to them otherwise). ``lower.py`` passes the traced mesh, here ``spec``'s own."""
+    return DTensor.from_local(local, mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def _read_locally(value: Any, gradient_placements: tuple[Placement, ...] | None) -> Any:
