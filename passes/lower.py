@@ -209,7 +209,10 @@ class LoweredProgram(nn.Module):
 
     def finish(self) -> None:
         """Complete the loss of the last ``start``: wait on its reduction and compute its value from
-        there (``lower_buckets.defer_output_waits``' graph), written into the loss ``start`` returned."""
+        there (``lower_buckets.defer_output_waits``' graph), written into the loss ``start`` returned; under
+        eager autograd, the losses of every call since the last ``finish`` (``EagerForward.finish``)."""
+        if self.eager is not None:
+            self.eager.finish()
         if self._pending is None:
             return
         slot, epilogue, inputs = self._pending
@@ -247,11 +250,13 @@ class LoweredProgram(nn.Module):
         self.leaves_made += 1
         return leaf
 
-    def forget_leaf_gradients(self) -> None:
-        """Drop what the kept leaves hold (``accumulates_in_leaves``): a step's sums are filed in its last
-        backward, so at the next step's start they hold nothing unless a step stopped before it."""
+    def forget_unfinished_step(self) -> None:
+        """Drop what a step that stopped early left: the sums in the kept leaves (``accumulates_in_leaves``: a
+        step's are filed in its last backward) and the losses not finished (``EagerForward.pending``)."""
         for _, _, leaf in self._leaves.values():
             leaf.grad = None
+        if self.eager is not None:
+            self.eager.pending.clear()
 
     @contextlib.contextmanager
     def filing_gradients(self) -> Iterator[None]:

@@ -537,7 +537,7 @@ def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | No
     value = outputs[slot]
     if not isinstance(value, fx.Node) or value.op != "call_function" or len(value.users) != 1 or outputs.count(value) != 1:
         return None
-    tail = _read_only_by(value)
+    tail = read_only_by(value)
     if not any(n.target is _c10d.wait_tensor.default for n in tail):
         return None
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -564,7 +564,7 @@ def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | No
     return fx.GraphModule(gm, epilogue)
 
 
-def _read_only_by(value: fx.Node) -> set[fx.Node]:
+def read_only_by(value: fx.Node) -> set[fx.Node]:
     """``value`` and the ops upstream of it that nothing else reads, collective launches excluded."""
     tail = {value}
     nodes = list(value.graph.nodes)

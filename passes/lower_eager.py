@@ -19,6 +19,14 @@ output the DTensor of its traced spec. The parameters are the program's local le
 their gradients, accumulated by the engine, are stored by the same hooks in the placements the AOT trace
 recorded (``lower._store_gradient``).
 
+The loss of a pipeline's last stage under data parallelism is a global mean: all_reduced sums of its
+per-token losses and of its counted targets (``lower_buckets.reduce_gathered_sums``, as under AOT). The
+count reads only targets: its all_reduce is launched at the graph's start and waited on where the mean
+reads it. The sum's wait leaves the graph (``defer_reduced_output``): its gradient needs neither its value
+nor its reduction, so the chunk's ranks do not meet there every microbatch; ``EagerForward.finish`` writes
+the losses' values after the schedule (measured on the benchmark's pp 2 x dp 2, 4 ranks: lowered / native
+1.12-1.17 where waiting on both in forward gave 1.18-1.24).
+
 ``eager_refusal`` says why a program keeps AOT's graphs: compiled by inductor, collectives in its backward
 graph or others than gathers and sums in its forward (tensor parallelism, FSDP, expert and context
 parallelism: their placement rules and bucketing live in the AOT graphs), recomputed layers (eager autograd
@@ -29,7 +37,7 @@ gradient's placements then depend on AOT's handling of tangents, which this path
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -41,7 +49,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .checkpoint import CheckpointedLayer
-from .lower_buckets import recompiled
+from .lower_buckets import COLLECTIVES, launch_from_inputs_first, read_only_by, recompiled, reduce_gathered_sums
 from .lower_simplify import simplify_local_ops
 
 _aten = torch.ops.aten
@@ -78,13 +86,15 @@ class EagerForward:
 
     def __init__(self, graph: fx.GraphModule, positions: list[int], input_specs: dict[int, DTensorSpec],
                  gradient_placements: dict[int, tuple[Placement, ...]], outputs: pytree.TreeSpec,
-                 output_specs: list[DTensorSpec | None]):
+                 output_specs: list[DTensorSpec | None], epilogue: fx.GraphModule | None = None):
         self.graph = graph
         self.positions = positions  # the tensor arguments, in the graph's input order
         self.input_specs = input_specs  # of the DTensor arguments (not the parameters' leaves)
         self.gradient_placements = gradient_placements  # of DTensor arguments, as their gradients leave
         self.outputs = outputs
         self.output_specs = output_specs  # per flat output: the DTensor it is made, None: a plain value
+        self.epilogue = epilogue  # the loss's value from its reductions (``defer_reduced_output``), else None
+        self.pending: list[tuple[torch.Tensor, list[Any]]] = []  # per call since ``finish``: its loss, what ends it
 
     @classmethod
     def traced(cls, program: nn.Module, args: Sequence[Any], local: Mapping[int, DTensorSpec],
@@ -113,13 +123,18 @@ class EagerForward:
         fuse_linear_layers(graph)  # before the views are simplified: it reads a linear layer's views as traced
         simplify_local_ops(graph, under_autograd=True)
         fuse_token_losses(graph)  # after: DTensor's identity views split its pattern
+        reduce_gathered_sums(graph)  # the loss's global mean: all_reduces of local sums, as under AOT
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        differentiable = {node.name for node, i in zip(placeholders, positions) if i in local or args[i].requires_grad}
+        epilogue = defer_reduced_output(graph, differentiable)
+        launch_from_inputs_first(graph, differentiable)  # the loss's count of targets, waited on where it is read
         for spec in traced["specs"]:
             if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
                 raise EagerRefused(f"an output is partial over a mesh dim ({spec.placements})")
-        with_local_gradients(graph)
+        with_local_gradients(graph, differentiable)
         kept = {i: tuple(p) for i, p in gradient_placements.items() if i not in local}
         inputs = {i: spec for i, spec in specs.items() if i not in local}
-        return cls(graph, positions, inputs, kept, traced["outputs"], traced["specs"])
+        return cls(graph, positions, inputs, kept, traced["outputs"], traced["specs"], epilogue)
 
     def __call__(self, inputs: Sequence[Any], local_outputs: bool = False) -> Any:
         """The program's outputs for ``inputs`` (its arguments, the parameters as their local leaves; a
@@ -127,10 +142,21 @@ class EagerForward:
         recording every op; ``local_outputs``: each output as its local tensor (where ``writes_locally``)."""
         tensors = [_read_locally(inputs[i], self.gradient_placements.get(i)) for i in self.positions]
         flat = self.graph(*tensors)
+        if self.epilogue is not None:
+            flat, ending = flat[:len(self.output_specs)], flat[len(self.output_specs):]
+            self.pending.append((flat[0], ending))
         if not local_outputs:
             flat = [from_local(v, spec.mesh, spec) if spec is not None else v
                     for v, spec in zip(flat, self.output_specs)]
         return pytree.tree_unflatten(flat, self.outputs)
+
+    def finish(self) -> None:
+        """Write into each loss returned since the last ``finish`` its value: wait on its reductions and
+        compute it from there (``epilogue``). Its gradient needed neither: backward may have run already."""
+        pending, self.pending = self.pending, []
+        with torch.no_grad():
+            for loss, ending in pending:
+                loss.copy_(self.epilogue(*ending))
 
     def reads_locally(self, position: int, placements: Sequence[Placement]) -> bool:
         """Whether the DTensor argument at ``position``, where it would be made from a local tensor in
@@ -174,22 +200,29 @@ _LOCAL_GRADIENT_KINDS = frozenset({"all_gather", "all_reduce"})
 graph has none, their gradient is local (``with_local_gradients``)."""
 
 
-def with_local_gradients(gm: fx.GraphModule) -> int:
+def with_local_gradients(gm: fx.GraphModule, differentiable: Collection[str]) -> int:
     """Each collective of ``gm`` (a forward traced through DTensor, its backward traced by AOT without any
-    collective) run with the gradient DTensor's backward gives it, in place; returns how many.
+    collective) that reads a value with a gradient (computed from the placeholders named in
+    ``differentiable``) run with the gradient DTensor's backward gives it, in place; returns how many.
 
     Functional collectives have no derivative of their own; under DTensor a value's gradient comes from the
     redistribute that moved it, and where the AOT backward graph holds no collective, none moved a gradient:
     an ``all_gather_into_tensor`` (``Shard(0)`` to ``Replicate``) hands back this rank's chunk of its
     replicated gradient (DTensor's ``Replicate`` to ``Shard``, a slice), an ``all_reduce`` of partial sums
     (``Partial`` to ``Replicate``) its gradient as it is (DTensor keeps it ``Replicate``, Megatron-LM's ``g``).
-    So a pipeline's last stage under data parallelism, whose loss gathers its per-token losses and targets,
-    runs eagerly too. Any other collective raises ``EagerRefused``."""
+    So a pipeline's last stage under data parallelism, whose loss sums its per-token losses and targets,
+    runs eagerly too. Any other collective with a gradient raises ``EagerRefused``; those without one (the
+    loss's count of targets) stay functional collectives, launched and waited on where the graph says, and
+    so does a launched collective the graph returns unwaited (``defer_reduced_output``'s)."""
+    carrying = _carrying_gradients(gm, differentiable)
     rewritten = 0
     for wait in list(gm.graph.nodes):
         if wait.op != "call_function" or wait.target is not _c10d.wait_tensor.default:
             continue
         collective = wait.args[0]
+        if getattr(collective, "target", None) in COLLECTIVES and not any(
+                source in carrying for source in collective.all_input_nodes):
+            continue
         local_gradient = _LOCAL_GRADIENTS.get(getattr(collective, "target", None))
         if local_gradient is None or len(collective.users) != 1 \
                 or collective.target is _c10d.all_reduce.default and collective.args[1] != "sum":
@@ -202,9 +235,100 @@ def with_local_gradients(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(wait)
         gm.graph.erase_node(collective)
         rewritten += 1
-    if any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in gm.graph.nodes):
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if any(n.target in COLLECTIVES and not any(u is output or u.target is _c10d.wait_tensor.default for u in n.users)
+           for n in gm.graph.nodes):
         raise EagerRefused("its forward runs a collective it does not wait on")
     return recompiled(gm, rewritten)
+
+
+def _carrying_gradients(gm: fx.GraphModule, differentiable: Collection[str]) -> set[fx.Node]:
+    """The nodes of ``gm`` computed from the placeholders named in ``differentiable``."""
+    carrying: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.name in differentiable and node.op == "placeholder" or any(i in carrying for i in node.all_input_nodes):
+            carrying.add(node)
+    return carrying
+
+
+def defer_reduced_output(gm: fx.GraphModule, differentiable: Collection[str]) -> fx.GraphModule | None:
+    """Leave the waits on the all_reduces that end ``gm``'s first output (the loss) out of ``gm``, in place,
+    where its gradient does not need them; returns the graph that finishes its value, or None (nothing
+    deferred). ``differentiable``: the placeholders whose values have gradients.
+
+    The loss of data parallelism is a global mean: the all_reduced sum of the per-token losses over the
+    all_reduced count of targets. Waiting on that sum in forward makes the ranks meet there, mid-step, each
+    microbatch (a pipeline's last stage: ``m`` times a step), where DDP's ranks meet only in the gradient
+    buckets. Its gradient needs neither its value nor the reduction: the sum's is the identity (DTensor's,
+    ``with_local_gradients``) and the ops after it are linear in it (a division by the count, casts, views),
+    so their derivatives do not read it. So ``gm`` computes its loss from the local partial sum instead (the
+    value autograd differentiates, with the same gradient) and returns, after its own outputs, what the
+    returned graph computes the true value from: the launched all_reduce, unwaited, and the other values the
+    ops after it read. ``EagerForward.finish`` writes that value into the loss (``lower_buckets
+    .defer_output_waits`` does the same for AOT's graphs, where the wait simply leaves the forward graph)."""
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else []
+    value = outputs[0] if outputs else None
+    if not isinstance(value, fx.Node) or outputs.count(value) != 1:
+        return None
+    carrying = _carrying_gradients(gm, differentiable)
+    tail = read_only_by(value)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    deferred = [n for n in tail if n.target is _c10d.wait_tensor.default and _sums_gradients(n.args[0], carrying)]
+    chain = set(deferred)
+    for node in sorted(tail, key=order.__getitem__):
+        if any(i in chain for i in node.all_input_nodes):
+            chain.add(node)
+    if value not in chain or not all(_linear_in(node, chain, carrying) for node in chain - set(deferred)):
+        return None
+    moved = sorted(chain, key=order.__getitem__)
+    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in chain}, key=order.__getitem__)
+    epilogue = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = epilogue.placeholder(node.name)
+    for node in moved:
+        env[node] = epilogue.node_copy(node, env.__getitem__)
+    epilogue.output(env[value])
+    for wait in deferred:
+        collective = wait.args[0]
+        partial = collective.args[0]
+        with graph.inserting_before(collective):
+            launched = graph.call_function(_aten.detach.default, (partial,))
+        launched.meta.update(partial.meta)
+        collective.replace_input_with(partial, launched)
+        wait.replace_all_uses_with(partial)
+        graph.erase_node(wait)
+    output.args = (tuple(outputs) + tuple(inputs),)
+    recompiled(gm, 1)
+    return fx.GraphModule(gm, epilogue)
+
+
+def _sums_gradients(collective: fx.Node, carrying: set[fx.Node]) -> bool:
+    """Whether ``collective`` is an all_reduce of partial sums of a value with a gradient."""
+    return collective.target is _c10d.all_reduce.default and collective.args[1] == "sum" \
+        and collective.args[0] in carrying and len(collective.users) == 1
+
+
+def _linear_in(node: fx.Node, chain: set[fx.Node], carrying: set[fx.Node]) -> bool:
+    """Whether ``node`` is linear in the one value of ``chain`` it reads, as its first argument (or either
+    of a product's), and reads nothing else with a gradient: its derivative does not read that value."""
+    read = [a for a in node.args if isinstance(a, fx.Node)]
+    if node.target in _LINEAR_IN_FIRST:
+        through = node.args[0]
+    elif node.target is _aten.mul.Tensor:
+        through = next((a for a in read if a in chain), None)
+    else:
+        return False
+    return through in chain and not any(a in chain or a in carrying for a in read if a is not through)
+
+
+_LINEAR_IN_FIRST = frozenset({_aten.div.Tensor, _aten.div.Scalar, _aten.mul.Scalar, _aten.neg.default,
+                              _aten._to_copy.default, _aten.view.default, _aten.reshape.default,
+                              _aten._unsafe_view.default, _aten.clone.default})
+"""Ops linear in their first argument when nothing else they read has a gradient (a division by a count,
+casts, views), whose derivative does not read that argument."""
 
 
 class _GatheredWithLocalGradient(torch.autograd.Function):

@@ -11,8 +11,10 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.passes.checkpoint import CheckpointedLayer
-from autopar.passes.lower_eager import (EagerRefused, eager_refusal, fuse_linear_layers, fuse_token_losses,
-                                       with_local_gradients)
+from autopar.passes.lower_buckets import launch_from_inputs_first
+from autopar.passes.lower_eager import (EagerRefused, defer_reduced_output, eager_refusal, fuse_linear_layers,
+                                       fuse_token_losses, with_local_gradients)
+from autopar.testing.launch import run_on_ranks
 from autopar.passes.lower_simplify import simplify_local_ops
 
 aten = torch.ops.aten
@@ -145,11 +147,65 @@ def _waited(target, *args) -> fx.GraphModule:
 
 
 def test_forward_gathers_and_sums_are_given_local_gradients_and_other_collectives_refused() -> None:
+    """Collectives of values with gradients get the local gradient DTensor would give them; one of a value
+    without a gradient (the loss's count of targets) stays a functional collective and its wait."""
     c10d = torch.ops._c10d_functional
     gathered, summed = _waited(c10d.all_gather_into_tensor.default, 2, "0"), _waited(c10d.all_reduce.default, "sum", "0")
-    assert with_local_gradients(gathered) == 1 and with_local_gradients(summed) == 1
+    assert with_local_gradients(gathered, {"x"}) == 1 and with_local_gradients(summed, {"x"}) == 1
     for gm in (gathered, summed):
         assert not [n for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional"]
+    counted = _waited(c10d.all_reduce.default, "sum", "0")
+    assert with_local_gradients(counted, set()) == 0
+    assert {c10d.all_reduce.default, c10d.wait_tensor.default} <= set(_targets(counted))
     for refused in (_waited(c10d.all_reduce.default, "max", "0"), _waited(c10d.reduce_scatter_tensor.default, "sum", 2, "0")):
         with pytest.raises(EagerRefused):
-            with_local_gradients(refused)
+            with_local_gradients(refused, {"x"})
+
+
+def _global_mean(losses: torch.Tensor, counted: torch.Tensor, group: str, tail) -> torch.Tensor:
+    """A data-parallel loss as DTensor's trace leaves it: the all_reduced sum of the per-token losses, over
+    the all_reduced count of counted targets, then ``tail``."""
+    c10d = torch.ops._c10d_functional
+    count = c10d.wait_tensor(c10d.all_reduce(counted.sum(), "sum", group)).float()
+    total = c10d.wait_tensor(c10d.all_reduce(losses.sum(), "sum", group))
+    return tail(total / count)
+
+
+def _deferred_loss_rank(rank: int, world: int) -> dict:
+    """On each rank: the global mean of its losses traced, deferred, run under autograd and finished."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    losses = torch.arange(1.0, 5.0) * (rank + 1)  # rank 0: 1..4, rank 1: 2..8
+    counted = torch.tensor([True, True, rank == 0, False])  # 3 and 2 counted: 5 in all
+    outcome = {}
+    for name, tail in (("linear", lambda x: x * 2.0), ("log", torch.log)):
+        with torch.no_grad():
+            gm = make_fx(lambda l, c: [_global_mean(l, c, group, tail)], tracing_mode="fake")(losses, counted)
+        epilogue = defer_reduced_output(gm, {"l_1"})
+        if epilogue is not None:
+            launch_from_inputs_first(gm, {"l_1"})
+        with_local_gradients(gm, {"l_1"})
+        leaf = losses.clone().requires_grad_()
+        loss, *ending = gm(leaf, counted)
+        loss.backward()
+        if epilogue is not None:
+            with torch.no_grad():
+                loss.copy_(epilogue(*ending))
+        outcome[name] = (epilogue is not None, float(loss), leaf.grad.tolist())
+    return outcome
+
+
+@pytest.mark.dist
+def test_the_loss_reduction_is_left_unwaited_in_forward_with_the_same_loss_and_gradients() -> None:
+    """``defer_reduced_output`` on 2 gloo ranks: a global mean (linear in the summed losses) is computed for
+    backward from the local sum, its all_reduce finished after backward, with the global loss and each
+    rank's gradient 2 / (5 counted targets); a loss not linear in the sum (its log) keeps its wait."""
+    total = (1 + 2 + 3 + 4) * 3  # both ranks' losses
+    for rank, outcome in enumerate(run_on_ranks(_deferred_loss_rank, 2)):
+        deferred, loss, grad = outcome["linear"]
+        assert deferred and loss == pytest.approx(2 * total / 5)
+        assert grad == pytest.approx([2 / 5] * 4)
+        deferred, loss, grad = outcome["log"]
+        assert not deferred and loss == pytest.approx(torch.log(torch.tensor(total / 5)).item())
+        assert grad == pytest.approx([1 / total] * 4)

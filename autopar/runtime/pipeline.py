@@ -209,6 +209,7 @@ class PipelineParallelModule(nn.Module):
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
         built = build_program(plan, captured, self.mesh)
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
+        self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
         self.redistributes = built.redistributes
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
@@ -271,17 +272,22 @@ class PipelineParallelModule(nn.Module):
         first = args if self.chunks[0].index == 0 else ()
         later = {n: by_name[n] for chunk in self.chunks if chunk.index > 0 for n in chunk.reads}
         losses: list[torch.Tensor] = []
-        if self._leaf_sums:  # what a step that failed before its last backward left in the leaves
-            for chunk in self.chunks:
-                chunk.program.forget_leaf_gradients()
+        for chunk in self.chunks:  # what a step that failed before its end left in a lowered chunk
+            if isinstance(chunk.program, LoweredProgram):
+                chunk.program.forget_unfinished_step()
         self._read_parameters(self._program_params.begin_step())
         # reduce each gradient during its last microbatch's backward (filed there once: ``_accumulate_in_leaves``)
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
+        self._losses = []
         self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                            **later)
         self._program_params.end_step()
         self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
-        return self._broadcast_loss(sum(l.detach().float() for l in losses) if losses else torch.zeros(()))
+        for chunk in self.chunks:  # the losses' reductions left unwaited in forward (``lower_eager``)
+            if isinstance(chunk.program, LoweredProgram):
+                chunk.program.finish()
+        scaled = [(loss.detach() / self.microbatches).float() for loss in self._losses]
+        return self._broadcast_loss(sum(scaled) if scaled else torch.zeros(()))
 
     def _accumulate_in_leaves(self, plan: Plan) -> None:
         """Let the lowered chunks sum their microbatches' gradients in their parameters' leaves and file each
@@ -350,11 +356,17 @@ class PipelineParallelModule(nn.Module):
                                 output_args=tuple(b.local_meta(self.mesh) for b in chunk.outputs))
                   for chunk in self.chunks]
         m = self.microbatches
-        scale = lambda loss, _microbatch: loss / m  # noqa: E731  (the loss is computed in the last chunk)
         if kind in MULTI_CHUNK_SCHEDULES:
-            return SCHEDULES[kind](stages, m, loss_fn=scale, scale_grads=False)
+            return SCHEDULES[kind](stages, m, loss_fn=self._scaled_loss, scale_grads=False)
         (stage,) = stages
-        return SCHEDULES[kind](stage, m, loss_fn=scale, scale_grads=False)
+        return SCHEDULES[kind](stage, m, loss_fn=self._scaled_loss, scale_grads=False)
+
+    def _scaled_loss(self, loss: torch.Tensor, _microbatch: torch.Tensor) -> torch.Tensor:
+        """The schedule's ``loss_fn``: the last chunk computed the microbatch's loss, which backward takes
+        scaled by ``1 / m``. Its value is read after the schedule from the loss itself, kept here: a lowered
+        chunk may write it there only then (``EagerForward.finish``)."""
+        self._losses.append(loss)
+        return loss / self.microbatches
 
     def _example_inputs(self, chunk: StageModule) -> tuple[torch.Tensor, ...]:
         if chunk.index > 0:
