@@ -134,6 +134,7 @@ class LoweredProgram(nn.Module):
         self.input_gradient_placements: dict[int, tuple[Placement, ...]] = {}  # likewise, of its other arguments
         self.eager: EagerForward | None = None  # the forward run under eager autograd (``_eager_forward``)
         self.accumulates_in_leaves = False  # set by the pipeline runtime: ``_leaf``
+        self.files_in_last_backward = True  # the pipeline's: where ``filing_gradients`` runs, else after it
         self.eager_refused: str | None = None  # why a hooked program's forward keeps AOT's graphs
         self._gradient_specs: dict[int, DTensorSpec] = {}  # of those placements (``_hooked_spec``)
         self.regathers = isinstance(program, ResavedParameters)
@@ -271,6 +272,14 @@ class LoweredProgram(nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
+
+    def file_leaf_gradients(self) -> None:
+        """Store the sums the kept leaves hold (``accumulates_in_leaves``) as their parameters' gradients, and
+        run the parameters' accumulation hooks, now: what ``filing_gradients`` does in the last backward, for a
+        stage that reduces nothing during it (the pipeline calls this after its schedule instead)."""
+        for position, (param, _, leaf) in self._leaves.items():
+            if leaf.grad is not None:
+                _store_gradient(param, leaf, self._hooked_spec(position, param))
 
     def _hooked_spec(self, position: int, param: DTensor) -> Callable[[], DTensorSpec] | None:
         """For hooked gradients, what gives the spec of the gradient of ``param``, the argument at

@@ -8,6 +8,7 @@ tensors as the plan has inputs, each of the planned dtype and shape (global, or 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -75,8 +76,18 @@ def user_input_shard(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, l
         return x
     spec = plan.inputs[name]
     whole = in_layout(x, plan, spec["placements"])
-    shape, offset = compute_local_shape_and_global_offset(whole.shape, mesh, strs_to_placements(spec["placements"]))
-    return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))].contiguous()
+    region = _shard_region(tuple(whole.shape), mesh, tuple(spec["placements"]))
+    return (whole if region is None else whole[region]).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_region(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[str, ...]) -> tuple[slice, ...] | None:
+    """This rank's region of a tensor of ``shape`` split with ``placements`` over ``mesh`` (None: all of it),
+    as DTensor cuts it; the same for every microbatch of a step and every step, so worked out once."""
+    shape_here, offset = compute_local_shape_and_global_offset(shape, mesh, strs_to_placements(placements))
+    if tuple(shape_here) == shape:
+        return None
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape_here))
 
 
 def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: bool) -> DTensor:
