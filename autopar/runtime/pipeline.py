@@ -298,14 +298,16 @@ class PipelineParallelModule(nn.Module):
         """Let the lowered chunks sum their microbatches' gradients in their parameters' leaves and file each
         sum once, in the step's last backward (``LoweredProgram._leaf``), where nothing needs a gradient
         sooner: not under ZeRO-2 (which reduce-scatters each microbatch's to hold no whole gradient), and
-        no parameter read by two chunks of this rank (each would file its own sum as the whole). A stage of one
-        rank, which reduces nothing, files them after the schedule instead (``LoweredProgram.file_leaf_gradients``):
-        its last backward then sends its input gradient without first storing every parameter's (about 0.4 ms
-        a step of Python on the benchmark's GPT stages)."""
+        no parameter read by two chunks of this rank (each would file its own sum as the whole). Only the first
+        stage's rank, under data parallelism, files them in its last backward, whose end is the step's end there,
+        so that its buckets' all_reduces overlap the rest of that backward. Every other rank files them after its
+        schedule (``LoweredProgram.file_leaf_gradients``): its last backward then sends its input gradient, which
+        the previous stage waits for, without first storing every parameter's (about 0.4 ms a step of Python on
+        the benchmark's GPT stages), and its reductions overlap the previous stages' last backward passes (a
+        stage of one rank reduces nothing)."""
         read = [name for chunk in self.chunks for name in chunk.placeholders if name in self.captured.params]
         self._leaf_sums = plan.degrees.zero != 2 and len(read) == len(set(read))
-        # a stage of one rank reduces nothing: its last backward files nothing before sending its input gradient
-        self._files_after_schedule = self._leaf_sums and self.mesh.size() == 1
+        self._files_after_schedule = self._leaf_sums and (self.mesh.size() == 1 or self.pp_rank > 0)
         for chunk in self.chunks:
             chunk.program.accumulates_in_leaves = self._leaf_sums
             chunk.program.files_in_last_backward = not self._files_after_schedule
