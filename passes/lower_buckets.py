@@ -540,17 +540,7 @@ def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | No
     tail = read_only_by(value)
     if not any(n.target is _c10d.wait_tensor.default for n in tail):
         return None
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    moved = sorted(tail, key=order.__getitem__)
-    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in tail}, key=order.__getitem__)
-    epilogue = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = epilogue.placeholder(node.name)
-        env[node].meta["val"] = node.meta.get("val")
-    for node in moved:
-        env[node] = epilogue.node_copy(node, env.__getitem__)
-    epilogue.output(env[value])
+    epilogue, moved, inputs = graph_of(tail, value)
     fake = _value(value)
     with graph.inserting_before(output):
         empty = graph.call_function(_aten.empty.memory_format, (list(fake.shape),),
@@ -562,6 +552,23 @@ def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | No
         graph.erase_node(node)
     recompiled(gm, 1)
     return fx.GraphModule(gm, epilogue)
+
+
+def graph_of(nodes: Collection[fx.Node], value: fx.Node) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:
+    """A graph computing ``value`` by ``nodes`` (of one graph, ``value`` among them), their order kept, from a
+    placeholder for each value they read from outside them; and those nodes and those values, in order."""
+    order = {n: i for i, n in enumerate(value.graph.nodes)}
+    moved = sorted(nodes, key=order.__getitem__)
+    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in nodes}, key=order.__getitem__)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta["val"] = node.meta.get("val")
+    for node in moved:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[value])
+    return graph, moved, inputs
 
 
 def read_only_by(value: fx.Node) -> set[fx.Node]:

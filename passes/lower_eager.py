@@ -49,7 +49,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .checkpoint import CheckpointedLayer
-from .lower_buckets import COLLECTIVES, launch_from_inputs_first, read_only_by, recompiled, reduce_gathered_sums
+from .lower_buckets import (COLLECTIVES, graph_of, launch_from_inputs_first, read_only_by, recompiled,
+                            reduce_gathered_sums)
 from .lower_simplify import simplify_local_ops
 
 _aten = torch.ops.aten
@@ -282,15 +283,7 @@ def defer_reduced_output(gm: fx.GraphModule, differentiable: Collection[str]) ->
             chain.add(node)
     if value not in chain or not all(_linear_in(node, chain, carrying) for node in chain - set(deferred)):
         return None
-    moved = sorted(chain, key=order.__getitem__)
-    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in chain}, key=order.__getitem__)
-    epilogue = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = epilogue.placeholder(node.name)
-    for node in moved:
-        env[node] = epilogue.node_copy(node, env.__getitem__)
-    epilogue.output(env[value])
+    epilogue, _, inputs = graph_of(chain, value)
     for wait in deferred:
         collective = wait.args[0]
         partial = collective.args[0]
