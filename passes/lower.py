@@ -276,7 +276,8 @@ class LoweredProgram(nn.Module):
     def file_leaf_gradients(self) -> None:
         """Store the sums the kept leaves hold (``accumulates_in_leaves``) as their parameters' gradients, and
         run the parameters' accumulation hooks, now: what ``filing_gradients`` does in the last backward, for a
-        stage that reduces nothing during it (the pipeline calls this after its schedule instead)."""
+        chunk whose last backward has nothing to overlap the reductions with, or that another stage waits on
+        (the pipeline calls this after its schedule instead: ``files_in_last_backward`` False)."""
         for position, (param, _, leaf) in self._leaves.items():
             if leaf.grad is not None:
                 _store_gradient(param, leaf, self._hooked_spec(position, param))
