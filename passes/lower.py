@@ -31,7 +31,8 @@ step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
   only in the gradient buckets' waits; uncompiled programs only);
 
 and ``lower_simplify.py`` removes the ops that compute nothing (identity views, detaches, transposes of
-transposes, unread attention forwards) that the trace through DTensor leaves. A pipeline chunk whose
+transposes, unread attention forwards) that the trace through DTensor leaves, and (uncompiled) calls the
+common ops left through torch's Python bindings (``call_through_bindings``). A pipeline chunk whose
 backward graph runs no collective and that recomputes nothing runs its forward under eager autograd
 instead, its backward in autograd's C++ engine (``lower_eager.py``, ``LoweredProgram.eager``).
 
@@ -96,7 +97,7 @@ from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
                             defer_output_waits, launch_from_inputs_first, reduce_gathered_sums, reduced_in_graph)
 from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
-from .lower_simplify import simplify_local_ops
+from .lower_simplify import call_through_bindings, simplify_local_ops
 from .reshard import ResavedParameters
 
 COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -377,8 +378,10 @@ class LoweredProgram(nn.Module):
 
                 return compile_fx_inner(gm, example_inputs, is_backward=name == "backward")
             epilogue = defer_output_waits(gm) if name == "forward" else None
+            call_through_bindings(gm)
             if epilogue is None:
                 return _boxed(gm)
+            call_through_bindings(epilogue)
             self.deferred[grad] = epilogue
             return self._deferring(gm, epilogue)
         return compiler

@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from .checkpoint import CheckpointedLayer
 from .lower_buckets import (COLLECTIVES, graph_of, launch_from_inputs_first, read_only_by, recompiled,
                             reduce_gathered_sums)
-from .lower_simplify import simplify_local_ops
+from .lower_simplify import call_through_bindings, simplify_local_ops
 
 _aten = torch.ops.aten
 _FLATTENING_VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
@@ -133,6 +133,7 @@ class EagerForward:
             if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
                 raise EagerRefused(f"an output is partial over a mesh dim ({spec.placements})")
         with_local_gradients(graph, differentiable)
+        call_through_bindings(graph)  # last: the passes above match aten overloads
         kept = {i: tuple(p) for i, p in gradient_placements.items() if i not in local}
         inputs = {i: spec for i, spec in specs.items() if i not in local}
         return cls(graph, positions, inputs, kept, traced["outputs"], traced["specs"], epilogue)

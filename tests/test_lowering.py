@@ -505,6 +505,54 @@ def test_simplifying_drops_ops_that_compute_nothing_and_keeps_the_values() -> No
     torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
 
 
+def test_aten_calls_made_through_torchs_bindings_give_the_same_values_and_gradients() -> None:
+    """``call_through_bindings``: every overload of its table, traced from eager code, called through its
+    binding instead; the graph's outputs and, run under autograd, its inputs' gradients are the same."""
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.passes.lower_simplify import _BINDINGS, call_through_bindings
+
+    def every_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, table: torch.Tensor, ids: torch.Tensor):
+        h = F.gelu(F.linear(x, w, b), approximate="tanh")  # linear, gelu
+        h = torch.addmm(b, h.view(6, 4), w.t()) - torch.mm(h.view(6, 4), w.t()) / 3  # addmm, view, t, mm, sub, div
+        s = torch.bmm(h.view(2, 3, 4), h.view(2, 3, 4).transpose(1, 2))  # bmm, transpose
+        n = torch.native_layer_norm(h.permute(1, 0).clone(), [6], None, None, 1e-5)[0]  # permute, clone
+        e = torch.embedding(table, ids) * -h.unsqueeze(0).expand(2, 6, 4).sum([0])  # embedding, mul, neg, sum
+        buffer = torch.empty(24)
+        buffer.copy_(e.reshape(24).detach() + e.reshape(24))  # copy_, detach, add
+        parts = torch.split_with_sizes(buffer, [8, 16])
+        return [s.sum() + n.sum() + parts[0].sum() * parts[1].sum()]
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(6, 4), torch.randn(4, 4), torch.randn(4), torch.randn(10, 4), torch.randint(0, 10, (6,))]
+    with torch.no_grad():
+        gm = make_fx(every_op)(*inputs)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    x, w, b = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
+    with gm.graph.inserting_before(output):  # a trace decomposes it; ``lower_eager.fuse_linear_layers`` makes it
+        linear = gm.graph.call_function(_aten.sum.dim_IntList, (gm.graph.call_function(_aten.linear.default, (x, w, b)), []))
+        total = gm.graph.call_function(_aten.add.Tensor, (output.args[0][0], linear))
+    output.args = ([total],)
+    gm.recompile()
+    assert set(_BINDINGS) <= {n.target for n in gm.graph.nodes}, "the example calls every overload of the table"
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        (out,) = gm(*leaves)
+        out.backward()
+        return out.detach(), [leaf.grad for leaf in leaves[:4]]
+
+    expected = run()
+    calls = sum(n.target in _BINDINGS for n in gm.graph.nodes if n.op == "call_function")
+    assert call_through_bindings(gm) == calls
+    assert not set(_BINDINGS) & {n.target for n in gm.graph.nodes}
+    out, grads = run()
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
+    for got, want in zip(grads, expected[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_every_fused_attention_forward_no_op_reads_is_dropped_unless_it_draws_dropout() -> None:
     """The GPU kernels too (cuDNN's ran twice per layer on an H200 when only the CPU and flash kernels
     were known): an unread forward without dropout goes, one with dropout stays (it advances the
