@@ -121,6 +121,9 @@ class EagerForward:
         examples = [(args[i]._local_tensor if isinstance(args[i], DTensor) else args[i]).detach() for i in positions]
         with torch.no_grad():
             graph = make_fx(local_program, tracing_mode="fake")(*examples)
+        for spec in traced["specs"]:
+            if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
+                raise EagerRefused(f"an output is partial over a mesh dim ({spec.placements})")
         fuse_linear_layers(graph)  # before the views are simplified: it reads a linear layer's views as traced
         simplify_local_ops(graph, under_autograd=True)
         fuse_token_losses(graph)  # after: DTensor's identity views split its pattern
@@ -129,9 +132,6 @@ class EagerForward:
         differentiable = {node.name for node, i in zip(placeholders, positions) if i in local or args[i].requires_grad}
         epilogue = defer_reduced_output(graph, differentiable)
         launch_from_inputs_first(graph, differentiable)  # the loss's count of targets, waited on where it is read
-        for spec in traced["specs"]:
-            if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
-                raise EagerRefused(f"an output is partial over a mesh dim ({spec.placements})")
         with_local_gradients(graph, differentiable)
         call_through_bindings(graph)  # last: the passes above match aten overloads
         kept = {i: tuple(p) for i, p in gradient_placements.items() if i not in local}

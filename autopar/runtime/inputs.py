@@ -103,7 +103,7 @@ def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: 
             return DTensor.from_local(x, mesh, strs_to_placements(spec["placements"]), run_check=False,
                                       shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
         return shard_tensor(in_layout(x, plan, spec["placements"]), mesh, spec["placements"])
-    shard = x if local else user_input_shard(plan, mesh, name, x, local)
+    shard = x if local else user_input_shard(plan, mesh, name, x, False)
     made = _input_spec(tuple(shape), mesh, tuple(spec["placements"]), x.dtype)
     if made.mesh is not mesh:  # made for an equal mesh of another program: a spec holds its own mesh object
         made = DTensorSpec(mesh, made.placements, tensor_meta=made.tensor_meta)

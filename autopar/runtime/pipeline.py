@@ -210,7 +210,6 @@ class PipelineParallelModule(nn.Module):
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
         built = build_program(plan, captured, self.mesh)
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
-        self._files_after_schedule = False  # and store those sums after the schedule (likewise)
         self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
         self.redistributes = built.redistributes
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
@@ -274,23 +273,21 @@ class PipelineParallelModule(nn.Module):
         first = args if self.chunks[0].index == 0 else ()
         later = {n: by_name[n] for chunk in self.chunks if chunk.index > 0 for n in chunk.reads}
         losses: list[torch.Tensor] = []
-        for chunk in self.chunks:  # what a step that failed before its end left in a lowered chunk
-            if isinstance(chunk.program, LoweredProgram):
-                chunk.program.forget_unfinished_step()
+        for program in self._lowered_programs():  # what a step that failed before its end left there
+            program.forget_unfinished_step()
         self._read_parameters(self._program_params.begin_step())
         # reduce each gradient during its last microbatch's backward (filed there once: ``_accumulate_in_leaves``)
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
         self._losses = []
         self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                            **later)
-        if self._files_after_schedule:
-            for chunk in self.chunks:
-                chunk.program.file_leaf_gradients()
+        for program in self._lowered_programs():
+            if not program.files_in_last_backward:  # ``_accumulate_in_leaves``
+                program.file_leaf_gradients()
         self._program_params.end_step()
         self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
-        for chunk in self.chunks:  # the losses' reductions left unwaited in forward (``lower_eager``)
-            if isinstance(chunk.program, LoweredProgram):
-                chunk.program.finish()
+        for program in self._lowered_programs():  # the losses' reductions left unwaited in forward (``lower_eager``)
+            program.finish()
         scaled = [(loss.detach() / self.microbatches).float() for loss in self._losses]
         return self._broadcast_loss(sum(scaled) if scaled else torch.zeros(()))
 
@@ -307,10 +304,14 @@ class PipelineParallelModule(nn.Module):
         stage of one rank reduces nothing)."""
         read = [name for chunk in self.chunks for name in chunk.placeholders if name in self.captured.params]
         self._leaf_sums = plan.degrees.zero != 2 and len(read) == len(set(read))
-        self._files_after_schedule = self._leaf_sums and (self.mesh.size() == 1 or self.pp_rank > 0)
+        after_schedule = self._leaf_sums and (self.mesh.size() == 1 or self.pp_rank > 0)
         for chunk in self.chunks:
             chunk.program.accumulates_in_leaves = self._leaf_sums
-            chunk.program.files_in_last_backward = not self._files_after_schedule
+            chunk.program.files_in_last_backward = not after_schedule
+
+    def _lowered_programs(self) -> list[LoweredProgram]:
+        """This rank's chunks' lowered programs (none where the plan runs on DTensor)."""
+        return [chunk.program for chunk in self.chunks if isinstance(chunk.program, LoweredProgram)]
 
     def _read_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
         """Hand each chunk this step's value of every parameter it reads (``ProgramParameters.begin_step``)."""
