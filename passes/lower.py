@@ -16,7 +16,9 @@ runtime hands the sync over (one microbatch; under gradient accumulation they st
 step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
 
 * gradient all_reduces: flat buckets of ``GradientSync``'s size, each launched as soon as its last
-  gradient is produced, waited on when the backward graph ends (the sync then only stores them);
+  gradient is produced, waited on when the backward graph ends (the sync then only stores them), or
+  where the gradients leave the graph as the bucket's views, when the backward pass ends, after they
+  are filed and the loss is finished (``defer_bucket_waits``, as DDP waits in autograd's final callback);
 * FSDP: each layer's parameter all_gathers (or, outside layers, each module's) become one flat
   all_gather, launched one layer ahead (right after the previous layer's wait) and waited on right
   before its first reader, in the forward and in backward's regathers; each layer's gradient
@@ -95,10 +97,13 @@ from autopar.ir.layers import gather_unit
 
 from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
-                            defer_output_waits, launch_from_inputs_first, reduce_gathered_sums, reduced_in_graph)
+                            defer_bucket_waits, defer_output_waits, launch_from_inputs_first, reduce_gathered_sums,
+                            reduced_in_graph)
 from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
 from .lower_simplify import call_through_bindings, simplify_local_ops
 from .reshard import ResavedParameters
+
+_c10d = torch.ops._c10d_functional
 
 COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
                     "all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -378,6 +383,8 @@ class LoweredProgram(nn.Module):
 
                 return compile_fx_inner(gm, example_inputs, is_backward=name == "backward")
             epilogue = defer_output_waits(gm) if name == "forward" else None
+            if name == "backward" and self.local:  # their gradients' filing is ``_store_gradient``'s
+                defer_bucket_waits(gm, self.finish)
             call_through_bindings(gm)
             if epilogue is None:
                 return _boxed(gm)
@@ -511,6 +518,8 @@ def _store_gradient(param: DTensor, local: torch.Tensor, spec_of: Callable[[], D
     place, on its local tensor, where ``param``'s gradient is one this stored in the same spec (a later
     microbatch's: no DTensor dispatch), and ``param``'s accumulation hooks run after where ``spec_of``."""
     spec = param._spec if spec_of is None else spec_of()
+    if param.grad is not None:  # read: its bucket's reduction done first (``lower_buckets.defer_bucket_waits``)
+        _c10d.wait_tensor(local.grad)
     if param.grad is not None and param.grad._spec is spec:
         param.grad._local_tensor.add_(local.grad)
     else:

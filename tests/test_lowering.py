@@ -85,7 +85,14 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
         p.grad = None
     with CollectiveCounter() as step:
         step_loss = pm.step(*batch).item()
+    in_flight = torch._C._distributed_c10d._get_work_registry_size()  # collectives launched, never waited on
+    once = {name: p.grad.to_local().clone() for name, p in pm.named_parameters()}
+    pm.step(*batch)  # onto the gradients held: each adds the same again
+    held_added = all(float((p.grad.to_local() - 2 * once[name]).abs().max()) <= 1e-5 * float(once[name].abs().max())
+                     for name, p in pm.named_parameters())  # ZeRO-2 adds its microbatches' in another order
     return {**result, "forward": forward.counts, "step": step.counts, "graphs": pm.program.collectives(),
+            "in_flight": in_flight, "held_added": held_added, "bucket_waits": _bucket_waits(pm.program),
+            "gradient_storages": len({p.grad.to_local().untyped_storage().data_ptr() for p in pm.parameters()}),
             "buckets": pm.program.buckets[True], "fallback": pm.program.fallback, "forward_loss": forward_loss,
             "step_loss": step_loss, "waits": _waits(pm.program), "local_parameters": len(pm.program.local or {}),
             "dtensor_parameters": pm.program.dtensor_parameters,
@@ -99,6 +106,17 @@ def _waits(program: Any) -> dict[str, int]:
     graphs = {"forward": program.graphs.get(True, {}).get("forward"), "deferred": program.deferred.get(True)}
     return {name: len(gm.graph.find_nodes(op="call_function", target=wait)) for name, gm in graphs.items()
             if gm is not None}
+
+
+def _bucket_waits(program: Any) -> dict[str, int]:
+    """In the lowered backward graph, the waits on gradient buckets (in-place all_reduces) left in the graph,
+    and those left to the end of backward (``lower_buckets.defer_bucket_waits``)."""
+    gm = program.graphs.get(True, {}).get("backward")
+    if gm is None:
+        return {}
+    in_graph = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default)
+                if n.args[0].target is torch.ops._c10d_functional.all_reduce_.default]
+    return {"in_graph": len(in_graph), "at_backward_end": len(gm.graph.find_nodes(op="call_module"))}
 
 
 def _spawned(world: int, configs: list[tuple[str, dict]], compile: bool = False) -> list[dict[str, Any]]:
@@ -418,6 +436,29 @@ def test_the_forward_returns_before_the_losss_sum_is_reduced_and_step_reads_it_a
     assert run["waits"] == {"forward": 1, "deferred": 1}
     for rank in run["ranks"]:
         assert rank["step_loss"] == rank["forward_loss"] == run["forward_loss"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_gradient_buckets_are_waited_on_at_the_end_of_backward_after_their_gradients_are_filed(runs) -> None:
+    """Where the gradients of a bucket leave the backward graph only as its views (data parallelism, FSDP's
+    replicated parameters, tensor + sequence parallelism's norms), the graph waits on none of its buckets;
+    each is waited on when autograd's engine ends the backward pass (``lower_buckets.defer_bucket_waits``),
+    so nothing launched is left in flight after a step, and the gradients are views of the buckets (one
+    storage for data parallelism's one bucket: accumulated into their leaves without a copy, which read
+    the buffer before its wait). A step onto gradients already held waits before adding to them: the
+    same gradients again. Where a cast reads the bucket after its reduction (bf16 reductions of fp32
+    gradients) the wait stays in the graph."""
+    deferred = {("tiny-gpt", "{'dp': 2}"), ("tiny-gpt", "{'dp': 2, 'fsdp': 3}"), ("tiny-gpt", "{'tp': 2, 'sp': 1}")}
+    for (name, constraints), run in zip(CONFIGS[2], runs[2]):
+        buckets = len(run["buckets"].get("backward", {}).get("all_reduce", []))
+        if (name, str(constraints)) in deferred:
+            assert buckets and run["bucket_waits"] == {"in_graph": 0, "at_backward_end": buckets}, (name, constraints)
+        if constraints.get("reduce_dtype") == "bf16":
+            assert run["bucket_waits"] == {"in_graph": buckets, "at_backward_end": 0}
+        for rank in run["ranks"]:
+            assert rank["in_flight"] == 0 and rank["held_added"], (name, constraints)
+    assert runs[2][0]["gradient_storages"] == 1 < runs[2][0]["parameters"]
 
 
 @pytest.mark.dist
