@@ -18,7 +18,7 @@ It knows nothing of the solver or of autopar's other packages (it never imports 
 
 from .cluster import Cluster, ClusterSpecError, GroupTopology, parse_cluster
 from .comm import COLLECTIVES, collective_bytes_per_rank, collective_time
-from .compute import (GRADIENT_SYNC_HOST_OPS, adamw_step_time, backward_kind, compute_time, dispatched_time,
+from .compute import (adamw_step_time, backward_kind, compute_time, dispatched_time,
                       matmul_kind, op_efficiency)
 from .hardware import DEVICES, DeviceSpec, dtype_key, get_device
 from .memory import adamw_state_bytes, reserve_fraction, usable_bytes
@@ -28,7 +28,6 @@ __all__ = [
     "COLLECTIVES",
     "DEVICES",
     "Cluster",
-    "GRADIENT_SYNC_HOST_OPS",
     "ClusterSpecError",
     "DeviceSpec",
     "GroupTopology",

@@ -69,11 +69,6 @@ REFERENCE_PEAK_FLOPS = 312e12
 """Peak used by op_efficiency when none is given (A100 BF16): f_half = 1.56e9 FLOPs."""
 MEMORY_EFFICIENCY = 0.7
 """Fraction of HBM bandwidth (and of vector FLOP/s) a bandwidth-bound kernel achieves."""
-GRADIENT_SYNC_HOST_OPS = 2
-"""DTensor dispatches autopar's bucketed gradient sync (``passes/gradient_sync.py``) makes on the host
-per reduced gradient: reading its local shard (``to_local``) and wrapping the reduced slice as a
-DTensor (``from_local``). Each costs the device's ``host_op_s``; the plain-tensor views in between
-(flattening, slicing) cost a few microseconds and are not counted."""
 ADAMW_KERNELS_PER_TENSOR = 8
 """Elementwise kernels ``torch.optim.AdamW`` (single-tensor path, weight decay on) runs per parameter."""
 

@@ -18,7 +18,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 BUCKET_BYTES = 25 * 2**20
 """Bucket size, PyTorch DDP's default ``bucket_cap_mb=25``."""
@@ -72,9 +73,9 @@ class GradientSync:
     launches it, waits for every reduction and stores each gradient with its parameter's placements.
     Unarmed, everything happens in that call, after backward.
 
-    Per reduced gradient the host makes ``cost_models.GRADIENT_SYNC_HOST_OPS`` DTensor dispatches
-    (``to_local``, ``DTensor.from_local``), which pricing charges: keep that count in step with this
-    code.
+    The host makes no DTensor dispatch per gradient (it reads the gradient's local tensor and wraps each
+    reduced slice in a DTensor of a spec worked out once, ``_reduction_of``), so pricing charges the sync
+    no host work (``planning/pricing.Pricer._charge_gradient_collectives``): keep the two in step.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES,
@@ -86,9 +87,11 @@ class GradientSync:
         self._armed = False
         self._pending: dict[int, int] = {}  # id(param) -> accumulations left before it is filed (armed)
         self._filed: set[int] = set()  # id(param) of the gradients filed since the last sync
-        self._open: dict[tuple[tuple[int, str], ...], list[tuple[nn.Parameter, torch.Tensor]]] = defaultdict(list)
+        self._open: dict[tuple[tuple[int, str], ...], list[tuple[nn.Parameter, torch.Tensor, DTensorSpec]]] = \
+            defaultdict(list)
         self._open_bytes: dict[tuple[tuple[int, str], ...], int] = defaultdict(int)
         self._launched: list[_Reduction] = []
+        self._specs: dict[DTensorSpec, tuple[tuple[tuple[int, str], ...], DTensorSpec]] = {}  # ``_reduction_of``
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -125,18 +128,28 @@ class GradientSync:
         self._filed.add(id(p))
         if not isinstance(p.grad, DTensor):
             return
-        partial = tuple((d, pl.reduce_op) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Partial))
+        partial, reduced = self._reduction_of(p.grad._spec)
         if not partial:
             if p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             return
-        local = p.grad.to_local()
+        local = p.grad._local_tensor  # a gradient has no autograd history: no ``to_local`` dispatch
         nbytes = local.numel() * (self.reduce_dtype or local.dtype).itemsize
         launched = sum(r.partial == partial for r in self._launched)
         if closes_bucket(self._open_bytes[partial], nbytes, bucket_cap(launched, self.bucket_bytes)):
             self._launch(partial)
-        self._open[partial].append((p, local))
+        self._open[partial].append((p, local, reduced))
         self._open_bytes[partial] += nbytes
+
+    def _reduction_of(self, spec: DTensorSpec) -> tuple[tuple[tuple[int, str], ...], DTensorSpec]:
+        """For a gradient of ``spec``: its partial mesh dims and their reductions, and the spec it has once
+        reduced (those dims replicated), worked out once per spec: a parameter's gradient keeps its spec
+        object from step to step (``lower._store_gradient``, autograd's accumulation of a DTensor)."""
+        if spec not in self._specs:
+            partial = tuple((d, pl.reduce_op) for d, pl in enumerate(spec.placements) if isinstance(pl, Partial))
+            placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in spec.placements)
+            self._specs[spec] = (partial, DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta))
+        return self._specs[spec]
 
     def _launch(self, partial: tuple[tuple[int, str], ...]) -> None:
         bucket = self._open.pop(partial, [])
@@ -148,12 +161,15 @@ class GradientSync:
 
 class _Reduction:
     """One bucket's all_reduces: the first mesh dim's starts now (asynchronously); ``finish`` waits,
-    reduces over any further partial dim and hands each parameter its reduced gradient."""
+    reduces over any further partial dim and hands each parameter its reduced gradient, a DTensor of the
+    gradient's reduced spec made directly on its slice of the bucket (``DTensor.from_local``, an autograd
+    function that works the spec out again, costs about 20 us a gradient more on this machine's CPU)."""
 
-    def __init__(self, bucket: list[tuple[nn.Parameter, torch.Tensor]], partial: tuple[tuple[int, str], ...],
-                 reduce_dtype: torch.dtype | None):
-        self.params = [p for p, _ in bucket]
-        self.locals = [t for _, t in bucket]
+    def __init__(self, bucket: list[tuple[nn.Parameter, torch.Tensor, DTensorSpec]],
+                 partial: tuple[tuple[int, str], ...], reduce_dtype: torch.dtype | None):
+        self.params = [p for p, _, _ in bucket]
+        self.locals = [t for _, t, _ in bucket]
+        self.specs = [spec for _, _, spec in bucket]
         self.partial = partial
         self.flat = torch.cat([t.reshape(-1).to(reduce_dtype or t.dtype) for t in self.locals])
         self.mesh = self.params[0].device_mesh
@@ -168,13 +184,6 @@ class _Reduction:
             if reduce_op == "avg":
                 self.flat /= self.mesh.size(dim)
         pieces = torch.split(self.flat, [t.numel() for t in self.locals])
-        for p, t, piece in zip(self.params, self.locals, pieces):
-            grad = DTensor.from_local(piece.view(t.shape).to(t.dtype), self.mesh, _without_partial(p.grad.placements),
-                                      run_check=False)
-            p.grad = grad if grad.placements == p.placements else grad.redistribute(self.mesh, p.placements)
-
-
-def _without_partial(placements) -> list:
-    from torch.distributed.tensor import Replicate
-
-    return [Replicate() if isinstance(pl, Partial) else pl for pl in placements]
+        for p, t, spec, piece in zip(self.params, self.locals, self.specs, pieces):
+            grad = DTensor(piece.view(t.shape).to(t.dtype), spec, requires_grad=False)
+            p.grad = grad if spec.placements == p.placements else grad.redistribute(self.mesh, p.placements)

@@ -81,7 +81,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Replicate
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from autopar.cost_models import (GRADIENT_SYNC_HOST_OPS, Cluster, adamw_state_bytes, backward_kind, collective_time,
+from autopar.cost_models import (Cluster, adamw_state_bytes, backward_kind, collective_time,
                           compute_time, matmul_kind)
 from autopar.cost_models.memory import master_dtype_of
 from autopar.core.placement import Placements, optimizer_shard_dim
@@ -126,7 +126,6 @@ class Cost:
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
     forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
-    host_s: float = 0.0  # part of compute_s the host spends once per step outside kernels (gradient sync)
     accumulate_s: float = 0.0  # host seconds repeated by each further microbatch (gradient accumulation)
 
     def add_comm(self, kind: str, seconds: float) -> None:
@@ -238,7 +237,6 @@ class Pricer:
         out = with_fields(cost, comm_s=dict(cost.comm_s), forward_comm_s=dict(cost.forward_comm_s))
         if cost.kernel is not None:
             out.compute_s, last_backward = self._kernel_times(cost.kernel, m)
-            out.compute_s += cost.host_s
             out.backward_compute_s = last_backward / m
         out.compute_s += (m - 1) * cost.accumulate_s
         if cost.batch_memory:
@@ -421,10 +419,6 @@ class Pricer:
             cost.grad_sync_s += seconds
             if c.per_microbatch:
                 cost.grad_sync_per_microbatch_s += seconds
-            if c.kind == "all_reduce":  # GradientSync's own host work on this gradient: on the critical path
-                host = GRADIENT_SYNC_HOST_OPS * self.cluster.device.host_op_s
-                cost.host_s += host
-                cost.compute_s += host
 
     def gathered_root_delta(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], slot: int,
                             root: Placements, views: Sequence[float | None] = ()) -> Cost | None:

@@ -671,7 +671,7 @@ def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[s
 
 
 def _price_key(cost: Cost) -> tuple:
-    return (cost.compute_s, cost.host_s, cost.grad_sync_s, cost.grad_sync_per_microbatch_s,
+    return (cost.compute_s, cost.grad_sync_s, cost.grad_sync_per_microbatch_s,
             tuple(sorted(cost.comm_s.items())), cost.repeats_per_microbatch)
 
 
