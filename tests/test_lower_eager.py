@@ -172,8 +172,12 @@ def _global_mean(losses: torch.Tensor, counted: torch.Tensor, group: str, tail) 
 
 
 def _deferred_loss_rank(rank: int, world: int) -> dict:
-    """On each rank: the global mean of its losses traced, deferred, run under autograd and finished."""
+    """On each rank: the global mean of its losses traced, deferred, run under autograd for two microbatches
+    (the second's losses doubled) and finished together; the collectives the graph and the finishing run."""
     import torch.distributed as dist
+
+    from autopar.passes.lower import graph_collectives
+    from autopar.testing.counters import CollectiveCounter
 
     group = dist.group.WORLD.group_name
     losses = torch.arange(1.0, 5.0) * (rank + 1)  # rank 0: 1..4, rank 1: 2..8
@@ -182,30 +186,37 @@ def _deferred_loss_rank(rank: int, world: int) -> dict:
     for name, tail in (("linear", lambda x: x * 2.0), ("log", torch.log)):
         with torch.no_grad():
             gm = make_fx(lambda l, c: [_global_mean(l, c, group, tail)], tracing_mode="fake")(losses, counted)
-        epilogue = defer_reduced_output(gm, {"l_1"})
-        if epilogue is not None:
+        deferred = defer_reduced_output(gm, {"l_1"})
+        if deferred is not None:
             launch_from_inputs_first(gm, {"l_1"})
         with_local_gradients(gm, {"l_1"})
-        leaf = losses.clone().requires_grad_()
-        loss, *ending = gm(leaf, counted)
-        loss.backward()
-        if epilogue is not None:
-            with torch.no_grad():
-                loss.copy_(epilogue(*ending))
-        outcome[name] = (epilogue is not None, float(loss), leaf.grad.tolist())
+        leaves = [(losses * scale).requires_grad_() for scale in (1.0, 2.0)]
+        runs = [gm(leaf, counted) for leaf in leaves]
+        for loss, *_ in runs:
+            loss.backward()
+        with CollectiveCounter() as finishing, torch.no_grad():
+            if deferred is not None:
+                for (loss, *_), value in zip(runs, deferred.values([ending for _, *ending in runs])):
+                    loss.copy_(value)
+        outcome[name] = (deferred is not None, [float(loss) for loss, *_ in runs], [leaf.grad.tolist() for leaf in leaves],
+                         graph_collectives(gm), finishing.counts)
     return outcome
 
 
 @pytest.mark.dist
 def test_the_loss_reduction_is_left_unwaited_in_forward_with_the_same_loss_and_gradients() -> None:
     """``defer_reduced_output`` on 2 gloo ranks: a global mean (linear in the summed losses) is computed for
-    backward from the local sum, its all_reduce finished after backward, with the global loss and each
-    rank's gradient 2 / (5 counted targets); a loss not linear in the sum (its log) keeps its wait."""
+    backward from the local sum, which the graph leaves unreduced (its one collective the count of
+    targets); two microbatches' sums are reduced by one all_reduce after backward, with each one's global
+    loss and each rank's gradient 2 / (5 counted targets); a loss not linear in the sum (its log) keeps
+    its reduction and wait in the graph (nothing left to finish)."""
     total = (1 + 2 + 3 + 4) * 3  # both ranks' losses
     for rank, outcome in enumerate(run_on_ranks(_deferred_loss_rank, 2)):
-        deferred, loss, grad = outcome["linear"]
-        assert deferred and loss == pytest.approx(2 * total / 5)
-        assert grad == pytest.approx([2 / 5] * 4)
-        deferred, loss, grad = outcome["log"]
-        assert not deferred and loss == pytest.approx(torch.log(torch.tensor(total / 5)).item())
-        assert grad == pytest.approx([1 / total] * 4)
+        deferred, losses, grads, in_graph, finishing = outcome["linear"]
+        assert deferred and losses == pytest.approx([2 * total / 5, 4 * total / 5])
+        assert grads[0] == pytest.approx([2 / 5] * 4) and grads[1] == pytest.approx([2 / 5] * 4)
+        assert in_graph == {"all_reduce": 1} and finishing == {"all_reduce": 1}
+        deferred, losses, grads, in_graph, finishing = outcome["log"]
+        assert not deferred and losses == pytest.approx([torch.log(torch.tensor(s * total / 5)).item() for s in (1, 2)])
+        assert grads[0] == pytest.approx([1 / total] * 4) and grads[1] == pytest.approx([1 / (2 * total)] * 4)
+        assert finishing == {}
