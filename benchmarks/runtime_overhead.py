@@ -22,8 +22,10 @@ microbatch; the pipeline: ``pp`` 2, ``dp`` the rest, 1F1B over ``MICROBATCHES`` 
 chunk lowered as a whole program is). The three run alternately, step by step in one process group,
 ``--steps`` times after ``WARMUP_STEPS`` (the lowered program traces at its first step), so a load change
 on the machine hits all three alike; each step's time is the slowest rank's. Prints a Markdown table (median and the 10th-90th
-percentile spread, in ms, and each autopar program's median over native's) and writes every sample as
-JSON; ``--programs`` times a subset (all of them alternate with one another just the same)::
+percentile spread, in ms, and each autopar program's median over native's, then in parentheses the median of
+its step-by-step ratios to native's step of the same round, which a slow drift of the machine's load moves
+less) and writes every sample as JSON; ``--programs`` times a subset (all of them alternate with
+one another just the same)::
 
     python benchmarks/runtime_overhead.py --world 2 --steps 30 --out benchmarks/results/runtime_overhead.json
     python benchmarks/runtime_overhead.py --world 2 4 --models gpt --parallelisms dp fsdp --programs lowered native
@@ -303,10 +305,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         stats = {name: summary(s) for name, s in row["samples_s"].items() if s}
         cells = [_cell(stats, row["errors"], p) for p in programs]
-        cells += [f"{stats[p]['median_ms'] / stats['native']['median_ms']:.2f}" if p in stats and "native" in stats
-                  else "-" for p in ratios]
+        cells += [f"{stats[p]['median_ms'] / stats['native']['median_ms']:.2f} "
+                  f"({paired_ratio(row['samples_s'][p], row['samples_s']['native']):.2f})"
+                  if p in stats and "native" in stats else "-" for p in ratios]
         lines.append(f"| {row['model']} | {row['parallelism']} | {row['world']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def paired_ratio(samples: list[float], native: list[float]) -> float:
+    """The median of the ratios of each step of a program to the native step of the same round."""
+    return statistics.median(a / b for a, b in zip(samples, native))
 
 
 def _cell(stats: dict[str, dict[str, float]], errors: dict[str, str], program: str) -> str:

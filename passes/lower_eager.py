@@ -290,7 +290,8 @@ def defer_reduced_output(gm: fx.GraphModule, differentiable: Collection[str]) ->
     for node in sorted(tail, key=order.__getitem__):
         if any(i in chain for i in node.all_input_nodes):
             chain.add(node)
-    if value not in chain or value in deferred or not all(_linear_in(node, chain, carrying) for node in chain - set(deferred)):
+    if value not in chain or value in deferred \
+            or not all(_linear_in(node, chain, carrying) for node in chain - set(deferred)):
         return None
     epilogue, _, inputs = graph_of(chain - set(deferred), value)  # the waits' values are its inputs
     returned, summed = [], []

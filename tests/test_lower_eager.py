@@ -198,8 +198,8 @@ def _deferred_loss_rank(rank: int, world: int) -> dict:
             if deferred is not None:
                 for (loss, *_), value in zip(runs, deferred.values([ending for _, *ending in runs])):
                     loss.copy_(value)
-        outcome[name] = (deferred is not None, [float(loss) for loss, *_ in runs], [leaf.grad.tolist() for leaf in leaves],
-                         graph_collectives(gm), finishing.counts)
+        outcome[name] = (deferred is not None, [float(loss) for loss, *_ in runs],
+                         [leaf.grad.tolist() for leaf in leaves], graph_collectives(gm), finishing.counts)
     return outcome
 
 

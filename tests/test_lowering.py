@@ -114,8 +114,9 @@ def _bucket_waits(program: Any) -> dict[str, int]:
     gm = program.graphs.get(True, {}).get("backward")
     if gm is None:
         return {}
-    in_graph = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default)
-                if n.args[0].target is torch.ops._c10d_functional.all_reduce_.default]
+    c10d = torch.ops._c10d_functional
+    in_graph = [n for n in gm.graph.find_nodes(op="call_function", target=c10d.wait_tensor.default)
+                if n.args[0].target is c10d.all_reduce_.default]
     return {"in_graph": len(in_graph), "at_backward_end": len(gm.graph.find_nodes(op="call_module"))}
 
 
