@@ -126,7 +126,7 @@ class GradientSync:
         """File ``p``'s gradient: partial ones into their group's bucket (launched when full), the rest
         straight to the parameter's placements."""
         self._filed.add(id(p))
-        if not isinstance(p.grad, DTensor):
+        if not isinstance(p.grad, DTensor) or p.grad._spec is p._spec:  # stored in place (a lowered program's)
             return
         partial, reduced = self._reduction_of(p.grad._spec)
         if not partial:
