@@ -346,6 +346,58 @@ def test_gradient_reductions_are_bucketed_after_their_last_gradient_and_waited_a
     assert outputs[2].is_contiguous(), "a transposed gradient leaves in its row-major layout (its parameter's)"
 
 
+def test_a_bucket_read_only_through_its_views_is_waited_on_when_the_backward_pass_ends(two_fake_ranks) -> None:
+    """Two gradients reduced in fp32 share a bucket whose views alone leave the graph: its wait becomes a call of
+    ``waits_at_backward_end``; a third, reduced in bf16 and cast back, keeps its wait in the graph. Called outside
+    autograd's engine the graph waits at once; inside a backward pass it hands the bucket on in flight and, once
+    the pass ends, runs ``first`` and waits (nothing left registered), with the same values either way."""
+    import torch.distributed as dist
+
+    from autopar.passes.lower_buckets import (REDUCE_GRADIENT, WAITS_AT_BACKWARD_END, bucket_gradient_reductions,
+                                              defer_bucket_waits)
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    x = _placeholder(graph, "x", torch.randn(4, 12))
+    grads = [_call(graph, _aten.mul.Tensor, x, 2.0), _call(graph, _aten.sum.dim_IntList, x, [0]),
+             _call(graph, _aten.mul.Tensor, x, 3.0)]
+    marks = [_call(graph, REDUCE_GRADIENT, g, group, [1], dtype)
+             for g, dtype in zip(grads, (torch.float32, torch.float32, torch.bfloat16))]
+    graph.output(tuple(marks))
+    gm = torch.fx.GraphModule({}, graph)
+    inputs = torch.randn(4, 12)
+    expected = gm(inputs)
+    assert bucket_gradient_reductions(gm) == [2, 1]
+    finished: list[int] = []
+
+    assert defer_bucket_waits(gm, lambda: finished.append(len(getattr(gm, WAITS_AT_BACKWARD_END).pending))) == 1
+    waits = [n for n in gm.graph.nodes if n.target is _c10d.wait_tensor.default]
+    assert len(waits) == 1 and len(gm.graph.find_nodes(op="call_module")) == 1
+    assert waits[0].args[0].args[0].kwargs["dtype"] is torch.bfloat16, "the wait kept is the bf16 bucket's"
+    for got, want in zip(gm(inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert finished == [], "outside a backward pass the graph waits at once"
+
+    class _RunsTheGraphInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, value):
+            return value.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(gm(inputs))
+            return grad
+
+    seen: list[Any] = []
+    leaf = torch.zeros(1, requires_grad=True)
+    _RunsTheGraphInBackward.apply(leaf).sum().backward()
+    assert finished == [1], "the pass's end ran ``first`` with the bucket still pending, then waited on it"
+    assert not getattr(gm, WAITS_AT_BACKWARD_END).pending
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+    for got, want in zip(seen[0], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_parameter_gathers_are_one_per_unit_prefetched_one_unit_ahead(two_fake_ranks) -> None:
     """Three parameters' gathers (one through a transposed copy), two in ``blocks.0`` and one in
     ``blocks.1``, each waited right before its use: one all_gather per unit; ``blocks.1``'s launched
