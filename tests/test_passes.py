@@ -160,6 +160,35 @@ def test_stage_programs_run_in_turn_give_the_eager_loss(pipeline, gpt: ModelBund
     torch.testing.assert_close(loss.full_tensor(), gpt.loss_fn(gpt.model(*inputs), targets), rtol=1e-6, atol=0)
 
 
+def test_gradient_sync_makes_no_dtensor_conversion_per_gradient(two_fake_ranks: None, monkeypatch) -> None:
+    """The sync reads each partial gradient's local tensor and wraps each reduced slice in a DTensor of a spec
+    worked out once per gradient spec: no ``to_local`` or ``DTensor.from_local`` (autograd functions, about 20 us
+    a gradient), which pricing does not charge (``planning/pricing.Pricer._charge_gradient_collectives``). Two
+    steps of two parameters: each gradient replicated, in the same spec object from step to step (worked out
+    once per distinct gradient spec: the two weights' are equal, one entry)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from autopar.passes import GradientSync
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    weights = [torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Replicate()])) for _ in range(2)]
+    sync = GradientSync(weights)
+    specs = []
+    for _ in range(2):
+        x = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # the batch split on dp
+        for w in weights:
+            w.grad = None
+        sum((x @ w).sum() for w in weights).backward()  # partial on dp
+        with monkeypatch.context() as patched:
+            for name in ("from_local", "to_local"):
+                patched.setattr(DTensor, name, lambda *a, name=name, **k: pytest.fail(f"the sync called {name}"))
+            sync()
+        assert all(w.grad.placements == (Replicate(),) for w in weights)
+        specs.append([w.grad._spec for w in weights])
+    assert [a is b for a, b in zip(*specs)] == [True, True] and len(sync._specs) == 1
+
+
 def test_armed_gradient_sync_files_each_gradient_after_its_last_accumulation(two_fake_ranks: None) -> None:
     """The pipeline runtime arms the sync for its m microbatches: a gradient joins its bucket (whose
     all_reduce starts once full, overlapping what backward is left) during the m-th backward that
