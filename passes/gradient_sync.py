@@ -163,7 +163,8 @@ class _Reduction:
     """One bucket's all_reduces: the first mesh dim's starts now (asynchronously); ``finish`` waits,
     reduces over any further partial dim and hands each parameter its reduced gradient, a DTensor of the
     gradient's reduced spec made directly on its slice of the bucket (``DTensor.from_local``, an autograd
-    function that works the spec out again, costs about 20 us a gradient more on this machine's CPU)."""
+    function that works the spec out again, took 21.3 us against 2.4 for a 128 x 128 gradient on this
+    machine's CPU, ``timeit`` on a 1-rank gloo mesh)."""
 
     def __init__(self, bucket: list[tuple[nn.Parameter, torch.Tensor, DTensorSpec]],
                  partial: tuple[tuple[int, str], ...], reduce_dtype: torch.dtype | None):
