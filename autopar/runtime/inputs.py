@@ -104,16 +104,17 @@ def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: 
                                       shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
         return shard_tensor(in_layout(x, plan, spec["placements"]), mesh, spec["placements"])
     shard = x if local else user_input_shard(plan, mesh, name, x, False)
-    made = _input_spec(tuple(shape), mesh, tuple(spec["placements"]), x.dtype)
-    if made.mesh is not mesh:  # made for an equal mesh of another program: a spec holds its own mesh object
-        made = DTensorSpec(mesh, made.placements, tensor_meta=made.tensor_meta)
+    made = _input_spec(tuple(shape), mesh, id(mesh), tuple(spec["placements"]), x.dtype)
     return DTensor(shard, made, requires_grad=False)
 
 
 @functools.lru_cache(maxsize=64)
-def _input_spec(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[str, ...], dtype: torch.dtype) -> DTensorSpec:
+def _input_spec(shape: tuple[int, ...], mesh: DeviceMesh, mesh_id: int, placements: tuple[str, ...],
+                dtype: torch.dtype) -> DTensorSpec:
     """The spec of a user input of global ``shape`` and ``dtype`` placed so: made once, where ``distribute_tensor``
     (or ``from_local``) would work it out, with its checks, for every input of every step (about 0.1 ms each).
-    Meshes compare by value, so a hit may hold another program's equal mesh (``user_input`` checks)."""
+    ``mesh_id`` (``id(mesh)``) keys the cache by the mesh object, since meshes compare by value and a spec holds
+    its own: each program gets specs of its mesh (which the cached spec keeps alive, so no other mesh takes its
+    id while it is cached)."""
     meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
     return DTensorSpec(mesh, tuple(strs_to_placements(placements)), tensor_meta=meta)
