@@ -24,8 +24,10 @@ chunk lowered as a whole program is). The three run alternately, step by step in
 on the machine hits all three alike; each step's time is the slowest rank's. Prints a Markdown table (median and the 10th-90th
 percentile spread, in ms, and each autopar program's median over native's, then in parentheses the median of
 its step-by-step ratios to native's step of the same round, which a slow drift of the machine's load moves
-less) and writes every sample as JSON; ``--programs`` times a subset (all of them alternate with
-one another just the same)::
+less; last, the same paired ratio of the CPU seconds each rank spent on the step, averaged over the ranks:
+where ranks share cores their wall time also holds each other's turns on them) and writes every sample as
+JSON (``samples_s``, ``cpu_samples_s``); ``--programs`` times a subset (all of them alternate with one
+another just the same)::
 
     python benchmarks/runtime_overhead.py --world 2 --steps 30 --out benchmarks/results/runtime_overhead.json
     python benchmarks/runtime_overhead.py --world 2 4 --models gpt --parallelisms dp fsdp --programs lowered native
@@ -243,9 +245,9 @@ def measured_rank(rank: int, world: int, steps: int, models: list[str], parallel
             def bundle() -> Any:
                 return build_model(preset, overrides=overrides, global_batch=BATCH, device="cpu", seed=0)
             built = _programs(bundle, parallelism, world, programs)
-            samples = _alternating(built, steps)
+            samples, cpu = _alternating(built, steps)
             rows.append({"model": model_name, "config": overrides, "parallelism": parallelism, "world": world,
-                         "batch": BATCH, "samples_s": samples,
+                         "batch": BATCH, "samples_s": samples, "cpu_samples_s": cpu,
                          "errors": {k: v for k, v in built.items() if isinstance(v, str)}})
     return rows
 
@@ -267,25 +269,32 @@ def _programs(bundle: Callable[[], Any], parallelism: str, world: int, programs:
     return built
 
 
-def _alternating(programs: dict[str, Step | str], steps: int) -> dict[str, list[float]]:
-    """Per program, the slowest rank's seconds of each timed step; the programs take turns step by step."""
+def _alternating(programs: dict[str, Step | str], steps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per program, the slowest rank's seconds of each timed step, and the CPU seconds (``process_time``: the
+    rank's threads, gloo's included) its ranks spent on the step, averaged over them; the programs take
+    turns step by step. Where ranks share cores (4 ranks on this machine's 2), a step's wall time also holds
+    the other ranks' turns on the cores; its CPU time is the rank's own work, the steadier of the two."""
     runnable = {name: step for name, step in programs.items() if not isinstance(step, str)}
     samples: dict[str, list[float]] = {name: [] for name in runnable}
+    cpu: dict[str, list[float]] = {name: [] for name in runnable}
     for i in range(WARMUP_STEPS + steps):
         for name, step in runnable.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if i >= WARMUP_STEPS:
                 samples[name].append(elapsed)
-    return {name: _slowest_rank(s) for name, s in samples.items()}
+                cpu[name].append(elapsed_cpu)
+    return ({name: _over_ranks(s, max) for name, s in samples.items()},
+            {name: _over_ranks(s, statistics.mean) for name, s in cpu.items()})
 
 
-def _slowest_rank(samples: list[float]) -> list[float]:
+def _over_ranks(samples: list[float], combine: Callable[[Any], float]) -> list[float]:
+    """Each step's samples of every rank combined into one (``max``: the slowest rank's)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, samples)
-    return [max(step) for step in zip(*gathered)]
+    return [combine(step) for step in zip(*gathered)]
 
 
 # ---- reporting ------------------------------------------------------------------------------------
@@ -300,14 +309,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     programs = [p for p in PROGRAMS if any(p in row["samples_s"] or p in row["errors"] for row in rows)]
     ratios = [p for p in programs if p != "native"]
     lines = ["| model | parallelism | world | " + " | ".join(f"{p} ms" for p in programs) + " | "
-             + " | ".join(f"{p} / native" for p in ratios) + " |",
-             "|---|---|---|" + "---|" * (len(programs) + len(ratios))]
+             + " | ".join(f"{p} / native" for p in ratios) + " | "
+             + " | ".join(f"{p} / native, CPU" for p in ratios) + " |",
+             "|---|---|---|" + "---|" * (len(programs) + 2 * len(ratios))]
     for row in rows:
         stats = {name: summary(s) for name, s in row["samples_s"].items() if s}
         cells = [_cell(stats, row["errors"], p) for p in programs]
         cells += [f"{stats[p]['median_ms'] / stats['native']['median_ms']:.2f} "
                   f"({paired_ratio(row['samples_s'][p], row['samples_s']['native']):.2f})"
                   if p in stats and "native" in stats else "-" for p in ratios]
+        cpu = row.get("cpu_samples_s", {})
+        cells += [f"{paired_ratio(cpu[p], cpu['native']):.2f}" if cpu.get(p) and cpu.get("native") else "-"
+                  for p in ratios]
         lines.append(f"| {row['model']} | {row['parallelism']} | {row['world']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
