@@ -259,11 +259,14 @@ class LoweredProgram(nn.Module):
 
     def forget_unfinished_step(self) -> None:
         """Drop what a step that stopped early left: the sums in the kept leaves (``accumulates_in_leaves``: a
-        step's are filed in its last backward) and the losses not finished (``EagerForward.pending``)."""
+        step's are filed in its last backward), the losses not finished (``EagerForward.pending``) and the
+        input sums reduced for microbatches that did not run (``EagerForward.reductions``)."""
         for _, _, leaf in self._leaves.values():
             leaf.grad = None
         if self.eager is not None:
             self.eager.pending.clear()
+            if self.eager.reductions is not None:
+                self.eager.reductions.forget()
 
     @contextlib.contextmanager
     def filing_gradients(self) -> Iterator[None]:
@@ -482,13 +485,15 @@ def _traced_mesh(args: Sequence[Any], local: Mapping[int, DTensorSpec]) -> Devic
 
 def lowering_of(module: nn.Module) -> dict[str, Any]:
     """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s (and of them, how many inductor
-    compiles, and how many run their forward under eager autograd, ``lower_eager.py``, and why the other
-    pipeline chunks do not), why any runs its DTensor program instead (``LoweredProgram.fallback``, set once it
+    compiles, and how many run their forward under eager autograd, ``lower_eager.py``, of those how many have
+    sums of their inputs reduced ahead of a pipeline's schedule, ``lower_eager.InputReductions``, and why the
+    other pipeline chunks do not run eagerly), why any runs its DTensor program instead (``LoweredProgram.fallback``, set once it
     was traced), how many parameters they read as local tensors and how many leaves they made for them over all
     calls (``LoweredProgram._leaf``), and why any reads them as DTensors (``LoweredProgram.dtensor_parameters``)."""
     programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
     return {"programs": len(programs), "compiled": sum(p.compile for p in programs),
             "eager": sum(p.eager is not None for p in programs),
+            "input_sums_ahead": sum(p.eager is not None and p.eager.reductions is not None for p in programs),
             "eager_refused": [p.eager_refused for p in programs if p.eager_refused is not None],
             "fallbacks": [p.fallback for p in programs if p.fallback is not None],
             "local_parameters": sum(len(p.local or {}) for p in programs),

@@ -586,7 +586,7 @@ def launch_from_inputs_first(gm: fx.GraphModule, parameters: Collection[str]) ->
     for node in list(graph.nodes):
         if node.target not in COLLECTIVES or not _waited_once(node):
             continue
-        chain = _from_inputs(node, parameters)
+        chain = from_inputs_alone(node, parameters)
         if chain is None:
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -599,7 +599,7 @@ def launch_from_inputs_first(gm: fx.GraphModule, parameters: Collection[str]) ->
     return recompiled(gm, moved)
 
 
-def _from_inputs(collective: fx.Node, parameters: Collection[str]) -> list[fx.Node] | None:
+def from_inputs_alone(collective: fx.Node, parameters: Collection[str]) -> list[fx.Node] | None:
     """``collective`` and the ops computing its inputs when they read graph inputs alone, none in
     ``parameters``; else None."""
     found = _computed_from(collective, lambda current: current.op != "call_function" or (

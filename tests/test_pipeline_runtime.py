@@ -30,7 +30,8 @@ import torch
 from torch import fx
 
 from autopar.ir.capture import CapturedGraph, capture
-from autopar.testing.parity import build, train_parallel_many, train_single
+from autopar.testing.launch import run_on_ranks
+from autopar.testing.parity import batches, build, sgd, train_parallel_many, train_single
 from autopar.passes.program import copy_graph
 from autopar.passes.split_stages import StageProgram, split_program
 
@@ -286,3 +287,72 @@ def test_zero_bubble_with_zero_tp_and_mixed_precision_matches_single_process() -
     zero2.assert_matches(reference)
     tp.assert_matches(reference)
     bf16.assert_matches(train_single("tiny-gpt", None, BATCH, None, STEPS, dtype="bf16"))
+
+
+def _with_ignored_targets(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The batch with a different number of leading targets of each sample ignored (-100, cross-entropy's
+    ``ignore_index``): every microbatch and every data-parallel shard of it counts its own targets."""
+    *inputs, targets = batch
+    targets = targets.clone()
+    for sample in range(targets.shape[0]):
+        targets[sample, :(5 * sample + 1) % targets.shape[1]] = -100
+    return (*inputs, targets)
+
+
+def _uneven_targets_rank(rank: int, world: int, constraints: dict) -> dict:
+    """Lowered pp x dp training on batches with ignored targets: losses, gradients after the first step, the
+    collectives each rank ran in its last step, and how many all_reduces its gradient sync issued there."""
+    from autopar import autoparallelize
+    from autopar.testing.counters import CollectiveCounter
+    from autopar.testing.parity import gathered_grads
+
+    bundle = build("tiny-gpt", None, BATCH, None, seed=0)
+    pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                         example_targets=bundle.example_targets, constraints=constraints, lowered=True)
+    opt = sgd(pm.parameters())
+    losses, grads = [], {}
+    for i, batch in enumerate(batches(bundle, STEPS, 0)):
+        opt.zero_grad()
+        with CollectiveCounter() as counter:
+            losses.append(pm.step(*_with_ignored_targets(batch)).item())
+        if i == 0:
+            grads = gathered_grads(pm)
+        opt.step()
+    return {"losses": losses, "grads": grads, "counted": counter.counts, "lowering": pm.lowering,
+            "synced": pm._program_params.grad_sync.collectives}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_pipelines_counts_of_targets_are_reduced_ahead_of_its_schedule_for_every_microbatch() -> None:
+    """pp=2 x dp=2 on 4 ranks, lowered, 4 microbatches whose samples each ignore a different number of
+    targets: the last stage's eager chunk takes its count of targets out of its forward
+    (``lower_eager.take_out_input_sums``) and the step reduces all four microbatches' counts in one
+    all_reduce before the schedule runs (``PipelineParallelModule._reduce_inputs_ahead``), each forward
+    reading its own microbatch's: losses and gradients match single-process training on the same batches
+    (a count handed to the wrong microbatch would not), and in a step the last stage's ranks run one
+    all_reduce for the counts and one for the losses' sums besides their gradient buckets, where each
+    microbatch's forward ran its own."""
+    constraints = {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "1f1b", "checkpointing": "none"}
+    ranks = run_on_ranks(_uneven_targets_rank, 4, constraints)
+    bundle = build("tiny-gpt", None, BATCH, None, seed=0)
+    opt = sgd(bundle.model.parameters())
+    expected_losses, expected_grads = [], {}
+    for i, batch in enumerate(batches(bundle, STEPS, 0)):
+        *inputs, targets = _with_ignored_targets(batch)
+        opt.zero_grad()  # each microbatch's loss its own mean, as under gradient accumulation
+        m = constraints["microbatches"]
+        loss = sum(bundle.loss_fn(bundle.model(*x), y) for *x, y in zip(*(t.chunk(m) for t in (*inputs, targets)))) / m
+        loss.backward()
+        if i == 0:
+            expected_grads = {k: p.grad.clone() for k, p in bundle.model.named_parameters()}
+        opt.step()
+        expected_losses.append(loss.item())
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(expected_losses, rel=1e-4)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(ranks[0]["grads"][name], grad, rtol=1e-4, atol=1e-5)
+    last_stage = [r for r in ranks if r["lowering"]["input_sums_ahead"]]
+    assert len(last_stage) == 2, [r["lowering"] for r in ranks]
+    for rank in last_stage:
+        assert rank["counted"]["all_reduce"] == 2 + rank["synced"], rank

@@ -23,6 +23,9 @@ Design (docs/architecture.md "Execution", "pipeline stages are slices of that gr
    gradients are synchronized in buckets over the stage
    mesh (``GradientSync``, armed for ``m`` accumulations: each bucket's all_reduce starts during the
    last microbatch's backward on that stage, as ``ParallelModule`` overlaps it and as pricing assumes).
+   What a lowered eager chunk computes from its user inputs alone and sums over ranks (the last stage's
+   count of targets) is reduced for every microbatch before the schedule runs, in one all_reduce
+   (``_reduce_inputs_ahead``); ``AccumulatingStage`` tells each forward its microbatch.
 3. **ZeRO-1/2 inside a stage** (``plan.degrees.zero`` 1 or 2, Megatron-LM's distributed optimizer with
    pipelines): the stage's parameters get ``passes/zero.py``'s dp- (and cp-) sharded copies, which
    ``parameters()`` hands to the optimizer; before the schedule runs they refresh the stage's whole
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +66,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import BadInputError
@@ -108,6 +112,7 @@ class StageModule(nn.Module):
         self.reads = [n for n in self.placeholders if n in user_names]  # user inputs this chunk reads
         self.mesh = mesh
         self.copies_outputs = False  # set under schedules that detach the outputs in place (``_schedule``)
+        self.microbatch: int | None = None  # of the coming forward (``AccumulatingStage.forward_one_chunk``)
         self.local_io: bool | None = None  # received and sent as local tensors (``_reads_and_writes_locally``)
 
     def lower(self, params: Mapping[str, str], compile: bool) -> None:
@@ -136,6 +141,9 @@ class StageModule(nn.Module):
             users = kwargs
         values = [self.values[n] if n in self.values else self._user_input(n, users[n], as_local=local)
                   for n in self.placeholders]
+        eager = getattr(self.program, "eager", None)
+        if eager is not None:
+            eager.microbatch = self.microbatch
         if local:
             outs = tuple(v.contiguous() for v in self.program.start_locally(*received, *values))
         else:
@@ -145,6 +153,14 @@ class StageModule(nn.Module):
         if self.copies_outputs:
             outs = tuple(out.clone() if out._is_view() else out for out in outs)
         return outs[0] if len(outs) == 1 else outs
+
+    def input_names(self, positions: Sequence[int]) -> list[str] | None:
+        """The placeholder names of the program's arguments at ``positions``, or None where one is a value the
+        chunk receives from the previous one (the program reads those first)."""
+        received = len(self.inputs) if self.index > 0 else 0
+        if any(i < received for i in positions):
+            return None
+        return [self.placeholders[i - received] for i in positions]
 
     def _reads_and_writes_locally(self, eager: EagerForward) -> bool:
         """Whether the chunk, whose lowered program runs under eager autograd, passes the values it receives
@@ -166,6 +182,13 @@ class AccumulatingStage(PipelineStage):
     not run: they are run here for every gradient the step changed that autograd did not accumulate (on
     the first stage, whose W is a whole backward, autograd did). The step's last backward of a lowered
     chunk that sums gradients in its leaves files those sums (``LoweredProgram.filing_gradients``)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.microbatch = fwd_chunk_id  # the chunk's inputs reduced ahead are looked up by it
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.submod.microbatch = None
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, last_backward: bool = False, **kwargs: Any) -> None:
         program = getattr(self.submod, "program", None)
@@ -278,6 +301,7 @@ class PipelineParallelModule(nn.Module):
         self._read_parameters(self._program_params.begin_step())
         # reduce each gradient during its last microbatch's backward (filed there once: ``_accumulate_in_leaves``)
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
+        self._reduce_inputs_ahead(first, later)
         self._losses = []
         self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                            **later)
@@ -290,6 +314,27 @@ class PipelineParallelModule(nn.Module):
             program.finish()
         scaled = [(loss.detach() / self.microbatches).float() for loss in self._losses]
         return self._broadcast_loss(sum(scaled) if scaled else torch.zeros(()))
+
+    def _reduce_inputs_ahead(self, first: Sequence[torch.Tensor], later: Mapping[str, torch.Tensor]) -> None:
+        """Start reducing, for every microbatch of the step at once, the sums each eager chunk computes from its
+        user inputs, buffers and constants alone (``lower_eager.InputReductions``: a last stage's count of
+        targets under data parallelism), before the schedule runs: each forward then reads its microbatch's
+        where it waited on its own all_reduce. The microbatches are the schedule's own split of the inputs."""
+        split = None
+        for chunk in self.chunks:
+            eager = getattr(chunk.program, "eager", None)
+            reductions = eager.reductions if eager is not None else None
+            names = chunk.input_names([eager.positions[i] for i in reductions.reads]) if reductions else None
+            if names is None:
+                continue
+            if split is None:
+                split = split_args_kwargs_into_chunks(tuple(first), dict(later), self.microbatches)
+            inputs = {}
+            for mb, (args, kwargs) in enumerate(zip(*split)):
+                users = dict(zip(self.captured.user_inputs, args)) if chunk.index == 0 else kwargs
+                inputs[mb] = [_local(chunk.values[n]) if n in chunk.values else self._user_input(n, users[n], as_local=True)
+                              for n in names]
+            reductions.launch(inputs)
 
     def _accumulate_in_leaves(self, plan: Plan) -> None:
         """Let the lowered chunks sum their microbatches' gradients in their parameters' leaves and file each
@@ -403,6 +448,11 @@ class PipelineParallelModule(nn.Module):
         """Copy FQN -> full tensor or DTensor (any placement) into this rank's stages' shards; other
         stages' keys are skipped (``strict`` refuses only keys the model does not have)."""
         load_module_state_dict(self.state_dict(), state_dict, self._state_names, strict)
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local tensor; anything else as it is."""
+    return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def pipeline_meshes(plan: Plan, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh]:
