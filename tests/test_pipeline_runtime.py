@@ -299,60 +299,74 @@ def _with_ignored_targets(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor
     return (*inputs, targets)
 
 
-def _uneven_targets_rank(rank: int, world: int, constraints: dict) -> dict:
-    """Lowered pp x dp training on batches with ignored targets: losses, gradients after the first step, the
-    collectives each rank ran in its last step, and how many all_reduces its gradient sync issued there."""
+def _uneven_targets_rank(rank: int, world: int, runs: list[tuple[dict, dict | None]]) -> list[dict]:
+    """Lowered pp x dp training (each run: constraints, model overrides) on batches with ignored targets:
+    losses, gradients after the first step, the collectives the rank ran in its last step, and how many
+    all_reduces its gradient sync issued there."""
     from autopar import autoparallelize
     from autopar.testing.counters import CollectiveCounter
     from autopar.testing.parity import gathered_grads
 
-    bundle = build("tiny-gpt", None, BATCH, None, seed=0)
-    pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                         example_targets=bundle.example_targets, constraints=constraints, lowered=True)
-    opt = sgd(pm.parameters())
+    results = []
+    for constraints, overrides in runs:
+        bundle = build("tiny-gpt", overrides, BATCH, None, seed=0)
+        pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                             example_targets=bundle.example_targets, constraints=constraints, lowered=True)
+        opt = sgd(pm.parameters())
+        losses, grads = [], {}
+        for i, batch in enumerate(batches(bundle, STEPS, 0)):
+            opt.zero_grad()
+            with CollectiveCounter() as counter:
+                losses.append(pm.step(*_with_ignored_targets(batch)).item())
+            if i == 0:
+                grads = gathered_grads(pm)
+            opt.step()
+        results.append({"losses": losses, "grads": grads, "counted": counter.counts, "lowering": pm.lowering,
+                        "synced": pm._program_params.grad_sync.collectives})
+    return results
+
+
+def _single_process_with_ignored_targets(overrides: dict | None, microbatches: int) -> tuple[list[float], dict]:
+    """The reference: single-process SGD on the same batches, each microbatch's loss its own mean (as under
+    gradient accumulation): the losses, and the gradients after the first step."""
+    bundle = build("tiny-gpt", overrides, BATCH, None, seed=0)
+    opt = sgd(bundle.model.parameters())
     losses, grads = [], {}
     for i, batch in enumerate(batches(bundle, STEPS, 0)):
+        *inputs, targets = _with_ignored_targets(batch)
         opt.zero_grad()
-        with CollectiveCounter() as counter:
-            losses.append(pm.step(*_with_ignored_targets(batch)).item())
+        pieces = zip(*(t.chunk(microbatches) for t in (*inputs, targets)))
+        loss = sum(bundle.loss_fn(bundle.model(*x), y) for *x, y in pieces) / microbatches
+        loss.backward()
         if i == 0:
-            grads = gathered_grads(pm)
+            grads = {k: p.grad.clone() for k, p in bundle.model.named_parameters()}
         opt.step()
-    return {"losses": losses, "grads": grads, "counted": counter.counts, "lowering": pm.lowering,
-            "synced": pm._program_params.grad_sync.collectives}
+        losses.append(loss.item())
+    return losses, grads
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_pipelines_counts_of_targets_are_reduced_ahead_of_its_schedule_for_every_microbatch() -> None:
     """pp=2 x dp=2 on 4 ranks, lowered, 4 microbatches whose samples each ignore a different number of
-    targets: the last stage's eager chunk takes its count of targets out of its forward
-    (``lower_eager.take_out_input_sums``) and the step reduces all four microbatches' counts in one
-    all_reduce before the schedule runs (``PipelineParallelModule._reduce_inputs_ahead``), each forward
-    reading its own microbatch's: losses and gradients match single-process training on the same batches
-    (a count handed to the wrong microbatch would not), and in a step the last stage's ranks run one
-    all_reduce for the counts and one for the losses' sums besides their gradient buckets, where each
-    microbatch's forward ran its own."""
-    constraints = {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "1f1b", "checkpointing": "none"}
-    ranks = run_on_ranks(_uneven_targets_rank, 4, constraints)
-    bundle = build("tiny-gpt", None, BATCH, None, seed=0)
-    opt = sgd(bundle.model.parameters())
-    expected_losses, expected_grads = [], {}
-    for i, batch in enumerate(batches(bundle, STEPS, 0)):
-        *inputs, targets = _with_ignored_targets(batch)
-        opt.zero_grad()  # each microbatch's loss its own mean, as under gradient accumulation
-        m = constraints["microbatches"]
-        loss = sum(bundle.loss_fn(bundle.model(*x), y) for *x, y in zip(*(t.chunk(m) for t in (*inputs, targets)))) / m
-        loss.backward()
-        if i == 0:
-            expected_grads = {k: p.grad.clone() for k, p in bundle.model.named_parameters()}
-        opt.step()
-        expected_losses.append(loss.item())
-    for rank in ranks:
-        assert rank["losses"] == pytest.approx(expected_losses, rel=1e-4)
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(ranks[0]["grads"][name], grad, rtol=1e-4, atol=1e-5)
-    last_stage = [r for r in ranks if r["lowering"]["input_sums_ahead"]]
-    assert len(last_stage) == 2, [r["lowering"] for r in ranks]
-    for rank in last_stage:
-        assert rank["counted"]["all_reduce"] == 2 + rank["synced"], rank
+    targets, under 1F1B and interleaved 1F1B (two chunks a rank): the last chunk, run eagerly, takes its
+    count of targets out of its forward (``lower_eager.take_out_input_sums``) and the step reduces all four
+    microbatches' counts in one all_reduce before the schedule runs
+    (``PipelineParallelModule._reduce_inputs_ahead``), each forward reading its own microbatch's: losses and
+    gradients match single-process training on the same batches (a count handed to the wrong microbatch
+    would not), and in a step a last-stage rank runs one all_reduce for the counts and one for the losses'
+    sums besides its gradient buckets, where each microbatch's forward ran its own."""
+    one_f_one_b = {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "1f1b", "checkpointing": "none"}
+    runs = [(one_f_one_b, None), ({**one_f_one_b, "schedule": "interleaved"}, {"layers": 4})]
+    per_rank = run_on_ranks(_uneven_targets_rank, 4, runs)
+    for i, (constraints, overrides) in enumerate(runs):
+        ranks = [results[i] for results in per_rank]
+        expected_losses, expected_grads = _single_process_with_ignored_targets(overrides, constraints["microbatches"])
+        for rank in ranks:
+            assert rank["losses"] == pytest.approx(expected_losses, rel=1e-4), constraints
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(ranks[0]["grads"][name], grad, rtol=1e-4, atol=1e-5)
+        last_stage = [r for r in ranks if r["lowering"]["input_sums_ahead"]]
+        assert len(last_stage) == 2, [r["lowering"] for r in ranks]
+        for rank in last_stage:
+            assert rank["counted"]["all_reduce"] == 2 + rank["synced"], (constraints, rank["counted"])
