@@ -18,7 +18,9 @@
 * lowered chunks (``lowered=True``), under the same check, each chunk asserted to run lowered with its
   parameters as local tensors: 1F1B, GPipe with full checkpointing and interleaved on 2 ranks; pp=2 x dp=2
   plain, under ZeRO-1 (fp32 and bf16), FSDP and selective checkpointing, and pp=2 x tp=2 on 4; in the heavy
-  tier, compiled by inductor (``compile=True``): 1F1B and interleaved on 2 ranks.
+  tier, compiled by inductor (``compile=True``): 1F1B and interleaved on 2 ranks;
+* the last stage's counts of targets, reduced for every microbatch before the schedule (pp=2 x dp=2,
+  lowered, 1F1B and interleaved), on batches whose samples ignore different numbers of targets.
 """
 
 from __future__ import annotations
