@@ -487,9 +487,10 @@ def lowering_of(module: nn.Module) -> dict[str, Any]:
     """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s (and of them, how many inductor
     compiles, and how many run their forward under eager autograd, ``lower_eager.py``, of those how many have
     sums of their inputs reduced ahead of a pipeline's schedule, ``lower_eager.InputReductions``, and why the
-    other pipeline chunks do not run eagerly), why any runs its DTensor program instead (``LoweredProgram.fallback``, set once it
-    was traced), how many parameters they read as local tensors and how many leaves they made for them over all
-    calls (``LoweredProgram._leaf``), and why any reads them as DTensors (``LoweredProgram.dtensor_parameters``)."""
+    other pipeline chunks do not run eagerly), why any runs its DTensor program instead
+    (``LoweredProgram.fallback``, set once it was traced), how many parameters they read as local tensors and
+    how many leaves they made for them over all calls (``LoweredProgram._leaf``), and why any reads them as
+    DTensors (``LoweredProgram.dtensor_parameters``)."""
     programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
     return {"programs": len(programs), "compiled": sum(p.compile for p in programs),
             "eager": sum(p.eager is not None for p in programs),

@@ -332,8 +332,8 @@ class PipelineParallelModule(nn.Module):
             inputs = {}
             for mb, (args, kwargs) in enumerate(zip(*split)):
                 users = dict(zip(self.captured.user_inputs, args)) if chunk.index == 0 else kwargs
-                inputs[mb] = [_local(chunk.values[n]) if n in chunk.values else self._user_input(n, users[n], as_local=True)
-                              for n in names]
+                inputs[mb] = [_local(chunk.values[n]) if n in chunk.values
+                              else self._user_input(n, users[n], as_local=True) for n in names]
             reductions.launch(inputs)
 
     def _accumulate_in_leaves(self, plan: Plan) -> None:
