@@ -99,6 +99,7 @@ from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
                             defer_bucket_waits, defer_output_waits, launch_from_inputs_first, reduce_gathered_sums,
                             reduced_in_graph)
+from .lower_direct import DirectGraphs
 from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
 from .lower_simplify import call_through_bindings, simplify_local_ops
 from .reshard import ResavedParameters
@@ -159,6 +160,8 @@ class LoweredProgram(nn.Module):
         self._leaves: dict[int, tuple[DTensor, torch.Tensor, torch.Tensor]] = {}  # ``_leaf``'s
         self.leaves_made = 0  # by ``_leaf``, over all calls
         self.dtensor_parameters: str | None = None  # as the class says
+        self._runners: dict[bool, dict[str, Callable[[list[Any]], Any]]] = {}  # as graphs: what runs each
+        self.direct: DirectGraphs | None = None  # the graphs called without AOT's wrapper (``lower_direct.py``)
 
     def forward(self, *args: Any) -> Any:
         outputs = self.start(*args)
@@ -175,7 +178,8 @@ class LoweredProgram(nn.Module):
         if self.local is None:
             self.local = self._local_parameters(args)
         inputs = self._with_leaves(args)
-        if grad not in self._lowered:
+        first = grad not in self._lowered
+        if first:
             lowered = self._lower(args, inputs, grad)
             if lowered is None and self.local and not self._lowered and self.fallback is not None:
                 self.dtensor_parameters, self.fallback = self.fallback, None  # traced again, parameters as DTensors
@@ -188,7 +192,25 @@ class LoweredProgram(nn.Module):
                 self.eager = self._eager_forward(args)
         if grad and self.eager is not None:
             return self.eager(inputs)
-        return self._lowered[grad](*inputs)
+        if grad and self.direct is not None:
+            return self.direct(inputs)
+        outputs = self._lowered[grad](*inputs)
+        if grad and first:
+            self.direct = self._direct_graphs(inputs, outputs)
+        return outputs
+
+    def _direct_graphs(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> DirectGraphs | None:
+        """The graphs just lowered with grad, called without AOT autograd's runtime wrapper from the next call on
+        (``lower_direct.py``), where the program reduces its gradients in them (a one-stage program's) and
+        inductor does not compile them; None: AOT's wrapper keeps running them."""
+        runners = self._runners.get(True, {})
+        if self.compile or self.grad_sync is None or set(runners) != {"forward", "backward"}:
+            return None
+        graphs = self.graphs[True]
+        extra = len(self.deferred[True].graph.find_nodes(op="placeholder")) if True in self.deferred else 0
+        returned = len(next(n for n in graphs["forward"].graph.nodes if n.op == "output").args[0]) - extra
+        return DirectGraphs.of(graphs["forward"], graphs["backward"], (runners["forward"], runners["backward"]),
+                               inputs, outputs, returned)
 
     def start_locally(self, *args: Any) -> Any:
         """``start`` for a program that runs under eager autograd (``eager``), its DTensor arguments that
@@ -389,11 +411,12 @@ class LoweredProgram(nn.Module):
             if name == "backward" and self.local:  # their gradients' filing is ``_store_gradient``'s
                 defer_bucket_waits(gm, self.finish)
             call_through_bindings(gm)
-            if epilogue is None:
-                return _boxed(gm)
-            call_through_bindings(epilogue)
-            self.deferred[grad] = epilogue
-            return self._deferring(gm, epilogue)
+            if epilogue is not None:
+                call_through_bindings(epilogue)
+                self.deferred[grad] = epilogue
+            runner = _boxed(gm) if epilogue is None else self._deferring(gm, epilogue)
+            self._runners.setdefault(grad, {})[name] = runner
+            return runner
         return compiler
 
     def _deferring(self, gm: fx.GraphModule, epilogue: fx.GraphModule) -> Callable[..., Any]:
@@ -485,7 +508,8 @@ def _traced_mesh(args: Sequence[Any], local: Mapping[int, DTensorSpec]) -> Devic
 
 def lowering_of(module: nn.Module) -> dict[str, Any]:
     """What of ``module`` (a runtime module) runs lowered: its ``LoweredProgram``s (and of them, how many inductor
-    compiles, and how many run their forward under eager autograd, ``lower_eager.py``, of those how many have
+    compiles, how many call their graphs without AOT autograd's runtime wrapper, ``lower_direct.py``, how many
+    run their forward under eager autograd, ``lower_eager.py``, of those how many have
     sums of their inputs reduced ahead of a pipeline's schedule, ``lower_eager.InputReductions``, and why the
     other pipeline chunks do not run eagerly), why any runs its DTensor program instead
     (``LoweredProgram.fallback``, set once it was traced), how many parameters they read as local tensors and
@@ -494,6 +518,7 @@ def lowering_of(module: nn.Module) -> dict[str, Any]:
     programs = [m for m in module.modules() if isinstance(m, LoweredProgram)]
     return {"programs": len(programs), "compiled": sum(p.compile for p in programs),
             "eager": sum(p.eager is not None for p in programs),
+            "direct": sum(p.direct is not None for p in programs),
             "input_sums_ahead": sum(p.eager is not None and p.eager.reductions is not None for p in programs),
             "eager_refused": [p.eager_refused for p in programs if p.eager_refused is not None],
             "fallbacks": [p.fallback for p in programs if p.fallback is not None],

@@ -87,6 +87,11 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
         step_loss = pm.step(*batch).item()
     in_flight = torch._C._distributed_c10d._get_work_registry_size()  # collectives launched, never waited on
     once = {name: p.grad.to_local().clone() for name, p in pm.named_parameters()}
+    direct, pm.program.direct = pm.program.direct, None  # the same step through AOT autograd's runtime wrapper
+    for p in pm.parameters():
+        p.grad = None
+    through_aot = (pm.step(*batch).item(), {name: p.grad.to_local().clone() for name, p in pm.named_parameters()})
+    pm.program.direct = direct
     pm.step(*batch)  # onto the gradients held: each adds the same again
     held_added = all(float((p.grad.to_local() - 2 * once[name]).abs().max()) <= 1e-5 * float(once[name].abs().max())
                      for name, p in pm.named_parameters())  # ZeRO-2 adds its microbatches' in another order
@@ -95,7 +100,9 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
             "gradient_storages": len({p.grad.to_local().untyped_storage().data_ptr() for p in pm.parameters()}),
             "buckets": pm.program.buckets[True], "fallback": pm.program.fallback, "forward_loss": forward_loss,
             "step_loss": step_loss, "waits": _waits(pm.program), "local_parameters": len(pm.program.local or {}),
-            "dtensor_parameters": pm.program.dtensor_parameters,
+            "dtensor_parameters": pm.program.dtensor_parameters, "direct": direct is not None,
+            "direct_as_aot": through_aot[0] == step_loss
+            and all(torch.equal(once[k], g) for k, g in through_aot[1].items()),
             "parameters": len(list(pm.parameters())), "gradients_placed": all(
                 isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in pm.parameters())}
 
@@ -156,6 +163,20 @@ def _minus(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
 
 def _plus(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) + b.get(k, 0)}
+
+
+@pytest.mark.parametrize("world, index", _cases())
+def test_after_its_first_step_a_program_runs_its_graphs_directly_with_aots_losses_and_gradients(
+        runs, world: int, index: int) -> None:
+    """``lower_direct.DirectGraphs``: from its second call on, a program that reduces its gradients in its graphs
+    (one microbatch a step: under gradient accumulation the sync runs after the graphs) and is not compiled
+    calls its graphs without AOT autograd's runtime wrapper; a step so gives the loss and every gradient, bit
+    for bit, that the same step through AOT's wrapper gives (that path is the one the parity tests hold
+    against single-process training at the first step)."""
+    run = runs[world][index]
+    _, constraints = CONFIGS[world][index]
+    assert run["direct"] == (constraints.get("microbatches", 1) == 1), run["direct"]
+    assert run["direct_as_aot"]
 
 
 @pytest.mark.parametrize("world, index", _cases())
