@@ -46,12 +46,13 @@ class DirectGraphs:
     """A program's forward and backward graphs (their runners) called as ``_Graphs``; see the module doc."""
 
     def __init__(self, forward: Runner, backward: Runner, flat_outputs: list[int], saved: int,
-                 specs: list[DTensorSpec | None]):
+                 specs: list[DTensorSpec | None], meshes: list[bool]):
         self.forward_graph = forward
         self.backward_graph = backward
         self.flat_outputs = flat_outputs  # per output, how many values it flattens to (DTensor: 2, tensor: 1)
         self.saved = saved  # how many values the forward returns after the outputs, for backward
         self.specs = specs  # per output: the spec it is made a DTensor of, None: a plain tensor
+        self.meshes = meshes  # per flattened argument: whether it is a DTensor's mesh (it has no gradient)
 
     @classmethod
     def of(cls, forward: fx.GraphModule, backward: fx.GraphModule, runners: tuple[Runner, Runner],
@@ -74,8 +75,13 @@ class DirectGraphs:
                 or backward_inputs[:len(saved)] != saved or len(backward_inputs) - len(saved) != sum(flat_outputs) \
                 or len(backward_output) != len(args):
             return None
+        tangents = [n for n in backward.graph.nodes if n.op == "placeholder"][len(saved):]
+        firsts = [sum(flat_outputs[:i]) for i in range(len(flat_outputs))]  # each output's local tensor's tangent
+        if any(t.users for i, t in enumerate(tangents) if i not in firsts):
+            return None  # a mesh's tangent read: not the convention ``_Graphs.backward`` fills
         specs = [o._spec if isinstance(o, DTensor) else None for o in outputs]
-        return cls(*runners, flat_outputs, len(saved), specs)
+        meshes = [mesh for a in args for mesh in ((False, True) if isinstance(a, DTensor) else (False,))]
+        return cls(*runners, flat_outputs, len(saved), specs, meshes)
 
     def __call__(self, args: Sequence[Any]) -> tuple[Any, ...]:
         flat: list[Any] = []
@@ -96,7 +102,6 @@ class _Graphs(torch.autograd.Function):
         user = [returned[end - n] for end, n in zip(ends, graphs.flat_outputs)]  # each output's local tensor
         ctx.graphs = graphs
         ctx.kept = returned[ends[-1] if ends else 0:][:graphs.saved]
-        ctx.meshes = [not isinstance(a, torch.Tensor) for a in flat]
         return tuple(user)
 
     @staticmethod
@@ -104,7 +109,9 @@ class _Graphs(torch.autograd.Function):
         graphs = ctx.graphs
         tangents: list[Any] = []
         for grad, n in zip(grads, graphs.flat_outputs):
-            tangents += [grad] + [None] * (n - 1)  # a DTensor's mesh has no tangent the graph reads
-        kept, ctx.kept = ctx.kept, None
+            tangents += [grad] + [None] * (n - 1)  # a DTensor's mesh: no tangent the graph reads (``of``)
+        kept = ctx.kept
+        if not torch._C._autograd._get_current_graph_task_keep_graph():  # else a later backward reads them again
+            ctx.kept = None
         result = iter(graphs.backward_graph([*kept, *tangents]))
-        return (None, *(None if mesh else next(result) for mesh in ctx.meshes))
+        return (None, *(None if mesh else next(result) for mesh in graphs.meshes))
