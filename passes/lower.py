@@ -126,6 +126,8 @@ class LoweredProgram(nn.Module):
     instead, when it does. ``local`` (position -> spec) the parameters read as local tensors, their
     gradients stored as DTensors with the parameter's spec (``_local_parameters``); where that trace
     failed, ``dtensor_parameters`` says why (the program then runs with every parameter a DTensor).
+    ``direct``: from its second call with grad, the graphs run without AOT autograd's runtime wrapper
+    (``lower_direct.DirectGraphs``), where ``_direct_graphs`` finds they may.
     ``hooked_gradients`` (without ``grad_sync``: a pipeline chunk's, whose stage reduces its gradients
     after the last microbatch): the parameters are read as local tensors too, each gradient leaving the
     graph unreduced and stored as a DTensor in the placements it reached the parameter in (partial over
