@@ -644,12 +644,16 @@ def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | No
     return fx.GraphModule(gm, epilogue)
 
 
-def graph_of(nodes: Collection[fx.Node], value: fx.Node) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:
-    """A graph computing ``value`` by ``nodes`` (of one graph, ``value`` among them), their order kept, from a
-    placeholder for each value they read from outside them; and those nodes and those values, in order."""
-    order = {n: i for i, n in enumerate(value.graph.nodes)}
+def graph_of(nodes: Collection[fx.Node], value: fx.Node | Sequence[fx.Node]
+             ) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:
+    """A graph computing ``value`` (or a list of values) by ``nodes`` (of one graph), their order kept, from a
+    placeholder for each value they read from outside them (a value not among them is one); and those nodes
+    and those values, in order."""
+    values = [value] if isinstance(value, fx.Node) else list(value)
+    order = {n: i for i, n in enumerate(values[0].graph.nodes)}
     moved = sorted(nodes, key=order.__getitem__)
-    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in nodes}, key=order.__getitem__)
+    inputs = sorted({i for n in moved for i in n.all_input_nodes if i not in nodes}
+                    | {v for v in values if v not in nodes}, key=order.__getitem__)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
@@ -657,7 +661,7 @@ def graph_of(nodes: Collection[fx.Node], value: fx.Node) -> tuple[fx.Graph, list
         env[node].meta["val"] = node.meta.get("val")
     for node in moved:
         env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(env[value])
+    graph.output(env[value] if isinstance(value, fx.Node) else [env[v] for v in values])
     return graph, moved, inputs
 
 

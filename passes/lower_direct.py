@@ -50,6 +50,7 @@ class DirectGraphs:
         self.forward_graph = forward
         self.backward_graph = backward
         self.flat_outputs = flat_outputs  # per output, how many values it flattens to (DTensor: 2, tensor: 1)
+        self.locals = _first_of_each(flat_outputs)  # where each output's local tensor is among them
         self.saved = saved  # how many values the forward returns after the outputs, for backward
         self.specs = specs  # per output: the spec it is made a DTensor of, None: a plain tensor
         self.meshes = meshes  # per flattened argument: whether it is a DTensor's mesh (it has no gradient)
@@ -76,7 +77,7 @@ class DirectGraphs:
                 or len(backward_output) != len(args):
             return None
         tangents = [n for n in backward.graph.nodes if n.op == "placeholder"][len(saved):]
-        firsts = [sum(flat_outputs[:i]) for i in range(len(flat_outputs))]  # each output's local tensor's tangent
+        firsts = _first_of_each(flat_outputs)  # each output's local tensor's tangent
         if any(t.users for i, t in enumerate(tangents) if i not in firsts):
             return None  # a mesh's tangent read: not the convention ``_Graphs.backward`` fills
         specs = [o._spec if isinstance(o, DTensor) else None for o in outputs]
@@ -98,11 +99,10 @@ class _Graphs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graphs: DirectGraphs, *flat: Any) -> tuple[torch.Tensor, ...]:
         returned = list(graphs.forward_graph(list(flat)))
-        ends = [sum(graphs.flat_outputs[:i + 1]) for i in range(len(graphs.flat_outputs))]
-        user = [returned[end - n] for end, n in zip(ends, graphs.flat_outputs)]  # each output's local tensor
+        outputs = sum(graphs.flat_outputs)
         ctx.graphs = graphs
-        ctx.kept = returned[ends[-1] if ends else 0:][:graphs.saved]
-        return tuple(user)
+        ctx.kept = returned[outputs:outputs + graphs.saved]
+        return tuple(returned[i] for i in graphs.locals)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -115,3 +115,8 @@ class _Graphs(torch.autograd.Function):
             ctx.kept = None
         result = iter(graphs.backward_graph([*kept, *tangents]))
         return (None, *(None if mesh else next(result) for mesh in graphs.meshes))
+
+
+def _first_of_each(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive groups of ``sizes`` values starts."""
+    return [sum(sizes[:i]) for i in range(len(sizes))]

@@ -58,7 +58,7 @@ from torch.utils import _pytree as pytree
 from .checkpoint import CheckpointedLayer
 from .lower_buckets import (COLLECTIVES, from_inputs_alone, graph_of, launch_from_inputs_first, read_only_by,
                             recompiled, reduce_gathered_sums)
-from .lower_simplify import call_through_bindings, simplify_local_ops
+from .lower_simplify import call_through_bindings, erase_unused, simplify_local_ops
 
 _aten = torch.ops.aten
 _FLATTENING_VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
@@ -213,8 +213,7 @@ def take_out_input_sums(gm: fx.GraphModule, differentiable: Collection[str]) -> 
         return None
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     summed = [collective.args[0] for collective, _ in found]
-    prologue, reads = _graph_of_values({n for _, chain in found for n in chain if n.op != "placeholder"}
-                                       - {c for c, _ in found}, summed, placeholders)
+    prologue, _, read = graph_of({n for _, chain in found for n in chain} - {c for c, _ in found}, summed)
     last = placeholders[-1]
     for k, (collective, _) in enumerate(found):
         wait = next(iter(collective.users))
@@ -224,29 +223,10 @@ def take_out_input_sums(gm: fx.GraphModule, differentiable: Collection[str]) -> 
         wait.replace_all_uses_with(last)
         graph.erase_node(wait)
         graph.erase_node(collective)
-    for node in reversed(list(graph.nodes)):  # what only the sums read
-        if node.op == "call_function" and not node.users and not node.is_impure():
-            graph.erase_node(node)
+    erase_unused(graph)  # what only the sums read
     recompiled(gm, len(found))
-    return InputReductions(fx.GraphModule(gm, prologue), reads, [c.args[2] for c, _ in found])
-
-
-def _graph_of_values(nodes: Collection[fx.Node], values: Sequence[fx.Node], placeholders: Sequence[fx.Node]
-                     ) -> tuple[fx.Graph, list[int]]:
-    """A graph computing ``values`` by ``nodes`` (their order kept) from the ``placeholders`` they read, and
-    the indexes of those among ``placeholders``, in the new graph's order."""
-    order = {n: i for i, n in enumerate(placeholders[0].graph.nodes)}
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    read = sorted({i for n in [*nodes, *values] for i in n.all_input_nodes if i.op == "placeholder"}
-                  | {v for v in values if v.op == "placeholder"}, key=order.__getitem__)
-    for node in read:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta["val"] = node.meta.get("val")
-    for node in sorted(nodes, key=order.__getitem__):
-        env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output([env[v] for v in values])
-    return graph, [placeholders.index(node) for node in read]
+    return InputReductions(fx.GraphModule(gm, prologue), [placeholders.index(n) for n in read],
+                           [c.args[2] for c, _ in found])
 
 
 class InputReductions:
@@ -260,6 +240,8 @@ class InputReductions:
         self.prologue = prologue
         self.reads = reads
         self.groups = groups
+        output = next(n for n in prologue.graph.nodes if n.op == "output")
+        self._shapes = [tuple(v.meta["val"].shape) for v in output.args[0]]  # of the sums, reduced flat
         self._launched: dict[int, Callable[[], list[torch.Tensor]]] = {}
 
     def launch(self, microbatches: Mapping[int, Sequence[torch.Tensor]]) -> None:
@@ -278,12 +260,11 @@ class InputReductions:
             works.append(dist.all_reduce(flat, group=_resolve_process_group(group), async_op=True))
             for (mb, k), piece in zip(slots, flat.split([local[mb][k].numel() for mb, k in slots])):
                 reduced[mb][k] = piece
-        shapes = [tuple(v.meta["val"].shape) for v in self._outputs()]
 
         def waited(mb: int) -> list[torch.Tensor]:
             for work in works:
                 work.wait()
-            return [piece.view(shape) for piece, shape in zip(reduced[mb], shapes)]
+            return [piece.view(shape) for piece, shape in zip(reduced[mb], self._shapes)]
         self._launched.update({mb: (lambda mb=mb: waited(mb)) for mb in local})
 
     def values(self, microbatch: int | None, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -297,10 +278,6 @@ class InputReductions:
     def forget(self) -> None:
         """Drop what was launched for microbatches that did not run (a step that stopped early)."""
         self._launched.clear()
-
-    def _outputs(self) -> list[fx.Node]:
-        output = next(n for n in self.prologue.graph.nodes if n.op == "output")
-        return list(output.args[0])
 
 
 def _alike(a: Sequence[Placement], b: Sequence[Placement], spec: DTensorSpec) -> bool:

@@ -55,7 +55,7 @@ def simplify_local_ops(gm: fx.GraphModule, under_autograd: bool = False) -> int:
         replacement = _simpler(node)
         if replacement is not None and replacement is not node:
             node.replace_all_uses_with(replacement)
-    _erase_unused(graph)
+    erase_unused(graph)
     removed = before - len(graph.nodes)
     return recompiled(gm, removed)
 
@@ -158,7 +158,7 @@ def _sliced_fill(clone: fx.Node) -> fx.Node | None:
     return smaller
 
 
-def _erase_unused(graph: fx.Graph) -> None:
+def erase_unused(graph: fx.Graph) -> None:
     """Erase the ops no node reads that have no effect (their inputs then too, when unused in turn)."""
     for node in reversed(list(graph.nodes)):
         if not node.users and node.op == "call_function" and _effect_free(node):
