@@ -117,6 +117,27 @@ def test_a_rank_exiting_without_a_result_fails_the_run_with_its_exit_code():
     assert "rank 0: finished" in message
 
 
+def _abort_in_native_code(rank: int, world: int) -> int:
+    """Rank 1 ends as a crash in native code ends a process (glibc's ``abort`` on a corrupt heap: SIGABRT)."""
+    if rank == 1:
+        _deep_in_the_step()
+    return rank
+
+
+def _deep_in_the_step() -> None:
+    os.abort()
+
+
+def test_a_rank_a_fatal_signal_ends_fails_the_run_quoting_its_python_stack_at_the_signal():
+    message = _run_failing(_abort_in_native_code, world=2)
+    lines = message.splitlines()
+    assert lines[0] == "distributed run on 2 ranks failed: rank 1 was killed by signal 6 (Aborted) before reporting " \
+                       "a result", message
+    assert lines[1].strip() == "its Python stack at the signal, most recent call first:", message
+    assert "in _deep_in_the_step" in lines[2] and "in _abort_in_native_code" in lines[3], message
+    assert lines[-1] == "  rank 0: finished", message
+
+
 def _wait_on_a_hung_mesh_peer(rank: int, world: int) -> float | None:
     """With the job's collective timeout set to 3 s, rank 3 waits on rank 2 in their 2x2-mesh dim's group."""
     import autopar

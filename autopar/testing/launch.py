@@ -8,16 +8,20 @@ with the caller's environment variables as they are at the call. The parent wait
 processes together, under one deadline: when a rank raises, dies without reporting (a signal, the
 out-of-memory killer) or the run outlives ``timeout_s``, it gives the other ranks ``GRACE_S`` to report,
 stops every process still alive and raises one ``DistributedRunError`` naming the rank that failed first and
-how. No process outlives ``run_on_ranks``, whatever happens (docs/architecture.md "Failing ranks").
+how. A rank that a fatal signal ends (a crash in native code: SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) has its
+Python stack at the signal written by ``faulthandler`` to a file of its own, which the message quotes. No process outlives ``run_on_ranks``, whatever happens (docs/architecture.md "Failing ranks").
 ``torchrun`` users do not need this module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import io
 import os
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -33,7 +37,8 @@ from autopar.core.errors import DistributedRunError
 GRACE_S = 5.0
 """How long, after the first failure, the other ranks get to report (or to exit after reporting) before being stopped."""
 TRACEBACK_LINES = 6
-"""How many last lines of the failed rank's traceback the error message quotes."""
+"""How many last lines of the failed rank's traceback (frames of its stack at a fatal signal) the error message
+quotes."""
 
 
 def free_port() -> int:
@@ -77,10 +82,11 @@ def _start_context() -> Any:
 class _Rank:
     """One rank: its process, the read end of its pipe, and what became of it."""
 
-    def __init__(self, rank: int, process: Any, reader: Connection):
+    def __init__(self, rank: int, process: Any, reader: Connection, crash_file: str):
         self.rank = rank
         self.process = process
         self.reader = reader
+        self.crash_file = crash_file  # where the rank's ``faulthandler`` writes its stack at a fatal signal
         self.outcome: tuple[str, Any] | None = None  # ("result", bytes) | ("raised", text) | ("died", text)
         self.order = 0  # when the outcome arrived, counting from 1, among all ranks
         self.stopped = False
@@ -89,11 +95,13 @@ class _Rank:
     def spawn(cls, ctx: Any, fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
               args: tuple) -> "_Rank":
         reader, writer = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_worker,
-                              args=(fn, rank, world_size, port, writer, timeout_s, dict(os.environ), args))
+        fd, crash_file = tempfile.mkstemp(prefix=f"autopar-rank{rank}-", suffix=".crash")
+        os.close(fd)
+        process = ctx.Process(target=_worker, args=(fn, rank, world_size, port, writer, timeout_s,
+                                                    dict(os.environ), crash_file, args))
         process.start()
         writer.close()  # the child holds the only write end: its death reads as EOF
-        return cls(rank, process, reader)
+        return cls(rank, process, reader, crash_file)
 
     @property
     def failed(self) -> bool:
@@ -104,7 +112,29 @@ class _Rank:
         if self.reader in ready:
             self.outcome = self._report()
         if self.outcome is None and not self.process.is_alive():
-            self.outcome = self._report() or ("died", _describe_exit(self.process.exitcode))
+            self.outcome = self._report() or ("died", _describe_exit(self.process.exitcode) + self._stack_at_crash())
+
+    def _stack_at_crash(self) -> str:
+        """The Python stack ``faulthandler`` wrote as a fatal signal ended the rank, its last ``TRACEBACK_LINES``
+        frames (most recent call first) as lines to quote after the exit's description; '' where none. The
+        crashing thread's, or where the signal came on a thread running no Python (a gloo or OpenMP worker),
+        the first Python thread's."""
+        try:
+            with open(self.crash_file) as f:
+                dump = f.read()
+        except OSError:
+            return ""
+        stacks = [block.strip().splitlines() for block in dump.split("\n\n") if "(most recent call first)" in block]
+        stacks = [(lines[0], [line.strip() for line in lines[1:] if line.strip().startswith("File ")])
+                  for lines in stacks]
+        current = [frames for head, frames in stacks if head.startswith("Current thread") and frames]
+        other = [frames for _, frames in stacks if frames]
+        if not current and not other:
+            return ""
+        whose = "its Python stack at the signal" if current else \
+            "a Python thread's stack (the signal came on a thread running no Python)"
+        frames = (current or other)[0][:TRACEBACK_LINES]
+        return f"\n    {whose}, most recent call first:\n" + "\n".join("      " + frame for frame in frames)
 
     def _report(self) -> tuple[str, Any] | None:
         """The report in the pipe, if any; None at end of file (the rank died first), once its exit code is in."""
@@ -151,6 +181,8 @@ def _stop(ranks: list[_Rank]) -> None:
             r.process.kill()
             r.process.join()
         r.reader.close()
+        with contextlib.suppress(OSError):
+            os.unlink(r.crash_file)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -187,7 +219,7 @@ def _how(r: _Rank, lines: int) -> str:
     if kind == "result":
         return "finished" + ("" if not r.stopped else ", then was stopped while exiting")
     if kind == "died":
-        return value
+        return value if lines > 1 else value.splitlines()[0]
     tail = [line for line in value.strip().splitlines() if line.strip(" ^~")][-lines:]  # no caret markers
     return "raised:\n" + "\n".join("    " + line for line in tail) if lines > 1 else f"raised {tail[0].strip()[:300]}"
 
@@ -203,7 +235,9 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(fn, rank, world_size, port, writer, timeout_s, environ, args) -> None:
+def _worker(fn, rank, world_size, port, writer, timeout_s, environ, crash_file, args) -> None:
+    crash = open(crash_file, "w")  # kept open for the process's life: faulthandler writes to its descriptor
+    faulthandler.enable(file=crash, all_threads=True)
     os.environ.clear()  # a forked rank inherits the fork server's environment: take the caller's
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
