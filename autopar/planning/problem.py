@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import fx
@@ -443,24 +443,46 @@ def scaled_cost(cost: Cost, factor: float) -> Cost:
 OUTPUT_KEY = "<loss>"
 
 
-def allow_any(node: fx.Node, strategy: Strategy) -> bool:
-    """The role rule with nothing to check (a role whose mesh dims the mesh lacks): every strategy may run.
-    Rules return this very function then, so that ``roles._all_of`` leaves them out of the per-strategy loop."""
-    return True
+@dataclass(frozen=True)
+class Rule:
+    """A role's rule on the strategies of ops: ``allow(node, strategy)``, whether the op may run that strategy,
+    and ``key(node)``, all that ``allow`` reads of the node, hashable: ops of equal keys allow the same of the
+    same strategies (``Roles.allowed`` asks ``allow`` once per key and list of strategies: ops alike, such as
+    a layer's elementwise ops of one shape and split, ask once)."""
+
+    allow: Callable[[fx.Node, Strategy], bool]
+    key: Callable[[fx.Node], Hashable]
+
+
+ALLOW_ANY = Rule(lambda node, strategy: True, lambda node: ())
+"""The rule with nothing to check (a role whose mesh dims the mesh lacks): every strategy may run. Rules
+return this very object then, so that ``roles._all_of`` leaves them out of the per-strategy loop."""
 
 
 @dataclass
 class Roles:
     """What each mesh dimension's role allows (the planner encodes dp/tp semantics here).
 
-    ``param``, ``user_input``, ``buffer``: candidate placements of placeholders; ``allow``: whether an
-    op may run a strategy (a node whose every strategy is refused keeps them all).
+    ``param``, ``user_input``, ``buffer``: candidate placements of placeholders; ``rule``: which strategies
+    an op may run (``allowed``).
     """
 
     param: Callable[[torch.Tensor], list[Placements]]
     user_input: Callable[[torch.Tensor], list[Placements]]
     buffer: Callable[[torch.Tensor], list[Placements]]
-    allow: Callable[[fx.Node, Strategy], bool] = allow_any
+    rule: Rule = ALLOW_ANY
+    _allowed: dict[tuple[int, Hashable], tuple[list[Strategy], list[Strategy]]] = field(
+        default_factory=dict, repr=False)
+
+    def allowed(self, node: fx.Node, strategies: list[Strategy]) -> list[Strategy]:
+        """Those of ``strategies`` (``node``'s) that ``rule`` allows, all of them where it allows none; asked
+        once per list of strategies and rule key (on Mixtral's meshes 588,321 checks of 14,196 ops)."""
+        key = (id(strategies), self.rule.key(node))
+        found = self._allowed.get(key)
+        if found is None:
+            allowed = [s for s in strategies if self.rule.allow(node, s)] or strategies
+            found = self._allowed[key] = (allowed, strategies)  # ``strategies`` held: its id stays its own
+        return found[0]
 
 
 def build_problem(
@@ -523,7 +545,7 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     kinds = captured.gradient_kinds()
     grad_kinds = [kinds[a.name] for a in tensor_inputs(node)]
     strategies = finder.for_node(node)
-    allowed = [s for s in strategies if roles.allow(node, s)] or strategies
+    allowed = roles.allowed(node, strategies)
     saved = captured.saved_for_backward().of(node)
     views = read_through_views(node, grad_kinds)
     return [Option(s, pricer.node(node, s, grad_kinds, saved, views),

@@ -29,7 +29,7 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
 from __future__ import annotations
 import math
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
@@ -38,7 +38,8 @@ from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, Capt
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
-from autopar.planning.problem import Problem, Roles, allow_any, build_problem, placeholder_candidates, source_of
+from autopar.planning.problem import (ALLOW_ANY, Problem, Roles, Rule, build_problem, placeholder_candidates,
+                                      source_of)
 from autopar.planning.sequence_parallel import sequence_parallel_rule
 from autopar.core.plan import ALLGATHER, DTENSOR, LOWERED, RING
 from autopar.planning.strategies import (KEY_VALUE_SLOTS, StrategyFinder, merged_dim, ring_refusal, rings,
@@ -148,7 +149,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
         user_input=placeholder_candidates(shape, pins_inputs),
         buffer=placeholder_candidates(shape, pins_buffers),
-        allow=_all_of(_batch_stays_split(dp_dims, on_data, batch),
+        rule=_all_of(_batch_stays_split(dp_dims, on_data, batch),
                       _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch,
                                                    smallest_microbatch(captured, mesh, constraints)),
                       _no_average_partials_on(tp_dims),
@@ -179,7 +180,7 @@ def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[
     batch dimension traceable, its output only has to stay split (any dimension) or partial on dp.
     What each op requires is worked out once per op (``_DataSplits``, ``_once_per_op``)."""
     if not dp_dims:
-        return allow_any
+        return ALLOW_ANY
     required = _once_per_op(lambda node: _DataSplits.of(node, on_data, batch))
 
     def allow(node: fx.Node, strategy) -> bool:
@@ -188,7 +189,7 @@ def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[
         splits = required(node)
         return splits is None or splits.allow(strategy, dp_dims)
 
-    return allow
+    return Rule(allow, lambda node: node.name in on_data and required(node))
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
     it by tp. What one sample brings to the dimension counts (the sequence, in a ``[batch * seq, ...]``
     flattening), so a flattened value may split its rows over tp."""
     if not tp_dims:
-        return allow_any
+        return ALLOW_ANY
     whole_batch = global_batch(captured) or 1
 
     def batch_split(value: tuple[str, int]) -> tuple[Placement, int | None] | None:
@@ -284,8 +285,8 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
         return Shard(dim), samples * per_sample if rest == 0 else None
 
     splits = _once_per_op(lambda node: (  # per data op: its inputs' and outputs' ``batch_split``s
-        [(slot, batch_split(_value_of(a))) for slot, a in enumerate(tensor_inputs(node)) if a.name in on_data],
-        [(i, batch_split((node.name, i))) for i in range(len(output_vals(node)))]))
+        tuple((slot, batch_split(_value_of(a))) for slot, a in enumerate(tensor_inputs(node)) if a.name in on_data),
+        tuple((i, batch_split((node.name, i))) for i in range(len(output_vals(node))))))
 
     def even_for_every_microbatch(placements, shard: Placement, rows: int | None) -> bool:
         if not any(placements[d] == shard for d in tp_dims):
@@ -304,7 +305,7 @@ def _batch_only_on_data_parallel(captured: CapturedGraph, shape: tuple[int, ...]
                     return False
         return True
 
-    return allow
+    return Rule(allow, lambda node: node.name in on_data and splits(node))
 
 
 def smallest_microbatch(captured: CapturedGraph, mesh: MeshChoice, constraints: Constraints) -> int:
@@ -322,7 +323,7 @@ def _no_average_partials_on(tp_dims: list[int]):
     ``P(sum)`` into ``P(avg)``, so the plan would fail at its first backward. The op reads its input whole,
     or split on another dim, instead."""
     if not tp_dims:
-        return allow_any
+        return ALLOW_ANY
 
     def allow(node: fx.Node, strategy) -> bool:
         for out, val in zip(strategy.outputs, output_vals(node)):
@@ -331,7 +332,7 @@ def _no_average_partials_on(tp_dims: list[int]):
                 return False
         return True
 
-    return allow
+    return Rule(allow, lambda node: tuple(getattr(val, "ndim", 0) > 0 for val in output_vals(node)))
 
 
 def _keeps_batch(placements, batch_dim: int | None, ndim: int, dp_dims: list[int]) -> bool:
@@ -372,7 +373,7 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
     gathered (gathering weights is what the dp dims with fsdp are for; on a tp dim it would turn
     tensor parallelism into sharded data parallelism under the wrong name)."""
     if not tp_dims:
-        return allow_any
+        return ALLOW_ANY
     kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (the permute before a mm)
 
     def allow(node: fx.Node, strategy) -> bool:
@@ -382,7 +383,10 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
                 return False
         return True
 
-    return allow
+    def key(node: fx.Node) -> tuple[bool, ...]:
+        return tuple(kinds[arg.name] == "param" and arg.meta["val"].ndim >= 2 for arg in tensor_inputs(node))
+
+    return Rule(allow, key)
 
 
 # ---- context parallelism -----------------------------------------------------------------------------
@@ -478,8 +482,13 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
         return _keeps_batch(placements, dim, val.ndim, cp_dims) or (whole and dim is not None
                                                                     and val.shape[dim] == length)
 
+    def facts(value: tuple[str, int], val: torch.Tensor) -> tuple[int | None, bool, bool]:
+        """All that ``placed`` reads of ``value``."""
+        dim = seq.get(value)
+        return dim, val.ndim == 0, dim is not None and val.shape[dim] == length
+
     if not cp_dims:
-        return allow_any
+        return ALLOW_ANY
 
     def allow(node: fx.Node, strategy) -> bool:
         if node.name not in on_data:
@@ -496,7 +505,18 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
         val = val[0] if isinstance(val, (tuple, list)) and val else val
         return out is None or not isinstance(val, torch.Tensor) or val.ndim == 0 or placed(out, (node.name, 0), val)
 
-    return allow
+    def key(node: fx.Node) -> Any:
+        if node.name not in on_data:
+            return False
+        if node.target is FUSED_ATTENTION:  # which slots it gathers depends on the op's own arguments
+            return node.name
+        val = node.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        output = facts((node.name, 0), val) if isinstance(val, torch.Tensor) and val.ndim > 0 else None
+        return tuple(facts(_value_of(a), a.meta["val"]) if a.name in on_data else None
+                     for a in tensor_inputs(node)), output
+
+    return Rule(allow, key)
 
 
 def check_groups_within_a_chunk(captured: CapturedGraph, cp: int, on_data: set[str],
@@ -663,7 +683,7 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
     expert weight reads its data as its strategy requires (split like the weight's experts). Moving a
     value from one split to the other is the all_to_all the ILP places and prices on an edge."""
     if not ep_dims:
-        return allow_any
+        return ALLOW_ANY
     experts = expert_dims(captured, on_data, ep_dims[0], finder)
     weights = expert_weights(captured)
     reads_experts = {node.name for node in captured.graph.nodes
@@ -677,12 +697,12 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
             return all(placements[d] in allowed for d in ep_dims)
         return all(placements[d].is_shard() or (reduces and placements[d].is_partial()) for d in ep_dims)
 
-    def requirements(node: fx.Node) -> tuple[list, tuple | None]:
+    def requirements(node: fx.Node) -> tuple[tuple, tuple | None]:
         """(slot, allowed splits) of each data input it must read split (none for an op reading expert
         weights), and (allowed splits, reduces) of its main output (None: not a tensor, or a scalar)."""
         args = tensor_inputs(node)
-        inputs = [] if node.name in reads_experts else [
-            (slot, splits(_value_of(a))) for slot, a in enumerate(args) if a.name in on_data and a.meta["val"].ndim > 0]
+        inputs = () if node.name in reads_experts else tuple(
+            (slot, splits(_value_of(a))) for slot, a in enumerate(args) if a.name in on_data and a.meta["val"].ndim > 0)
         val = node.meta.get("val")
         val = val[0] if isinstance(val, (tuple, list)) and val else val
         if not isinstance(val, torch.Tensor) or val.ndim == 0:
@@ -702,7 +722,7 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
         out = strategy.outputs[0]
         return out is None or output is None or fits(out, *output)
 
-    return allow
+    return Rule(allow, lambda node: node.name in on_data and required(node))
 
 
 def _replicas_act_as_shards(replica_dims: list[int], shard_dims: list[int]):
@@ -710,31 +730,31 @@ def _replicas_act_as_shards(replica_dims: list[int], shard_dims: list[int]):
     both (only parameters differ: replicated across replica groups, sharded within one)."""
     pairs = [(r, s) for r in replica_dims for s in shard_dims]
     if not pairs:
-        return allow_any
+        return ALLOW_ANY
 
     def allow(node: fx.Node, strategy) -> bool:
         placed = [p for p in (*strategy.inputs, *strategy.outputs) if p is not None]
         return all(p[r] == p[s] for p in placed for r, s in pairs)
 
-    return allow
+    return Rule(allow, lambda node: ())
 
 
-def _all_of(*rules):
-    """The rule that allows what each of ``rules`` allows; rules with nothing to check (``allow_any``) are
-    left out, since every strategy of every op on every mesh searched passes through it."""
-    kept = tuple(rule for rule in rules if rule is not allow_any)
+def _all_of(*rules: Rule) -> Rule:
+    """The rule that allows what each of ``rules`` allows, its key theirs; rules with nothing to check
+    (``ALLOW_ANY``) are left out, since every strategy of every op on every mesh searched passes through it."""
+    kept = tuple(rule for rule in rules if rule is not ALLOW_ANY)
     if not kept:
-        return allow_any
+        return ALLOW_ANY
     if len(kept) == 1:
         return kept[0]
 
     def allow(node: fx.Node, strategy) -> bool:
         for rule in kept:
-            if not rule(node, strategy):
+            if not rule.allow(node, strategy):
                 return False
         return True
 
-    return allow
+    return Rule(allow, lambda node: tuple(rule.key(node) for rule in kept))
 
 
 def _downstream_of(graph: fx.Graph, sources: set[str]) -> set[str]:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import is_getitem
-from autopar.planning.problem import allow_any
+from autopar.planning.problem import ALLOW_ANY, Rule
 from autopar.planning.strategies import Strategy
 
 _NORM_MODULE = re.compile(r"(layernorm|rmsnorm)$", re.IGNORECASE)
@@ -80,15 +80,14 @@ def sequence_region(captured: CapturedGraph, sites: list[NormSite]) -> dict[str,
     return region
 
 
-def sequence_parallel_rule(captured: CapturedGraph, tp_dims: list[int], sp: int | None
-                           ) -> Callable[[fx.Node, Strategy], bool]:
+def sequence_parallel_rule(captured: CapturedGraph, tp_dims: list[int], sp: int | None) -> Rule:
     """The planner's ``allow`` rule for constraint ``sp``: with 1, the norms and the residual stream
     keep their output split on the sequence dim over every tp mesh dim; with 0, none of them is split
     over a tp dim at all (on the sequence, or on the batch where a microbatch's samples divide by tp:
     Megatron-LM without sequence parallelism runs the norms, dropouts and residual adds whole on each
     tp rank); unpinned (None), or without a tp dim, the solver chooses."""
     if sp is None or not tp_dims:
-        return allow_any
+        return ALLOW_ANY
     constrained = sequence_region(captured, norm_sites(captured))
 
     def allow(node: fx.Node, strategy: Strategy) -> bool:
@@ -100,7 +99,7 @@ def sequence_parallel_rule(captured: CapturedGraph, tp_dims: list[int], sp: int 
             return not any(out[d].is_shard() for d in tp_dims)
         return all(out[d] == Shard(dim) for d in tp_dims)
 
-    return allow
+    return Rule(allow, lambda node: constrained.get(node.name))
 
 
 def sequence_sharded(sites: Iterable[NormSite], output_placements: Callable[[str], Any], tp_dim: int) -> bool:
