@@ -9,8 +9,9 @@ processes together, under one deadline: when a rank raises, dies without reporti
 out-of-memory killer) or the run outlives ``timeout_s``, it gives the other ranks ``GRACE_S`` to report,
 stops every process still alive and raises one ``DistributedRunError`` naming the rank that failed first and
 how. A rank that a fatal signal ends (a crash in native code: SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) has its
-Python stack at the signal written by ``faulthandler`` to a file of its own, which the message quotes. No process outlives ``run_on_ranks``, whatever happens (docs/architecture.md "Failing ranks").
-``torchrun`` users do not need this module.
+Python stack at the signal written by ``faulthandler`` to a file of its own, which the message quotes. No
+process outlives ``run_on_ranks``, whatever happens (docs/architecture.md "Failing ranks"). ``torchrun`` users
+do not need this module.
 """
 
 from __future__ import annotations
