@@ -206,8 +206,7 @@ class _DataSplits:
     @staticmethod
     def of(node: fx.Node, on_data: set[str], split: dict[tuple[str, int], int | None]) -> "_DataSplits | None":
         """``node``'s requirements; None where it has none (its main output is not a tensor, or a scalar)."""
-        val = node.meta.get("val")
-        val = val[0] if isinstance(val, (tuple, list)) and val else val  # a multi-output op's main output
+        val = _main_output(node)
         if not isinstance(val, torch.Tensor) or val.ndim == 0:
             return None
         args = tensor_inputs(node)
@@ -362,6 +361,12 @@ def _once_per_op(work_out: Callable[[fx.Node], _R]) -> Callable[[fx.Node], _R]:
     return of
 
 
+def _main_output(node: fx.Node) -> Any:
+    """``node``'s value, or a multi-output op's first (its main output)."""
+    val = node.meta.get("val")
+    return val[0] if isinstance(val, (tuple, list)) and val else val
+
+
 def _value_of(arg: fx.Node) -> tuple[str, int]:
     """(producer name, output index) of the value ``arg`` is (``problem.source_of``)."""
     producer, out = source_of(arg)
@@ -501,8 +506,7 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
             whole = all(placements[d].is_replicate() for d in cp_dims)
             if not (placed(placements, _value_of(arg), arg.meta["val"]) and (whole or slot not in gathered)):
                 return False
-        out, val = strategy.outputs[0], node.meta.get("val")
-        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        out, val = strategy.outputs[0], _main_output(node)
         return out is None or not isinstance(val, torch.Tensor) or val.ndim == 0 or placed(out, (node.name, 0), val)
 
     def key(node: fx.Node) -> Any:
@@ -510,8 +514,7 @@ def _sequence_stays_split(cp_dims: list[int], on_data: set[str], seq: dict[tuple
             return False
         if node.target is FUSED_ATTENTION:  # which slots it gathers depends on the op's own arguments
             return node.name
-        val = node.meta.get("val")
-        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        val = _main_output(node)
         output = facts((node.name, 0), val) if isinstance(val, torch.Tensor) and val.ndim > 0 else None
         return tuple(facts(_value_of(a), a.meta["val"]) if a.name in on_data else None
                      for a in tensor_inputs(node)), output
@@ -703,8 +706,7 @@ def _tokens_split_on_batch_or_expert(captured: CapturedGraph, ep_dims: list[int]
         args = tensor_inputs(node)
         inputs = () if node.name in reads_experts else tuple(
             (slot, splits(_value_of(a))) for slot, a in enumerate(args) if a.name in on_data and a.meta["val"].ndim > 0)
-        val = node.meta.get("val")
-        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        val = _main_output(node)
         if not isinstance(val, torch.Tensor) or val.ndim == 0:
             return inputs, None
         reduces = val.numel() < max((a.meta["val"].numel() for a in args if a.name in on_data), default=0)

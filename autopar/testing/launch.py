@@ -125,17 +125,18 @@ class _Rank:
                 dump = f.read()
         except OSError:
             return ""
-        stacks = [block.strip().splitlines() for block in dump.split("\n\n") if "(most recent call first)" in block]
-        stacks = [(lines[0], [line.strip() for line in lines[1:] if line.strip().startswith("File ")])
-                  for lines in stacks]
-        current = [frames for head, frames in stacks if head.startswith("Current thread") and frames]
-        other = [frames for _, frames in stacks if frames]
-        if not current and not other:
+        stacks = []  # (whether it is the crashing thread's, its frames), each thread with Python frames
+        for block in dump.split("\n\n"):
+            head, *lines = block.strip().splitlines() or [""]
+            frames = [line.strip() for line in lines if line.strip().startswith("File ")]
+            if "(most recent call first)" in head and frames:
+                stacks.append((head.startswith("Current thread"), frames))
+        if not stacks:
             return ""
-        whose = "its Python stack at the signal" if current else \
+        crashing, frames = max(stacks, key=lambda stack: stack[0])  # the crashing thread's, else the first
+        whose = "its Python stack at the signal" if crashing else \
             "a Python thread's stack (the signal came on a thread running no Python)"
-        frames = (current or other)[0][:TRACEBACK_LINES]
-        return f"\n    {whose}, most recent call first:\n" + "\n".join("      " + frame for frame in frames)
+        return f"\n    {whose}, most recent call first:\n" + "\n".join("      " + f for f in frames[:TRACEBACK_LINES])
 
     def _report(self) -> tuple[str, Any] | None:
         """The report in the pipe, if any; None at end of file (the rank died first), once its exit code is in."""
