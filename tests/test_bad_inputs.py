@@ -86,6 +86,8 @@ CASES = [
     Case("plan mlp --cluster 1x2xcpu --set layers=abc", 2, "override layers='abc': expected int"),
     Case("plan mlp --cluster 1x2xcpu --set layers=0", 2, "layers must be >= 1"),
     Case("plan mlp --cluster 1x2xcpu --set foo=3", 2, "unknown override(s) foo"),
+    Case("plan autopar.models.hf:llama --cluster 1x2xcpu --set depth=3", 2,
+         "unknown override(s) depth for model factory 'autopar.models.hf:llama': it takes global_batch, seq, layers"),
     Case("plan mlp --cluster 1x2xcpu --fix foo=3", 2, "unknown constraint(s) foo"),
     Case("plan mlp --cluster 1x2xcpu --fix cp=abc", 2, "cp must be a positive integer"),
     Case("plan tiny-llama --cluster 1x2xcpu --fix cp=2,cp_attention=tree", 2,

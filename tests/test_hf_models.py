@@ -32,6 +32,7 @@ import autopar  # noqa: E402
 from autopar.ir.capture import TrainingStep, capture  # noqa: E402
 from autopar.models import build_model  # noqa: E402
 from autopar.testing.parity import train_parallel_many, train_single  # noqa: E402
+from cli_runner import run_cli  # noqa: E402
 
 FAMILIES = ["gpt2", "llama", "mistral", "mixtral", "qwen2", "bert", "t5", "vit"]
 TIED = {  # the names a family's tied weight also goes by -> the one it keeps (nn.Module's first)
@@ -176,3 +177,13 @@ def test_cli_plans_an_hf_factory() -> None:
     plan = json.loads(run.stdout)
     assert plan["model"]["name"] == "autopar.models.hf:gpt2"
     assert "hf.transformer.wte.weight" in plan["placements"] and "hf.lm_head.weight" not in plan["placements"]
+
+
+def test_a_config_the_family_refuses_is_one_line_naming_the_override_and_the_factory_line() -> None:
+    """transformers validates its config (heads must divide the hidden size) deep in its own code: the CLI
+    says which factory failed with which override, the library's message, and the factory's line."""
+    run = run_cli("plan", "autopar.models.hf:llama", "--cluster", "1x2xcpu", "--set", "heads=7")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("autopar plan: error: model factory 'autopar.models.hf:llama' failed with heads=7: ")
+    assert "(7)" in run.stderr and run.stderr.rstrip().endswith("in _decoder_config)")
+    assert len(run.stderr.strip().splitlines()) == 1

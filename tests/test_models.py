@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from autopar.core.errors import BadInputError
 from autopar.models import (
     GPT,
     MLP,
@@ -277,6 +278,31 @@ def test_custom_factory(tmp_path, monkeypatch) -> None:
     assert c.example_targets is None and c.config is None
     assert c.loss_fn(c.model(*c.example_inputs), None).dim() == 0
     sys.modules.pop("my_models_for_test", None)
+
+
+def test_a_factory_refuses_overrides_it_has_no_keyword_for_and_names_the_line_that_failed(tmp_path, monkeypatch
+                                                                                           ) -> None:
+    (tmp_path / "my_failing_models_for_test.py").write_text(textwrap.dedent("""
+        import torch
+        from autopar.models import MLP
+
+        def checked(width=8, heads=2):
+            if width % heads:
+                raise ValueError(f"width {width} is not a multiple of heads {heads}")
+            return MLP([width, width]), torch.randn(2, width), torch.zeros(2, width), torch.nn.functional.mse_loss
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(BadInputError, match=r"unknown override\(s\) depth for model factory "
+                                                r"'my_failing_models_for_test:checked': it takes width, heads$"):
+            build_model("my_failing_models_for_test:checked", overrides={"depth": 2})
+        with pytest.raises(BadInputError) as info:
+            build_model("my_failing_models_for_test:checked", overrides={"width": 6, "heads": 4})
+        assert str(info.value).startswith("model factory 'my_failing_models_for_test:checked' failed with width=6, "
+                                          "heads=4: ValueError: width 6 is not a multiple of heads 4 (raised at ")
+        assert str(info.value).endswith("my_failing_models_for_test.py:7 in checked)")
+    finally:
+        sys.modules.pop("my_failing_models_for_test", None)
 
 
 def test_direct_classes() -> None:

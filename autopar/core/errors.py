@@ -5,6 +5,11 @@ no plan is 3, a spawned distributed run whose rank failed is 1 (with that rank's
 Everything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import traceback
+from typing import Callable
+
 
 class AutoparError(Exception):
     """Base class of the errors autopar raises on purpose."""
@@ -44,3 +49,19 @@ class DistributedRunError(AutoparError):
     """
 
     exit_code = 1
+
+
+def innermost_frame(exc: BaseException | None, counts: Callable[[traceback.FrameSummary], bool]
+                    ) -> traceback.FrameSummary | None:
+    """The innermost frame that ``counts`` (the caller's code, not a library's) in which ``exc`` was raised,
+    looking first at the original error it wraps (``__cause__``/``__context__``); None where no frame counts.
+    A message can then say which line of a model or factory failed, without its traceback."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for error in reversed(chain):  # the original error first
+        for frame in reversed(traceback.extract_tb(error.__traceback__)):
+            if counts(frame):
+                return frame
+    return None

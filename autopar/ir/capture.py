@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from autopar.core.errors import BadInputError, UnsupportedModelError
+from autopar.core.errors import BadInputError, UnsupportedModelError, innermost_frame
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
@@ -359,16 +359,9 @@ def _check_callable(fn: Callable[..., Any], positional: int, what: str) -> None:
 def _raised_in(exc: BaseException | None) -> traceback.FrameSummary | None:
     """The innermost frame outside torch, the standard library and ``_export`` itself in which ``exc``
     (or, first, the error it wraps) was raised: the model's (or autopar's) line that failed."""
-    chain: list[BaseException] = []
-    while exc is not None and exc not in chain:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
     skipped = (os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, "<")
-    for error in reversed(chain):  # the original error first
-        for frame in reversed(traceback.extract_tb(error.__traceback__)):
-            if not frame.filename.startswith(skipped) and (frame.filename, frame.name) != (__file__, "_export"):
-                return frame
-    return None
+    return innermost_frame(exc, lambda frame: not frame.filename.startswith(skipped)
+                           and (frame.filename, frame.name) != (__file__, "_export"))
 
 
 def _is_autopar_code(filename: str) -> bool:

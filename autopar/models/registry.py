@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sysconfig
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from autopar.core.constraints import split_pairs
-from autopar.core.errors import BadInputError
+from autopar.core.errors import AutoparError, BadInputError, innermost_frame
 
 from .common import lm_loss, mse_loss
 from .gpt import GPT, GPTConfig
@@ -321,15 +323,22 @@ def _load_factory(spec: str) -> Callable[..., Any]:
 
 
 def _factory_kwargs(
-    factory: Callable[..., Any], overrides: Mapping[str, Any], global_batch: int, seq: int | None
+    spec: str, factory: Callable[..., Any], overrides: Mapping[str, Any], global_batch: int, seq: int | None
 ) -> dict[str, Any]:
-    """Overrides plus ``global_batch``/``seq`` when the factory accepts them."""
+    """Overrides plus ``global_batch``/``seq`` when the factory accepts them; an override the factory has
+    no keyword for is refused, naming those it has."""
     kwargs = dict(overrides)
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return kwargs
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    keywords = [name for name, p in params.items()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unknown = sorted(set(overrides) - set(keywords))
+    if unknown and not var_kw:
+        raise BadInputError(f"unknown override(s) {', '.join(unknown)} for model factory {spec!r}: "
+                            f"it takes {', '.join(keywords) or 'no keyword arguments'}")
     extras = {"global_batch": global_batch, "seq": seq}
     for key, value in extras.items():
         if value is not None and key not in kwargs and (var_kw or key in params):
@@ -372,11 +381,33 @@ def _build_custom(
 ) -> ModelBundle:
     """Build from a ``package.module:factory`` spec (see the module docstring)."""
     factory = _load_factory(spec)
-    kwargs = _factory_kwargs(factory, overrides, global_batch, seq)
+    kwargs = _factory_kwargs(spec, factory, overrides, global_batch, seq)
     _seed_for(device, seed)
-    with torch.device(device):
-        result = factory(**kwargs)
+    try:
+        with torch.device(device):
+            result = factory(**kwargs)
+    except AutoparError:
+        raise
+    except Exception as exc:  # the factory refused its arguments (or failed): say so, and where, in one message
+        raise _factory_failed(spec, factory, overrides, exc) from exc
     return _bundle_from_result(spec, result, device)
+
+
+def _factory_failed(spec: str, factory: Callable[..., Any], overrides: Mapping[str, Any], exc: Exception
+                    ) -> BadInputError:
+    """The error of a factory that raised ``exc``: its type and message, the overrides it was given, and the
+    innermost line of code outside the libraries that raised it (the factory's own file counts wherever it
+    is installed), such as a config's validation of ``--set heads=7``."""
+    libraries = tuple({sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "purelib", "platlib")}) + ("<",)
+    try:
+        source = inspect.getsourcefile(factory)
+    except TypeError:
+        source = None
+    where = innermost_frame(exc, lambda frame: frame.filename == source or not frame.filename.startswith(libraries))
+    given = f" with {', '.join(f'{k}={v!r}' for k, v in overrides.items())}" if overrides else ""
+    at = f" (raised at {where.filename}:{where.lineno} in {where.name})" if where is not None else ""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines()) or "no message"
+    return BadInputError(f"model factory {spec!r} failed{given}: {type(exc).__name__}: {text}{at}")
 
 
 def build_model(
