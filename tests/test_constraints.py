@@ -88,6 +88,9 @@ def test_bad_value_is_named_with_what_was_expected(constraints, message):
     ({"microbatches": 2, "microbatch_size": 1}, "pin one of them"),
     ({"virtual_stages": 2, "schedule": "1f1b"}, "virtual_stages=2 needs schedule=interleaved or zero_bubble"),
     ({"virtual_stages": 1, "schedule": "interleaved"}, "virtual_stages must be at least 2 with schedule=interleaved"),
+    ({"pp": 1, "schedule": "1f1b"}, "constraint schedule=1f1b shapes a pipeline: it needs pp > 1 or pp free, got pp=1"),
+    ({"pp": 1, "virtual_stages": 3}, "constraint virtual_stages=3 shapes a pipeline"),
+    ({"pp": 1, "virtual_stages": 2, "schedule": "zero_bubble"}, "schedule=zero_bubble shapes a pipeline"),
 ])
 def test_contradicting_constraints_are_refused(constraints, message):
     with pytest.raises(BadInputError, match="constraint") as err:
@@ -96,6 +99,8 @@ def test_contradicting_constraints_are_refused(constraints, message):
 
 
 def test_combinations_that_agree():
+    assert Constraints.from_mapping({"pp": 1, "virtual_stages": 1}).pp == 1
+    assert Constraints.from_mapping({"schedule": "zero_bubble"}).pp is None  # pp free: the search may use it
     assert Constraints.from_mapping({"sp": 1, "tp": 2}).sp == 1
     assert Constraints.from_mapping({"dp_shard": 2, "fsdp": 3}).dp_shard == 2
     assert Constraints.from_mapping({"dp_shard": 2}).zero_stage is None

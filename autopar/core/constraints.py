@@ -140,7 +140,8 @@ class Constraints:
     """Sequences per microbatch on each data-parallel rank; pin this or ``microbatches``, not both."""
     schedule: str | None = _pinned(_one_of(SCHEDULES))
     """Pipeline schedule: gpipe, 1f1b, interleaved or zero_bubble (any case); free, the planner prices
-    1f1b, interleaved and zero_bubble and picks."""
+    1f1b, interleaved and zero_bubble and picks. It shapes the pipeline meshes of the search (pp free: the
+    planner may still find a plan without a pipeline better); refused with pp=1, as ``virtual_stages`` > 1 is."""
     virtual_stages: int | None = _pinned(_positive_int)
     """Model chunks per pipeline stage; more than 1 means ``schedule=interleaved`` (whose default is 2)
     unless ``schedule=zero_bubble`` is pinned (whose default is 1)."""
@@ -251,6 +252,10 @@ class Constraints:
         if self.microbatches is not None and self.microbatch_size is not None:
             raise BadInputError("constraints microbatches and microbatch_size: pin one of them (the global batch "
                                 "fixes the other)")
+        if self.pp == 1 and (self.schedule is not None or (self.virtual_stages or 1) > 1):
+            pinned = f"schedule={self.schedule}" if self.schedule is not None else \
+                f"virtual_stages={self.virtual_stages}"
+            raise BadInputError(f"constraint {pinned} shapes a pipeline: it needs pp > 1 or pp free, got pp=1")
         if self.schedule == "interleaved" and self.model_chunks < 2:
             raise BadInputError("constraint virtual_stages must be at least 2 with schedule=interleaved")
         if self.virtual_stages is not None and self.virtual_stages > 1 \
