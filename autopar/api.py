@@ -54,7 +54,8 @@ def plan(
 ) -> Plan:
     """Plan the training step ``loss_fn(model(*example_inputs), example_targets)`` on ``cluster``.
 
-    ``example_inputs`` carry the global batch's shapes (meta tensors are fine). Without
+    ``example_inputs`` carry the global batch's shapes on dim 0 (meta tensors are fine; a 0-dim input holds
+    no batch and is read whole). Without
     ``example_targets`` the step is ``loss_fn(model(*example_inputs))`` (a one-argument loss); without
     ``loss_fn`` the model itself must return the scalar loss (``model(*example_inputs, example_targets)``
     when targets are given). A model or loss that cannot take these arguments raises BadInputError. ``model`` may instead be a saved planning problem
@@ -217,6 +218,9 @@ def as_constraints(constraints: Constraints | Mapping[str, Any] | None) -> Const
     """The API's ``constraints=``, checked: a ``Constraints`` as it is, a mapping (or None) converted."""
     if isinstance(constraints, Constraints):
         return constraints
+    if constraints is not None and not isinstance(constraints, Mapping):
+        raise BadInputError(f"constraints must be a mapping such as {{'dp': 2, 'fsdp': 0}} or a Constraints, got "
+                            f"{type(constraints).__name__}")
     return Constraints.from_mapping(constraints or {})
 
 
@@ -259,7 +263,8 @@ def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: An
 
 
 def _first_rows(t: torch.Tensor, microbatches: int) -> torch.Tensor:
-    return t[: t.shape[0] // microbatches]
+    """The first microbatch of ``t`` (``runtime/inputs.microbatch_shape``: a 0-dim input is read whole)."""
+    return t[: t.shape[0] // microbatches] if t.ndim else t
 
 
 def _as_tuple(x: Sequence[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -174,6 +174,11 @@ def test_plan_refuses_a_bad_constraint_before_capturing():
         autopar.plan(model, inputs, "1x4xcpu", constraints={"dp": 4})
     with pytest.raises(BadInputError, match="constraint cp must be a positive integer, got 'abc'"):
         autopar.plan(model, inputs, "1x4xcpu", constraints={"dp": 4, "cp": "abc"})
+    with pytest.raises(BadInputError, match=r"constraints must be a mapping such as \{'dp': 2, 'fsdp': 0\} or a "
+                                            "Constraints, got list"):
+        autopar.plan(model, inputs, "1x4xcpu", constraints=[("dp", 4)])
+    with pytest.raises(BadInputError, match="unknown constraint"):
+        autopar.plan(model, inputs, "1x4xcpu", constraints={4: "dp"})
 
 
 def test_autoparallelize_refuses_a_bad_constraint_first():

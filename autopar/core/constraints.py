@@ -198,7 +198,7 @@ class Constraints:
     def from_mapping(cls, constraints: Mapping[str, Any]) -> Constraints:
         """From the API's ``constraints=`` (``{"dp": 2, "fsdp": 0, "schedule": "1F1B"}``); values may be
         text, as ``--fix`` gives them."""
-        unknown = set(constraints) - set(KEYS)
+        unknown = {str(key) for key in constraints} - set(KEYS)
         if "time_limit_s" in unknown:
             raise BadInputError("constraint time_limit_s is gone: a time limit made plans depend on the machine's "
                                 "load; solver_nodes=N bounds the solver's work instead")

@@ -495,11 +495,34 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
     outputs = exported.graph_signature.output_specs
+    _refuse_writes(outputs)
     loss = outputs[0].arg.name
     _check_scalar_loss(gm, loss)
     captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss, aliases=aliases)
     captured.tie_keys = _tie_repeated_layers(gm.graph, params, buffers)
     return captured
+
+
+def _refuse_writes(outputs: Sequence[Any]) -> None:
+    """Refuse a step that writes into its buffers, parameters or inputs (torch.export lists each write as
+    an output beside the loss: BatchNorm's running statistics, a step counter, ``x.add_``). The planner
+    places and prices a graph whose one output is the loss, and the runtime writes nothing back, so such a
+    step would be planned as if its first write were its loss and would leave the written tensors stale."""
+    from torch.export.graph_signature import OutputKind  # torch.export loads dynamo: only capture needs it
+
+    writes = [spec for spec in outputs if spec.kind != OutputKind.USER_OUTPUT]
+    if not writes:
+        return
+    named = ", ".join(f"{_WRITTEN.get(spec.kind.name, spec.kind.name.lower())} {_strip_prefix(spec.target or '?')}"
+                      for spec in writes)
+    raise UnsupportedModelError(
+        f"the training step writes into tensors in place ({named}): autopar plans steps that only read their "
+        "buffers, parameters and inputs; build BatchNorm with track_running_stats=False (batch statistics, no "
+        "running ones) or use LayerNorm/GroupNorm, and keep counters outside the model's forward")
+
+
+_WRITTEN = {"BUFFER_MUTATION": "buffer", "PARAMETER_MUTATION": "parameter", "USER_INPUT_MUTATION": "input"}
+"""How a write's kind (``OutputKind`` name) is said in ``_refuse_writes``'s message."""
 
 
 def _returns_nothing(target: Any) -> bool:

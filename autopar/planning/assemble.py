@@ -203,7 +203,13 @@ def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any
     ranges = [[end - size, end] for size, end in zip(sizes, ends)]
     return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
             "microbatches": m,
-            "microbatch_size": (global_batch(captured) or 1) // (m * best.mesh.data_parallel_size)}
+            "microbatch_size": _microbatch_size(global_batch(captured), m, best.mesh.data_parallel_size)}
+
+
+def _microbatch_size(batch: int | None, microbatches: int, dp: int) -> int:
+    """Samples per microbatch on each data-parallel rank; 1 for a step whose inputs have no batch dim
+    (``meshes.global_batch`` None: every rank reads them whole)."""
+    return batch // (microbatches * dp) if batch is not None else 1
 
 
 def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, str]:

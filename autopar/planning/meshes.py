@@ -201,7 +201,7 @@ def microbatch_counts(batch: int | None, dp: int, constraints: Constraints) -> l
 
 
 def global_batch(captured: CapturedGraph) -> int | None:
-    if not captured.user_inputs:
-        return None
-    val = captured.node(captured.user_inputs[0]).meta["val"]
-    return int(val.shape[0]) if val.ndim else None
+    """The step's samples: dim 0 of its first user input that has dims (a 0-dim input, such as a step
+    index, holds no batch: ``roles.batch_dims``); None where none has."""
+    vals = (captured.node(name).meta["val"] for name in captured.user_inputs)
+    return next((int(val.shape[0]) for val in vals if val.ndim), None)

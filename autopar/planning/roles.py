@@ -239,7 +239,8 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
     user inputs' dim 0 through the strategies DTensor gives each op: the dim an output is split on
     when every data input is split on its own batch dim (None: the op reduces the batch away, or the
     strategies leave it ambiguous)."""
-    batch: dict[tuple[str, int], int | None] = {(name, 0): 0 for name in captured.user_inputs}
+    batch: dict[tuple[str, int], int | None] = {(name, 0): 0 if captured.node(name).meta["val"].ndim else None
+                                                for name in captured.user_inputs}  # a 0-dim input holds no batch
     for node in captured.graph.nodes:
         if node.op != "call_function" or node.name not in on_data or is_getitem(node):
             continue

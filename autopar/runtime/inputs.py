@@ -25,9 +25,24 @@ from autopar.passes.sequence_layout import in_layout
 
 
 def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
-    """The global shape of one microbatch of an input whose whole-batch shape is ``shape``."""
+    """The global shape of one microbatch of an input whose whole-batch shape is ``shape`` (cut on dim 0; an
+    input with no dims holds no batch and is read whole by every microbatch, ``planning/meshes.global_batch``)."""
     shape = list(shape)
     return [shape[0] // microbatches] + shape[1:] if shape else shape
+
+
+def microbatches_of(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    """``x`` cut into ``microbatches`` pieces as ``microbatch_shape`` says: on dim 0, or whole each time."""
+    return list(torch.chunk(x, microbatches, dim=0)) if x.ndim else [x] * microbatches
+
+
+def pipeline_chunk_spec(shape: Sequence[int]) -> Any:
+    """How ``torch.distributed.pipelining`` cuts an input of ``shape`` into microbatches, as ``microbatch_shape``
+    does: on dim 0, or repeated whole (its ``_Replicate``, a private name: the public ``TensorChunkSpec`` cuts
+    every tensor)."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    return TensorChunkSpec(0) if len(shape) else _Replicate
 
 
 def check_user_inputs(plan: Plan, mesh: DeviceMesh, names: Sequence[str], tensors: Sequence[Any], local: bool,

@@ -79,7 +79,8 @@ from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_d
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
-from autopar.runtime.inputs import check_user_inputs, microbatch_shape, user_input, user_input_shard
+from autopar.runtime.inputs import (check_user_inputs, microbatch_shape, pipeline_chunk_spec, user_input,
+                                    user_input_shard)
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout
 
 ZERO_BUBBLE = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
@@ -328,7 +329,8 @@ class PipelineParallelModule(nn.Module):
             if names is None:
                 continue
             if split is None:
-                split = split_args_kwargs_into_chunks(tuple(first), dict(later), self.microbatches)
+                split = split_args_kwargs_into_chunks(tuple(first), dict(later), self.microbatches,
+                                                      *self._chunk_specs(tuple(later)))
             inputs = {}
             for mb, (args, kwargs) in enumerate(zip(*split)):
                 users = dict(zip(self.captured.user_inputs, args)) if chunk.index == 0 else kwargs
@@ -415,10 +417,21 @@ class PipelineParallelModule(nn.Module):
                                 output_args=tuple(b.local_meta(self.mesh) for b in chunk.outputs))
                   for chunk in self.chunks]
         m = self.microbatches
+        later = [n for chunk in self.chunks if chunk.index > 0 for n in chunk.reads]  # as ``step`` passes them
+        args_spec, kwargs_spec = self._chunk_specs(tuple(dict.fromkeys(later)))
         if kind in MULTI_CHUNK_SCHEDULES:
-            return SCHEDULES[kind](stages, m, loss_fn=self._scaled_loss, scale_grads=False)
+            return SCHEDULES[kind](stages, m, loss_fn=self._scaled_loss, args_chunk_spec=args_spec,
+                                   kwargs_chunk_spec=kwargs_spec, scale_grads=False)
         (stage,) = stages
-        return SCHEDULES[kind](stage, m, loss_fn=self._scaled_loss, scale_grads=False)
+        return SCHEDULES[kind](stage, m, loss_fn=self._scaled_loss, args_chunk_spec=args_spec,
+                               kwargs_chunk_spec=kwargs_spec, scale_grads=False)
+
+    def _chunk_specs(self, later: Sequence[str]) -> tuple[tuple[Any, ...] | None, dict[str, Any]]:
+        """How the schedule cuts the first chunk's inputs (positional; None on a rank without it) and the user
+        inputs later chunks read (``later``, keyword) into microbatches (``pipeline_chunk_spec``)."""
+        spec = lambda name: pipeline_chunk_spec(self.plan.inputs[name]["shape"])  # noqa: E731
+        first = tuple(spec(n) for n in self.captured.user_inputs) if self.chunks[0].index == 0 else None
+        return first, {n: spec(n) for n in later}
 
     def _scaled_loss(self, loss: torch.Tensor, _microbatch: torch.Tensor) -> torch.Tensor:
         """The schedule's ``loss_fn``: the last chunk computed the microbatch's loss, which backward takes

@@ -1,0 +1,87 @@
+"""Steps at the edges of what capture accepts: a 0-dim input beside the batch is planned and trained like
+single-process training (it holds no batch: every rank reads it whole); a step that writes into its
+buffers, parameters or inputs is refused naming what it writes (the plan would otherwise price its first
+write as the loss, and the runtime would leave the written tensors stale)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import UnsupportedModelError
+from autopar.testing.parity import train_parallel_many, train_single
+
+SPEC = "scalar_input_model:make"
+
+
+def test_a_0_dim_input_is_read_whole_and_the_batch_is_the_next_input() -> None:
+    from autopar.models import build_model
+
+    bundle = build_model(SPEC, global_batch=8, device="meta")
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"dp": 2, "microbatches": 2},
+                        example_targets=bundle.example_targets)
+    scale, x, targets = plan.inputs.values()
+    assert scale["shape"] == [] and scale["placements"] == ["R"]
+    assert x["placements"] == targets["placements"] == ["S(0)"]
+    assert plan.pipeline.microbatches == 2 and plan.pipeline.microbatch_size == 2  # 8 samples / (2 x dp 2)
+
+
+@pytest.mark.dist
+def test_a_0_dim_input_trains_on_2_ranks_like_one_process() -> None:
+    """Under gradient accumulation and in a pipeline, whose schedule cuts the inputs into microbatches itself
+    (the second stage reads the scale too)."""
+    reference = train_single(SPEC, None, 8, None, steps=3)
+    runs = [{"dp": 2, "microbatches": 2}, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}]
+    for result in train_parallel_many(2, [dict(name=SPEC, overrides=None, global_batch=8, seq=None, steps=3, plan=None,
+                                               constraints=constraints) for constraints in runs]):
+        result.assert_matches(reference)
+
+
+class _RunningStats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)).pow(2).mean()
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # a 0-dim write: it was the output the plan took for the loss
+        return self.fc(x).pow(2).mean()
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.fc(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("model, written", [
+    (_RunningStats, "buffer norm.running_mean, buffer norm.running_var, buffer norm.num_batches_tracked"),
+    (_Counter, "buffer calls"),
+    (_WritesItsInput, "input args_0"),
+])
+def test_a_step_that_writes_in_place_is_refused_naming_the_writes(model, written) -> None:
+    with pytest.raises(UnsupportedModelError, match="track_running_stats=False") as info:
+        autopar.plan(model(), torch.randn(8, 4), "1x2xcpu")
+    assert f"the training step writes into tensors in place ({written}): " in str(info.value)
+
+
+def test_batch_statistics_without_running_ones_are_planned() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, track_running_stats=False))
+    plan = autopar.plan(model, torch.randn(8, 4), "1x2xcpu", lambda out: out.pow(2).mean())
+    assert plan.predicted["step_time_s"] > 0
