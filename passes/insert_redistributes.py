@@ -95,9 +95,25 @@ def insert_redistributes(
                 with graph.inserting_before(node):
                     moves[key] = graph.call_function(redistribute, (arg, placements))
             node.replace_input_with(arg, moves[key])
+    moved_loss = _replicate_the_loss(graph, produced, mesh.ndim)
     graph.lint()
     gm.recompile()
-    return len(moves)
+    return len(moves) + moved_loss
+
+
+def _replicate_the_loss(graph: fx.Graph, produced: Mapping[str, Sequence[str]], ndim: int) -> int:
+    """Bring the loss the step returns to ``R`` on every mesh dim, as the planner's output decision reads it
+    (``planning/problem.OUTPUT_KEY``, which prices this move): a loss the plan leaves partial (a mean over a
+    batch split on an expert-parallel dim, ``Partial(avg)``) is reduced here, where each rank would
+    otherwise return, and backpropagate from, its own share. Returns the redistributes inserted (0 or 1)."""
+    output = graph.output_node()
+    (loss,) = output.all_input_nodes
+    whole = ("R",) * ndim
+    if tuple(produced.get(value_name(loss), whole)) == whole:
+        return 0
+    with graph.inserting_before(output):
+        output.replace_input_with(loss, graph.call_function(redistribute, (loss, whole)))
+    return 1
 
 
 def produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:

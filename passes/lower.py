@@ -549,7 +549,11 @@ def _storing(param: DTensor, spec: Callable[[], DTensorSpec] | None) -> Callable
 def _store_gradient(param: DTensor, local: torch.Tensor, spec_of: Callable[[], DTensorSpec] | None = None) -> None:
     """``local``'s gradient added to ``param``'s as a DTensor of ``spec_of()`` (else ``param``'s spec): in
     place, on its local tensor, where ``param``'s gradient is one this stored in the same spec (a later
-    microbatch's: no DTensor dispatch), and ``param``'s accumulation hooks run after where ``spec_of``."""
+    microbatch's: no DTensor dispatch), and ``param``'s accumulation hooks run after where ``spec_of``. A
+    parameter the step does not use has no gradient: its backward hands autograd none (its leaf's hook still
+    runs), and, as in single-process training, it keeps none (the traced backward recorded no placement for it)."""
+    if local.grad is None:
+        return
     spec = param._spec if spec_of is None else spec_of()
     if param.grad is not None:  # read: its bucket's reduction done first (``lower_buckets.defer_bucket_waits``)
         _c10d.wait_tensor(local.grad)

@@ -85,3 +85,37 @@ def test_batch_statistics_without_running_ones_are_planned() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, track_running_stats=False))
     plan = autopar.plan(model, torch.randn(8, 4), "1x2xcpu", lambda out: out.pow(2).mean())
     assert plan.predicted["step_time_s"] > 0
+
+
+EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_conv", {"dp": 2})]
+
+
+@pytest.mark.dist
+@pytest.mark.filterwarnings("ignore:autopar. DTensor's sharding strategy")
+@pytest.mark.parametrize("lowered", [False, True], ids=["dtensor", "lowered"])
+def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) -> None:
+    """A loss an expert-parallel dim leaves partial is reduced before it is returned and backpropagated (each
+    rank returned its own share); a parameter the step never uses gets no gradient (the lowered runtime stored
+    one it did not have); GroupNorm runs whole (DTensor's batch split of it cannot run its backward)."""
+    runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
+                 lowered=lowered) for spec, constraints in EDGE_RUNS]
+    for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
+        result.assert_matches(train_single(spec, None, 8, None, steps=3), spec)
+
+
+def test_an_expert_dim_may_leave_the_loss_partial_and_group_norm_is_offered_whole() -> None:
+    """What the runs above rest on: the planner's choices that the runtimes must carry out."""
+    from autopar.models import build_model
+
+    bundle = build_model("edge_models:experts", global_batch=8, device="meta")
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"dp": 2, "ep": 2},
+                        example_targets=bundle.example_targets)
+    assert plan.mesh.dim_names == ["ep"] and plan.placements["w1"] == ["S(0)"]
+    loss = next(op for op in plan.ops.values() if op["op"] == "aten.mean.default")
+    assert loss["outputs"] == [["P(avg)"]]
+    conv = build_model("edge_models:grouped_conv", global_batch=8, device="meta")
+    with pytest.warns(UserWarning, match=r"native_group_norm\.default cannot be trained on shards"):
+        plan = autopar.plan(conv.model, conv.example_inputs, "1x2xcpu", conv.loss_fn, {"dp": 2},
+                            example_targets=conv.example_targets)
+    norm = next(op for op in plan.ops.values() if op["op"] == "aten.native_group_norm.default")
+    assert norm["inputs"][0] == ["R"] and norm.get("local")

@@ -380,6 +380,8 @@ class StrategyFinder:
         prop = DTensor._op_dispatcher.sharding_propagator
         op = node.target
         found: list[Strategy] = []
+        if op in SHARDED_BACKWARD_FAILS:
+            return [_replicated(node, len(inputs), self._ndim)], True
         if op in LOCAL_RULES and len(inputs) in LOCAL_RULES[op].tensor_inputs:
             found = LOCAL_RULES[op].strategies(self._ndim, [tuple(i.meta["val"].shape) for i in inputs])
         elif self._ndim > 1 and _expandable(node, prop):
@@ -468,10 +470,21 @@ class StrategyFinder:
         name = str(op)
         if name not in self.unsupported:
             self.unsupported.add(name)
+            why = SHARDED_BACKWARD_FAILS.get(op)
             warnings.warn(
-                f"autopar: no DTensor sharding strategy for {name}; it will run replicated",
+                f"autopar: DTensor's sharding strategy for {name} cannot be trained on shards ({why}); it will "
+                "run replicated" if why else f"autopar: no DTensor sharding strategy for {name}; it will run replicated",
                 stacklevel=3,
             )
+
+
+SHARDED_BACKWARD_FAILS: dict[Any, str] = {
+    torch.ops.aten.native_group_norm.default: "its backward, native_group_norm_backward, takes the batch size N as "
+    "an argument and DTensor hands it the global N with the rank's shard of the batch",
+}
+"""Ops whose DTensor forward strategies split a tensor that their backward, run on the same shards, cannot
+take (torch 2.13; ``tests/test_step_inputs_and_writes.py`` trains a GroupNorm model on 2 ranks): offered only
+replicated, as ops without a strategy are, with a warning saying why."""
 
 
 _ONE_DIM: dict[Any, list[Strategy]] = {}
