@@ -471,11 +471,9 @@ class StrategyFinder:
         if name not in self.unsupported:
             self.unsupported.add(name)
             why = SHARDED_BACKWARD_FAILS.get(op)
-            warnings.warn(
-                f"autopar: DTensor's sharding strategy for {name} cannot be trained on shards ({why}); it will "
-                "run replicated" if why else f"autopar: no DTensor sharding strategy for {name}; it will run replicated",
-                stacklevel=3,
-            )
+            found = f"DTensor's sharding strategy for {name} cannot be trained on shards ({why})" if why else \
+                f"no DTensor sharding strategy for {name}"
+            warnings.warn(f"autopar: {found}; it will run replicated", stacklevel=3)
 
 
 SHARDED_BACKWARD_FAILS: dict[Any, str] = {
