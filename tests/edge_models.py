@@ -5,7 +5,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``experts``: a stack of expert matrices applied by ``torch.bmm`` to every token (its weights' expert dim is the
   bmm's batch dim, so an ep dim may split them), a mean-squared loss that an ep dim leaves ``Partial(avg)``,
   and a router it never uses (a parameter without a gradient);
-* ``grouped_conv``: ``Conv1d`` and ``GroupNorm``, whose DTensor backward fails on a batch split.
+* ``grouped_conv``: ``Conv1d`` and ``GroupNorm``, whose DTensor backward fails on a batch split;
+* ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
+  shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between.
 """
 
 from __future__ import annotations
@@ -49,3 +51,24 @@ class GroupedConv(nn.Module):
 
 def grouped_conv(global_batch: int = 8, seq: int = 32):
     return GroupedConv(), torch.randn(global_batch, 4, seq), torch.randint(0, 5, (global_batch,)), F.cross_entropy
+
+
+class SequentialBlocks(nn.Module):
+    def __init__(self, vocab: int = 40, width: int = 24, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.SiLU(),
+                                                  nn.Linear(2 * width, width)) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def sequential_blocks(global_batch: int = 8, seq: int = 12, layers: int = 4):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (SequentialBlocks(layers=layers), torch.randint(0, 40, (global_batch, seq)),
+            torch.randint(0, 40, (global_batch, seq)), loss)

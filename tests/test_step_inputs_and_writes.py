@@ -87,7 +87,8 @@ def test_batch_statistics_without_running_ones_are_planned() -> None:
     assert plan.predicted["step_time_s"] > 0
 
 
-EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_conv", {"dp": 2})]
+EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_conv", {"dp": 2}),
+             ("edge_models:sequential_blocks", {"pp": 2, "microbatches": 2})]
 
 
 @pytest.mark.dist
@@ -96,7 +97,8 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
 def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) -> None:
     """A loss an expert-parallel dim leaves partial is reduced before it is returned and backpropagated (each
     rank returned its own share); a parameter the step never uses gets no gradient (the lowered runtime stored
-    one it did not have); GroupNorm runs whole (DTensor's batch split of it cannot run its backward)."""
+    one it did not have); GroupNorm runs whole (DTensor's batch split of it cannot run its backward); blocks
+    whose numbered parts differ in shape are alike layers that a pipeline cuts between (they were one layer)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
@@ -119,3 +121,18 @@ def test_an_expert_dim_may_leave_the_loss_partial_and_group_norm_is_offered_whol
                             example_targets=conv.example_targets)
     norm = next(op for op in plan.ops.values() if op["op"] == "aten.native_group_norm.default")
     assert norm["inputs"][0] == ["R"] and norm.get("local")
+
+
+@pytest.mark.parametrize("layers", [3, 6])
+def test_blocks_with_numbered_parts_are_alike_layers_traced_three_deep(layers: int) -> None:
+    from autopar.ir.capture import TRACED_LAYERS, capture
+    from autopar.ir.layers import layer_count
+    from autopar.models import build_model
+
+    bundle = build_model("edge_models:sequential_blocks", overrides={"layers": layers}, global_batch=8, device="meta")
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn,
+                       traced_layers=TRACED_LAYERS)
+    assert layer_count(captured) == layers
+    assert (captured.stack is not None) == (layers > TRACED_LAYERS)
+    keys = {captured.tie_keys[name] for name in captured.params}
+    assert {"param:blocks.*.1.weight", "param:blocks.*.3.weight"} <= keys

@@ -607,34 +607,41 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
     among nodes of the same path and op; a parameter's or buffer's is its name with layer indices
     replaced. Keys do not depend on node names, so a graph traced with fewer layers names its ops as
     the whole model's graph does (``ir/bind.py``). Nodes whose groups disagree on shapes or
-    arguments keep their own name as key, so tying never changes what a node computes, only how many
-    decisions the solver makes.
+    arguments are keyed again with only the first index replaced (a layer's own numbered parts, such as
+    the two ``Linear``s of an ``nn.Sequential`` block, ``blocks.*.1`` and ``blocks.*.3``, then tie
+    layer by layer), and those that still disagree keep their own name as key, so tying never changes
+    what a node computes, only how many decisions the solver makes.
     """
     keys: dict[str, str] = {}
+    finer: dict[str, str] = {}
     ordinal: Counter = Counter()
     for node in graph.nodes:
         if node.op == "placeholder":
             fqn = params.get(node.name) or buffers.get(node.name)
             kind = "param:" if node.name in params else "buffer:"
             keys[node.name] = kind + _LAYER_INDEX.sub(".*", fqn) if fqn else node.name
+            finer[node.name] = kind + _LAYER_INDEX.sub(".*", fqn, count=1) if fqn else node.name
         elif node.op == "call_function":
             path = module_path(node)
             ordinal[(path, node.target)] += 1
             keys[node.name] = f"{_LAYER_INDEX.sub('.*', path)}|{node.target}|{ordinal[(path, node.target)]}"
+            finer[node.name] = f"{_LAYER_INDEX.sub('.*', path, count=1)}|{node.target}|{ordinal[(path, node.target)]}"
         else:
-            keys[node.name] = node.name
-    return _untie_inconsistent(graph, keys)
+            keys[node.name] = finer[node.name] = node.name
+    for rekeyed in _inconsistent(graph, keys):
+        keys[rekeyed] = finer[rekeyed]
+    for untied in _inconsistent(graph, keys):
+        keys[untied] = untied
+    return keys
 
 
-def _untie_inconsistent(graph: fx.Graph, keys: dict[str, str]) -> dict[str, str]:
+def _inconsistent(graph: fx.Graph, keys: dict[str, str]) -> list[str]:
+    """The nodes whose key groups them with nodes of other shapes or arguments (``_signature``)."""
     groups: dict[str, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         groups[keys[node.name]].append(node)
-    for key, members in groups.items():
-        if len(members) > 1 and len({_signature(n) for n in members}) > 1:
-            for n in members:
-                keys[n.name] = n.name
-    return keys
+    return [n.name for members in groups.values() if len(members) > 1 and len({_signature(n) for n in members}) > 1
+            for n in members]
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...]:
