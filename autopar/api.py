@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir.capture import TRACED_LAYERS, CapturedGraph, capture
+from autopar.ir.capture import TRACED_LAYERS, CapturedGraph, batch_carriers, capture
 from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
@@ -54,8 +54,8 @@ def plan(
 ) -> Plan:
     """Plan the training step ``loss_fn(model(*example_inputs), example_targets)`` on ``cluster``.
 
-    ``example_inputs`` carry the global batch's shapes on dim 0 (meta tensors are fine; a 0-dim input holds
-    no batch and is read whole). Without
+    ``example_inputs`` carry the global batch's shapes on dim 0 (meta tensors are fine; an input whose dim 0
+    is not the batch size, such as a 0-dim scale or positions ``[seq]``, is read whole). Without
     ``example_targets`` the step is ``loss_fn(model(*example_inputs))`` (a one-argument loss); without
     ``loss_fn`` the model itself must return the scalar loss (``model(*example_inputs, example_targets)``
     when targets are given). A model or loss that cannot take these arguments raises BadInputError. ``model`` may instead be a saved planning problem
@@ -161,9 +161,9 @@ def autoparallelize(
 
     m, dtype = the_plan.pipeline.microbatches, program_dtype(the_plan.precision)
     if m > 1 or dtype is not None:  # the program runs one microbatch at a time, in the compute dtype: capture that
-        captured = capture(model, tuple(_first_rows(t, m) for t in inputs),
-                           _first_rows(example_targets, m) if example_targets is not None else None, loss_fn,
-                           dtype=dtype)
+        first = _first_microbatch(inputs + ((example_targets,) if example_targets is not None else ()), m)
+        captured = capture(model, first[:len(inputs)], first[len(inputs)] if example_targets is not None else None,
+                           loss_fn, dtype=dtype)
     if lowered is None:
         lowered = lowered_by_default(the_plan)
     if the_plan.degrees.pp > 1:
@@ -262,9 +262,11 @@ def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: An
     return Plan.from_dict(box[0])
 
 
-def _first_rows(t: torch.Tensor, microbatches: int) -> torch.Tensor:
-    """The first microbatch of ``t`` (``runtime/inputs.microbatch_shape``: a 0-dim input is read whole)."""
-    return t[: t.shape[0] // microbatches] if t.ndim else t
+def _first_microbatch(tensors: tuple[torch.Tensor, ...], microbatches: int) -> tuple[torch.Tensor, ...]:
+    """The first of ``microbatches`` microbatches of a step's inputs and targets: the rows of those that carry
+    the batch (``ir/capture.batch_carriers``, as ``runtime/inputs.microbatch_shape`` cuts them), the others whole."""
+    carriers = batch_carriers([t.shape for t in tensors])
+    return tuple(t[: t.shape[0] // microbatches] if carries else t for t, carries in zip(tensors, carriers))
 
 
 def _as_tuple(x: Sequence[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -6,6 +6,7 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   bmm's batch dim, so an ep dim may split them), a mean-squared loss that an ep dim leaves ``Partial(avg)``,
   and a router it never uses (a parameter without a gradient);
 * ``grouped_conv``: ``Conv1d`` and ``GroupNorm``, whose DTensor backward fails on a batch split;
+* ``positions``: a second input of positions ``[seq]`` that every sample reads (no batch on its dim 0);
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between.
 """
@@ -72,3 +73,24 @@ def sequential_blocks(global_batch: int = 8, seq: int = 12, layers: int = 4):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (SequentialBlocks(layers=layers), torch.randint(0, 40, (global_batch, seq)),
             torch.randint(0, 40, (global_batch, seq)), loss)
+
+
+class Positions(nn.Module):
+    def __init__(self, vocab: int = 16, width: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(idx) + self.positions(pos)
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.head(h)
+
+
+def positions(global_batch: int = 8, seq: int = 6):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (Positions(), (torch.randint(0, 16, (global_batch, seq)), torch.arange(seq)),
+            torch.randint(0, 16, (global_batch, seq)), loss)

@@ -1,7 +1,8 @@
 """Steps at the edges of what capture accepts: a 0-dim input beside the batch is planned and trained like
-single-process training (it holds no batch: every rank reads it whole); a step that writes into its
-buffers, parameters or inputs is refused naming what it writes (the plan would otherwise price its first
-write as the loss, and the runtime would leave the written tensors stale)."""
+single-process training (it holds no batch: every rank reads it whole, as positions ``[seq]`` are); a step
+that writes into its buffers, parameters or inputs is refused naming what it writes (the plan would otherwise
+price its first write as the loss, and the runtime would leave the written tensors stale); models at the
+edges of what the runtimes met train like one process."""
 
 from __future__ import annotations
 
@@ -88,7 +89,9 @@ def test_batch_statistics_without_running_ones_are_planned() -> None:
 
 
 EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_conv", {"dp": 2}),
-             ("edge_models:sequential_blocks", {"pp": 2, "microbatches": 2})]
+             ("edge_models:sequential_blocks", {"pp": 2, "microbatches": 2}),
+             ("edge_models:positions", {"dp": 2, "microbatches": 2}),
+             ("edge_models:positions", {"pp": 2, "microbatches": 4})]
 
 
 @pytest.mark.dist
@@ -98,7 +101,8 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     """A loss an expert-parallel dim leaves partial is reduced before it is returned and backpropagated (each
     rank returned its own share); a parameter the step never uses gets no gradient (the lowered runtime stored
     one it did not have); GroupNorm runs whole (DTensor's batch split of it cannot run its backward); blocks
-    whose numbered parts differ in shape are alike layers that a pipeline cuts between (they were one layer)."""
+    whose numbered parts differ in shape are alike layers that a pipeline cuts between (they were one layer);
+    positions ``[seq]`` beside the batch are given whole to every microbatch (they were cut on dim 0)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
@@ -136,3 +140,17 @@ def test_blocks_with_numbered_parts_are_alike_layers_traced_three_deep(layers: i
     assert (captured.stack is not None) == (layers > TRACED_LAYERS)
     keys = {captured.tie_keys[name] for name in captured.params}
     assert {"param:blocks.*.1.weight", "param:blocks.*.3.weight"} <= keys
+
+
+def test_only_inputs_whose_dim_0_is_the_batch_are_split_on_it() -> None:
+    from autopar.ir.capture import batch_carriers
+
+    assert batch_carriers([[8, 6], [6], [], [8, 6]]) == [True, False, False, True]
+    assert batch_carriers([[], [4, 3]]) == [False, True]  # the batch is the first input with dims
+    from autopar.models import build_model
+
+    bundle = build_model("edge_models:positions", global_batch=8, device="meta")
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"dp": 2, "microbatches": 2},
+                        example_targets=bundle.example_targets)
+    idx, pos, targets = plan.inputs.values()
+    assert idx["placements"] == targets["placements"] == ["S(0)"] and pos["placements"] == ["R"]

@@ -36,7 +36,7 @@ from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
 from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, CapturedGraph, view_root
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
-from autopar.planning.meshes import MeshChoice, global_batch, microbatch_counts
+from autopar.planning.meshes import MeshChoice, batch_inputs, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import (ALLOW_ANY, Problem, Roles, Rule, build_problem, placeholder_candidates,
                                       source_of)
@@ -147,7 +147,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     param_candidates = _expert_split(captured, shape, pins_params, ep_dims)
     roles = Roles(
         param=lambda val: _split_matrices(param_candidates(val), val, tp_dims + sharded_on_dp),
-        user_input=placeholder_candidates(shape, pins_inputs),
+        user_input=_inputs_split_on_batch(captured, shape, pins_inputs, dp_dims + ep_dims),
         buffer=placeholder_candidates(shape, pins_buffers),
         rule=_all_of(_batch_stays_split(dp_dims, on_data, batch),
                      _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch,
@@ -239,8 +239,9 @@ def batch_dims(captured: CapturedGraph, on_data: set[str], dp_dim: int, finder: 
     user inputs' dim 0 through the strategies DTensor gives each op: the dim an output is split on
     when every data input is split on its own batch dim (None: the op reduces the batch away, or the
     strategies leave it ambiguous)."""
-    batch: dict[tuple[str, int], int | None] = {(name, 0): 0 if captured.node(name).meta["val"].ndim else None
-                                                for name in captured.user_inputs}  # a 0-dim input holds no batch
+    carriers = batch_inputs(captured)  # a 0-dim input, or positions every sample reads, hold no batch
+    batch: dict[tuple[str, int], int | None] = {(name, 0): 0 if name in carriers else None
+                                                for name in captured.user_inputs}
     for node in captured.graph.nodes:
         if node.op != "call_function" or node.name not in on_data or is_getitem(node):
             continue
@@ -618,6 +619,15 @@ def _follow(finder: StrategyFinder, views, placement) -> Shard | None:
         if not placement.is_shard():
             return None
     return placement
+
+
+def _inputs_split_on_batch(captured: CapturedGraph, shape: tuple[int, ...], pins: dict, data_dims: list[int]):
+    """User inputs' candidates under ``pins``: an input that carries the batch (``meshes.batch_inputs``) split
+    on it over the data dims (``data_dims``), one that does not whole there (every sample reads it)."""
+    carriers = {id(captured.node(name).meta["val"]) for name in batch_inputs(captured)}
+    split = placeholder_candidates(shape, pins)
+    whole = placeholder_candidates(shape, {**pins, **{d: Replicate() for d in data_dims}})
+    return lambda val: split(val) if id(val) in carriers else whole(val)
 
 
 def _expert_split(captured: CapturedGraph, shape: tuple[int, ...], pins: dict, ep_dims: list[int]):

@@ -20,29 +20,38 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from autopar.core.errors import BadInputError
 from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
+from autopar.ir.capture import batch_carriers
 from autopar.passes import shard_tensor
 from autopar.passes.sequence_layout import in_layout
 
 
-def microbatch_shape(shape: Sequence[int], microbatches: int) -> list[int]:
-    """The global shape of one microbatch of an input whose whole-batch shape is ``shape`` (cut on dim 0; an
-    input with no dims holds no batch and is read whole by every microbatch, ``planning/meshes.global_batch``)."""
-    shape = list(shape)
-    return [shape[0] // microbatches] + shape[1:] if shape else shape
+def carries_batch(plan: Plan, name: str) -> bool:
+    """Whether the planned input (or targets) ``name`` carries the batch on dim 0 (``ir/capture.batch_carriers``
+    of the plan's inputs, in their order); one that does not is read whole by every rank and microbatch."""
+    names = list(plan.inputs)
+    return batch_carriers([plan.inputs[n]["shape"] for n in names])[names.index(name)]
 
 
-def microbatches_of(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
-    """``x`` cut into ``microbatches`` pieces as ``microbatch_shape`` says: on dim 0, or whole each time."""
-    return list(torch.chunk(x, microbatches, dim=0)) if x.ndim else [x] * microbatches
+def microbatch_shape(plan: Plan, name: str, microbatches: int) -> list[int]:
+    """The global shape of one of ``microbatches`` microbatches of the planned input ``name``: cut on dim 0
+    where it carries the batch (``carries_batch``), else whole."""
+    shape = list(plan.inputs[name]["shape"])
+    return [shape[0] // microbatches] + shape[1:] if carries_batch(plan, name) else shape
 
 
-def pipeline_chunk_spec(shape: Sequence[int]) -> Any:
-    """How ``torch.distributed.pipelining`` cuts an input of ``shape`` into microbatches, as ``microbatch_shape``
-    does: on dim 0, or repeated whole (its ``_Replicate``, a private name: the public ``TensorChunkSpec`` cuts
-    every tensor)."""
+def microbatches_of(x: torch.Tensor, microbatches: int, carries: bool) -> list[torch.Tensor]:
+    """``x`` cut into ``microbatches`` pieces as ``microbatch_shape`` says: on dim 0 where it ``carries`` the
+    batch, else whole each time."""
+    return list(torch.chunk(x, microbatches, dim=0)) if carries else [x] * microbatches
+
+
+def pipeline_chunk_spec(carries: bool) -> Any:
+    """How ``torch.distributed.pipelining`` cuts an input into microbatches, as ``microbatch_shape`` does: on
+    dim 0 where it ``carries`` the batch, else repeated whole (its ``_Replicate``, a private name: the public
+    ``TensorChunkSpec`` cuts every tensor)."""
     from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-    return TensorChunkSpec(0) if len(shape) else _Replicate
+    return TensorChunkSpec(0) if carries else _Replicate
 
 
 def check_user_inputs(plan: Plan, mesh: DeviceMesh, names: Sequence[str], tensors: Sequence[Any], local: bool,
@@ -71,12 +80,13 @@ def _expected_shape(plan: Plan, mesh: DeviceMesh, name: str, local: bool, microb
                     ) -> tuple[list[int], list[int]]:
     """(the shape ``name`` must have, its global shape) for ``microbatches`` microbatches."""
     spec = plan.inputs[name]
-    one = microbatch_shape(spec["shape"], plan.pipeline.microbatches)
-    whole = _rows_times(one, microbatches)
+    one = microbatch_shape(plan, name, plan.pipeline.microbatches)
+    factor = microbatches if carries_batch(plan, name) else 1
+    whole = _rows_times(one, factor)
     if not local:
         return whole, whole
     mine, _ = compute_local_shape_and_global_offset(one, mesh, strs_to_placements(spec["placements"]))
-    return _rows_times(list(mine), microbatches), whole
+    return _rows_times(list(mine), factor), whole
 
 
 def _rows_times(shape: list[int], factor: int) -> list[int]:
@@ -112,7 +122,7 @@ def user_input(plan: Plan, mesh: DeviceMesh, name: str, x: torch.Tensor, local: 
     slice of the sequence is its two chunks (``passes/sequence_layout.py``): with ``local=True``, give
     those, chunk r then chunk 2cp-1-r of 2cp for cp rank r."""
     spec = plan.inputs[name]
-    shape = microbatch_shape(spec["shape"], plan.pipeline.microbatches)
+    shape = microbatch_shape(plan, name, plan.pipeline.microbatches)
     if x.requires_grad:  # differentiable, as DTensor's own constructors are
         if local:
             return DTensor.from_local(x, mesh, strs_to_placements(spec["placements"]), run_check=False,

@@ -44,7 +44,7 @@ from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
-from autopar.runtime.inputs import check_user_inputs, microbatches_of, user_input
+from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
 from autopar.runtime.mesh import init_job_mesh
 
 
@@ -146,7 +146,8 @@ class ParallelModule(nn.Module):
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         total = torch.zeros(())
         params = self._program_params.begin_step()
-        for i, piece in enumerate(zip(*(microbatches_of(a, m) for a in args))):
+        carriers = [carries_batch(self.plan, name) for name in self.captured.user_inputs]
+        for i, piece in enumerate(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, carriers)))):
             loss = self._run_program(params, piece, local, deferred=True).to_local()
             if i == m - 1:
                 self._program_params.arm()  # reduce gradients as the last backward produces them

@@ -79,8 +79,8 @@ from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_d
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
-from autopar.runtime.inputs import (check_user_inputs, microbatch_shape, pipeline_chunk_spec, user_input,
-                                    user_input_shard)
+from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, pipeline_chunk_spec,
+                                    user_input, user_input_shard)
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout
 
 ZERO_BUBBLE = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
@@ -429,7 +429,7 @@ class PipelineParallelModule(nn.Module):
     def _chunk_specs(self, later: Sequence[str]) -> tuple[tuple[Any, ...] | None, dict[str, Any]]:
         """How the schedule cuts the first chunk's inputs (positional; None on a rank without it) and the user
         inputs later chunks read (``later``, keyword) into microbatches (``pipeline_chunk_spec``)."""
-        spec = lambda name: pipeline_chunk_spec(self.plan.inputs[name]["shape"])  # noqa: E731
+        spec = lambda name: pipeline_chunk_spec(carries_batch(self.plan, name))  # noqa: E731
         first = tuple(spec(n) for n in self.captured.user_inputs) if self.chunks[0].index == 0 else None
         return first, {n: spec(n) for n in later}
 
@@ -443,7 +443,7 @@ class PipelineParallelModule(nn.Module):
     def _example_inputs(self, chunk: StageModule) -> tuple[torch.Tensor, ...]:
         if chunk.index > 0:
             return tuple(b.local_meta(self.mesh) for b in chunk.inputs)
-        return tuple(torch.empty(microbatch_shape(self.plan.inputs[n]["shape"], self.microbatches),
+        return tuple(torch.empty(microbatch_shape(self.plan, n, self.microbatches),
                                  dtype=getattr(torch, self.plan.inputs[n]["dtype"]), device="meta")
                      for n in self.captured.user_inputs)
 
