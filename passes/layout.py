@@ -7,9 +7,10 @@ trace saw). These helpers restore a captured memory order on a DTensor's local s
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -67,3 +68,48 @@ def _inverse(order: Sequence[int]) -> tuple[int, ...]:
     for i, d in enumerate(order):
         inv[d] = i
     return tuple(inv)
+
+
+def gradient_in_spec_layout(x: Any) -> Any:
+    """``x`` as it is, with a backward that lays its gradient's local shard out as the gradient's spec says
+    (``_GradientInSpecLayout``); anything but a DTensor passes through."""
+    return _GradientInSpecLayout.apply(x) if isinstance(x, DTensor) else x
+
+
+class _GradientInSpecLayout(torch.autograd.Function):
+    """Where DTensor's spec and its local shard disagree on a gradient's memory order (torch 2.13: the
+    backward of ``unsqueeze``, ``aten.squeeze.dim``, returns a local ``[8, 16, 16]`` of strides
+    ``(256, 1, 16)`` under a spec of strides ``(512, 32, 1)``), a reshaping view's backward, which reshapes
+    by the spec's strides, views a local shard that cannot be viewed so. Placed on the outputs of the
+    program's reshaping views (``guard_view_gradients``), this rearranges such a gradient into its spec's
+    layout first; a consistent one passes untouched."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> DTensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:  # type: ignore[override]
+        meta = grad._spec.tensor_meta if isinstance(grad, DTensor) else None
+        if meta is None:
+            return grad
+        want = tuple(sorted(range(len(meta.shape)), key=lambda d: (meta.stride[d], meta.shape[d]), reverse=True))
+        if memory_order(grad._local_tensor) == want:
+            return grad
+        return wrap_with_layout(grad._local_tensor, grad.device_mesh, placements_to_strs(grad.placements), want)
+
+
+def guard_view_gradients(gm: fx.GraphModule, views: Sequence[Any]) -> int:
+    """Put ``gradient_in_spec_layout`` on the output of every reshaping view of ``gm`` (``views``: their
+    targets); returns how many."""
+    guarded = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in views:
+            with gm.graph.inserting_after(node):
+                guard = gm.graph.call_function(gradient_in_spec_layout, (node,))
+            guard.meta = dict(node.meta)  # the view's layer and value: checkpointing and stages read them
+            node.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
+            guarded += 1
+    gm.graph.lint()
+    gm.recompile()
+    return guarded

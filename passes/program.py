@@ -25,10 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.ir.bind import bind_ops
-from autopar.ir.capture import CapturedGraph
+from autopar.ir.capture import VIEWS, CapturedGraph
 
 from .checkpoint import checkpoint_layers
 from .insert_redistributes import insert_redistributes, produced_placements
+from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
 from .run_locally import run_locally
@@ -67,6 +68,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
     run_locally(program, plan.ops, mesh, plan.cp_layout)
+    guard_view_gradients(program, VIEWS)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)

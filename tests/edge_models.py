@@ -6,6 +6,8 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   bmm's batch dim, so an ep dim may split them), a mean-squared loss that an ep dim leaves ``Partial(avg)``,
   and a router it never uses (a parameter without a gradient);
 * ``grouped_conv``: ``Conv1d`` and ``GroupNorm``, whose DTensor backward fails on a batch split;
+* ``einsum_attention``: causal attention written with ``torch.einsum`` and a mask buffer, whose backward under
+  tp meets a gradient DTensor lays out otherwise than its spec says (``passes/layout.guard_view_gradients``);
 * ``positions``: a second input of positions ``[seq]`` that every sample reads (no batch on its dim 0);
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between.
@@ -94,3 +96,31 @@ def positions(global_batch: int = 8, seq: int = 6):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (Positions(), (torch.randint(0, 16, (global_batch, seq)), torch.arange(seq)),
             torch.randint(0, 16, (global_batch, seq)), loss)
+
+
+class EinsumAttention(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2, seq: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(q=nn.Linear(width, width), k=nn.Linear(width, width),
+                                                       v=nn.Linear(width, width), o=nn.Linear(width, width),
+                                                       norm=nn.LayerNorm(width, elementwise_affine=False)))
+                                    for _ in range(layers))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            y = block["norm"](h)
+            q, k, v = block["q"](y), block["k"](y), block["v"](y)
+            scores = torch.einsum("btd,bsd->bts", q, k) / q.shape[-1] ** 0.5
+            scores = scores.masked_fill(self.mask, float("-inf"))
+            h = h + block["o"](torch.einsum("bts,bsd->btd", scores.softmax(-1), v))
+        return self.head(h)
+
+
+def einsum_attention(global_batch: int = 8, seq: int = 16):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (EinsumAttention(seq=seq), torch.randint(0, 64, (global_batch, seq)),
+            torch.randint(0, 64, (global_batch, seq)), loss)

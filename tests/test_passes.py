@@ -26,6 +26,7 @@ from autopar.models import ModelBundle, build_model
 from autopar.passes import Program, build_program, shard_tensor
 from autopar.passes.checkpoint import CheckpointedLayer
 from autopar.passes.insert_redistributes import as_replicated, produced_placements, redistribute
+from autopar.passes.layout import gradient_in_spec_layout
 from autopar.passes.reshard import ResavedParameters, gather_parameter, parameter_values
 from autopar.passes.run_locally import run_local_op
 from autopar.runtime.parallel_module import mesh_for_plan
@@ -59,11 +60,17 @@ def _value_name(node: fx.Node) -> str:
 
 
 def _read_in_place_of(captured: fx.Node, rewritten: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """(captured tensor input, the node the rewritten op reads in its place) for each input of an op."""
+    """(captured tensor input, the node the rewritten op reads in its place) for each input of an op; a
+    view's gradient guard (``layout.gradient_in_spec_layout``, which passes its value through) seen through."""
     local = rewritten.target is run_local_op  # run_locally made its args (op, mesh, outputs, layouts, *args)
     args = rewritten.args[4:] if local else rewritten.args
     pairs = zip(tree_leaves((captured.args, captured.kwargs)), tree_leaves((args, rewritten.kwargs)))
-    return [(old, new) for old, new in pairs if old in tensor_inputs(captured)]
+    return [(old, _unguarded(new)) for old, new in pairs if old in tensor_inputs(captured)]
+
+
+def _unguarded(node: fx.Node) -> fx.Node:
+    """The value ``node`` passes on: the guarded view for a gradient guard, else ``node``."""
+    return node.args[0] if node.target is gradient_in_spec_layout else node
 
 
 def _reads_unmoved(old: fx.Node, new: fx.Node) -> bool:
@@ -99,7 +106,8 @@ def test_redistributes_move_exactly_the_inputs_whose_placement_changes(fsdp) -> 
             if _reads_unmoved(old, new):
                 assert tuple(produced[_value_name(old)]) == tuple(wanted), f"{node.name} reads {old.name} unmoved"
                 continue
-            assert new.target in MOVES and new.args[0].name == old.name, f"{node.name}: {new.name} is not a move"
+            moves = new.target in MOVES and _unguarded(new.args[0]).name == old.name
+            assert moves, f"{node.name}: {new.name} is not a move"
             assert tuple(new.args[1]) == tuple(wanted) != tuple(produced[_value_name(old)])
             moved += 1
     assert moved == program.redistributes > 0

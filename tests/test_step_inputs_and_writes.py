@@ -91,7 +91,9 @@ def test_batch_statistics_without_running_ones_are_planned() -> None:
 EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_conv", {"dp": 2}),
              ("edge_models:sequential_blocks", {"pp": 2, "microbatches": 2}),
              ("edge_models:positions", {"dp": 2, "microbatches": 2}),
-             ("edge_models:positions", {"pp": 2, "microbatches": 4})]
+             ("edge_models:positions", {"pp": 2, "microbatches": 4}),
+             ("edge_models:einsum_attention", {"tp": 2}),
+             ("edge_models:einsum_attention", {"tp": 2, "checkpointing": "selective"})]
 
 
 @pytest.mark.dist
@@ -102,7 +104,9 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     rank returned its own share); a parameter the step never uses gets no gradient (the lowered runtime stored
     one it did not have); GroupNorm runs whole (DTensor's batch split of it cannot run its backward); blocks
     whose numbered parts differ in shape are alike layers that a pipeline cuts between (they were one layer);
-    positions ``[seq]`` beside the batch are given whole to every microbatch (they were cut on dim 0)."""
+    positions ``[seq]`` beside the batch are given whole to every microbatch (they were cut on dim 0); einsum
+    attention under tp trains on DTensor and with selective checkpointing (a view in backward met a gradient
+    laid out otherwise than its spec said)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
