@@ -109,11 +109,21 @@ def _replicate_the_loss(graph: fx.Graph, produced: Mapping[str, Sequence[str]], 
     output = graph.output_node()
     (loss,) = output.all_input_nodes
     whole = ("R",) * ndim
-    if tuple(produced.get(value_name(loss), whole)) == whole:
+    if tuple(_placement_through_casts(loss, produced, whole)) == whole:
         return 0
     with graph.inserting_before(output):
         output.replace_input_with(loss, graph.call_function(redistribute, (loss, whole)))
     return 1
+
+
+def _placement_through_casts(node: fx.Node, produced: Mapping[str, Sequence[str]], default: Sequence[str]
+                             ) -> Sequence[str]:
+    """The planned placement of ``node``'s value, looking through casts the plan never saw: a program captured
+    in a compute dtype may end in one (bf16's ``mse_loss`` upcasts, then casts its mean back), which DTensor
+    leaves placed as its input."""
+    while value_name(node) not in produced and node.target is torch.ops.aten._to_copy.default:
+        node = node.args[0]
+    return produced.get(value_name(node), default)
 
 
 def produced_placements(captured: CapturedGraph, plan: Plan) -> dict[str, list[str]]:

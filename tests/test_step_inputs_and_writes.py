@@ -113,6 +113,18 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
         result.assert_matches(train_single(spec, None, 8, None, steps=3), spec)
 
 
+@pytest.mark.dist
+def test_a_partial_loss_cast_back_to_the_compute_dtype_is_reduced_too() -> None:
+    """In bf16 the captured mean-squared loss ends in a cast back from fp32 that the plan (captured in fp32)
+    never saw, so the plan says nothing of the loss the program returns: it is reduced all the same."""
+    spec, constraints = "edge_models:experts", {"dp": 2, "ep": 2, "dtype": "bf16"}
+    runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
+                 lowered=lowered) for lowered in (False, True)]
+    reference = train_single(spec, None, 8, None, steps=3, dtype="bf16")
+    for result in train_parallel_many(2, runs):
+        result.assert_matches(reference)
+
+
 def test_an_expert_dim_may_leave_the_loss_partial_and_group_norm_is_offered_whole() -> None:
     """What the runs above rest on: the planner's choices that the runtimes must carry out."""
     from autopar.models import build_model
