@@ -256,6 +256,8 @@ def _planned(node: fx.Node, plan: Plan) -> Sequence[str]:
         return plan.ops[node.args[0].name]["outputs"][node.args[1]]
     if node.name in plan.ops:
         return plan.ops[node.name]["outputs"][0]
+    if node.target is torch.ops.aten._to_copy.default:  # a cast the plan never saw (a compute-dtype capture's)
+        return _planned(node.args[0], plan)
     raise BadInputError(f"the plan gives no placement for {node.name}, which crosses a pipeline stage")
 
 

@@ -116,10 +116,12 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
 @pytest.mark.dist
 def test_a_partial_loss_cast_back_to_the_compute_dtype_is_reduced_too() -> None:
     """In bf16 the captured mean-squared loss ends in a cast back from fp32 that the plan (captured in fp32)
-    never saw, so the plan says nothing of the loss the program returns: it is reduced all the same."""
-    spec, constraints = "edge_models:experts", {"dp": 2, "ep": 2, "dtype": "bf16"}
-    runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
-                 lowered=lowered) for lowered in (False, True)]
+    never saw, so the plan says nothing of the loss the program returns: it is reduced all the same where
+    partial (ep), and returned as its input is placed where not (dp: its boundary had no placement)."""
+    spec = "edge_models:experts"
+    runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None,
+                 constraints={"dp": 2, **parallel, "dtype": "bf16"}, lowered=lowered)
+            for parallel in ({"ep": 2}, {}) for lowered in (False, True)]
     reference = train_single(spec, None, 8, None, steps=3, dtype="bf16")
     for result in train_parallel_many(2, runs):
         result.assert_matches(reference)
