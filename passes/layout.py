@@ -19,7 +19,12 @@ from autopar.core.placement import placements_to_strs, strs_to_placements
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     """Dims from outermost to innermost in memory."""
-    return tuple(sorted(range(t.ndim), key=lambda d: (t.stride(d), t.shape[d]), reverse=True))
+    return order_of(t.stride(), t.shape)
+
+
+def order_of(stride: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """``memory_order`` of a tensor of ``stride`` and ``shape`` (a DTensor spec's, say)."""
+    return tuple(sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]), reverse=True))
 
 
 def wrap_with_layout(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[str], order: tuple[int, ...] | None) -> DTensor:
@@ -93,23 +98,20 @@ class _GradientInSpecLayout(torch.autograd.Function):
         meta = grad._spec.tensor_meta if isinstance(grad, DTensor) else None
         if meta is None:
             return grad
-        want = tuple(sorted(range(len(meta.shape)), key=lambda d: (meta.stride[d], meta.shape[d]), reverse=True))
+        want = order_of(meta.stride, meta.shape)
         if memory_order(grad._local_tensor) == want:
             return grad
         return wrap_with_layout(grad._local_tensor, grad.device_mesh, placements_to_strs(grad.placements), want)
 
 
-def guard_view_gradients(gm: fx.GraphModule, views: Sequence[Any]) -> int:
+def guard_view_gradients(gm: fx.GraphModule, views: Sequence[Any]) -> None:
     """Put ``gradient_in_spec_layout`` on the output of every reshaping view of ``gm`` (``views``: their
-    targets); returns how many."""
-    guarded = 0
+    targets)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in views:
             with gm.graph.inserting_after(node):
                 guard = gm.graph.call_function(gradient_in_spec_layout, (node,))
             guard.meta = dict(node.meta)  # the view's layer and value: checkpointing and stages read them
             node.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
-            guarded += 1
     gm.graph.lint()
     gm.recompile()
-    return guarded

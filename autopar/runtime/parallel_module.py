@@ -71,6 +71,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
+        self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
         precision = plan.precision
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
         masters = shard_parameters(named_params, plan.placements, mesh)
@@ -146,8 +147,7 @@ class ParallelModule(nn.Module):
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         total = torch.zeros(())
         params = self._program_params.begin_step()
-        carriers = [carries_batch(self.plan, name) for name in self.captured.user_inputs]
-        for i, piece in enumerate(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, carriers)))):
+        for i, piece in enumerate(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers)))):
             loss = self._run_program(params, piece, local, deferred=True).to_local()
             if i == m - 1:
                 self._program_params.arm()  # reduce gradients as the last backward produces them
