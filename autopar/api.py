@@ -130,6 +130,8 @@ def autoparallelize(
 ) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
 
+    Every rank starts from rank 0's parameters and buffers (broadcast first, as DDP does), so ranks that
+    built or seeded the model differently still train one model; a meta-device model is refused.
     ``plan`` may be a Plan or a plan file; without one, rank 0 plans for ``cluster`` (default: the
     world this job runs in) under ``constraints`` and every rank receives the same plan. A plan whose
     predicted per-device peak memory exceeds this rank's device (a GPU's memory; on CPU the host's
@@ -150,6 +152,9 @@ def autoparallelize(
     if not dist.is_initialized():
         raise BadInputError("autoparallelize needs an initialized process group: launch with torchrun "
                             "(or call torch.distributed.init_process_group) first")
+    from autopar.runtime.mesh import start_from_rank_zero
+
+    start_from_rank_zero(model)  # every rank shards rank 0's weights, however each rank built or seeded its own
     inputs = _as_tuple(example_inputs)
     captured = capture(model, inputs, example_targets, loss_fn)
     the_plan = _plan_for_job(captured, plan, cluster, pinned, type(model).__name__, _model_facts(model, inputs))

@@ -10,7 +10,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   tp meets a gradient DTensor lays out otherwise than its spec says (``passes/layout.guard_view_gradients``);
 * ``positions``: a second input of positions ``[seq]`` that every sample reads (no batch on its dim 0);
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
-  shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between.
+  shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between;
+* ``dropout_blocks``: pre-norm MLP blocks with dropout on the hidden and on the residual branch, which tensor
+  parallelism leaves replicated on every rank (its masks must agree there).
 """
 
 from __future__ import annotations
@@ -124,3 +126,32 @@ def einsum_attention(global_batch: int = 8, seq: int = 16):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (EinsumAttention(seq=seq), torch.randint(0, 64, (global_batch, seq)),
             torch.randint(0, 64, (global_batch, seq)), loss)
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.drop(self.fc2(self.drop(F.gelu(self.fc1(self.norm(h))))))
+
+
+class DropoutBlocks(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2, p: float = 0.3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(DropoutBlock(width, p) for _ in range(layers)))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(idx)))
+
+
+def dropout_blocks(global_batch: int = 4, seq: int = 8):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (DropoutBlocks(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
+            loss)

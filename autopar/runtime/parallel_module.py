@@ -45,7 +45,8 @@ from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
-from autopar.runtime.mesh import init_job_mesh
+from autopar.runtime.mesh import init_job_mesh, job_device_type
+from autopar.runtime.randomness import StepRandomness
 
 
 def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
@@ -56,7 +57,7 @@ def mesh_for_plan(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     world = dist.get_world_size()
     if plan.mesh.devices != world:
         raise BadInputError(f"the plan's mesh {plan.mesh.shape} needs {plan.mesh.devices} ranks, this job has {world}")
-    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device_type = device_type or job_device_type()
     return init_job_mesh(device_type, tuple(plan.mesh.shape), tuple(plan.mesh.dim_names))
 
 
@@ -71,6 +72,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
+        self._randomness = StepRandomness()  # dropout masks alike on the ranks that hold a replica
         self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
         precision = plan.precision
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
@@ -116,7 +118,8 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
-        return self._run_program(self._program_params.begin_step(), inputs, local)
+        with self._randomness.step():
+            return self._run_program(self._program_params.begin_step(), inputs, local)
 
     def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
                      deferred: bool = False) -> DTensor:
@@ -147,13 +150,15 @@ class ParallelModule(nn.Module):
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         total = torch.zeros(())
         params = self._program_params.begin_step()
-        for i, piece in enumerate(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers)))):
-            loss = self._run_program(params, piece, local, deferred=True).to_local()
-            if i == m - 1:
-                self._program_params.arm()  # reduce gradients as the last backward produces them
-            (loss / m).backward()
-            self._finish_loss()  # the loss's reduction waited on after backward, as DDP's ranks meet only there
-            total = total + loss.detach().float() / m
+        with self._randomness.step():
+            pieces = zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers)))
+            for i, piece in enumerate(pieces):
+                loss = self._run_program(params, piece, local, deferred=True).to_local()
+                if i == m - 1:
+                    self._program_params.arm()  # reduce gradients as the last backward produces them
+                (loss / m).backward()
+                self._finish_loss()  # the loss's reduction waited on after backward, as DDP's ranks meet only there
+                total = total + loss.detach().float() / m
         self._program_params.end_step()
         return total
 

@@ -81,7 +81,8 @@ from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, pipeline_chunk_spec,
                                     user_input, user_input_shard)
-from autopar.runtime.mesh import init_job_mesh, job_collective_timeout
+from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
+from autopar.runtime.randomness import StepRandomness
 
 ZERO_BUBBLE = {"zero_bubble": "ScheduleInterleavedZeroBubble"}
 """Zero-bubble schedules (Qi et al., ICLR 2024: backward split into input- and weight-gradient steps) by
@@ -232,6 +233,7 @@ class PipelineParallelModule(nn.Module):
             check_plan_fits(plan, self.mesh.device_type)
         self.pp_group = self.world_mesh.get_group("pp")
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
+        self._randomness = StepRandomness(stream=self.pp_rank)  # a stage's ranks draw alike, stages apart
         built = build_program(plan, captured, self.mesh)
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
@@ -304,8 +306,9 @@ class PipelineParallelModule(nn.Module):
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
         self._reduce_inputs_ahead(first, later)
         self._losses = []
-        self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
-                           **later)
+        with self._randomness.step():
+            self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
+                               **later)
         for program in self._lowered_programs():
             if not program.files_in_last_backward:  # ``_accumulate_in_leaves``
                 program.file_leaf_gradients()
@@ -479,6 +482,6 @@ def pipeline_meshes(plan: Plan, device_type: str | None = None) -> tuple[DeviceM
     if int(torch.tensor(shape).prod()) != world:
         raise BadInputError(f"the plan's pipeline of {pp} stages of mesh {list(plan.mesh.shape)} needs "
                             f"{int(torch.tensor(shape).prod())} ranks, this job has {world}")
-    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device_type = device_type or job_device_type()
     world_mesh = init_job_mesh(device_type, shape, ("pp", *names))
     return world_mesh, world_mesh[names if len(names) > 1 else names[0]]

@@ -1,0 +1,87 @@
+"""Every rank trains one model, whatever each rank did before or between steps: the ranks start from rank 0's
+weights (``runtime/mesh.start_from_rank_zero``: each rank used to keep its own shards of whatever it had built,
+so ranks seeded apart trained replicas that never agreed), and a step draws its dropout masks from a stream
+of its own that every rank of the plan holds alike (``runtime/randomness.StepRandomness``: the masks came from
+each process's global generator, so one extra draw on one rank parted the replicas under tp)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+import autopar
+from autopar import BadInputError
+from autopar.models import build_model
+from autopar.testing.launch import run_on_ranks
+from autopar.testing.parity import AutoparResult, batches, sgd, train_module, train_single
+
+SEED = 1000
+PER_RANK_RUNS = [("tiny-gpt", {"dp": 2}), ("tiny-llama", {"tp": 2})]
+
+
+def _built_with_a_seed_per_rank(rank: int, world: int) -> list[dict[str, Any]]:
+    """Each run's training, on a model each rank built from its own seed (rank 0's: ``SEED``) and the
+    batches of ``SEED`` on every rank."""
+    results = []
+    for name, constraints in PER_RANK_RUNS:
+        bundle = build_model(name, global_batch=4, seq=16, device="cpu", seed=SEED + rank)
+        pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                     example_targets=bundle.example_targets, constraints=constraints)
+        results.append(train_module(pm, bundle, 3, SEED, rank))
+    return results
+
+
+@pytest.mark.dist
+def test_ranks_that_built_different_weights_train_rank_zeros_model_like_one_process() -> None:
+    per_rank = run_on_ranks(_built_with_a_seed_per_rank, 2)
+    for i, (name, constraints) in enumerate(PER_RANK_RUNS):
+        result = AutoparResult.from_ranks([ranks[i] for ranks in per_rank])
+        result.assert_matches(train_single(name, None, 4, 16, 3, seed=SEED), f"{name} under {constraints}")
+
+
+def _replicas_after_uneven_draws(rank: int, world: int, lowered: bool) -> dict[str, Any]:
+    """Three tp steps of a model with dropout, rank 0 drawing random numbers of its own between them: this
+    rank's replicated parameters, and whether each step left the caller's generator as it found it."""
+    bundle = build_model("edge_models:dropout_blocks", global_batch=4, seq=8, device="cpu", seed=0)
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints={"tp": 2}, lowered=lowered)
+    opt = sgd(pm.parameters())
+    untouched = []
+    for batch in batches(bundle, 3, 0):
+        opt.zero_grad()
+        before = torch.get_rng_state()
+        pm.step(*batch)
+        untouched.append(torch.equal(before, torch.get_rng_state()))
+        opt.step()
+        if rank == 0:
+            torch.rand(7)  # the job's own draw, on one rank only
+    replicated = {name: p.to_local().detach().clone() for name, p in pm.named_parameters()
+                  if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, replicated)
+    return {"untouched": untouched, "replicas": everyone}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("lowered", [False, True], ids=["dtensor", "lowered"])
+def test_dropout_masks_agree_on_replicas_whatever_each_rank_draws_between_steps(lowered: bool) -> None:
+    got = run_on_ranks(_replicas_after_uneven_draws, 2, lowered)[0]
+    mine, theirs = got["replicas"]
+    assert {"blocks.0.fc2.bias", "blocks.1.norm.weight"} <= set(mine)  # the residual branch is replicated
+    parted = [name for name in mine if not torch.equal(mine[name], theirs[name])]
+    assert parted == []
+    assert got["untouched"] == [True, True, True]  # a step draws nothing from the job's own generator
+
+
+def test_a_meta_device_model_is_refused_by_autoparallelize_and_planned_by_plan(two_fake_ranks: None) -> None:
+    bundle = build_model("tiny-gpt", global_batch=4, seq=16, device="meta")
+    with pytest.raises(BadInputError, match=r"parameters and buffers are on the meta device \(.*\): build it on "
+                                            r"the CPU or the GPU"):
+        autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                example_targets=bundle.example_targets, cluster="1x2xcpu")
+    assert autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
+                        example_targets=bundle.example_targets).mesh.devices == 2
