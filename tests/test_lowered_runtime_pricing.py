@@ -178,7 +178,7 @@ def test_solver_and_explanations_count_a_regather_in_the_gradient_sync():
 def test_a_plan_priced_for_the_lowered_runtime_warns_when_run_on_dtensor(two_fake_ranks):
     """Only where the runtimes' prices differ: a plan sharding parameters over dp (FSDP); the same plan priced
     for DTensor (pinned), or one replicating its parameters, runs on DTensor without a word."""
-    bundle = build_model("tiny-llama", global_batch=8)
+    bundle = build_model("tiny-llama", global_batch=8, device="cpu")
 
     def plan_of(**constraints) -> autopar.Plan:
         return autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
