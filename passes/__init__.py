@@ -13,7 +13,10 @@ list of graph passes; every runtime runs the stage programs it returns:
    compute dtype, and a gathered parameter is cast before it is gathered (``cast_parameters``);
 4. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
    local rules such as fused attention split on heads, or on its queries under context parallelism,
-   and the views that flatten a context-parallel sequence into rows) run on local shards;
+   and the views that flatten a context-parallel sequence into rows) run on local shards; then the
+   backward passes DTensor cannot run are mended: reshaping views' gradients are laid out as their specs say
+   (``layout.guard_view_gradients``), and ``copy`` and ``slice_scatter`` get derivatives that run there
+   (``dtensor_backward``);
 5. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
    plan's is one stage program, the whole program;
 6. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule

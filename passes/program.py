@@ -28,6 +28,7 @@ from autopar.ir.bind import bind_ops
 from autopar.ir.capture import VIEWS, CapturedGraph
 
 from .checkpoint import checkpoint_layers
+from .dtensor_backward import keep_derivatives
 from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
@@ -69,6 +70,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     cast_parameters(program, parameter_values(captured), plan.precision)
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
+    keep_derivatives(program)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)

@@ -36,6 +36,7 @@ from autopar.core.plan import LOAD_BALANCED
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 
+from .dtensor_backward import DIFFERENTIABLE
 from .insert_redistributes import mesh_attr
 from .layout import memory_order, wrap_with_layout
 from .ring_attention import ring_attention
@@ -59,6 +60,7 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
         else:
             op, args = attend_locally, (query_ranges, q, k, v, *rest)
     to_local = lambda a: a.to_local() if isinstance(a, DTensor) else a  # noqa: E731
+    op = DIFFERENTIABLE.get(op, op)  # an op whose captured form has no derivative here: one that has
     out = op(*tree_map(to_local, args), **tree_map(to_local, kwargs))
     if isinstance(out, torch.Tensor):
         return wrap_with_layout(out, mesh, out_placements[0], layouts[0])

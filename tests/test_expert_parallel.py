@@ -14,6 +14,9 @@ the routing a plan states, and parity on gloo.
   losses and final parameters under ep=2, ep=4, dp=2 x ep=2, ep=2 x tp=2 and pp=2 x ep=2 equal
   single-process training; and under ep=2 with tokens dropped; HF's Mixtral under ep=2, ep=4 and
   dp=2 x ep=2. The forward's collectives (two all_to_alls a layer) are the plan's.
+* Transformers' other mixture-of-experts families through a user's own factory (``tests/hf_moe_models.py``) and
+  ``autopar.models.hf.use_permuted_experts``: Qwen2-MoE, DeepSeek-V3 and gpt-oss compute their own experts,
+  plan with ep, and train under it like one process.
 """
 
 from __future__ import annotations
@@ -239,6 +242,54 @@ def test_hugging_face_mixtral_plans_with_ep() -> None:
     moe = plan["model"]["moe"]
     assert moe["capacity_factor"] is None and moe["slots_per_expert"] == moe["group_tokens"] == 16
     assert moe["modules"] == ["hf.model.layers.*.mlp.experts"]
+
+
+HF_MOE_FAMILIES = ["qwen2_moe", "deepseek_v3", "gpt_oss"]  # tests/hf_moe_models.py: a user's own factories
+
+
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+@pytest.mark.parametrize("family", HF_MOE_FAMILIES)
+def test_permuted_experts_compute_each_familys_own_experts_and_plan_with_ep(family: str) -> None:
+    """``use_permuted_experts`` on a transformers family autopar has no factory for: the permuted experts give
+    transformers' own eager experts' logits (gpt-oss: weights stored transposed, biases, its own clamped
+    gate), the plan states the routing, and a pinned ep splits every expert weight on its expert dim."""
+    pytest.importorskip("transformers")
+    bundle = build_model(f"hf_moe_models:{family}", global_batch=2, seq=16, device="cpu")
+    with torch.no_grad():
+        for p in bundle.model.parameters():  # transformers leaves some weights at zero: every one random
+            p.normal_(std=0.2)
+        permuted = bundle.model(*bundle.example_inputs)
+        bundle.model.hf.set_experts_implementation("eager")
+        eager = bundle.model(*bundle.example_inputs)
+    torch.testing.assert_close(permuted, eager, rtol=1e-5, atol=1e-5)
+    plan = _plan(f"hf_moe_models:{family}", "1x2xcpu", {"ep": 2}, batch=4).to_dict()
+    moe = plan["model"]["moe"]
+    assert (moe["experts"], moe["top_k"], moe["group_tokens"]) == (4, 2, 16)
+    split = sorted(fqn.rsplit(".", 1)[-1] for fqn, placements in plan["placements"].items() if placements == ["S(0)"])
+    assert split == sorted(["down_proj", "gate_up_proj"] * (1 if family == "deepseek_v3" else 2))  # its layer 0 is dense
+
+
+def test_use_permuted_experts_refuses_a_model_without_experts() -> None:
+    pytest.importorskip("transformers")
+    from autopar.models.hf import use_permuted_experts
+
+    bundle = build_model("autopar.models.hf:llama", global_batch=2, device="meta")
+    with pytest.raises(BadInputError, match="LlamaForCausalLM has no experts module of transformers' ExpertsInterface"):
+        use_permuted_experts(bundle.model, 16)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_hugging_face_moe_families_train_under_ep_like_one_process() -> None:
+    """DeepSeek-V3's attention writes its queries and keys into buffers slice by slice, captured as ``copy``
+    and ``slice_scatter``, whose derivatives the program could not run (``passes/dtensor_backward.py``);
+    gpt-oss's experts hold biases beside the weights ep splits."""
+    runs = [dict(name=f"hf_moe_models:{family}", overrides=None, global_batch=4, seq=16, steps=STEPS, plan=None,
+                 constraints=constraints, lowered=None)
+            for family, constraints in (("deepseek_v3", {"ep": 2}), ("gpt_oss", {"ep": 2}), ("qwen2_moe", {"tp": 2}))]
+    for run, result in zip(runs, train_parallel_many(2, runs)):
+        result.assert_matches(train_single(run["name"], None, 4, 16, STEPS), f"{run['name']} under {run['constraints']}")
 
 
 @pytest.mark.slow

@@ -220,3 +220,31 @@ def test_armed_gradient_sync_files_each_gradient_after_its_last_accumulation(two
     assert filed == [0, 0, 1]
     sync()
     assert weight.grad.placements == (Replicate(),) and sync.collectives == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_copy_and_slice_scatter_replacements_compute_the_ops_values_and_derivatives(dtype: torch.dtype) -> None:
+    """``passes/dtensor_backward.py``: ``aten.copy`` (no derivative of its own) broadcasts and casts ``src``
+    into ``self``'s shape and dtype, its gradient summed back to ``src``; ``slice_scatter``'s derivatives are
+    autograd's (here on plain tensors, which its own formula handles)."""
+    from autopar.passes.dtensor_backward import copy_with_derivative, slice_scatter_keeping_dtensors
+
+    dst = torch.randn(3, 4, 5, requires_grad=True)
+    src = torch.randn(4, 1, dtype=dtype, requires_grad=True)
+    weight = torch.randn(3, 4, 5)
+    (copy_with_derivative(dst, src) * weight).sum().backward()
+    reference = src.detach().clone().requires_grad_()
+    (reference.expand(3, 4, 5).float() * weight).sum().backward()
+    torch.testing.assert_close(copy_with_derivative(dst, src), src.expand(3, 4, 5).float())
+    torch.testing.assert_close(src.grad, reference.grad)
+    assert src.grad.dtype == dtype and torch.equal(dst.grad, torch.zeros_like(dst))
+
+    base, part = torch.randn(2, 8, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+    mine = slice_scatter_keeping_dtensors(base, part, 1, 2, 8, 2)
+    (mine * weight.flatten()[:16].view(2, 8)).sum().backward()
+    grads = base.grad.clone(), part.grad.clone()
+    base.grad = part.grad = None
+    theirs = torch.slice_scatter(base, part, 1, 2, 8, 2)
+    (theirs * weight.flatten()[:16].view(2, 8)).sum().backward()
+    torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(grads, (base.grad, part.grad))

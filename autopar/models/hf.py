@@ -179,34 +179,78 @@ def mixtral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int =
     ``permuted_experts_forward`` (HF's own implementations pick tokens per expert with data-dependent
     shapes, ``eager``, or read the weights through ``grouped_mm``, which expert parallelism cannot split),
     so a pinned ``ep`` splits them on their expert dim."""
+    config = _decoder_config("MixtralConfig", layers, hidden, heads, vocab, seq, num_local_experts=experts,
+                             num_experts_per_tok=2, sliding_window=None)
+    built = _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
+    use_permuted_experts(built[0], seq)
+    return built
+
+
+def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None) -> nn.Module:
+    """Run every experts module of a transformers mixture-of-experts model with ``permuted_experts_forward``,
+    so that autopar can split its experts over an ``ep`` dim; returns ``model`` (a transformers model or an
+    ``HFModel`` around one).
+
+    The experts modules are those transformers' ``use_experts_implementation`` decorates (Mixtral, Qwen2/3-MoE,
+    DeepSeek-V3, OLMoE, gpt-oss and the other families of its ``ExpertsInterface``); their own implementations
+    pick each expert's tokens with data-dependent shapes (``eager``) or read the weights through one op that
+    hides the expert dim (``grouped_mm``). Each module routes groups of ``seq`` tokens (a sequence: build it
+    with the sequence length it trains on), a slot per token of its group (dropless, as transformers' are),
+    and states that routing for the plan (``Plan.model["moe"]``) with ``top_k`` experts a token (by default
+    the config's ``num_experts_per_tok``)."""
     transformers = _transformers()
     transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS.register(PERMUTED_EXPERTS, permuted_experts_forward)
-    config = _decoder_config("MixtralConfig", layers, hidden, heads, vocab, seq, num_local_experts=experts,
-                             num_experts_per_tok=2, sliding_window=None, experts_implementation=PERMUTED_EXPERTS)
-    built = _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
-    for module in built[0].modules():
-        if isinstance(module, transformers.models.mixtral.modeling_mixtral.MixtralExperts):
-            module.group_tokens = seq
-            module.routing = _dropless_routing(experts, config.num_experts_per_tok, seq)
-    return built
+    hf_model = model.hf if isinstance(model, HFModel) else model
+    experts = [module for module in hf_model.modules() if hasattr(module, "is_transposed")]  # the decorator's
+    if not experts:
+        raise BadInputError(f"{type(hf_model).__name__} has no experts module of transformers' ExpertsInterface "
+                            "(a class decorated with use_experts_implementation): nothing to permute")
+    hf_model.set_experts_implementation(PERMUTED_EXPERTS)
+    for module in experts:
+        k = top_k or getattr(module.config, "num_experts_per_tok", None)
+        if not k:
+            raise BadInputError(f"{type(module).__name__}'s config has no num_experts_per_tok: pass "
+                                "use_permuted_experts(model, seq, top_k=...) the experts each token is routed to")
+        module.group_tokens = seq
+        module.routing = _dropless_routing(int(module.down_proj.shape[0]), int(k), seq)
+    return model
 
 
 def permuted_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                              top_k_weights: Tensor) -> Tensor:
-    """HF's experts (``gate_up_proj [E, 2f, d]``, ``down_proj [E, d, f]``) on ``hidden_states [n, d]``
-    routed to ``top_k_index [n, k]`` with weights ``top_k_weights [n, k]``, as ``models/moe.py`` runs its
-    own: tokens permuted into ``[E, groups x s, d]`` slots per group of ``group_tokens`` (a sequence), one
-    slot per token of the group (dropless, as HF is), batched matmuls, and combined back."""
+    """A transformers experts module (stacked weights ``gate_up_proj``, or ``up_proj`` without a gate, and
+    ``down_proj``: ``[E, out, in]``, or ``[E, in, out]`` where ``is_transposed``, each with an ``[E, out]``
+    bias where ``has_bias``) on ``hidden_states [n, d]`` routed to ``top_k_index [n, k]`` with weights
+    ``top_k_weights [n, k]``, as ``models/moe.py`` runs its own: tokens permuted into ``[E, groups x s, d]``
+    slots per group of ``group_tokens`` (a sequence), one slot per token of the group (dropless, as HF is),
+    batched matmuls, the module's own gate (``_apply_gate``) or activation and post-expert norm between them,
+    and combined back. ``use_permuted_experts`` sets the modules up."""
     n, d = hidden_states.shape
-    s = self.group_tokens
+    s = getattr(self, "group_tokens", None)
+    if s is None:
+        raise BadInputError(f"{type(self).__name__} runs autopar's permuted experts without a group size: set the "
+                            "model up with autopar.models.hf.use_permuted_experts(model, seq)")
     if n % s:
-        raise BadInputError(f"this Mixtral routes tokens in groups of its seq ({s}); got {n} tokens, not a "
-                            "multiple: build it with the sequence length it runs on")
+        raise BadInputError(f"this {type(self).__name__} routes tokens in groups of its seq ({s}); got {n} tokens, "
+                            "not a multiple: set it up with the sequence length it runs on")
     g, k = n // s, top_k_index.shape[-1]
-    routed, where = dispatch(hidden_states.reshape(g, s, d), top_k_index.reshape(g, s, k), self.num_experts, s)
-    gate, up = torch.bmm(routed, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-    out = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))
+    routed, where = dispatch(hidden_states.reshape(g, s, d), top_k_index.reshape(g, s, k),
+                             self.down_proj.shape[0], s)
+    if getattr(self, "has_gate", True):
+        hidden = self._apply_gate(_experts_linear(self, routed, "gate_up_proj"))
+    else:
+        hidden = self.act_fn(_experts_linear(self, routed, "up_proj"))
+    out = _experts_linear(self, hidden, "down_proj")
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
     return combine(out, where, top_k_weights.reshape(g, s, k).to(out.dtype)).reshape(n, d)
+
+
+def _experts_linear(experts: nn.Module, x: Tensor, name: str) -> Tensor:
+    """``x [E, slots, in]`` through the experts' stacked weight ``name`` and its ``name_bias``, if any."""
+    weight = getattr(experts, name)
+    y = torch.bmm(x, weight if getattr(experts, "is_transposed", False) else weight.transpose(1, 2))
+    return y + getattr(experts, f"{name}_bias").unsqueeze(1) if getattr(experts, "has_bias", False) else y
 
 
 def _dropless_routing(experts: int, top_k: int, group_tokens: int) -> Callable[[int], Routing]:
