@@ -15,9 +15,11 @@ configurations and return what ``autopar.models.registry`` expects of ``package.
 ``autopar plan autopar.models.hf:gpt2 --cluster 1x8xH100`` plans one. Each takes ``global_batch`` and
 ``seq``, ``layers``/``hidden``/``heads``/``vocab`` to size it, ``mask`` (pass an attention mask,
 padding the end of each sequence) and ``own_loss`` (the model's loss from ``labels=``); ViT takes
-``image``, ``patch`` and ``classes`` in place of ``seq``, ``vocab`` and ``mask``. Mixtral's experts run
-``permuted_experts_forward`` (``models/moe.py``'s token permutation, registered in transformers'
-``ExpertsInterface``), so expert parallelism splits them.
+``image``, ``patch`` and ``classes`` in place of ``seq``, ``vocab`` and ``mask``.
+
+``use_permuted_experts`` sets up the experts of any transformers mixture-of-experts model (Mixtral's here, a
+user's Qwen2-MoE, DeepSeek-V3 or gpt-oss) to run ``permuted_experts_forward`` (``models/moe.py``'s token
+permutation, registered in transformers' ``ExpertsInterface``), so that expert parallelism splits them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from autopar.core.errors import BadInputError
 
 from .moe import Routing, combine, dispatch
 
-__all__ = ["HFModel", "model_loss", "padding_mask", "permuted_experts_forward", "token_loss",
+__all__ = ["HFModel", "model_loss", "padding_mask", "permuted_experts_forward", "token_loss", "use_permuted_experts",
            "gpt2", "llama", "mistral", "mixtral", "qwen2", "bert", "t5", "vit"]
 
 Factory = tuple[Any, ...]
@@ -169,16 +171,14 @@ def mistral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int =
 
 
 PERMUTED_EXPERTS = "autopar_permuted"
-"""The ``experts_implementation`` Mixtral is built with: ``permuted_experts_forward``, registered in
+"""The ``experts_implementation`` ``use_permuted_experts`` sets: ``permuted_experts_forward``, registered in
 transformers' ``ExpertsInterface``."""
 
 
 def mixtral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
             vocab: int = 128, experts: int = 4, mask: bool = False, own_loss: bool = False) -> Factory:
-    """Mixtral: Mistral with a mixture of ``experts`` MLPs, two per token. Its experts run
-    ``permuted_experts_forward`` (HF's own implementations pick tokens per expert with data-dependent
-    shapes, ``eager``, or read the weights through ``grouped_mm``, which expert parallelism cannot split),
-    so a pinned ``ep`` splits them on their expert dim."""
+    """Mixtral: Mistral with a mixture of ``experts`` MLPs, two per token, set up by ``use_permuted_experts``
+    so that a pinned ``ep`` splits them on their expert dim."""
     config = _decoder_config("MixtralConfig", layers, hidden, heads, vocab, seq, num_local_experts=experts,
                              num_experts_per_tok=2, sliding_window=None)
     built = _language_model("AutoModelForCausalLM", config, global_batch, seq, mask, own_loss)
@@ -197,7 +197,8 @@ def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None) -
     hides the expert dim (``grouped_mm``). Each module routes groups of ``seq`` tokens (a sequence: build it
     with the sequence length it trains on), a slot per token of its group (dropless, as transformers' are),
     and states that routing for the plan (``Plan.model["moe"]``) with ``top_k`` experts a token (by default
-    the config's ``num_experts_per_tok``)."""
+    the config's ``num_experts_per_tok``). Expert biases (gpt-oss) are not expert weights to the planner (it
+    finds those by the batched matmuls that read them): they stay whole on every ep rank, small beside them."""
     transformers = _transformers()
     transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS.register(PERMUTED_EXPERTS, permuted_experts_forward)
     hf_model = model.hf if isinstance(model, HFModel) else model
