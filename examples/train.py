@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-grad-norm", type=float, default=0.0,
+                        help="clip the gradients to this total norm over the whole model (0: no clipping)")
     parser.add_argument("--plan", default=None, help="a plan file from `autopar plan` (default: plan here)")
     parser.add_argument("--losses-out", default=None, help="write the per-step losses here (JSON)")
     parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (one folder per step)")
@@ -68,6 +70,8 @@ def main() -> None:
         batch = [t.to(device) for t in batch]  # the same global batch on every rank
         optimizer.zero_grad()
         loss = pm.step(*batch)  # forward + loss + backward; returns the global mean loss
+        if args.max_grad_norm:
+            pm.clip_grad_norm_(args.max_grad_norm)  # the whole model's norm, all stages and shards
         optimizer.step()
         losses.append(loss.item())
         if rank == 0:

@@ -45,6 +45,7 @@ from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
+from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.mesh import init_job_mesh, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
@@ -108,6 +109,12 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full (global) value, on every rank."""
         return {fqn: p.detach().full_tensor() for fqn, p in self.named_parameters()}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model (``runtime/grad_norm.py``): gradients scaled
+        so that their total norm is at most ``max_norm``; returns the total norm, the same on every rank."""
+        return clip_grad_norm(self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach)
 
     @property
     def lowering(self) -> dict[str, Any]:

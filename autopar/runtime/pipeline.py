@@ -81,6 +81,7 @@ from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, pipeline_chunk_spec,
                                     user_input, user_input_shard)
+from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
@@ -253,9 +254,12 @@ class PipelineParallelModule(nn.Module):
         self.schedule = self._schedule(len(built.stages))
         self._program_params = ProgramParameters(dict(self._stage_parameters()), self.mesh, plan.precision,
                                                  plan.degrees.zero or 0)
-        self._tied_sync = TiedGradientSync(stages_reading(built.stages, captured.params, self.pp_size), self.world_mesh,
-                                           dict(self.named_parameters()), job_collective_timeout(self.mesh.device_type),
+        tied = stages_reading(built.stages, captured.params, self.pp_size)
+        self._tied_sync = TiedGradientSync(tied, self.world_mesh, dict(self.named_parameters()),
+                                           job_collective_timeout(self.mesh.device_type),
                                            TORCH_DTYPES[plan.precision.reduce])
+        self._normed = [p for fqn, p in self.named_parameters()  # a tied weight's norm counted on its first stage
+                        if fqn not in tied or tied[fqn][0] == self.pp_rank]
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -271,6 +275,14 @@ class PipelineParallelModule(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model, all stages (``runtime/grad_norm.py``): this
+        rank's gradients scaled so that the model's total norm is at most ``max_norm``; returns the total
+        norm, the same on every rank. (torch's own over ``parameters()`` would clip each stage by its own.)"""
+        return clip_grad_norm(self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach, self.pp_group,
+                              self._normed)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model (all stages) gathered to its full value, on every rank."""

@@ -226,12 +226,13 @@ def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq
 
 
 def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
-                 steps: int, seed: int = 0, optimizer: OptimizerFactory = sgd, dtype: str | None = None
-                 ) -> TrainResult:
+                 steps: int, seed: int = 0, optimizer: OptimizerFactory = sgd, dtype: str | None = None,
+                 clip: tuple[float, float] | None = None) -> TrainResult:
     """The reference: ``steps`` steps of single-process autograd (``optimizer``: parity's SGD unless a
     test of something else, such as the example script, trains with another). With ``dtype`` (bf16,
     fp16), mixed precision done by hand: the optimizer steps the model's fp32 parameters, each step
-    runs the model on copies of them, its buffers and its float inputs in ``dtype``."""
+    runs the model on copies of them, its buffers and its float inputs in ``dtype``. With ``clip``
+    (max_norm, norm_type), each backward's gradients are clipped by ``torch.nn.utils.clip_grad_norm_``."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
     opt = optimizer(model.parameters())
@@ -241,6 +242,8 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
         inputs, targets = (batch[:-1], batch[-1]) if bundle.example_targets is not None else (batch, None)
         loss = _reference_loss(model, loss_fn, inputs, targets, dtype)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
         if i == 0:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
@@ -278,15 +281,19 @@ def gathered(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t for held in everyone for name, t in held.items()}
 
 
-def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int) -> dict[str, Any]:
+def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int,
+                 clip: tuple[float, float] | None = None) -> dict[str, Any]:
     """Train autopar's module ``pm`` (``ParallelModule`` or ``PipelineParallelModule``) ``steps`` SGD
-    steps on the global batches of ``seed``. Every rank returns its losses; rank 0 also the gathered
-    gradients after the first backward and final parameters (``AutoparResult.from_ranks`` reads them)."""
+    steps on the global batches of ``seed``, with ``clip`` (max_norm, norm_type) by ``pm.clip_grad_norm_``
+    after each backward if given. Every rank returns its losses; rank 0 also the gathered gradients after
+    the first backward and final parameters (``AutoparResult.from_ranks`` reads them)."""
     opt = sgd(pm.parameters())
     losses, grads = [], {}
     for i, batch in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
         losses.append(pm.step(*batch).item())
+        if clip is not None:
+            pm.clip_grad_norm_(*clip)
         if i == 0:
             grads = gathered_grads(pm)
         opt.step()
@@ -317,12 +324,13 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
                         global_batch: int, seq: int | None, steps: int, plan: dict | None,
                         constraints: Mapping[str, Any] | None, seed: int = 0,
                         under: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-                        lowered: bool | None = False, compile: bool = False) -> dict[str, Any]:
+                        lowered: bool | None = False, compile: bool = False,
+                        clip: tuple[float, float] | None = None) -> dict[str, Any]:
     """One rank's training under ``plan`` (or a plan made here for this world), as ``train_module``;
     ``lowered``: on the lowered runtime (``autoparallelize(..., lowered=True)``), on DTensor (False, the
     runtime these parity runs check unless told; a plan made here is then priced for it, ``runtime=dtensor``
     unless ``constraints`` pin one), or on ``autoparallelize``'s default (None); ``compile``: the lowered
-    program compiled by inductor (``compile=True``).
+    program compiled by inductor (``compile=True``); ``clip``: as ``train_module``'s.
 
     ``under``, if given, is called on the rank and the run made inside the context it returns: a test
     perturbs the runtime there (a picklable, module-level function) to prove the check fails.
@@ -334,7 +342,7 @@ def train_parallel_rank(rank: int, world: int, name: str, overrides: Mapping[str
                              example_targets=bundle.example_targets,
                              constraints=planned_for_dtensor(constraints) if on_dtensor else constraints,
                              plan=Plan.from_dict(plan) if plan else None, lowered=lowered, compile=compile)
-        return train_module(pm, bundle, steps, seed, rank)
+        return train_module(pm, bundle, steps, seed, rank, clip)
 
 
 def train_parallel(world: int, name: str, overrides: Mapping[str, Any] | None, global_batch: int,
