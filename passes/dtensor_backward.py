@@ -59,7 +59,8 @@ class _SliceScatter(torch.autograd.Function):
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, dst: torch.Tensor, src: torch.Tensor,  # type: ignore[override]
+                non_blocking: bool) -> torch.Tensor:
         ctx.src_shape, ctx.src_dtype = src.shape, src.dtype
         return _COPY(dst, src, non_blocking)
 

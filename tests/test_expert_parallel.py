@@ -266,7 +266,8 @@ def test_permuted_experts_compute_each_familys_own_experts_and_plan_with_ep(fami
     moe = plan["model"]["moe"]
     assert (moe["experts"], moe["top_k"], moe["group_tokens"]) == (4, 2, 16)
     split = sorted(fqn.rsplit(".", 1)[-1] for fqn, placements in plan["placements"].items() if placements == ["S(0)"])
-    assert split == sorted(["down_proj", "gate_up_proj"] * (1 if family == "deepseek_v3" else 2))  # its layer 0 is dense
+    layers = 1 if family == "deepseek_v3" else 2  # DeepSeek-V3's first layer is dense
+    assert split == sorted(["down_proj", "gate_up_proj"] * layers)
 
 
 def test_use_permuted_experts_refuses_a_model_without_experts() -> None:
@@ -289,7 +290,8 @@ def test_hugging_face_moe_families_train_under_ep_like_one_process() -> None:
                  constraints=constraints, lowered=None)
             for family, constraints in (("deepseek_v3", {"ep": 2}), ("gpt_oss", {"ep": 2}), ("qwen2_moe", {"tp": 2}))]
     for run, result in zip(runs, train_parallel_many(2, runs)):
-        result.assert_matches(train_single(run["name"], None, 4, 16, STEPS), f"{run['name']} under {run['constraints']}")
+        reference = train_single(run["name"], None, 4, 16, STEPS)
+        result.assert_matches(reference, f"{run['name']} under {run['constraints']}")
 
 
 @pytest.mark.slow

@@ -1,17 +1,17 @@
 """The random numbers a training step draws (dropout's masks), the same on every rank that needs them alike.
 
-An activation a plan replicates is computed whole on every rank that holds it, so its dropout mask must be
-the same on all of them, or the replicas, and the parameters their gradients update, part without a word.
-torch draws the mask from the process's global generator, which a job's own code moves rank by rank (a
-sample drawn on rank 0 only, a data order seeded per rank). So a step draws from a stream of its own:
-``StepRandomness`` seeds the generators of the job's device (and the CPU's) at each step from a base seed
-rank 0 chose when the module was built, the step's number and the stream (a pipeline's stage), and gives the caller's generator states back
-when the step ends, as if the step had drawn nothing.
+An activation a plan replicates is computed whole on every rank that holds it, so its dropout mask must be the
+same on all of them, or the replicas, and the parameters their gradients update, part without a word. torch
+draws the mask from the process's global generator, which a job's own code moves rank by rank (a sample drawn
+on rank 0 only, a data order seeded per rank). So a step draws from a stream of its own: ``StepRandomness``
+seeds the generators of the job's device (and the CPU's) at each step from a base seed rank 0 chose when the
+module was built, the step's number and the stream (a pipeline's stage), and gives the caller's generator
+states back when the step ends, as if the step had drawn nothing.
 
-Every rank of a stream (every rank of a one-stage plan, a pipeline stage's ranks) starts each step from
-the same state; stages draw apart, as Megatron-LM seeds its pipeline stages apart. Ranks whose local shapes are equal draw
-alike: replicas get one mask, and the shards of one sharded activation each get the same pattern over
-their own part (Megatron-LM instead seeds its tensor-parallel regions per rank; DTensor on CUDA offsets
+Every rank of a stream (every rank of a one-stage plan, a pipeline stage's ranks) starts each step from the
+same state; stages draw apart, as Megatron-LM seeds its pipeline stages apart. Ranks whose local shapes are
+equal draw alike: replicas get one mask, and the shards of one sharded activation each get the same pattern
+over their own part (Megatron-LM instead seeds its tensor-parallel regions per rank; DTensor on CUDA offsets
 each shard into one global mask). A step's draws never depend on what the job drew between steps.
 """
 
