@@ -270,6 +270,15 @@ def test_permuted_experts_compute_each_familys_own_experts_and_plan_with_ep(fami
     assert split == sorted(["down_proj", "gate_up_proj"] * layers)
 
 
+def test_a_pipeline_of_unalike_layers_is_refused_naming_two_that_differ() -> None:
+    """DeepSeek-V3's first layer is dense, its others mixture-of-experts: stages, cut between alike layers,
+    cannot hold them (their prices scale one layer's); the message names the layers, not a count of one."""
+    pytest.importorskip("transformers")
+    with pytest.raises(BadInputError, match=r"pp=2: pipeline stages are cut between alike layers .* this model's "
+                                            r"are not: hf.model.layers.0 and hf.model.layers.1 differ"):
+        _plan("hf_moe_models:deepseek_v3", "1x2xcpu", {"pp": 2}, batch=4)
+
+
 def test_use_permuted_experts_refuses_a_model_without_experts() -> None:
     pytest.importorskip("transformers")
     from autopar.models.hf import use_permuted_experts

@@ -195,15 +195,22 @@ def layer_count(captured: CapturedGraph) -> int:
     a stage holds (``planning/stages.py``), which holds only for alike layers; the runtime cuts the
     program at the same ``layer_names``."""
     names = layer_names(captured)
+    return len(names) if unalike_layers(captured) is None else 1
+
+
+def unalike_layers(captured: CapturedGraph) -> tuple[str, str] | None:
+    """The first of the model's layers (``layer_names``) and the first that is not alike it (their ops'
+    tie keys differ: DeepSeek-V3's dense first layers before its mixture-of-experts ones), or None where
+    every layer is alike (a traced stack is, by construction)."""
     if captured.stack is not None:
-        return len(names)
-    keys_by_layer: dict[str, Counter] = {name: Counter() for name in names}
+        return None
+    keys_by_layer: dict[str, Counter] = {name: Counter() for name in layer_names(captured)}
     for node in captured.graph.nodes:
         layer = layer_of(node)
         if layer in keys_by_layer and node.op == "call_function":
             keys_by_layer[layer][captured.tie_keys[node.name]] += 1
-    alike = len({frozenset(keys.items()) for keys in keys_by_layer.values()}) == 1
-    return len(names) if alike else 1
+    layers = list(keys_by_layer.items())
+    return next(((layers[0][0], name) for name, keys in layers[1:] if keys != layers[0][1]), None)
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -51,7 +51,7 @@ from torch.distributed.tensor import Replicate
 from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.collector import collector_paused
 from autopar.core.constraints import Constraints
-from autopar.ir.layers import layer_count
+from autopar.ir.layers import layer_count, unalike_layers
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.cost_models.pipeline import SIMULATED, schedule_available
@@ -88,6 +88,7 @@ def make_plan(
     start = time.perf_counter()
     search = _MeshSearch(captured, cluster, dtype, capacity, batch_size, constraints, progress)
     shortfall = _Shortfalls()
+    _refuse_stages_of_unalike_layers(captured, constraints)
     meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch_size,
                                                                      layer_count(captured), expert_count(captured)))
     progress.candidates = len(meshes)
@@ -253,6 +254,16 @@ def _better(first: "Candidate | MeshChoice | str", second: "Candidate | MeshChoi
     if isinstance(first, Candidate):
         return first
     return second if isinstance(second, MeshChoice) else first
+
+
+def _refuse_stages_of_unalike_layers(captured: CapturedGraph, constraints: Constraints) -> None:
+    """A pinned pipeline of a model whose layers are not alike, refused naming two that differ: stages are
+    cut between alike layers, whose prices one layer's scale to a stage's (``layers.layer_count``)."""
+    unalike = unalike_layers(captured) if (constraints.pp or 1) > 1 else None
+    if unalike is not None:
+        raise BadInputError(f"pp={constraints.pp}: pipeline stages are cut between alike layers (same ops and "
+                            f"shapes), and this model's are not: {unalike[0]} and {unalike[1]} differ (a "
+                            "mixture-of-experts stack after dense layers, say); plan it without pp")
 
 
 def _sequence_splits(captured: CapturedGraph, constraints: Constraints, meshes: list[MeshChoice]
