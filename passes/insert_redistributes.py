@@ -36,7 +36,7 @@ from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
 
-from .layout import in_memory_order, memory_order
+from .layout import gradient_in_spec_layout, in_memory_order, memory_order
 
 
 def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
@@ -116,12 +116,17 @@ def _replicate_the_loss(graph: fx.Graph, produced: Mapping[str, Sequence[str]], 
     return 1
 
 
+PLACED_AS_INPUT = (torch.ops.aten._to_copy.default, gradient_in_spec_layout)
+"""Ops a program places as their first input where the plan has no placement of their own: a cast the plan
+never saw (a program captured in a compute dtype may end in one: bf16's ``mse_loss`` upcasts, then casts its
+mean back, which DTensor leaves placed as its input) and the layout guard put after reshaping views
+(``layout.guard_view_gradients``). Here and in ``split_stages._planned``, which reads placements off the plan."""
+
+
 def _placement_through_casts(node: fx.Node, produced: Mapping[str, Sequence[str]], default: Sequence[str]
                              ) -> Sequence[str]:
-    """The planned placement of ``node``'s value, looking through casts the plan never saw: a program captured
-    in a compute dtype may end in one (bf16's ``mse_loss`` upcasts, then casts its mean back), which DTensor
-    leaves placed as its input."""
-    while value_name(node) not in produced and node.target is torch.ops.aten._to_copy.default:
+    """The planned placement of ``node``'s value, looking through ``PLACED_AS_INPUT`` nodes the plan never saw."""
+    while value_name(node) not in produced and node.target in PLACED_AS_INPUT:
         node = node.args[0]
     return produced.get(value_name(node), default)
 

@@ -41,7 +41,7 @@ from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.ir.layers import layer_of
 
-from .insert_redistributes import as_replicated, redistribute
+from .insert_redistributes import PLACED_AS_INPUT, as_replicated, redistribute
 from .reshard import gather_parameter
 
 
@@ -256,7 +256,7 @@ def _planned(node: fx.Node, plan: Plan) -> Sequence[str]:
         return plan.ops[node.args[0].name]["outputs"][node.args[1]]
     if node.name in plan.ops:
         return plan.ops[node.name]["outputs"][0]
-    if node.target is torch.ops.aten._to_copy.default:  # a cast the plan never saw (a compute-dtype capture's)
+    if node.target in PLACED_AS_INPUT:  # a cast the plan never saw, or a layout guard the passes added
         return _planned(node.args[0], plan)
     raise BadInputError(f"the plan gives no placement for {node.name}, which crosses a pipeline stage")
 

@@ -11,6 +11,8 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``positions``: a second input of positions ``[seq]`` that every sample reads (no batch on its dim 0);
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between;
+* ``reshaped_blocks``: blocks that flatten their tokens to rows for the MLP and view the sum back (OPT's
+  decoder layer), so the value crossing a pipeline stage is a view (guarded by ``layout.guard_view_gradients``);
 * ``dropout_blocks``: pre-norm MLP blocks with dropout on the hidden and on the residual branch, which tensor
   parallelism leaves replicated on every rank (its masks must agree there).
 """
@@ -154,4 +156,37 @@ class DropoutBlocks(nn.Module):
 def dropout_blocks(global_batch: int = 4, seq: int = 8):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (DropoutBlocks(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
+            loss)
+
+
+class ReshapedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        rows = h.reshape(-1, shape[-1])
+        return (rows + self.fc2(F.gelu(self.fc1(self.norm(rows))))).view(shape)
+
+
+class ReshapedBlocks(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(ReshapedBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def reshaped_blocks(global_batch: int = 8, seq: int = 8):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (ReshapedBlocks(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
             loss)
