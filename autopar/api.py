@@ -275,4 +275,11 @@ def _first_microbatch(tensors: tuple[torch.Tensor, ...], microbatches: int) -> t
 
 
 def _as_tuple(x: Sequence[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    """The example inputs as a tuple of tensors; anything else (a dict of tensors, say) refused, naming it."""
+    inputs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    for i, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            raise BadInputError(f"example input {i} is a {type(value).__name__}, not a tensor: autopar plans and "
+                                "runs models whose forward takes positional tensors (wrap one that takes a "
+                                f"{type(value).__name__}, as autopar.models.hf.HFModel wraps keyword inputs)")
+    return inputs

@@ -25,7 +25,7 @@ from torch import nn
 from cli_runner import run_cli
 import autopar
 import autopar.api
-from autopar.core.errors import BadInputError
+from autopar.core.errors import BadInputError, UnsupportedModelError
 from autopar.core.files import write_atomically
 from autopar.testing.launch import run_on_ranks
 
@@ -262,6 +262,29 @@ def test_a_loss_without_targets_takes_the_output_alone():
         autopar.plan(TwoLayers(), (x,), "1x2xcpu", nn.functional.mse_loss)
     with pytest.raises(BadInputError, match="TwoLayers.forward cannot take 2 example input"):
         autopar.plan(TwoLayers(), (x, x), "1x2xcpu", nn.functional.mse_loss, example_targets=y)
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+
+    def forward(self, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.layer(x["x"] if isinstance(x, dict) else x)
+        return y, y.pow(2).mean()
+
+
+def test_inputs_that_are_not_tensors_and_a_tuple_without_a_loss_first_are_named() -> None:
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.raises(BadInputError, match="example input 0 is a dict, not a tensor: autopar plans and runs models "
+                                            "whose forward takes positional tensors"):
+        autopar.plan(_Pair(), ({"x": x},), "1x2xcpu", lambda out, t: nn.functional.mse_loss(out[0], t),
+                     example_targets=y)
+    with pytest.raises(UnsupportedModelError, match=r"must return a scalar loss, got the first of the 2 values it "
+                                                    r"returns, \(8, 16\): pass loss_fn"):
+        autopar.plan(_Pair(), (x,), "1x2xcpu")
+    first_is_the_loss = autopar.plan(_Pair(), (x,), "1x2xcpu", lambda out: out[::-1])  # (loss, output): trained
+    assert first_is_the_loss.predicted["step_time_s"] > 0
 
 
 def _step_refusals(rank: int, world: int) -> dict[str, str]:

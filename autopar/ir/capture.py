@@ -497,7 +497,7 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
     outputs = exported.graph_signature.output_specs
     _refuse_writes(outputs)
     loss = outputs[0].arg.name
-    _check_scalar_loss(gm, loss)
+    _check_scalar_loss(gm, loss, len(outputs))
     captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss, aliases=aliases)
     captured.tie_keys = _tie_repeated_layers(gm.graph, params, buffers)
     return captured
@@ -576,12 +576,15 @@ def _target_of(exported: torch.export.ExportedProgram, placeholder: str) -> str:
     return next(s.target for s in exported.graph_signature.input_specs if s.arg.name == placeholder)
 
 
-def _check_scalar_loss(gm: fx.GraphModule, loss: str) -> None:
+def _check_scalar_loss(gm: fx.GraphModule, loss: str, returned: int) -> None:
+    """Refuse a step whose loss (its first returned value, of ``returned``: a model returning
+    ``(loss, logits)`` is trained on its loss) is not a scalar."""
     val = next(n for n in gm.graph.nodes if n.name == loss).meta.get("val")
     if not isinstance(val, torch.Tensor) or val.numel() != 1:
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+        first = f"the first of the {returned} values it returns, " if returned > 1 else ""
         raise UnsupportedModelError(
-            f"the training step must return a scalar loss, got {shape}: pass loss_fn (and targets)"
+            f"the training step must return a scalar loss, got {first}{shape}: pass loss_fn (and targets)"
         )
 
 
