@@ -11,7 +11,8 @@ list of graph passes; every runtime runs the stage programs it returns:
    forward to backward (FSDP's reshard after forward);
 3. ``mixed_precision``: under a mixed-precision plan, every op reading a parameter reads it cast to the
    compute dtype, and a gathered parameter is cast before it is gathered (``cast_parameters``);
-4. ``run_locally``: ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
+4. ``run_locally``: (after ``dropout_mode``, which makes the program's dropout read the module's mode, off
+   under ``pm.eval()``) ops DTensor cannot dispatch (no strategy, or planned with one of autopar's own
    local rules such as fused attention split on heads, or on its queries under context parallelism,
    and the views that flatten a context-parallel sequence into rows) run on local shards; then the
    backward passes DTensor cannot run are mended: reshaping views' gradients are laid out as their specs say

@@ -28,6 +28,7 @@ from autopar.ir.bind import bind_ops
 from autopar.ir.capture import VIEWS, CapturedGraph
 
 from .checkpoint import checkpoint_layers
+from .dropout_mode import follow_mode
 from .dtensor_backward import keep_derivatives
 from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
@@ -56,6 +57,7 @@ class Program:
     stages: tuple[Stage, ...]  # the whole program (one stage), or a pipeline plan's chunks in order
     redistributes: int  # redistribute nodes inserted (before the split)
     regathers_parameters: bool  # parameters gathered for an op are gathered again in backward
+    dropout_ops: int  # ops that drop while training, off in eval mode (``dropout_mode.follow_mode``)
 
 
 def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Program:
@@ -68,13 +70,14 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     balance_sequence(program, plan, produced, parameter_values(captured))
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
+    dropping = follow_mode(program)  # before run_locally, which keeps the arguments it rewrites
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
     keep_derivatives(program)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)
-    return Program(stages, redistributes, gathers > 0)
+    return Program(stages, redistributes, gathers > 0, dropping)
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -13,8 +13,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between;
 * ``reshaped_blocks``: blocks that flatten their tokens to rows for the MLP and view the sum back (OPT's
   decoder layer), so the value crossing a pipeline stage is a view (guarded by ``layout.guard_view_gradients``);
-* ``dropout_blocks``: pre-norm MLP blocks with dropout on the hidden and on the residual branch, which tensor
-  parallelism leaves replicated on every rank (its masks must agree there).
+* ``dropout_blocks``: pre-norm blocks of causal attention with dropout (fused attention's ``dropout_p``, as
+  transformers passes it while training) and an MLP with dropout on the hidden and on the residual branch,
+  which tensor parallelism leaves replicated on every rank (its masks must agree there).
 """
 
 from __future__ import annotations
@@ -131,14 +132,21 @@ def einsum_attention(global_batch: int = 8, seq: int = 16):
 
 
 class DropoutBlock(nn.Module):
-    def __init__(self, width: int, p: float) -> None:
+    def __init__(self, width: int, p: float, heads: int = 4) -> None:
         super().__init__()
+        self.p, self.heads = p, heads
+        self.attn_norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
         self.norm = nn.LayerNorm(width)
         self.fc1 = nn.Linear(width, 4 * width)
         self.fc2 = nn.Linear(4 * width, width)
         self.drop = nn.Dropout(p)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.attn_norm(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        h = h + attended.transpose(1, 2).reshape(b, t, d)
         return h + self.drop(self.fc2(self.drop(F.gelu(self.fc1(self.norm(h))))))
 
 

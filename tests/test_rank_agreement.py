@@ -2,7 +2,9 @@
 weights (``runtime/mesh.start_from_rank_zero``: each rank used to keep its own shards of whatever it had built,
 so ranks seeded apart trained replicas that never agreed), and a step draws its dropout masks from a stream
 of its own that every rank of the plan holds alike (``runtime/randomness.StepRandomness``: the masks came from
-each process's global generator, so one extra draw on one rank parted the replicas under tp)."""
+each process's global generator, so one extra draw on one rank parted the replicas under tp). And ``pm.eval()``
+turns the program's dropout off, as ``model.eval()`` does (``passes/dropout_mode.py``: a forward in eval mode
+dropped as in training)."""
 
 from __future__ import annotations
 
@@ -85,3 +87,34 @@ def test_a_meta_device_model_is_refused_by_autoparallelize_and_planned_by_plan(t
                                 example_targets=bundle.example_targets, cluster="1x2xcpu")
     assert autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
                         example_targets=bundle.example_targets).mesh.devices == 2
+
+
+def _evaluated(rank: int, world: int, lowered: bool) -> dict[str, Any]:
+    """A training step (no optimizer: the weights stay), then forwards in eval mode, a step in eval mode, and
+    a step back in training mode."""
+    bundle = build_model("edge_models:dropout_blocks", global_batch=4, seq=8, device="cpu", seed=0)
+    ids, targets = bundle.example_inputs[0], bundle.example_targets
+    pm = autopar.autoparallelize(bundle.model, (ids,), loss_fn=bundle.loss_fn, example_targets=targets,
+                                 constraints={"tp": 2}, lowered=lowered)
+    pm.step(ids, targets)  # the lowered graphs traced, in training mode
+    pm.eval()
+    evaluated = [pm(ids, targets).full_tensor().item() for _ in range(2)]
+    try:
+        pm.step(ids, targets)
+        refused = ""
+    except BadInputError as exc:
+        refused = str(exc)
+    pm.train()
+    return {"evaluated": evaluated, "refused": refused, "trains": pm.step(ids, targets).item()}
+
+
+@pytest.mark.dist
+def test_eval_mode_turns_the_programs_dropout_off_as_model_eval_does() -> None:
+    bundle = build_model("edge_models:dropout_blocks", global_batch=4, seq=8, device="cpu", seed=0)
+    with torch.no_grad():
+        expected = bundle.loss_fn(bundle.model.eval()(*bundle.example_inputs), bundle.example_targets).item()
+    for lowered in (False, True):
+        got = run_on_ranks(_evaluated, 2, lowered)[0]
+        assert got["evaluated"] == pytest.approx([expected, expected], rel=1e-6), lowered
+        assert "step() trains, and this module is in eval mode" in got["refused"]
+        assert got["trains"] > 0

@@ -45,6 +45,7 @@ from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
+from autopar.passes.dropout_mode import in_mode, refuse_training_in_eval_mode
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.mesh import init_job_mesh, job_device_type
 from autopar.runtime.randomness import StepRandomness
@@ -90,6 +91,7 @@ class ParallelModule(nn.Module):
         built = build_program(plan, captured, mesh)
         (stage,) = built.stages
         self.redistributes = built.redistributes
+        self._dropout_ops = built.dropout_ops
         self._placeholders = stage.program.placeholders
         in_graph_sync = self._program_params.grad_sync if self.microbatches == 1 else None  # else reduced once, after
         self.program = (LoweredProgram(stage.module, self._parameter_names(), compile=compile, grad_sync=in_graph_sync,
@@ -125,16 +127,20 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
-        with self._randomness.step():
-            return self._run_program(self._program_params.begin_step(), inputs, local)
+        evaluating = not self.training and self._dropout_ops > 0  # its dropout off: lowered graphs drop
+        with self._randomness.step(), in_mode(self.training):
+            return self._run_program(self._program_params.begin_step(), inputs, local, on_dtensor=evaluating)
 
     def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
-                     deferred: bool = False) -> DTensor:
+                     deferred: bool = False, on_dtensor: bool = False) -> DTensor:
         """The program's loss; ``deferred``: a lowered program's may still be reducing, readable after
-        ``_finish_loss`` (``LoweredProgram.start``)."""
+        ``_finish_loss`` (``LoweredProgram.start``); ``on_dtensor``: a lowered program's DTensor program runs."""
         args = self._placeholder_values(params, inputs, local)
         lowered = isinstance(self.program, LoweredProgram)
-        (loss,) = self.program.start(*args) if deferred and lowered else self.program(*args)
+        if lowered and on_dtensor:
+            (loss,) = self.program.dtensor_program(*args)
+        else:
+            (loss,) = self.program.start(*args) if deferred and lowered else self.program(*args)
         return loss
 
     def _finish_loss(self) -> None:
@@ -155,6 +161,7 @@ class ParallelModule(nn.Module):
         """
         m = self.microbatches
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
+        refuse_training_in_eval_mode(self.training, self._dropout_ops)
         total = torch.zeros(())
         params = self._program_params.begin_step()
         with self._randomness.step():

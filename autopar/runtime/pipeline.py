@@ -81,6 +81,7 @@ from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, pipeline_chunk_spec,
                                     user_input, user_input_shard)
+from autopar.passes.dropout_mode import refuse_training_in_eval_mode
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness
@@ -239,6 +240,7 @@ class PipelineParallelModule(nn.Module):
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
         self.redistributes = built.redistributes
+        self._dropout_ops = built.dropout_ops
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
         self.chunks = nn.ModuleList(self._stage_module(stage, model) for stage in mine)
@@ -306,6 +308,7 @@ class PipelineParallelModule(nn.Module):
         through the pipeline; gradients are left on ``parameters()``, synchronized within the stage."""
         names = self.captured.user_inputs
         check_user_inputs(self.plan, self.mesh, names, args, local, self.microbatches, "step()")
+        refuse_training_in_eval_mode(self.training, self._dropout_ops)
         by_name = dict(zip(names, args))
         self._local_inputs = local
         first = args if self.chunks[0].index == 0 else ()
