@@ -21,10 +21,10 @@ from torch import fx
 
 from autopar.core.errors import BadInputError
 from autopar.ir.capture import FUSED_ATTENTION
+from autopar.ir.layers import ATTENTION_DROPOUT_ARG, attention_argument
 
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 _TRAIN_ARG = 2  # native_dropout(input, p, train)
-_DROPOUT_P_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
 
 _TRAINING = contextvars.ContextVar("autopar_training", default=True)
 
@@ -59,17 +59,12 @@ def follow_mode(gm: fx.GraphModule) -> int:
         if node.target is _NATIVE_DROPOUT and node.args[_TRAIN_ARG]:
             _read_in_mode(gm, node, _TRAIN_ARG, None, train_in_mode)
             rewritten += 1
-        elif node.target is FUSED_ATTENTION and _dropout_p(node):
-            _read_in_mode(gm, node, _DROPOUT_P_ARG, "dropout_p", dropout_p_in_mode)
+        elif node.target is FUSED_ATTENTION and attention_argument(node, "dropout_p", ATTENTION_DROPOUT_ARG, 0.0):
+            _read_in_mode(gm, node, ATTENTION_DROPOUT_ARG, "dropout_p", dropout_p_in_mode)
             rewritten += 1
     if rewritten:
         gm.recompile()
     return rewritten
-
-
-def _dropout_p(node: fx.Node) -> float:
-    args = node.args
-    return node.kwargs.get("dropout_p", args[_DROPOUT_P_ARG] if len(args) > _DROPOUT_P_ARG else 0.0) or 0.0
 
 
 def _read_in_mode(gm: fx.GraphModule, node: fx.Node, position: int, keyword: str | None, reader: object) -> None:

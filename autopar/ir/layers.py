@@ -63,6 +63,19 @@ FUSED_ATTENTION = frozenset(getattr(_aten, name) for name in (
 def is_fused_attention(target: object) -> bool:
     """Whether an op with this aten ``target`` is a fused attention kernel."""
     return getattr(target, "overloadpacket", target) in FUSED_ATTENTION
+
+
+ATTENTION_MASK_ARG, ATTENTION_DROPOUT_ARG = 3, 4
+"""Where the captured fused attention (``aten.scaled_dot_product_attention(query, key, value, attn_mask,
+dropout_p, ...)``) takes its mask and its dropout, positionally or by those names."""
+
+
+def attention_argument(node: fx.Node, name: str, position: int, default: Any = None) -> Any:
+    """Fused attention ``node``'s argument ``name`` (``attn_mask``, ``dropout_p``), given by keyword or at
+    ``position``; ``default`` where it is given neither way."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[position] if len(node.args) > position else default
 _SOFTMAX = frozenset(getattr(_aten, name) for name in ("_softmax", "softmax", "_safe_softmax") if hasattr(_aten, name))
 _BATCHED_MATMUL = frozenset(getattr(_aten, name) for name in ("bmm", "baddbmm", "matmul") if hasattr(_aten, name))
 

@@ -51,7 +51,8 @@ from autopar.core.placement import Placements, placement_to_str
 from autopar.core.plan import ALLGATHER, RING
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION, VIEWS
-from autopar.ir.layers import output_vals, tensor_inputs
+from autopar.ir.layers import (ATTENTION_DROPOUT_ARG, ATTENTION_MASK_ARG, attention_argument, output_vals,
+                                tensor_inputs)
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,8 @@ def _ring_split(node: fx.Node, strategy: Strategy, dim: int) -> Strategy | None:
 
 def ring_refusal(node: fx.Node) -> str | None:
     """Why fused attention ``node`` cannot run as ring attention (a mask tensor, dropout), or None."""
-    args = list(node.args) + [None] * (5 - len(node.args))
-    mask, dropout = node.kwargs.get("attn_mask", args[3]), node.kwargs.get("dropout_p", args[4]) or 0.0
+    mask = attention_argument(node, "attn_mask", ATTENTION_MASK_ARG)
+    dropout = attention_argument(node, "dropout_p", ATTENTION_DROPOUT_ARG) or 0.0
     if mask is not None:
         return "its attention mask tensor"
     return f"its dropout ({dropout})" if dropout else None

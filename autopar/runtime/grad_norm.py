@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autopar.runtime.mesh import job_device_type
+
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                    error_if_nonfinite: bool = False, foreach: bool | None = None,
@@ -45,8 +47,7 @@ def _whole(norm: torch.Tensor, norm_type: float, stage_group: dist.ProcessGroup 
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     if stage_group is None:
         return norm
-    device = "cuda" if dist.get_backend(stage_group) == "nccl" else "cpu"
-    part = norm.detach().double().to(device)
+    part = norm.detach().double().to(job_device_type())
     if math.isinf(norm_type):
         dist.all_reduce(part, op=dist.ReduceOp.MAX, group=stage_group)
         return part.to(norm.device, norm.dtype)

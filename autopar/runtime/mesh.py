@@ -14,9 +14,8 @@ rank only, would otherwise train replicas that never agree, without a word.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import itertools
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
