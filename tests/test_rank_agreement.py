@@ -108,8 +108,21 @@ def _evaluated(rank: int, world: int, lowered: bool) -> dict[str, Any]:
     return {"evaluated": evaluated, "refused": refused, "trains": pm.step(ids, targets).item()}
 
 
+def _pipeline_forward(rank: int, world: int) -> str:
+    bundle = build_model("tiny-gpt", global_batch=4, seq=16, device="cpu", seed=0)
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints={"pp": 2})
+    try:
+        pm(*bundle.example_inputs, bundle.example_targets)
+    except BadInputError as exc:
+        return str(exc)
+    return ""
+
+
 @pytest.mark.dist
 def test_eval_mode_turns_the_programs_dropout_off_as_model_eval_does() -> None:
+    """A pipeline plan has no forward-only call, and says so (torch said the module "is missing the required
+    forward function")."""
     bundle = build_model("edge_models:dropout_blocks", global_batch=4, seq=8, device="cpu", seed=0)
     with torch.no_grad():
         expected = bundle.loss_fn(bundle.model.eval()(*bundle.example_inputs), bundle.example_targets).item()
@@ -118,3 +131,4 @@ def test_eval_mode_turns_the_programs_dropout_off_as_model_eval_does() -> None:
         assert got["evaluated"] == pytest.approx([expected, expected], rel=1e-6), lowered
         assert "step() trains, and this module is in eval mode" in got["refused"]
         assert got["trains"] > 0
+    assert "a pipeline plan (pp=2) has no forward-only call" in run_on_ranks(_pipeline_forward, 2)[0]

@@ -303,6 +303,13 @@ class PipelineParallelModule(nn.Module):
     def microbatches(self) -> int:
         return self.plan.pipeline.microbatches
 
+    def forward(self, *args: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """Not offered: a pipeline plan's ranks run their stages inside the schedule ``step`` runs."""
+        raise BadInputError(f"a pipeline plan (pp={self.pp_size}) has no forward-only call: its stages run inside "
+                            "the schedule step() runs (forward, loss and backward); evaluate the loss with a "
+                            "one-stage plan of the same model (autoparallelize(..., constraints={'pp': 1}) and "
+                            "load_checkpoint), whose pm(inputs, targets) in eval mode is the loss without dropout")
+
     def step(self, *args: torch.Tensor, local: bool = False) -> torch.Tensor:
         """Forward, loss and backward of the global batch (or this rank's slice with ``local=True``)
         through the pipeline; gradients are left on ``parameters()``, synchronized within the stage."""
