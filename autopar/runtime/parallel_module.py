@@ -40,13 +40,13 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
+from autopar.passes.dropout_mode import in_mode, refuse_training_in_eval_mode
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
-from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
-from autopar.passes.dropout_mode import in_mode, refuse_training_in_eval_mode
 from autopar.runtime.grad_norm import clip_grad_norm
+from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
 from autopar.runtime.mesh import init_job_mesh, job_device_type
 from autopar.runtime.randomness import StepRandomness
 

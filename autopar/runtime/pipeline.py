@@ -73,16 +73,16 @@ from autopar.core.errors import BadInputError
 from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
+from autopar.passes.dropout_mode import refuse_training_in_eval_mode
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.lower_eager import EagerForward
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
+from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, pipeline_chunk_spec,
                                     user_input, user_input_shard)
-from autopar.passes.dropout_mode import refuse_training_in_eval_mode
-from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
