@@ -132,3 +132,36 @@ def test_eval_mode_turns_the_programs_dropout_off_as_model_eval_does() -> None:
         assert "step() trains, and this module is in eval mode" in got["refused"]
         assert got["trains"] > 0
     assert "a pipeline plan (pp=2) has no forward-only call" in run_on_ranks(_pipeline_forward, 2)[0]
+
+
+def _resumed_losses(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    """Four tp steps of the dropout model, uninterrupted; and two, a checkpoint, a fresh module loading it, two."""
+    def fresh() -> tuple[Any, Any, Any]:
+        bundle = build_model("edge_models:dropout_blocks", global_batch=4, seq=8, device="cpu", seed=0)
+        pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                     example_targets=bundle.example_targets, constraints={"tp": 2})
+        return bundle, pm, sgd(pm.parameters())
+
+    def train(pm: Any, opt: Any, data: list) -> list[float]:
+        losses = []
+        for batch in data:
+            opt.zero_grad()
+            losses.append(pm.step(*batch).item())
+            opt.step()
+        return losses
+
+    bundle, pm, opt = fresh()
+    data = batches(bundle, 4, 0)
+    uninterrupted = train(pm, opt, data)
+    bundle, pm, opt = fresh()
+    first = train(pm, opt, data[:2])
+    autopar.save_checkpoint(pm, opt, autopar.checkpoint_path(root, 2), 2)
+    bundle, pm, opt = fresh()
+    step = autopar.load_checkpoint(pm, opt, autopar.latest_checkpoint(root))
+    return {"uninterrupted": uninterrupted, "resumed": first + train(pm, opt, data[step:])}
+
+
+@pytest.mark.dist
+def test_a_run_resumed_from_a_checkpoint_draws_the_dropout_masks_of_an_uninterrupted_one(tmp_path) -> None:
+    got = run_on_ranks(_resumed_losses, 2, str(tmp_path))[0]
+    assert got["resumed"] == got["uninterrupted"]

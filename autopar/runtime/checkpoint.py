@@ -218,7 +218,8 @@ def save_checkpoint(pm: PlannedModule, optimizer: torch.optim.Optimizer | None, 
 def load_checkpoint(pm: PlannedModule, optimizer: torch.optim.Optimizer | None, path: str | Path) -> int:
     """Load a ``save_checkpoint`` directory, saved under any plan of this model, into this rank's shards
     of the module and of ``optimizer``'s state (made first if the optimizer has not stepped); returns
-    the saved step. Collective: every rank calls it."""
+    the saved step, from which the module's steps draw their dropout masks on (``runtime/randomness.py``).
+    Collective: every rank calls it."""
     path = Path(path)
     stored = _stored_keys(path)
     state: dict[str, Any] = {"model": pm.state_dict(), "step": 0}
@@ -228,6 +229,7 @@ def load_checkpoint(pm: PlannedModule, optimizer: torch.optim.Optimizer | None, 
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
         _apply_loaded_optimizer_values(pm, optimizer, state["optimizer"])
+    pm.randomness.steps = int(state["step"])  # the dropout masks of the step it resumes at
     return int(state["step"])
 
 

@@ -74,7 +74,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
-        self._randomness = StepRandomness()  # dropout masks alike on the ranks that hold a replica
+        self.randomness = StepRandomness()  # dropout masks alike on the ranks that hold a replica
         self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
         precision = plan.precision
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
@@ -128,7 +128,7 @@ class ParallelModule(nn.Module):
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
         evaluating = not self.training and self._dropout_ops > 0  # its dropout off: lowered graphs drop
-        with self._randomness.step(), in_mode(self.training):
+        with self.randomness.drawing(), in_mode(self.training):
             return self._run_program(self._program_params.begin_step(), inputs, local, on_dtensor=evaluating)
 
     def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
@@ -164,7 +164,7 @@ class ParallelModule(nn.Module):
         refuse_training_in_eval_mode(self.training, self._dropout_ops)
         total = torch.zeros(())
         params = self._program_params.begin_step()
-        with self._randomness.step():
+        with self.randomness.step():
             pieces = zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers)))
             for i, piece in enumerate(pieces):
                 loss = self._run_program(params, piece, local, deferred=True).to_local()

@@ -235,7 +235,7 @@ class PipelineParallelModule(nn.Module):
             check_plan_fits(plan, self.mesh.device_type)
         self.pp_group = self.world_mesh.get_group("pp")
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
-        self._randomness = StepRandomness(stream=self.pp_rank)  # a stage's ranks draw alike, stages apart
+        self.randomness = StepRandomness(stream=self.pp_rank)  # a stage's ranks draw alike, stages apart
         built = build_program(plan, captured, self.mesh)
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
@@ -328,7 +328,7 @@ class PipelineParallelModule(nn.Module):
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
         self._reduce_inputs_ahead(first, later)
         self._losses = []
-        with self._randomness.step():
+        with self.randomness.step():
             self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                                **later)
         for program in self._lowered_programs():

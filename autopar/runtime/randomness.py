@@ -12,7 +12,9 @@ Every rank of a stream (every rank of a one-stage plan, a pipeline stage's ranks
 same state; stages draw apart, as Megatron-LM seeds its pipeline stages apart. Ranks whose local shapes are
 equal draw alike: replicas get one mask, and the shards of one sharded activation each get the same pattern
 over their own part (Megatron-LM instead seeds its tensor-parallel regions per rank; DTensor on CUDA offsets
-each shard into one global mask). A step's draws never depend on what the job drew between steps.
+each shard into one global mask). A step's draws never depend on what the job drew between steps, and
+``load_checkpoint`` sets the count of steps to the step it resumes from, so a job that seeds alike and resumes
+under the same plan draws the masks of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -42,12 +44,19 @@ class StepRandomness:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Draw the step's random numbers from its own seed; the caller's generators untouched after."""
+        """A training step: its random numbers drawn from its own seed, then the count of steps advanced."""
+        with self.drawing():
+            yield
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Draw from the seed of the step to come (a forward-only call does not advance the count); the
+        caller's generators untouched after."""
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device_type):
             seed = hash((self.base_seed, self.steps, self.stream)) % _SEED_RANGE  # ints hash alike in every process
             torch.random.default_generator.manual_seed(seed)
             if devices:
                 torch.cuda.manual_seed(seed)  # this rank's device: the one fork_rng gives back
-            self.steps += 1
             yield
