@@ -295,6 +295,7 @@ def test_hugging_face_moe_families_train_under_ep_like_one_process() -> None:
     """DeepSeek-V3's attention writes its queries and keys into buffers slice by slice, captured as ``copy``
     and ``slice_scatter``, whose derivatives the program could not run (``passes/dtensor_backward.py``);
     gpt-oss's experts hold biases beside the weights ep splits."""
+    pytest.importorskip("transformers")
     runs = [dict(name=f"hf_moe_models:{family}", overrides=None, global_batch=4, seq=16, steps=STEPS, plan=None,
                  constraints=constraints, lowered=None)
             for family, constraints in (("deepseek_v3", {"ep": 2}), ("gpt_oss", {"ep": 2}), ("qwen2_moe", {"tp": 2}))]

@@ -76,6 +76,8 @@ def attention_argument(node: fx.Node, name: str, position: int, default: Any = N
     if name in node.kwargs:
         return node.kwargs[name]
     return node.args[position] if len(node.args) > position else default
+
+
 _SOFTMAX = frozenset(getattr(_aten, name) for name in ("_softmax", "softmax", "_safe_softmax") if hasattr(_aten, name))
 _BATCHED_MATMUL = frozenset(getattr(_aten, name) for name in ("bmm", "baddbmm", "matmul") if hasattr(_aten, name))
 
