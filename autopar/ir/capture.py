@@ -84,6 +84,7 @@ class CapturedGraph:
     tie_keys: dict[str, str] = field(default_factory=dict)  # node name -> key shared by repeated layers
     stack: LayerStack | None = None  # the repeated layers, when only some of them were traced
     aliases: dict[str, str] = field(default_factory=dict)  # tied fqn -> the fqn whose placeholder stands for both
+    autocast: str | None = None  # the dtype of the torch.autocast the step was traced under (its casts are ops)
 
     @property
     def graph(self) -> fx.Graph:
@@ -287,7 +288,16 @@ def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_ta
             f"could not capture {type(model).__name__} with torch.export: {first}{at}{_what_to_change(exc)}"
         ) from exc
     _check_static_shapes(exported.graph_module.graph)
-    return _describe(exported)
+    captured = _describe(exported)
+    captured.autocast = _autocast_around(args)
+    return captured
+
+
+def _autocast_around(args: Sequence[torch.Tensor | None]) -> str | None:
+    """The dtype of the ``torch.autocast`` on for the inputs' device while the step is traced (torch.export
+    then records its casts as ops of the graph), else None."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    return str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
 
 
 DATA_DEPENDENT = ("the step branches on, or sizes a tensor by, the values of a tensor (data-dependent control flow): "

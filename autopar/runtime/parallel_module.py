@@ -43,6 +43,7 @@ from autopar.passes import ProgramParameters, build_program, shard_parameters, s
 from autopar.passes.dropout_mode import in_mode, refuse_training_in_eval_mode
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
+from autopar.runtime.autocast import CallerAutocast
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
@@ -75,6 +76,7 @@ class ParallelModule(nn.Module):
         self.mesh = mesh
         self.captured = captured
         self.randomness = StepRandomness()  # dropout masks alike on the ranks that hold a replica
+        self.autocast = CallerAutocast(mesh.device_type, plan.precision, captured.autocast)
         self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
         precision = plan.precision
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
@@ -128,7 +130,7 @@ class ParallelModule(nn.Module):
         """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
         evaluating = not self.training and self._dropout_ops > 0  # its dropout off: lowered graphs drop
-        with self.randomness.drawing(), in_mode(self.training):
+        with self.autocast.set_aside("forward()"), self.randomness.drawing(), in_mode(self.training):
             return self._run_program(self._program_params.begin_step(), inputs, local, on_dtensor=evaluating)
 
     def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
@@ -163,8 +165,8 @@ class ParallelModule(nn.Module):
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         refuse_training_in_eval_mode(self.training, self._dropout_ops)
         total = torch.zeros(())
-        params = self._program_params.begin_step()
-        with self.randomness.step():
+        with self.autocast.set_aside("step()"), self.randomness.step():
+            params = self._program_params.begin_step()
             pieces = zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers)))
             for i, piece in enumerate(pieces):
                 loss = self._run_program(params, piece, local, deferred=True).to_local()

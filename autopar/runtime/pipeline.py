@@ -78,6 +78,7 @@ from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.lower_eager import EagerForward
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
+from autopar.runtime.autocast import CallerAutocast
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
@@ -236,6 +237,7 @@ class PipelineParallelModule(nn.Module):
         self.pp_group = self.world_mesh.get_group("pp")
         self.pp_rank, self.pp_size = self.world_mesh.get_local_rank("pp"), self.world_mesh.size(0)
         self.randomness = StepRandomness(stream=self.pp_rank)  # a stage's ranks draw alike, stages apart
+        self.autocast = CallerAutocast(self.mesh.device_type, plan.precision, captured.autocast)
         built = build_program(plan, captured, self.mesh)
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
@@ -316,6 +318,12 @@ class PipelineParallelModule(nn.Module):
         names = self.captured.user_inputs
         check_user_inputs(self.plan, self.mesh, names, args, local, self.microbatches, "step()")
         refuse_training_in_eval_mode(self.training, self._dropout_ops)
+        with self.autocast.set_aside("step()"):  # the program runs in the plan's precision (``runtime/autocast``)
+            return self._scheduled_step(args, local)
+
+    def _scheduled_step(self, args: Sequence[torch.Tensor], local: bool) -> torch.Tensor:
+        """``step``'s schedule over checked inputs."""
+        names = self.captured.user_inputs
         by_name = dict(zip(names, args))
         self._local_inputs = local
         first = args if self.chunks[0].index == 0 else ()

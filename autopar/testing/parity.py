@@ -227,12 +227,13 @@ def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq
 
 def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
                  steps: int, seed: int = 0, optimizer: OptimizerFactory = sgd, dtype: str | None = None,
-                 clip: tuple[float, float] | None = None) -> TrainResult:
+                 clip: tuple[float, float] | None = None, autocast: torch.dtype | None = None) -> TrainResult:
     """The reference: ``steps`` steps of single-process autograd (``optimizer``: parity's SGD unless a
     test of something else, such as the example script, trains with another). With ``dtype`` (bf16,
     fp16), mixed precision done by hand: the optimizer steps the model's fp32 parameters, each step
     runs the model on copies of them, its buffers and its float inputs in ``dtype``. With ``clip``
-    (max_norm, norm_type), each backward's gradients are clipped by ``torch.nn.utils.clip_grad_norm_``."""
+    (max_norm, norm_type), each backward's gradients are clipped by ``torch.nn.utils.clip_grad_norm_``. With
+    ``autocast``, each forward and loss runs under eager ``torch.autocast`` on the CPU in that dtype."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
     opt = optimizer(model.parameters())
@@ -240,7 +241,8 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     for i, batch in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
         inputs, targets = (batch[:-1], batch[-1]) if bundle.example_targets is not None else (batch, None)
-        loss = _reference_loss(model, loss_fn, inputs, targets, dtype)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = _reference_loss(model, loss_fn, inputs, targets, dtype)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
