@@ -65,8 +65,9 @@ def program_dtype(precision: Precision) -> torch.dtype | None:
 
 
 def as_master(tensor: torch.Tensor, precision: Precision) -> torch.Tensor:
-    """A model's parameter in the masters' dtype (itself when it is already)."""
-    return tensor.detach().to(TORCH_DTYPES[precision.master])
+    """A model's parameter in the masters' dtype (itself when it is already), trainable as the model's is (a
+    frozen parameter, ``requires_grad=False``, stays frozen)."""
+    return tensor.detach().to(TORCH_DTYPES[precision.master]).requires_grad_(tensor.requires_grad)
 
 
 def to_compute_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -123,11 +124,12 @@ class ProgramParameters:
         self.dtype = compute_dtype(precision)
         self.keys = list(masters)
         reduce_dtype = TORCH_DTYPES[precision.reduce]
-        self.zero = (ShardedOptimizerState(masters, mesh, zero_stage, self.dtype, reduce_dtype)
-                     if zero_stage in (1, 2) else None)
+        trainable = {key: p for key, p in masters.items() if p.requires_grad}  # frozen: no gradient, no state
+        self.zero = (ShardedOptimizerState(trainable, mesh, zero_stage, self.dtype, reduce_dtype)
+                     if zero_stage in (1, 2) and trainable else None)
         sharded = self.zero.shards if self.zero else {}
         self.masters = {key: p for key, p in masters.items() if key not in sharded}  # the program casts these
-        self.grad_sync = GradientSync(self.masters.values(), reduce_dtype=reduce_dtype)
+        self.grad_sync = GradientSync([p for p in self.masters.values() if p.requires_grad], reduce_dtype=reduce_dtype)
 
     def optimizer_parameters(self) -> dict[str, nn.Parameter]:
         """Key -> the parameter the optimizer steps: a master, or under ZeRO-1/2 its dp-shard."""

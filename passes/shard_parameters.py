@@ -23,8 +23,10 @@ def shard_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[st
 def shard_parameters(
     named: Mapping[str, torch.Tensor], placements: Mapping[str, Sequence[str]], mesh: DeviceMesh
 ) -> dict[str, nn.Parameter]:
-    """fqn -> ``nn.Parameter`` wrapping a DTensor that holds this rank's shard."""
+    """fqn -> ``nn.Parameter`` wrapping a DTensor that holds this rank's shard, frozen where the model's
+    parameter is (``requires_grad=False``: no gradient, so the optimizer leaves it as it is)."""
     missing = sorted(set(placements) - set(named))
     if missing:
         raise KeyError(f"the plan places parameters the model does not have: {', '.join(missing[:5])}")
-    return {fqn: nn.Parameter(shard_tensor(named[fqn], mesh, placements[fqn])) for fqn in placements}
+    return {fqn: nn.Parameter(shard_tensor(named[fqn].detach(), mesh, placements[fqn]), named[fqn].requires_grad)
+            for fqn in placements}

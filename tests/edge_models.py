@@ -15,7 +15,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   decoder layer), so the value crossing a pipeline stage is a view (guarded by ``layout.guard_view_gradients``);
 * ``dropout_blocks``: pre-norm blocks of causal attention with dropout (fused attention's ``dropout_p``, as
   transformers passes it while training) and an MLP with dropout on the hidden and on the residual branch,
-  which tensor parallelism leaves replicated on every rank (its masks must agree there).
+  which tensor parallelism leaves replicated on every rank (its masks must agree there);
+* ``frozen_blocks``: ``reshaped_blocks`` fine-tuned, its embedding, first block and one matrix of the second
+  frozen (``requires_grad=False``): they get no gradient and keep their values, as in single-process training.
 """
 
 from __future__ import annotations
@@ -198,3 +200,14 @@ def reshaped_blocks(global_batch: int = 8, seq: int = 8):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (ReshapedBlocks(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
             loss)
+
+
+FROZEN_IN_BLOCKS = ("emb.", "blocks.0.", "blocks.1.fc1.weight")
+"""The parameters ``frozen_blocks`` freezes: those whose names start so."""
+
+
+def frozen_blocks(global_batch: int = 8, seq: int = 8):
+    model, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(FROZEN_IN_BLOCKS))
+    return model, tokens, targets, loss

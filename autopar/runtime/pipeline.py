@@ -203,7 +203,7 @@ class AccumulatingStage(PipelineStage):
             super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        params = list(self.submod.parameters())
+        params = [p for p in self.submod.parameters() if p.requires_grad]  # a frozen one gets no gradient
         before = [(p.grad, p.grad._version if p.grad is not None else None) for p in params]
         accumulated: set[int] = set()
         handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.add(id(p))) for p in params]
