@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.ir.capture import CapturedGraph
+from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 
 from .insert_redistributes import redistribute
 
@@ -192,7 +192,7 @@ def reshard_after_forward(gm: fx.GraphModule, parameter_values: set[str]) -> int
 def parameter_values(captured: CapturedGraph) -> set[str]:
     """Names of the values that are parameters or views of one (the same every microbatch): the
     redistributes ``reshard_after_forward`` turns into gathers."""
-    return {name for name, kind in captured.gradient_kinds().items() if kind == "param"}
+    return {name for name, kind in captured.gradient_kinds().items() if kind in WEIGHT_KINDS}
 
 
 @contextlib.contextmanager

@@ -5,8 +5,12 @@ all trainable whatever the model's said, so an optimizer over ``pm.parameters()`
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+import autopar
+from autopar.models import build_model
 from autopar.testing.parity import train_parallel_many, train_single
 
 MODEL = "edge_models:frozen_blocks"
@@ -23,3 +27,35 @@ def test_frozen_parameters_get_no_gradient_and_keep_their_values_like_one_proces
     assert not any(name.startswith(("emb.", "blocks.0.")) for name in reference.grads)  # frozen: no gradient
     for (constraints, _), result in zip(RUNS, train_parallel_many(2, runs)):
         result.assert_matches(reference, f"{MODEL} under {constraints}")
+
+
+def _adapter_tuned_llama(frozen: bool) -> tuple[Any, ...]:
+    """Llama 3 8B on the meta device, every weight but the final norm's and the head's frozen where ``frozen``
+    (a stand-in for adapter fine-tuning, where the base model gets no gradient)."""
+    bundle = build_model("llama3-8b", global_batch=8, seq=4096, device="meta")
+    for name, p in bundle.model.named_parameters():
+        p.requires_grad_(not frozen or name in ("norm_f.weight", "lm_head.weight"))
+    return bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn
+
+
+def test_the_planner_prices_frozen_parameters_without_gradient_state_or_sync(tmp_path) -> None:
+    plans = {}
+    for frozen in (False, True):
+        model, inputs, targets, loss_fn = _adapter_tuned_llama(frozen)
+        plans[frozen] = autopar.plan(model, inputs, "1x8xH100", loss_fn, example_targets=targets,
+                                     save_problem=tmp_path / f"{frozen}.json")
+    whole, tuned = plans[False], plans[True]
+    memory, whole_memory = tuned.predicted["memory_bytes"], whole.predicted["memory_bytes"]
+    head = 128256 * 4096 + 4096  # the trainable parameters: the head and the final norm
+    assert 0 < memory["grads"] <= 4 * head * 1.01  # fp32 gradients of these alone, on a device
+    assert 0 < memory["optimizer"] <= 12 * head * 1.01  # AdamW's state of these alone
+    assert whole_memory["optimizer"] > 12 * 8.0e9 / 8  # the whole model's, sharded over the 8 devices at most
+    assert sum(memory.values()) < sum(whole_memory.values())
+    assert tuned.predicted["comm_s"]["reduce_scatter"] == 0  # nothing frozen is sharded for its gradients
+    assert tuned.predicted["comm_s"]["all_reduce"] < 0.2 * whole.predicted["comm_s"]["all_reduce"]
+    # no gradient reaches the frozen blocks: their backward is not run, the head's is
+    assert tuned.predicted["compute_s"] < 0.5 * whole.predicted["compute_s"]
+    assert 0.3 * whole.model["flops_per_step"] < tuned.model["flops_per_step"] < 0.5 * whole.model["flops_per_step"]
+    assert tuned.model["graph_fingerprint"] != whole.model["graph_fingerprint"]  # a plan for one is not the other's
+    again = autopar.plan(autopar.load_problem(tmp_path / "True.json"), cluster="1x8xH100")
+    assert (again.predicted, again.placements) == (tuned.predicted, tuned.placements)  # it remembers what is frozen

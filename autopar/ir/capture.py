@@ -71,6 +71,11 @@ class TrainingStep(nn.Module):
         return self.loss_fn(self.model(*inputs), targets)
 
 
+WEIGHT_KINDS = ("param", "frozen")
+"""The gradient kinds (``CapturedGraph.gradient_kinds``) of weights: a parameter or a view of one, the same every
+microbatch, trainable or frozen."""
+
+
 @dataclass
 class CapturedGraph:
     """The decomposed forward+loss graph and what each placeholder stands for."""
@@ -85,6 +90,7 @@ class CapturedGraph:
     stack: LayerStack | None = None  # the repeated layers, when only some of them were traced
     aliases: dict[str, str] = field(default_factory=dict)  # tied fqn -> the fqn whose placeholder stands for both
     autocast: str | None = None  # the dtype of the torch.autocast the step was traced under (its casts are ops)
+    frozen: frozenset[str] = frozenset()  # parameter placeholders whose every real parameter has requires_grad False
 
     @property
     def graph(self) -> fx.Graph:
@@ -139,20 +145,35 @@ class CapturedGraph:
 
     def gradient_kinds(self) -> dict[str, str]:
         """Per node: ``param`` (a parameter, or a view of one: its gradient is a weight gradient),
-        ``activation`` (depends on a parameter, so it gets a gradient), or ``none`` (no gradient:
-        inputs, buffers, and what is computed from them alone)."""
+        ``frozen`` (a frozen parameter, or a view of one: a weight without a gradient, ``frozen_parameters``),
+        ``activation`` (depends on a trainable parameter, so it gets a gradient), or ``none`` (no gradient:
+        inputs, buffers, and what is computed from them and frozen parameters alone)."""
         if not hasattr(self, "_grad_kinds"):
+            frozen = self.frozen_parameters()
             kinds: dict[str, str] = {}
             for node in self.graph.nodes:
                 sources = [kinds.get(a.name, "none") for a in node.all_input_nodes]
                 if node.name in self.params:
-                    kinds[node.name] = "param"
-                elif getattr(node.target, "is_view", False) and sources == ["param"]:
-                    kinds[node.name] = "param"
+                    kinds[node.name] = "frozen" if node.name in frozen else "param"
+                elif getattr(node.target, "is_view", False) and sources in (["param"], ["frozen"]):
+                    kinds[node.name] = sources[0]
                 else:
-                    kinds[node.name] = "activation" if any(k != "none" for k in sources) else "none"
+                    kinds[node.name] = "activation" if any(k in ("param", "activation") for k in sources) else "none"
             self._grad_kinds = kinds
         return self._grad_kinds
+
+    def frozen_parameters(self) -> frozenset[str]:
+        """The parameter placeholders planned as frozen: those of ``frozen`` whose repeated-layer twins (same tie
+        key) are all frozen too. Their decisions are shared, and so are their prices: a layer frozen beside
+        trainable twins (the first layers of a partly frozen stack) is priced as trainable, which overstates
+        its memory and gradient sync, never understates them; the runtime gives it no gradient all the same."""
+        if not self.frozen:
+            return frozenset()
+        if not hasattr(self, "_frozen_planned"):
+            trainable_keys = {self.tie_keys.get(name, name) for name in self.params if name not in self.frozen}
+            self._frozen_planned = frozenset(name for name in self.frozen
+                                             if self.tie_keys.get(name, name) not in trainable_keys)
+        return self._frozen_planned
 
     def saved_for_backward(self) -> SavedTensors:
         """What autograd keeps for backward, per node (``saved_tensors.py``; one meta run, cached)."""
@@ -265,8 +286,18 @@ def capture(
             captured = None  # the model's forward needs all its layers: capture them all
         if captured is not None and _ties_node_for_node(captured, path, traced_layers):
             captured.stack = LayerStack(path, layers, traced_layers)
-            return captured
-    return _export(model, example_inputs, example_targets, loss_fn)
+            return _with_frozen(captured, model)
+    return _with_frozen(_export(model, example_inputs, example_targets, loss_fn), model)
+
+
+def _with_frozen(captured: CapturedGraph, model: nn.Module) -> CapturedGraph:
+    """``captured`` knowing its frozen parameters (``CapturedGraph.frozen``): those whose every real parameter
+    in ``model`` has ``requires_grad=False`` (a traced layer's parameter stands for one in each layer it
+    stands for)."""
+    real = dict(model.named_parameters(remove_duplicate=False))
+    captured.frozen = frozenset(name for name, fqn in captured.params.items()
+                                if all(r in real and not real[r].requires_grad for r in captured.real_fqns(fqn)))
+    return captured
 
 
 def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_targets: torch.Tensor | None,
@@ -297,7 +328,8 @@ def _autocast_around(args: Sequence[torch.Tensor | None]) -> str | None:
     """The dtype of the ``torch.autocast`` on for the inputs' device while the step is traced (torch.export
     then records its casts as ops of the graph), else None."""
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    return str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+    on = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # none on meta
+    return str(torch.get_autocast_dtype(device)) if on else None
 
 
 DATA_DEPENDENT = ("the step branches on, or sizes a tensor by, the values of a tensor (data-dependent control flow): "

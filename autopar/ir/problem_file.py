@@ -8,8 +8,8 @@ versioned JSON (schema ``autopar.problem/1``; no pickle, so loading one runs no 
   through ``torch.ops``; or ``operator.getitem``), arguments with node references and constants, the
   module path it came from (``nn_module_stack``, read by ``capture.module_path``), and its value's
   shape, stride and dtype (rebuilt as meta-device tensors, tuples of them for multi-output ops);
-* what each placeholder stands for (parameters, buffers, lifted constants, user inputs), the loss node
-  and the tie keys of repeated layers;
+* what each placeholder stands for (parameters, buffers, lifted constants, user inputs), the loss node,
+  the tie keys of repeated layers and the frozen parameters (``requires_grad=False``), where there are any;
 * the model name, a description of the inputs (names, shapes, dtypes), and what a plan states about the
   model that its graph does not show, read from the model's code when it was captured (``facts``: named
   sizes, ``dims``; a mixture-of-experts model's routing, ``moe``), so a plan made from the file states
@@ -79,6 +79,7 @@ def problem_to_dict(captured: CapturedGraph, model_name: str, facts: dict[str, A
         "user_inputs": captured.user_inputs,
         "loss_node": captured.loss_node,
         "tie_keys": captured.tie_keys,
+        **({"frozen": sorted(captured.frozen)} if captured.frozen else {}),
         **({"stack": {"path": captured.stack.path, "layers": captured.stack.layers, "traced": captured.stack.traced}}
            if captured.stack is not None else {}),
     }
@@ -194,6 +195,7 @@ def problem_from_dict(data: Any) -> SavedProblem:
         loss_node=str(data["loss_node"]),
         tie_keys=_names_to_names(data, "tie_keys"),
         stack=_stack(data.get("stack")),
+        frozen=_frozen(data.get("frozen", []), data["params"]),
     )
     _check_references(captured)
     if captured.stack is not None:
@@ -209,6 +211,13 @@ def problem_from_dict(data: Any) -> SavedProblem:
     except PlanFormatError as exc:
         raise _Malformed(str(exc)) from None
     return SavedProblem(captured, str(model.get("name", "model")), inputs, facts)
+
+
+def _frozen(data: Any, params: dict[str, str]) -> frozenset[str]:
+    """The frozen parameters' placeholders (``CapturedGraph.frozen``): a list of names of ``params``."""
+    if not isinstance(data, list) or not all(isinstance(n, str) and n in params for n in data):
+        raise _Malformed(f"'frozen' must list parameter placeholders of 'params', got {data!r}")
+    return frozenset(data)
 
 
 def _stack(data: Any) -> LayerStack | None:

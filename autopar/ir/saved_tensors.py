@@ -76,7 +76,8 @@ def find_saved_tensors(captured: "CapturedGraph") -> SavedTensors:
 
 def _placeholder_value(node: fx.Node, captured: "CapturedGraph") -> torch.Tensor | Any:
     val = captured.constants.get(node.name, node.meta.get("val"))
-    return _meta_like(val, node.name in captured.params) if isinstance(val, torch.Tensor) else val
+    trainable = node.name in captured.params and node.name not in captured.frozen_parameters()
+    return _meta_like(val, trainable) if isinstance(val, torch.Tensor) else val
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,22 +11,22 @@ from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.placement import placements_to_strs
 from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MEMORY_PARTS, MIXED, RING, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
-from autopar.ir.layers import layer_count
+from autopar.ir.layers import layer_count, tensor_inputs
 from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
-from autopar.planning.pricing import Pricer, global_flops, is_matmul
+from autopar.planning.pricing import Pricer, backward_ratio, global_flops, is_matmul
 from autopar.planning.problem import Decision, Problem
 from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
 from autopar.planning.solver import Solution, exposed_grad_sync
 from autopar.planning.stages import Staging, assign_layer_modes, checkpointing_summary, device_layers, layer_roles
 from autopar.planning.strategies import rings, runs_locally
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 import hashlib
 import itertools
 import torch
-
+from torch import fx
 
 
 @dataclass
@@ -397,7 +397,8 @@ def _memory_parts(captured: CapturedGraph, problem: Problem, chosen: dict, price
             continue
         first = captured.node(d.nodes[0]) if captured.has_node(d.nodes[0]) else None
         if first is not None and first.op == "placeholder" and first.name in captured.params:
-            for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0]).items():
+            frozen = first.name in captured.frozen_parameters()
+            for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0], frozen).items():
                 memory[part] += d.count * b
         else:
             memory["activations"] += d.count * problem.held_bytes(stage, key, opt.cost, opt.working_set_bytes)
@@ -414,13 +415,23 @@ def _tokens_per_step(captured: CapturedGraph) -> float:
 
 
 def model_flops(captured: CapturedGraph) -> float:
-    """Matmul FLOPs of forward + backward (3x forward), the convention of MFU (PaLM, Megatron-LM)."""
-    return 3.0 * sum(global_flops(n) * captured.weight(n.name) for n in captured.graph.nodes
-                     if n.op == "call_function" and is_matmul(n))
+    """Matmul FLOPs of forward + backward (3x forward), the convention of MFU (PaLM, Megatron-LM); a matmul
+    whose backward computes fewer gradient products (a frozen weight's, ``pricing.backward_ratio``) counts
+    those it computes."""
+    kinds = captured.gradient_kinds()
+    return sum(global_flops(n) * captured.weight(n.name) * (1.0 + 2.0 * _trained_share(n, kinds))
+               for n in captured.graph.nodes if n.op == "call_function" and is_matmul(n))
+
+
+def _trained_share(node: fx.Node, kinds: Mapping[str, str]) -> float:
+    """The share of ``node``'s backward products that run: 1 where all its inputs get gradients."""
+    graded = ["activation"] * len(tensor_inputs(node))
+    return backward_ratio(node, [kinds[a.name] for a in tensor_inputs(node)]) / backward_ratio(node, graded)
 
 
 def fingerprint(captured: CapturedGraph) -> str:
-    """Identity of what a plan applies to: parameter names and shapes, input shapes and dtypes.
+    """Identity of what a plan applies to: parameter names and shapes, the frozen ones (priced without gradient
+    or state: a plan for them would under-price the model trained whole), input shapes and dtypes.
 
     Not the node list: captures on different devices differ in layout ops (a ``clone`` the meta kernels
     need and the CPU kernels do not), and the runtime follows its own graph, taking each op's placements
@@ -430,7 +441,12 @@ def fingerprint(captured: CapturedGraph) -> str:
     for name in captured.user_inputs:
         val = captured.node(name).meta["val"]
         parts.append(f"{name}:{tuple(val.shape)}:{val.dtype}")
+    frozen = sorted(captured.params[name] for name in captured.frozen_parameters())
+    if frozen:
+        parts.append(f"frozen:{','.join(frozen)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def model_dims(config: Any) -> dict[str, int]:
     """Named sizes of a model config (``h``, ``heads``, ``head_dim``, ``kv_heads``, ``ffn``, ``vocab``)
     for ``Plan.model["dims"]``; attributes a config lacks are left out."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from torch import fx
 
 from autopar.core.placement import Placements, placement_to_str
-from autopar.ir.capture import CapturedGraph
+from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
 from autopar.planning.pricing import Collective, Cost, Pricer, gathers
 from autopar.planning.problem import (Problem, RootSharding, edge_pair, gradient_root, partial_gradient_share,
@@ -161,7 +161,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
             why = ("partial gradient" if i < len(grad_partial) else
                    f"resharding {placement_to_str(have[c.mesh_dim])} -> {placement_to_str(wanted[c.mesh_dim])}"
                    + (" again in backward" if c.regather else ""))
-            weight = kinds[src.name] == "param"  # a parameter or a view of one
+            weight = kinds[src.name] in WEIGHT_KINDS  # a parameter or a view of one
             terms.append(_term(replace(c, share=c.share / readers) if moved else c, why, arg, captured, pricer,
                                per_microbatch=weight))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):

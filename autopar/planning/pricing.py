@@ -97,6 +97,11 @@ _MATMUL_PACKETS = set(flop_registry) | {_SDPA}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MATMUL_BACKWARD_RATIO = 2.0
 """Backward FLOPs over forward FLOPs of a matmul: the input's and the weight's gradient, one product each."""
+_MATMUL_OPERANDS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.bmm: (0, 1), torch.ops.aten.addmm: (1, 2),
+                    torch.ops.aten.baddbmm: (1, 2)}
+"""The input slots of the two operands of a matmul, each of whose gradients is one product in backward."""
+_GRADED_KINDS = ("param", "activation")
+"""The gradient kinds (``CapturedGraph.gradient_kinds``) of values that get a gradient."""
 _R = TypeVar("_R")
 
 
@@ -309,7 +314,7 @@ class Pricer:
         split = self._work_divisor(strategy)
         flops = kernel_flops(node) / split
         moved = self._bytes_moved(node, strategy)
-        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy), backward_ratio(node))
+        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy), backward_ratio(node, grad_kinds))
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -641,9 +646,11 @@ class Pricer:
         dispatch = compute_time(0.0, 0.0, self.cluster.device, self.dtype, "elementwise")
         return Cost(compute_s=dispatch, backward_compute_s=dispatch, accumulate_s=dispatch)
 
-    def parameter_memory(self, val: torch.Tensor, placements: Placements) -> dict[str, float]:
+    def parameter_memory(self, val: torch.Tensor, placements: Placements, frozen: bool = False) -> dict[str, float]:
         """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state, as
-        ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them.
+        ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them. A ``frozen`` parameter
+        (``CapturedGraph.frozen_parameters``) has neither gradient nor state, and ZeRO leaves it whole: its
+        master copy, and the compute copy the program reads where that is narrower (mixed precision).
 
         The optimizer steps parameters in ``master_dtype`` (``precision.master``): AdamW's moments, and
         the master weights where they are not the program's parameters (mixed precision: a compute dtype
@@ -662,10 +669,13 @@ class Pricer:
         ``dtype=torch.bfloat16``).
         """
         numel = int(self.local_numel(val, placements))
-        shards = self.optimizer_shards(val, placements)
         compute = numel * self.element_bytes(val)
         master_bytes = _DTYPE_BYTES[master_dtype_of(self.dtype, self.master_dtype)]
         master = numel * master_bytes
+        if frozen:
+            copy = compute if val.dtype.is_floating_point and self.element_bytes(val) != master_bytes else 0
+            return {"params": master + copy, "grads": 0.0, "optimizer": 0.0}
+        shards = self.optimizer_shards(val, placements)
         if shards == 1:
             grads = master + self._widened_gradient_bytes(numel, master_bytes, placements)
         else:
@@ -911,11 +921,21 @@ def causal_share(queries: int, keys: int) -> float:
     return kept / (queries * keys)
 
 
-def backward_ratio(node: fx.Node) -> float:
+def backward_ratio(node: fx.Node, grad_kinds: Sequence[str]) -> float:
     """Backward FLOPs over forward FLOPs of the node's kernel: ``MATMUL_BACKWARD_RATIO`` but for fused
     attention, whose backward recomputes the scores before its four gradient products (torch's
-    ``sdpa_backward_flop_count``: five products against the forward's two, 2.5x with equal head dims)."""
-    if getattr(node.target, "overloadpacket", None) is not _SDPA:
+    ``sdpa_backward_flop_count``: five products against the forward's two, 2.5x with equal head dims).
+    By the gradient kinds of its tensor inputs (``grad_kinds``): none where no input gets a gradient (an op
+    on the inputs, buffers or frozen weights alone, which autograd leaves out of backward), half where a
+    matmul's one operand gets none (a frozen weight's: only the input's gradient is computed)."""
+    graded = [kind in _GRADED_KINDS for kind in grad_kinds]
+    if not any(graded):
+        return 0.0
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not _SDPA:
+        operands = _MATMUL_OPERANDS.get(packet)
+        if operands is not None and not all(graded[i] for i in operands if i < len(graded)):
+            return MATMUL_BACKWARD_RATIO / 2
         return MATMUL_BACKWARD_RATIO
     q, k, v = _sdpa_shapes(node)
     out = (*q[:-1], v[-1])

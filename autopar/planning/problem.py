@@ -44,7 +44,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from autopar.core.placement import Placements
 from autopar.core.plan import MEMORY_STAGES
-from autopar.ir.capture import CapturedGraph, is_view, through_views, view_root
+from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph, is_view, through_views, view_root
 from autopar.planning.pricing import Cost, Pricer, weighted_cost, with_fields
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
 from autopar.ir.layers import gather_unit, is_getitem, output_vals, reader_regions, tensor_inputs
@@ -534,9 +534,10 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     if node.op == "placeholder":
         val = node.meta["val"]
         if node.name in captured.params:
-            accumulation = pricer.gradient_accumulation()
-            return [Option(Strategy((), (p,)),
-                           with_fields(accumulation, memory_bytes=sum(pricer.parameter_memory(val, p).values())))
+            frozen = node.name in captured.frozen_parameters()
+            accumulation = Cost() if frozen else pricer.gradient_accumulation()  # frozen: no gradient to add
+            return [Option(Strategy((), (p,)), with_fields(
+                accumulation, memory_bytes=sum(pricer.parameter_memory(val, p, frozen).values())))
                     for p in roles.param(val)]
         if node.name in captured.user_inputs:
             return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))
@@ -641,7 +642,7 @@ def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, s
     total = sum(pricer.local_bytes(v, p) for v, p in zip(outs, out_places)
                 if isinstance(v, torch.Tensor) and p is not None)
     total += sum(pricer.local_bytes(a.meta["val"], p) for a, p in zip(ins, in_places)
-                 if kinds[a.name] != "param")
+                 if kinds[a.name] not in WEIGHT_KINDS)
     return total
 
 
@@ -730,8 +731,8 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
                 first[ekey] = (node, arg)
             if node.op != "output":
                 readings[src.name, out, regions[node]].append((ekey, weight))
-    kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (same every microbatch)
-    weights = {keys[name] for name, kind in kinds.items() if kind == "param"}
+    kinds = captured.gradient_kinds()  # a parameter or a view of one: the same every microbatch
+    weights = {keys[name] for name, kind in kinds.items() if kind in WEIGHT_KINDS}
     sharing = _sharing_readers(readings.values(), grouped)
     shares = {ekey for group in sharing for ekey in group}
     regathered = {ekey: node.op != "output" and captured.keeps_parameter(node, arg)  # the consumer keeps the parameter

@@ -34,7 +34,8 @@ from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import Cluster
 from autopar.core.errors import BadInputError
-from autopar.ir.capture import ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, CapturedGraph, view_root
+from autopar.ir.capture import (ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, WEIGHT_KINDS, CapturedGraph,
+                                 view_root)
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, batch_inputs, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
@@ -381,17 +382,17 @@ def _weights_stay_split(captured: CapturedGraph, tp_dims: list[int]):
     tensor parallelism into sharded data parallelism under the wrong name)."""
     if not tp_dims:
         return ALLOW_ANY
-    kinds = captured.gradient_kinds()  # "param": a parameter or a view of one (the permute before a mm)
+    kinds = captured.gradient_kinds()  # a parameter or a view of one (the permute before a mm): WEIGHT_KINDS
 
     def allow(node: fx.Node, strategy) -> bool:
         for arg, placements in zip(tensor_inputs(node), strategy.inputs):
-            if (kinds[arg.name] == "param" and arg.meta["val"].ndim >= 2
+            if (kinds[arg.name] in WEIGHT_KINDS and arg.meta["val"].ndim >= 2
                     and any(placements[d].is_replicate() for d in tp_dims)):
                 return False
         return True
 
     def key(node: fx.Node) -> tuple[bool, ...]:
-        return tuple(kinds[arg.name] == "param" and arg.meta["val"].ndim >= 2 for arg in tensor_inputs(node))
+        return tuple(kinds[arg.name] in WEIGHT_KINDS and arg.meta["val"].ndim >= 2 for arg in tensor_inputs(node))
 
     return Rule(allow, key)
 

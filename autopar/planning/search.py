@@ -354,8 +354,9 @@ class _MeshSearch:
         placements under a tight memory row: 0.5-1.6 s each, where a root takes 0.06 s)."""
         pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
         replicated = tuple(Replicate() for _ in mesh.shape)
+        frozen = self.captured.frozen_parameters()
         state = sum(self.captured.weight(name) * sum(pricer.parameter_memory(self.captured.node(name).meta["val"],
-                                                                             replicated).values())
+                                                                             replicated, name in frozen).values())
                     for name in self.captured.params)
         zero_dims = mesh.dims_of(*ZERO_AXES)
         spread = math.prod(size for dim, size in enumerate(mesh.shape) if dim not in zero_dims) * mesh.stages
