@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import autopar
 from autopar.models import build_model
@@ -50,6 +51,7 @@ def test_the_planner_prices_frozen_parameters_without_gradient_state_or_sync(tmp
     assert 0 < memory["grads"] <= 4 * head * 1.01  # fp32 gradients of these alone, on a device
     assert 0 < memory["optimizer"] <= 12 * head * 1.01  # AdamW's state of these alone
     assert whole_memory["optimizer"] > 12 * 8.0e9 / 8  # the whole model's, sharded over the 8 devices at most
+    assert memory["params"] <= 2 * 8.04e9  # the frozen weights in bf16, with no fp32 master copy
     assert sum(memory.values()) < sum(whole_memory.values())
     assert tuned.predicted["comm_s"]["reduce_scatter"] == 0  # nothing frozen is sharded for its gradients
     assert tuned.predicted["comm_s"]["all_reduce"] < 0.2 * whole.predicted["comm_s"]["all_reduce"]
@@ -59,3 +61,14 @@ def test_the_planner_prices_frozen_parameters_without_gradient_state_or_sync(tmp
     assert tuned.model["graph_fingerprint"] != whole.model["graph_fingerprint"]  # a plan for one is not the other's
     again = autopar.plan(autopar.load_problem(tmp_path / "True.json"), cluster="1x8xH100")
     assert (again.predicted, again.placements) == (tuned.predicted, tuned.placements)  # it remembers what is frozen
+
+
+def test_under_mixed_precision_frozen_parameters_are_kept_in_the_compute_dtype(two_fake_ranks: None) -> None:
+    """No optimizer steps a frozen parameter, so it has no fp32 master: it is kept in bf16, the dtype the program
+    reads (``mixed_precision.as_master``), as the planner prices it."""
+    bundle = build_model(MODEL, global_batch=8, seq=8, device="cpu")
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints={"dp": 2, "dtype": "bf16"})
+    dtypes = {name: (p.dtype, p.requires_grad) for name, p in pm.named_parameters()}
+    assert dtypes["emb.weight"] == dtypes["blocks.0.fc1.weight"] == (torch.bfloat16, False)
+    assert dtypes["blocks.1.fc2.weight"] == dtypes["head.weight"] == (torch.float32, True)

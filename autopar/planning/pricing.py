@@ -649,8 +649,8 @@ class Pricer:
     def parameter_memory(self, val: torch.Tensor, placements: Placements, frozen: bool = False) -> dict[str, float]:
         """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state, as
         ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them. A ``frozen`` parameter
-        (``CapturedGraph.frozen_parameters``) has neither gradient nor state, and ZeRO leaves it whole: its
-        master copy, and the compute copy the program reads where that is narrower (mixed precision).
+        (``CapturedGraph.frozen_parameters``) has neither gradient nor state, and ZeRO leaves it whole: it is
+        kept in the compute dtype (``mixed_precision.as_master``), the copy the program reads.
 
         The optimizer steps parameters in ``master_dtype`` (``precision.master``): AdamW's moments, and
         the master weights where they are not the program's parameters (mixed precision: a compute dtype
@@ -673,8 +673,7 @@ class Pricer:
         master_bytes = _DTYPE_BYTES[master_dtype_of(self.dtype, self.master_dtype)]
         master = numel * master_bytes
         if frozen:
-            copy = compute if val.dtype.is_floating_point and self.element_bytes(val) != master_bytes else 0
-            return {"params": master + copy, "grads": 0.0, "optimizer": 0.0}
+            return {"params": compute, "grads": 0.0, "optimizer": 0.0}
         shards = self.optimizer_shards(val, placements)
         if shards == 1:
             grads = master + self._widened_gradient_bytes(numel, master_bytes, placements)
