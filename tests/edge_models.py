@@ -17,7 +17,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   transformers passes it while training) and an MLP with dropout on the hidden and on the residual branch,
   which tensor parallelism leaves replicated on every rank (its masks must agree there);
 * ``frozen_blocks``: ``reshaped_blocks`` fine-tuned, its embedding, first block and one matrix of the second
-  frozen (``requires_grad=False``): they get no gradient and keep their values, as in single-process training.
+  frozen (``requires_grad=False``): they get no gradient and keep their values, as in single-process training;
+* ``lora_blocks``: ``reshaped_blocks`` frozen whole, with low-rank adapters (LoRA, Hu et al. 2021) beside each
+  block's ``fc1``, the only parameters trained.
 """
 
 from __future__ import annotations
@@ -210,4 +212,26 @@ def frozen_blocks(global_batch: int = 8, seq: int = 8):
     model, tokens, targets, loss = reshaped_blocks(global_batch, seq)
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith(FROZEN_IN_BLOCKS))
+    return model, tokens, targets, loss
+
+
+class LowRankAdapted(nn.Module):
+    """A frozen linear layer plus a trained low-rank update: ``base(x) + scale * x A^T B^T``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features ** 0.5)
+        self.b = nn.Parameter(torch.randn(base.out_features, rank) / 16)
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t() @ self.b.t()) * self.scale
+
+
+def lora_blocks(global_batch: int = 8, seq: int = 8):
+    model, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.fc1 = LowRankAdapted(block.fc1)
     return model, tokens, targets, loss

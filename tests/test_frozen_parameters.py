@@ -20,14 +20,22 @@ RUNS = [({"dp": 2}, True), ({"tp": 2}, False), ({"pp": 2, "microbatches": 2, "sc
         ({"dp": 2, "fsdp": 3}, True)]
 
 
+ADAPTED = "edge_models:lora_blocks"
+ADAPTED_RUNS = [({"tp": 2}, True), ({"dp": 2, "fsdp": 3}, True)]
+
+
 @pytest.mark.dist
 def test_frozen_parameters_get_no_gradient_and_keep_their_values_like_one_process() -> None:
-    runs = [dict(name=MODEL, overrides=None, global_batch=8, seq=8, steps=3, plan=None, constraints=constraints,
-                 lowered=lowered) for constraints, lowered in RUNS]
-    reference = train_single(MODEL, None, 8, 8, 3)
-    assert not any(name.startswith(("emb.", "blocks.0.")) for name in reference.grads)  # frozen: no gradient
-    for (constraints, _), result in zip(RUNS, train_parallel_many(2, runs)):
-        result.assert_matches(reference, f"{MODEL} under {constraints}")
+    runs = [(MODEL, constraints, lowered) for constraints, lowered in RUNS]
+    runs += [(ADAPTED, constraints, lowered) for constraints, lowered in ADAPTED_RUNS]
+    results = train_parallel_many(2, [dict(name=name, overrides=None, global_batch=8, seq=8, steps=3, plan=None,
+                                           constraints=constraints, lowered=lowered)
+                                      for name, constraints, lowered in runs])
+    reference = {name: train_single(name, None, 8, 8, 3) for name in (MODEL, ADAPTED)}
+    assert not any(name.startswith(("emb.", "blocks.0.")) for name in reference[MODEL].grads)  # frozen: no gradient
+    assert sorted({name.rsplit(".", 1)[1] for name in reference[ADAPTED].grads}) == ["a", "b"]  # the adapters'
+    for (name, constraints, _), result in zip(runs, results):
+        result.assert_matches(reference[name], f"{name} under {constraints}")
 
 
 def _adapter_tuned_llama(frozen: bool) -> tuple[Any, ...]:
