@@ -19,7 +19,10 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``frozen_blocks``: ``reshaped_blocks`` fine-tuned, its embedding, first block and one matrix of the second
   frozen (``requires_grad=False``): they get no gradient and keep their values, as in single-process training;
 * ``lora_blocks``: ``reshaped_blocks`` frozen whole, with low-rank adapters (LoRA, Hu et al. 2021) beside each
-  block's ``fc1``, the only parameters trained.
+  block's ``fc1``, the only parameters trained;
+* ``padded_tokens``: ``reshaped_blocks`` whose loss leaves out the targets 0 (``ignore_index``, as padding; parity
+  runs draw targets 0 and 1), so microbatches count different numbers of targets;
+* ``summed_regression``: a small regression whose loss is a sum over the batch (``reduction='sum'``).
 """
 
 from __future__ import annotations
@@ -235,3 +238,15 @@ def lora_blocks(global_batch: int = 8, seq: int = 8):
     for block in model.blocks:
         block.fc1 = LowRankAdapted(block.fc1)
     return model, tokens, targets, loss
+
+
+def padded_tokens(global_batch: int = 8, seq: int = 8):
+    model, tokens, targets, _ = reshaped_blocks(global_batch, seq)
+    loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), torch.where(t == 0, -100, t).flatten())  # noqa: E731
+    return model, tokens, targets, loss
+
+
+def summed_regression(global_batch: int = 8, seq: int = 8):
+    model = nn.Sequential(nn.Linear(seq, 16), nn.Tanh(), nn.Linear(16, 1))
+    loss = lambda out, t: F.mse_loss(out, t, reduction="sum")  # noqa: E731
+    return model, torch.randn(global_batch, seq), torch.randn(global_batch, 1), loss

@@ -3,7 +3,8 @@
 Both runtimes run the program at the microbatch shape (it was captured at that shape) and take each
 input either as the global microbatch, of which every rank keeps its shard, or with ``local=True`` as
 this rank's slice of it already. What a step is given is checked first (``check_user_inputs``): as many
-tensors as the plan has inputs, each of the planned dtype and shape (global, or this rank's slice).
+tensors as the plan has inputs, each of the planned dtype and shape (global, or this rank's slice). Each
+microbatch's loss is weighted as the loss reduces the batch (``microbatch_weights``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from autopar.core.errors import BadInputError
 from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.ir.capture import batch_carriers
+from autopar.ir.loss_reduction import LossReduction
 from autopar.passes import shard_tensor
 from autopar.passes.sequence_layout import in_layout
 
@@ -143,3 +145,16 @@ def _input_spec(shape: tuple[int, ...], mesh: DeviceMesh, mesh_id: int, placemen
     id while it is cached)."""
     meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
     return DTensorSpec(mesh, tuple(strs_to_placements(placements)), tensor_meta=meta)
+
+
+def microbatch_weights(reduction: LossReduction, pieces: Sequence[Sequence[torch.Tensor]], plan: Plan,
+                       mesh: DeviceMesh, names: Sequence[str], local: bool) -> list[float]:
+    """Each microbatch's weight in the step's loss (``ir/loss_reduction.py``: with them the microbatches' losses
+    and gradients add up to the global batch's), from its user inputs ``pieces`` (named ``names``). Given as
+    this rank's slices (``local``), a divisor is computed on their DTensors, which reduce it over the ranks
+    holding the rest of the microbatch."""
+    def divisor_on_shards(piece: Sequence[torch.Tensor]) -> torch.Tensor:
+        value = reduction.divisor(*(user_input(plan, mesh, names[i], piece[i], True) for i in reduction.reads))
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    return reduction.weights(pieces, divisor_on_shards if local else None)

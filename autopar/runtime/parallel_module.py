@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
+from autopar.ir.loss_reduction import loss_reduction
 from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
 from autopar.passes.dropout_mode import in_mode, refuse_training_in_eval_mode
 from autopar.passes.lower import LoweredProgram, lowering_of
@@ -47,7 +48,8 @@ from autopar.runtime.autocast import CallerAutocast
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
-from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatches_of, user_input
+from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_weights, microbatches_of,
+                                    user_input)
 from autopar.runtime.mesh import init_job_mesh, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
@@ -78,6 +80,7 @@ class ParallelModule(nn.Module):
         self.randomness = StepRandomness()  # dropout masks alike on the ranks that hold a replica
         self.autocast = CallerAutocast(mesh.device_type, plan.precision, captured.autocast)
         self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
+        self._loss_reduction = loss_reduction(captured)  # how microbatches' losses add up (``microbatch_weights``)
         precision = plan.precision
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
         masters = shard_parameters(named_params, plan.placements, mesh)
@@ -158,8 +161,9 @@ class ParallelModule(nn.Module):
         """Forward, loss and backward on the global batch (or this rank's slice with ``local=True``).
 
         With ``microbatches`` m > 1 the batch is cut into m equal pieces along dim 0 and gradients
-        accumulate (each piece's mean loss weighted 1/m, so the sum is the mean over the batch).
-        Gradients are left on ``parameters()``, synchronized; returns the global mean loss.
+        accumulate, each piece's loss weighted so that they add up to the batch's (``microbatch_weights``: a
+        mean's 1/m, a sum's 1, a count-divided sum's share of the count). Gradients are left on
+        ``parameters()``, synchronized; returns the batch's loss.
         """
         m = self.microbatches
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
@@ -167,14 +171,16 @@ class ParallelModule(nn.Module):
         total = torch.zeros(())
         with self.autocast.set_aside("step()"), self.randomness.step():
             params = self._program_params.begin_step()
-            pieces = zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers)))
-            for i, piece in enumerate(pieces):
+            pieces = list(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers))))
+            weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh,
+                                         self.captured.user_inputs, local)
+            for i, (piece, weight) in enumerate(zip(pieces, weights)):
                 loss = self._run_program(params, piece, local, deferred=True).to_local()
                 if i == m - 1:
                     self._program_params.arm()  # reduce gradients as the last backward produces them
-                (loss / m).backward()
+                (loss * weight).backward()
                 self._finish_loss()  # the loss's reduction waited on after backward, as DDP's ranks meet only there
-                total = total + loss.detach().float() / m
+                total = total + loss.detach().float() * weight
         self._program_params.end_step()
         return total
 

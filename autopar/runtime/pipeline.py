@@ -46,9 +46,10 @@ autograd's accumulation, so ``AccumulatingStage`` runs the hooks the gradient sy
 gradients from (without it a later stage's gradients are never reduced).
 
 Where we diverge from pipelining's usual use: the loss is part of the last chunk's graph (it was
-captured with the model), so the schedule's ``loss_fn`` only scales it by ``1 / m``, the schedule's
-``target`` is the microbatch index (unused), and ``scale_grads=False``: the sum of the ``m`` scaled
-backward passes is the mean over the batch, exactly as ``ParallelModule.step`` accumulates it. User
+captured with the model), so the schedule's ``loss_fn`` only weights it (``inputs.microbatch_weights``: a
+mean's ``1 / m``, a count-divided sum's share of the count), the schedule's ``target`` is the microbatch
+index, and ``scale_grads=False``: the sum of the ``m`` weighted backward passes is the batch's loss,
+exactly as ``ParallelModule.step`` accumulates it. User
 inputs reach the first chunk as positional arguments; later chunks that read one (the targets, for the
 loss) get it as a keyword argument, which pipelining hands to every chunk of a rank and splits into
 microbatches like the positional ones.
@@ -72,6 +73,7 @@ from torch.distributed.tensor import DTensor
 from autopar.core.errors import BadInputError
 from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.capture import CapturedGraph
+from autopar.ir.loss_reduction import loss_reduction
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
 from autopar.passes.dropout_mode import refuse_training_in_eval_mode
 from autopar.passes.lower import LoweredProgram, lowering_of
@@ -82,8 +84,8 @@ from autopar.runtime.autocast import CallerAutocast
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
-from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, pipeline_chunk_spec,
-                                    user_input, user_input_shard)
+from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, microbatch_weights,
+                                    microbatches_of, pipeline_chunk_spec, user_input, user_input_shard)
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
@@ -240,7 +242,10 @@ class PipelineParallelModule(nn.Module):
         self.autocast = CallerAutocast(self.mesh.device_type, plan.precision, captured.autocast)
         built = build_program(plan, captured, self.mesh)
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
-        self._losses: list[torch.Tensor] = []  # the last chunk's loss per microbatch this step (``_scaled_loss``)
+        self._losses: list[tuple[int, torch.Tensor]] = []  # the last chunk's loss per microbatch (``_scaled_loss``)
+        self._loss_reduction = loss_reduction(captured)  # how the microbatches' losses add up (``_microbatch_weights``)
+        self._computes_loss = (len(built.stages) - 1) % self.pp_size == self.pp_rank  # holds the last chunk
+        self._weights: list[float] = []  # this step's (``_microbatch_weights``)
         self.redistributes = built.redistributes
         self._dropout_ops = built.dropout_ops
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
@@ -336,6 +341,7 @@ class PipelineParallelModule(nn.Module):
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
         self._reduce_inputs_ahead(first, later)
         self._losses = []
+        self._weights = self._microbatch_weights(args, local)
         with self.randomness.step():
             self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                                **later)
@@ -346,8 +352,18 @@ class PipelineParallelModule(nn.Module):
         self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
         for program in self._lowered_programs():  # the losses' reductions left unwaited in forward (``lower_eager``)
             program.finish()
-        scaled = [(loss.detach() / self.microbatches).float() for loss in self._losses]
+        scaled = [(loss.detach() * self._weights[i]).float() for i, loss in self._losses]
         return self._broadcast_loss(sum(scaled) if scaled else torch.zeros(()))
+
+    def _microbatch_weights(self, args: Sequence[torch.Tensor], local: bool) -> list[float]:
+        """Each microbatch's weight in the step's loss (``inputs.microbatch_weights``), on the ranks whose chunks
+        compute it (the last stage's)."""
+        m = self.microbatches
+        if not self._computes_loss:
+            return [1.0 / m] * m
+        pieces = list(zip(*(microbatches_of(a, m, carries_batch(self.plan, name))
+                            for a, name in zip(args, self.captured.user_inputs))))
+        return microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh, self.captured.user_inputs, local)
 
     def _reduce_inputs_ahead(self, first: Sequence[torch.Tensor], later: Mapping[str, torch.Tensor]) -> None:
         """Start reducing, for every microbatch of the step at once, the sums each eager chunk computes from its
@@ -466,12 +482,14 @@ class PipelineParallelModule(nn.Module):
         first = tuple(spec(n) for n in self.captured.user_inputs) if self.chunks[0].index == 0 else None
         return first, {n: spec(n) for n in later}
 
-    def _scaled_loss(self, loss: torch.Tensor, _microbatch: torch.Tensor) -> torch.Tensor:
-        """The schedule's ``loss_fn``: the last chunk computed the microbatch's loss, which backward takes
-        scaled by ``1 / m``. Its value is read after the schedule from the loss itself, kept here: a lowered
-        chunk may write it there only then (``EagerForward.finish``)."""
-        self._losses.append(loss)
-        return loss / self.microbatches
+    def _scaled_loss(self, loss: torch.Tensor, microbatch: torch.Tensor) -> torch.Tensor:
+        """The schedule's ``loss_fn``: the last chunk computed the loss of microbatch ``microbatch`` (its
+        index, the schedule's target), which backward takes weighted (``_microbatch_weights``). Its value is
+        read after the schedule from the loss itself, kept here: a lowered chunk may write it there only then
+        (``EagerForward.finish``)."""
+        index = int(microbatch)
+        self._losses.append((index, loss))
+        return loss * self._weights[index]
 
     def _example_inputs(self, chunk: StageModule) -> tuple[torch.Tensor, ...]:
         if chunk.index > 0:

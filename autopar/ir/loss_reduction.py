@@ -1,0 +1,159 @@
+"""How a step's loss reduces its batch, so that microbatches add up to the global batch's loss and gradients.
+
+The runtime runs a step's batch as ``m`` microbatches (gradient accumulation, pipeline schedules), each
+computing the captured loss on its piece, and accumulates ``w_i * loss_i`` (and its gradients). Which
+weights make that sum the loss of the whole batch depends on how the loss reduces it:
+
+* ``DIVIDED``, a sum divided by a count computed from the inputs alone: ``sum(terms) / divisor``, as
+  ``F.cross_entropy`` averages over the targets it counts (``ignore_index`` leaves padding out) and a masked
+  mean divides by its mask's sum. ``w_i = divisor_i / sum_j divisor_j`` makes ``sum_i w_i loss_i`` the sum of
+  every term over every counted target (Megatron-Core's per-token loss and Hugging Face Trainer's
+  ``num_items_in_batch`` fix the same for gradient accumulation). With ``w_i = 1/m`` the microbatches' means
+  were averaged instead: tiny-gpt with padding spread unevenly over two microbatches ended three SGD steps
+  2.6e-2 from single-process training.
+* ``SUMMED``, a sum over the batch (``reduction='sum'``): ``w_i = 1``; with ``1/m`` the loss and every
+  gradient came out ``m`` times too small.
+* ``AVERAGED``, anything else (a mean over elements, which every microbatch holds as many of; a sum of
+  several terms, such as a mixture-of-experts' auxiliary loss beside its cross-entropy): ``w_i = 1/m``.
+
+A sum or a count qualifies only over a value with elements for every sample of the batch (its element
+count a multiple of the batch size), so a constant divisor (a temperature) or a sum of the weights (a
+regularizer) leaves the loss ``AVERAGED``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+
+from autopar.ir.capture import CapturedGraph
+
+DIVIDED, SUMMED, AVERAGED = "divided", "summed", "averaged"
+
+_aten = torch.ops.aten
+_SUMS = (_aten.sum.default, _aten.sum.dim_IntList)
+_CASTS = (_aten._to_copy.default,)  # dtype conversions a count passes through on its way to the division
+
+
+@dataclass(frozen=True)
+class LossReduction:
+    """How the captured loss reduces the batch (the module docstring's kinds); for ``DIVIDED``, the divisor's
+    graph and which user inputs (positions) it reads."""
+
+    kind: str
+    divisor: fx.GraphModule | None = None
+    reads: tuple[int, ...] = ()
+
+    def weights(self, pieces: Sequence[Sequence[torch.Tensor]],
+                divisor: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None) -> list[float]:
+        """Each microbatch's weight in the step's loss: ``pieces`` are the microbatches' user inputs (in the
+        captured order, each as the capture saw it, a whole microbatch). ``divisor`` computes a piece's divisor
+        where the pieces are something else (a rank's slices of the microbatches: the runtime runs the graph on
+        them as DTensors); by default, ``self.divisor`` on the inputs it reads."""
+        m = len(pieces)
+        if self.kind == SUMMED:
+            return [1.0] * m
+        if self.kind == AVERAGED or m == 1:
+            return [1.0 / m] * m
+        divisor = divisor or self.divisor_of
+        divisors = torch.stack([divisor(piece).double().reshape(()) for piece in pieces])
+        return (divisors / divisors.sum()).tolist()
+
+    def divisor_of(self, piece: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The divisor of one microbatch of user inputs ``piece`` (``DIVIDED`` only)."""
+        return self.divisor(*(piece[i] for i in self.reads))
+
+
+def loss_reduction(captured: CapturedGraph) -> LossReduction:
+    """How ``captured``'s loss reduces its batch (``DIVIDED``, ``SUMMED`` or ``AVERAGED``)."""
+    loss = captured.node(captured.loss_node)
+    batch = _batch_size(captured)
+    kinds = captured.gradient_kinds()
+    if batch and _sums_the_batch(loss, batch):
+        return LossReduction(SUMMED)
+    if batch and loss.target is _aten.div.Tensor and all(isinstance(a, fx.Node) for a in loss.args[:2]):
+        numerator, divisor = loss.args[:2]
+        count = _through_casts(divisor)
+        if _sums_the_batch(numerator, batch) and _sums_the_batch(count, batch) and kinds[divisor.name] == "none":
+            return _divided(captured, divisor)
+    return LossReduction(AVERAGED)
+
+
+def _divided(captured: CapturedGraph, divisor: fx.Node) -> LossReduction:
+    """``DIVIDED`` with ``divisor``'s graph over the user inputs it reads; ``AVERAGED`` where it reads other
+    placeholders (buffers, parameters: not a count of the batch's)."""
+    ancestors = _ancestors(divisor)
+    placeholders = [n for n in ancestors if n.op == "placeholder"]
+    if any(n.name not in captured.user_inputs and n.name not in captured.constants for n in placeholders):
+        return LossReduction(AVERAGED)
+    reads = [n for n in captured.graph.nodes if n in ancestors and n.name in captured.user_inputs]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in reads}
+    for node in captured.graph.nodes:
+        if node in ancestors and node not in env:
+            if node.op == "placeholder":  # a lifted constant
+                env[node] = graph.get_attr(node.name)
+            else:
+                env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[divisor])
+    _whole_sums_as_sum(graph)
+    root = torch.nn.Module()
+    for node in placeholders:
+        if node.name in captured.constants:
+            root.register_buffer(node.name, captured.constants[node.name], persistent=False)
+    return LossReduction(DIVIDED, fx.GraphModule(root, graph),
+                         tuple(captured.user_inputs.index(n.name) for n in reads))
+
+
+def _whole_sums_as_sum(graph: fx.Graph) -> None:
+    """``sum.dim_IntList(x, [])`` (the decomposition's sum over every dim) as ``sum.default(x)``, the same value:
+    DTensor's sharding propagation reads the empty list as no dim reduced and keeps a split on the 0-dim result
+    (the runtime runs the divisor on DTensors where a rank holds its slice of the batch)."""
+    for node in graph.nodes:
+        if node.target is _aten.sum.dim_IntList and list(node.args[1]) == [] and not _keeps_dims(node):
+            with graph.inserting_before(node):
+                whole = graph.call_function(_aten.sum.default, (node.args[0],), {"dtype": node.kwargs.get("dtype")})
+            node.replace_all_uses_with(whole)
+            graph.erase_node(node)
+
+
+def _keeps_dims(node: fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _through_casts(node: fx.Node) -> fx.Node:
+    while node.target in _CASTS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _sums_the_batch(node: fx.Node, batch: int) -> bool:
+    """Whether ``node`` sums a value holding elements for every sample (its count a multiple of ``batch``) into
+    one number."""
+    if node.target not in _SUMS or not isinstance(node.args[0], fx.Node):
+        return False
+    summed, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return isinstance(summed, torch.Tensor) and isinstance(out, torch.Tensor) and out.numel() == 1 \
+        and summed.numel() >= batch and summed.numel() % batch == 0
+
+
+def _batch_size(captured: CapturedGraph) -> int | None:
+    """The global batch: dim 0 of the first user input (None without one)."""
+    if not captured.user_inputs:
+        return None
+    val = captured.node(captured.user_inputs[0]).meta["val"]
+    return int(val.shape[0]) if val.ndim else None

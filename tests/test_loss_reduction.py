@@ -1,0 +1,71 @@
+"""Microbatches add up to the global batch's loss and gradients however the loss reduces the batch
+(``ir/loss_reduction.py``): a count-divided sum (cross-entropy over the targets it counts, padding left out)
+weighs each microbatch by its share of the count, a sum by one. Each microbatch used to be weighted 1/m: with
+padding spread unevenly the microbatches' means were averaged (tiny-gpt's parameters 2.6e-2 off after three
+SGD steps), and a summed loss came out m times too small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.ir.capture import capture
+from autopar.ir.loss_reduction import AVERAGED, DIVIDED, SUMMED, loss_reduction
+from autopar.models import build_model
+from autopar.testing.parity import train_parallel_many, train_single
+
+
+def _reduction(loss_fn, targets: torch.Tensor):
+    """The loss reduction of an embedding and a linear layer under ``loss_fn``, captured at ``targets``' shape (as
+    the runtime captures a step: one microbatch)."""
+    model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32))
+    return loss_reduction(capture(model, (torch.randint(0, 32, tuple(targets.shape)),), targets, loss_fn))
+
+
+def test_cross_entropy_divides_by_the_targets_it_counts_and_weighs_microbatches_by_their_share() -> None:
+    targets = torch.randint(0, 32, (4, 6))
+    ce = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    reduction = _reduction(ce, targets[:2])
+    assert reduction.kind == DIVIDED and reduction.reads == (1,)  # the targets: the second user input
+    padded = targets.clone()
+    padded[0, 1:] = -100  # the first microbatch counts 1 + 6 targets, the second 12
+    pieces = [(None, padded[:2]), (None, padded[2:])]
+    assert reduction.weights(pieces) == pytest.approx([7 / 19, 12 / 19])
+    assert reduction.weights(pieces[:1]) == [1.0]
+
+
+@pytest.mark.parametrize("loss_fn, kind", [
+    (lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum"), SUMMED),
+    (lambda out, t: out.float().pow(2).mean(), AVERAGED),  # a mean: every microbatch holds as many elements
+    (lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()) + out.mean(), AVERAGED),  # two terms
+    (lambda out, t: out.sum() / torch.tensor(3.0), AVERAGED),  # a constant divisor is not a count of the batch
+], ids=["sum", "mean", "two-terms", "constant-divisor"])
+def test_other_losses_are_weighed_as_they_reduce_the_batch(loss_fn, kind) -> None:
+    reduction = _reduction(loss_fn, torch.randint(0, 32, (4, 6)))
+    assert reduction.kind == kind
+    assert reduction.weights([()] * 4) == [1.0] * 4 if kind == SUMMED else [0.25] * 4
+
+
+def test_a_mixture_of_experts_loss_with_its_auxiliary_term_is_averaged() -> None:
+    bundle = build_model("tiny-moe", global_batch=4, seq=16, device="meta")
+    assert loss_reduction(capture(bundle.model, bundle.example_inputs, bundle.example_targets,
+                                  bundle.loss_fn)).kind == AVERAGED
+
+
+RUNS = [("edge_models:padded_tokens", {"dp": 2, "microbatches": 2}, True),
+        ("edge_models:padded_tokens", {"tp": 2, "microbatches": 4}, False),
+        ("edge_models:padded_tokens", {"pp": 2, "microbatches": 4}, None),
+        ("edge_models:summed_regression", {"dp": 2, "microbatches": 2}, True),
+        ("edge_models:summed_regression", {"pp": 1, "microbatches": 4}, None)]
+
+
+@pytest.mark.dist
+def test_microbatches_add_up_to_the_batchs_loss_and_gradients_like_one_process() -> None:
+    results = train_parallel_many(2, [dict(name=name, overrides=None, global_batch=8, seq=8, steps=3, plan=None,
+                                           constraints=constraints, lowered=lowered)
+                                      for name, constraints, lowered in RUNS])
+    reference = {name: train_single(name, None, 8, 8, 3) for name, _, _ in RUNS}
+    for (name, constraints, _), result in zip(RUNS, results):
+        result.assert_matches(reference[name], f"{name} under {constraints}")
