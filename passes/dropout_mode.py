@@ -80,9 +80,14 @@ def _read_in_mode(gm: fx.GraphModule, node: fx.Node, position: int, keyword: str
         node.args = (*node.args[:position], read, *node.args[position + 1:])
 
 
-def refuse_training_in_eval_mode(training: bool, dropout_ops: int) -> None:
-    """A training step of a module in eval mode whose program drops (``dropout_ops`` ops), refused: the
-    lowered graphs drop as traced, and a step trains as captured."""
+def refuse_step_that_cannot_train(training: bool, dropout_ops: int) -> None:
+    """A training step refused where it cannot train as captured: with gradients off (``torch.no_grad``,
+    ``torch.inference_mode``: its backward has nothing to run, where torch would fail deep inside), or of a
+    module in eval mode whose program drops (``dropout_ops`` ops; the lowered graphs drop as traced)."""
+    if not torch.is_grad_enabled():
+        raise BadInputError("step() runs forward and backward, and gradients are off here (torch.no_grad() or "
+                            "torch.inference_mode()): call it with gradients on; for the loss alone, pm.eval() "
+                            "and pm(inputs, targets) (a one-stage plan's)")
     if not training and dropout_ops:
         raise BadInputError(f"step() trains, and this module is in eval mode, which turns its dropout ({dropout_ops} "
                             "ops) off: call pm.train() before training (pm.eval() is for forward-only evaluation)")

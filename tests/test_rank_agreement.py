@@ -90,22 +90,31 @@ def test_a_meta_device_model_is_refused_by_autoparallelize_and_planned_by_plan(t
 
 
 def _evaluated(rank: int, world: int, lowered: bool) -> dict[str, Any]:
-    """A training step (no optimizer: the weights stay), then forwards in eval mode, a step in eval mode, and
-    a step back in training mode."""
+    """A training step (no optimizer: the weights stay), then forwards in eval mode (the second under
+    ``torch.inference_mode``, where DTensor's views failed: "Cannot set version_counter for inference tensor"),
+    a step in eval mode, one under ``torch.no_grad``, and a step back in training mode."""
     bundle = build_model("edge_models:dropout_blocks", global_batch=4, seq=8, device="cpu", seed=0)
     ids, targets = bundle.example_inputs[0], bundle.example_targets
     pm = autopar.autoparallelize(bundle.model, (ids,), loss_fn=bundle.loss_fn, example_targets=targets,
                                  constraints={"tp": 2}, lowered=lowered)
     pm.step(ids, targets)  # the lowered graphs traced, in training mode
     pm.eval()
-    evaluated = [pm(ids, targets).full_tensor().item() for _ in range(2)]
-    try:
-        pm.step(ids, targets)
-        refused = ""
-    except BadInputError as exc:
-        refused = str(exc)
+    evaluated = [pm(ids, targets).full_tensor().item()]
+    with torch.inference_mode():
+        evaluated.append(pm(ids, targets).full_tensor().item())
+    refused = [_refusal(lambda: pm.step(ids, targets))]
     pm.train()
+    with torch.no_grad():
+        refused.append(_refusal(lambda: pm.step(ids, targets)))
     return {"evaluated": evaluated, "refused": refused, "trains": pm.step(ids, targets).item()}
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except BadInputError as exc:
+        return str(exc)
+    return ""
 
 
 def _pipeline_forward(rank: int, world: int) -> str:
@@ -129,7 +138,8 @@ def test_eval_mode_turns_the_programs_dropout_off_as_model_eval_does() -> None:
     for lowered in (False, True):
         got = run_on_ranks(_evaluated, 2, lowered)[0]
         assert got["evaluated"] == pytest.approx([expected, expected], rel=1e-6), lowered
-        assert "step() trains, and this module is in eval mode" in got["refused"]
+        assert "step() trains, and this module is in eval mode" in got["refused"][0]
+        assert "gradients are off here (torch.no_grad() or torch.inference_mode())" in got["refused"][1]
         assert got["trains"] > 0
     assert "a pipeline plan (pp=2) has no forward-only call" in run_on_ranks(_pipeline_forward, 2)[0]
 

@@ -28,6 +28,7 @@ global shapes and one set of rules stays in one place.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -41,7 +42,7 @@ from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.loss_reduction import loss_reduction
 from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
-from autopar.passes.dropout_mode import in_mode, refuse_training_in_eval_mode
+from autopar.passes.dropout_mode import in_mode, refuse_step_that_cannot_train
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.autocast import CallerAutocast
@@ -130,10 +131,14 @@ class ParallelModule(nn.Module):
 
     # ---- running ------------------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor, local: bool = False) -> DTensor:
-        """The loss as a replicated DTensor (forward only; use ``step`` to train)."""
+        """The loss as a replicated DTensor (forward only; use ``step`` to train). Under ``torch.inference_mode``
+        it runs under ``torch.no_grad`` instead: DTensor's views cannot make inference tensors."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
         evaluating = not self.training and self._dropout_ops > 0  # its dropout off: lowered graphs drop
-        with self.autocast.set_aside("forward()"), self.randomness.drawing(), in_mode(self.training):
+        inference = torch.is_inference_mode_enabled()
+        with self.autocast.set_aside("forward()"), self.randomness.drawing(), in_mode(self.training), \
+                torch.inference_mode(False) if inference else contextlib.nullcontext(), \
+                torch.no_grad() if inference else contextlib.nullcontext():
             return self._run_program(self._program_params.begin_step(), inputs, local, on_dtensor=evaluating)
 
     def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
@@ -167,7 +172,7 @@ class ParallelModule(nn.Module):
         """
         m = self.microbatches
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
-        refuse_training_in_eval_mode(self.training, self._dropout_ops)
+        refuse_step_that_cannot_train(self.training, self._dropout_ops)
         total = torch.zeros(())
         with self.autocast.set_aside("step()"), self.randomness.step():
             params = self._program_params.begin_step()

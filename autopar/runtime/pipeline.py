@@ -75,7 +75,7 @@ from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.loss_reduction import loss_reduction
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
-from autopar.passes.dropout_mode import refuse_training_in_eval_mode
+from autopar.passes.dropout_mode import refuse_step_that_cannot_train
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.lower_eager import EagerForward
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
@@ -322,7 +322,7 @@ class PipelineParallelModule(nn.Module):
         through the pipeline; gradients are left on ``parameters()``, synchronized within the stage."""
         names = self.captured.user_inputs
         check_user_inputs(self.plan, self.mesh, names, args, local, self.microbatches, "step()")
-        refuse_training_in_eval_mode(self.training, self._dropout_ops)
+        refuse_step_that_cannot_train(self.training, self._dropout_ops)
         with self.autocast.set_aside("step()"):  # the program runs in the plan's precision (``runtime/autocast``)
             return self._scheduled_step(args, local)
 
