@@ -22,7 +22,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   block's ``fc1``, the only parameters trained;
 * ``padded_tokens``: ``reshaped_blocks`` whose loss leaves out the targets 0 (``ignore_index``, as padding; parity
   runs draw targets 0 and 1), so microbatches count different numbers of targets;
-* ``summed_regression``: a small regression whose loss is a sum over the batch (``reduction='sum'``).
+* ``summed_regression``: a small regression whose loss is a sum over the batch (``reduction='sum'``);
+* ``faint_gradients``: ``reshaped_blocks`` with its loss scaled down 1e-4 times, so that most gradients in its
+  backward lie below fp16's smallest normal number (6e-5) and many below its smallest one (6e-8).
 """
 
 from __future__ import annotations
@@ -250,3 +252,8 @@ def summed_regression(global_batch: int = 8, seq: int = 8):
     model = nn.Sequential(nn.Linear(seq, 16), nn.Tanh(), nn.Linear(16, 1))
     loss = lambda out, t: F.mse_loss(out, t, reduction="sum")  # noqa: E731
     return model, torch.randn(global_batch, seq), torch.randn(global_batch, 1), loss
+
+
+def faint_gradients(global_batch: int = 8, seq: int = 8):
+    model, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    return model, tokens, targets, lambda out, t: loss(out, t) * 1e-4

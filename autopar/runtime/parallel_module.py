@@ -51,6 +51,7 @@ from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_weights, microbatches_of,
                                     user_input)
+from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.mesh import init_job_mesh, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
@@ -82,6 +83,7 @@ class ParallelModule(nn.Module):
         self.autocast = CallerAutocast(mesh.device_type, plan.precision, captured.autocast)
         self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
         self._loss_reduction = loss_reduction(captured)  # how microbatches' losses add up (``microbatch_weights``)
+        self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         precision = plan.precision
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
         masters = shard_parameters(named_params, plan.placements, mesh)
@@ -174,6 +176,7 @@ class ParallelModule(nn.Module):
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         refuse_step_that_cannot_train(self.training, self._dropout_ops)
         total = torch.zeros(())
+        scale = self.loss_scale.before_backward(list(self.parameters())) if self.loss_scale else 1.0
         with self.autocast.set_aside("step()"), self.randomness.step():
             params = self._program_params.begin_step()
             pieces = list(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers))))
@@ -183,10 +186,12 @@ class ParallelModule(nn.Module):
                 loss = self._run_program(params, piece, local, deferred=True).to_local()
                 if i == m - 1:
                     self._program_params.arm()  # reduce gradients as the last backward produces them
-                (loss * weight).backward()
+                (loss * (weight * scale)).backward()
                 self._finish_loss()  # the loss's reduction waited on after backward, as DDP's ranks meet only there
                 total = total + loss.detach().float() * weight
         self._program_params.end_step()
+        if self.loss_scale:  # unscaled, or dropped where a rank's overflowed (the caller's optimizer step skipped)
+            self.loss_scale.after_backward(list(self.parameters()), torch.device(self.mesh.device_type))
         return total
 
     def _parameter_names(self) -> dict[int, str]:

@@ -86,6 +86,7 @@ from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, microbatch_weights,
                                     microbatches_of, pipeline_chunk_spec, user_input, user_input_shard)
+from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness
 
@@ -245,7 +246,8 @@ class PipelineParallelModule(nn.Module):
         self._losses: list[tuple[int, torch.Tensor]] = []  # the last chunk's loss per microbatch (``_scaled_loss``)
         self._loss_reduction = loss_reduction(captured)  # how the microbatches' losses add up (``_microbatch_weights``)
         self._computes_loss = (len(built.stages) - 1) % self.pp_size == self.pp_rank  # holds the last chunk
-        self._weights: list[float] = []  # this step's (``_microbatch_weights``)
+        self._weights: list[float] = []  # this step's (``_microbatch_weights``), the loss scale's included
+        self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         self.redistributes = built.redistributes
         self._dropout_ops = built.dropout_ops
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
@@ -341,7 +343,8 @@ class PipelineParallelModule(nn.Module):
         self._program_params.arm(1 if self._leaf_sums else self.microbatches)
         self._reduce_inputs_ahead(first, later)
         self._losses = []
-        self._weights = self._microbatch_weights(args, local)
+        scale = self.loss_scale.before_backward(list(self.parameters())) if self.loss_scale else 1.0
+        self._weights = [w * scale for w in self._microbatch_weights(args, local)]
         with self.randomness.step():
             self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                                **later)
@@ -352,7 +355,9 @@ class PipelineParallelModule(nn.Module):
         self._tied_sync()  # weights tied across stages: each stage's copy gets the sum of their gradients
         for program in self._lowered_programs():  # the losses' reductions left unwaited in forward (``lower_eager``)
             program.finish()
-        scaled = [(loss.detach() * self._weights[i]).float() for i, loss in self._losses]
+        if self.loss_scale:  # unscaled, or dropped where a rank's overflowed (the caller's optimizer step skipped)
+            self.loss_scale.after_backward(list(self.parameters()), torch.device(self.mesh.device_type))
+        scaled = [(loss.detach() * (self._weights[i] / scale)).float() for i, loss in self._losses]
         return self._broadcast_loss(sum(scaled) if scaled else torch.zeros(()))
 
     def _microbatch_weights(self, args: Sequence[torch.Tensor], local: bool) -> list[float]:
