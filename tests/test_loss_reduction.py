@@ -24,6 +24,21 @@ def _reduction(loss_fn, targets: torch.Tensor):
     return loss_reduction(capture(model, (torch.randint(0, 32, tuple(targets.shape)),), targets, loss_fn))
 
 
+def _masked_mean(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A mean of per-token losses over a mask of the targets, its count clamped against an empty batch."""
+    mask = (targets != 0).float().flatten()
+    losses = F.cross_entropy(out.flatten(0, 1), targets.flatten(), reduction="none")
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
+
+
+def test_a_masked_mean_divides_by_its_count_clamped_or_not() -> None:
+    targets = torch.randint(0, 32, (2, 6))
+    assert _reduction(_masked_mean, targets).kind == DIVIDED
+    capped = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum") / (  # noqa: E731
+        (t != 0).sum().clamp(max=4))
+    assert _reduction(capped, targets).kind == AVERAGED  # a clamp from above changes large counts
+
+
 def test_cross_entropy_divides_by_the_targets_it_counts_and_weighs_microbatches_by_their_share() -> None:
     targets = torch.randint(0, 32, (4, 6))
     ce = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731

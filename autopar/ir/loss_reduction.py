@@ -35,7 +35,9 @@ DIVIDED, SUMMED, AVERAGED = "divided", "summed", "averaged"
 
 _aten = torch.ops.aten
 _SUMS = (_aten.sum.default, _aten.sum.dim_IntList)
-_CASTS = (_aten._to_copy.default,)  # dtype conversions a count passes through on its way to the division
+_PASS_THROUGH = (_aten._to_copy.default, _aten.clamp.default, _aten.clamp_min.default)
+"""What a count passes through on its way to the division: dtype conversions, and a clamp from below
+(``mask.sum().clamp(min=1)``, guarding a batch that counts nothing), which leaves any count it does not raise."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def loss_reduction(captured: CapturedGraph) -> LossReduction:
         return LossReduction(SUMMED)
     if batch and loss.target is _aten.div.Tensor and all(isinstance(a, fx.Node) for a in loss.args[:2]):
         numerator, divisor = loss.args[:2]
-        count = _through_casts(divisor)
+        count = _through_passes(divisor)
         if _sums_the_batch(numerator, batch) and _sums_the_batch(count, batch) and kinds[divisor.name] == "none":
             return _divided(captured, divisor)
     return LossReduction(AVERAGED)
@@ -135,10 +137,17 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _through_casts(node: fx.Node) -> fx.Node:
-    while node.target in _CASTS and isinstance(node.args[0], fx.Node):
+def _through_passes(node: fx.Node) -> fx.Node:
+    while node.target in _PASS_THROUGH and isinstance(node.args[0], fx.Node) and _no_upper_clamp(node):
         node = node.args[0]
     return node
+
+
+def _no_upper_clamp(node: fx.Node) -> bool:
+    """Whether ``node`` (of ``_PASS_THROUGH``) leaves large values alone: not a clamp with a maximum."""
+    if node.target is not _aten.clamp.default:
+        return True
+    return (node.args[2] if len(node.args) > 2 else node.kwargs.get("max")) is None
 
 
 def _sums_the_batch(node: fx.Node, batch: int) -> bool:
