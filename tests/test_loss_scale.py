@@ -11,7 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+import autopar
+from autopar.models import build_model
 from autopar.runtime.loss_scale import BACKOFF_FACTOR, GROWTH_INTERVAL, LARGEST_SCALE, DynamicLossScale
+from autopar.testing.launch import run_on_ranks
 from autopar.testing.parity import Tolerances, train_parallel_many, train_single
 
 FP16 = Tolerances(grad_rtol=2e-2, grad_atol=0.0, param_atol=2e-7, loss_rtol=1e-2, grad_scale_rtol=2e-2)
@@ -58,3 +61,26 @@ def test_fp16_plans_keep_gradients_fp16_would_flush_as_one_process_in_fp32_compu
                                            constraints=constraints, lowered=lowered) for constraints, lowered in RUNS])
     for (constraints, _), result in zip(RUNS, results):
         assert result.mismatches(reference, FP16) == [], constraints
+
+
+def _scale_through_a_checkpoint(rank: int, world: int, root: str) -> list[float]:
+    """An fp16 module's loss scale backed off, saved; a fresh module's before and after loading it."""
+    scales = []
+    for load in (False, True):
+        bundle = build_model("tiny-gpt", global_batch=4, seq=16, device="cpu", seed=0)
+        pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                     example_targets=bundle.example_targets, constraints={"dp": 2, "dtype": "fp16"})
+        if load:
+            scales.append(pm.loss_scale.scale)
+            autopar.load_checkpoint(pm, None, root)
+        else:
+            pm.loss_scale.scale /= 8  # as after three overflows
+            autopar.save_checkpoint(pm, None, root)
+        scales.append(pm.loss_scale.scale)
+    return scales
+
+
+@pytest.mark.dist
+def test_a_checkpoint_keeps_the_loss_scale(tmp_path) -> None:
+    assert run_on_ranks(_scale_through_a_checkpoint, 2, str(tmp_path / "ckpt"))[0] == [
+        LARGEST_SCALE / 8, LARGEST_SCALE, LARGEST_SCALE / 8]

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.core.errors import BadInputError
 from autopar.core.files import write_atomically
+from autopar.runtime.loss_scale import DynamicLossScale
 
 STEP_DIR = "step-{:08d}"
 """The name of step N's checkpoint under a root directory (``checkpoint_path``)."""
@@ -58,6 +59,7 @@ class PlannedModule(Protocol):
     """What this module needs of ``ParallelModule`` / ``PipelineParallelModule``."""
 
     mesh: DeviceMesh
+    loss_scale: DynamicLossScale | None
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]: ...
     def state_dict(self) -> dict[str, DTensor]: ...
@@ -212,6 +214,8 @@ def save_checkpoint(pm: PlannedModule, optimizer: torch.optim.Optimizer | None, 
     state: dict[str, Any] = {"model": pm.state_dict(), "step": step}
     if optimizer is not None:
         state["optimizer"] = optimizer_state_dict(pm, optimizer)
+    if pm.loss_scale is not None:  # an fp16 plan's (``runtime/loss_scale.py``)
+        state["loss_scale"] = pm.loss_scale.state_dict()
     dcp.save(state, checkpoint_id=str(path))
 
 
@@ -226,9 +230,14 @@ def load_checkpoint(pm: PlannedModule, optimizer: torch.optim.Optimizer | None, 
     _check_model_keys(state["model"], stored, path)
     if optimizer is not None:
         state["optimizer"] = _stored_optimizer_state(pm, optimizer, stored, path)
+    resumes_scale = pm.loss_scale is not None and "loss_scale.scale" in stored  # saved by an fp16 plan
+    if resumes_scale:
+        state["loss_scale"] = pm.loss_scale.state_dict()
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
         _apply_loaded_optimizer_values(pm, optimizer, state["optimizer"])
+    if resumes_scale:
+        pm.loss_scale.load_state_dict(state["loss_scale"])
     pm.randomness.steps = int(state["step"])  # the dropout masks of the step it resumes at
     return int(state["step"])
 

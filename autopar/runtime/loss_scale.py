@@ -39,6 +39,14 @@ class DynamicLossScale:
         self.skipped = 0
         self._good_steps = 0
 
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps of it (``runtime/checkpoint.py``), so a resumed run starts from this scale."""
+        return {"scale": self.scale, "skipped": float(self.skipped), "good_steps": float(self._good_steps)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self.skipped, self._good_steps = int(state["skipped"]), int(state["good_steps"])
+
     def before_backward(self, params: list[torch.Tensor]) -> float:
         """Scale the gradients ``params`` already hold by ``scale``, as backward will add scaled ones to them;
         returns the scale, which the step's loss is multiplied by."""
