@@ -6,15 +6,20 @@ SGD steps), and a summed loss came out m times too small."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import autopar
+from autopar import BadInputError
 from autopar.ir.capture import capture
 from autopar.ir.loss_reduction import AVERAGED, DIVIDED, SUMMED, loss_reduction
 from autopar.models import build_model
-from autopar.testing.parity import train_parallel_many, train_single
+from autopar.testing.launch import run_on_ranks
+from autopar.testing.parity import batches, sgd, train_parallel_many, train_single
 
 
 def _reduction(loss_fn, targets: torch.Tensor):
@@ -84,3 +89,51 @@ def test_microbatches_add_up_to_the_batchs_loss_and_gradients_like_one_process()
     reference = {name: train_single(name, None, 8, 8, 3) for name, _, _ in RUNS}
     for (name, constraints, _), result in zip(RUNS, results):
         result.assert_matches(reference[name], f"{name} under {constraints}")
+
+
+def _with_an_empty_microbatch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``batch`` with the targets of its first half all ignored (``padded_tokens`` ignores 0)."""
+    tokens, targets = batch
+    targets = targets.clone()
+    targets[: targets.shape[0] // 2] = 0
+    return tokens, targets
+
+
+def _trained_with_an_empty_microbatch(rank: int, world: int, constraints: dict) -> Any:
+    """Three SGD steps whose first of two microbatches counts no target: the losses and final parameters, or the
+    refusal."""
+    bundle = build_model("edge_models:padded_tokens", global_batch=8, seq=8, device="cpu", seed=0)
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints=constraints)
+    opt = sgd(pm.parameters())
+    losses = []
+    try:
+        for batch in batches(bundle, 3, 0):
+            opt.zero_grad()
+            losses.append(pm.step(*_with_an_empty_microbatch(batch)).item())
+            opt.step()
+    except BadInputError as exc:
+        return str(exc)
+    return losses, pm.full_state_dict()
+
+
+@pytest.mark.dist
+def test_a_microbatch_counting_no_target_adds_nothing_and_a_pipeline_refuses_it() -> None:
+    """Its loss is 0/0: one process, dividing by the whole batch's count, trains on; ``step`` leaves such a
+    microbatch out, and a pipeline, which runs every microbatch, refuses the step (every gradient was NaN)."""
+    bundle = build_model("edge_models:padded_tokens", global_batch=8, seq=8, device="cpu", seed=0)
+    opt = sgd(bundle.model.parameters())
+    expected = []
+    for batch in batches(bundle, 3, 0):
+        tokens, targets = _with_an_empty_microbatch(batch)
+        opt.zero_grad()
+        loss = bundle.loss_fn(bundle.model(tokens), targets)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    losses, params = run_on_ranks(_trained_with_an_empty_microbatch, 2, {"dp": 2, "microbatches": 2})[0]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for name, p in bundle.model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=1e-6)
+    refused = run_on_ranks(_trained_with_an_empty_microbatch, 2, {"pp": 2, "microbatches": 2})[0]
+    assert "microbatch 0 of this step (1 of 2) counts none of the targets" in refused

@@ -182,9 +182,12 @@ class ParallelModule(nn.Module):
             pieces = list(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers))))
             weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh,
                                          self.captured.user_inputs, local)
-            for i, (piece, weight) in enumerate(zip(pieces, weights)):
+            # a microbatch that counts none of the targets its loss divides by adds nothing, and its loss is 0/0
+            kept = [i for i, weight in enumerate(weights) if weight > 0] or list(range(m))
+            for i in kept:
+                piece, weight = pieces[i], weights[i]
                 loss = self._run_program(params, piece, local, deferred=True).to_local()
-                if i == m - 1:
+                if i == kept[-1]:
                     self._program_params.arm()  # reduce gradients as the last backward produces them
                 (loss * (weight * scale)).backward()
                 self._finish_loss()  # the loss's reduction waited on after backward, as DDP's ranks meet only there

@@ -245,7 +245,6 @@ class PipelineParallelModule(nn.Module):
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self._losses: list[tuple[int, torch.Tensor]] = []  # the last chunk's loss per microbatch (``_scaled_loss``)
         self._loss_reduction = loss_reduction(captured)  # how the microbatches' losses add up (``_microbatch_weights``)
-        self._computes_loss = (len(built.stages) - 1) % self.pp_size == self.pp_rank  # holds the last chunk
         self._weights: list[float] = []  # this step's (``_microbatch_weights``), the loss scale's included
         self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         self.redistributes = built.redistributes
@@ -361,14 +360,20 @@ class PipelineParallelModule(nn.Module):
         return self._broadcast_loss(sum(scaled) if scaled else torch.zeros(()))
 
     def _microbatch_weights(self, args: Sequence[torch.Tensor], local: bool) -> list[float]:
-        """Each microbatch's weight in the step's loss (``inputs.microbatch_weights``), on the ranks whose chunks
-        compute it (the last stage's)."""
+        """Each microbatch's weight in the step's loss (``inputs.microbatch_weights``), on every rank (each computes
+        them alike: the refusal below stops every rank's schedule, not only the last stage's)."""
         m = self.microbatches
-        if not self._computes_loss:
-            return [1.0 / m] * m
         pieces = list(zip(*(microbatches_of(a, m, carries_batch(self.plan, name))
                             for a, name in zip(args, self.captured.user_inputs))))
-        return microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh, self.captured.user_inputs, local)
+        weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh, self.captured.user_inputs,
+                                     local)
+        empty = [i for i, weight in enumerate(weights) if weight == 0]
+        if empty and len(empty) < m:
+            raise BadInputError(
+                f"microbatch {empty[0]} of this step ({len(empty)} of {m}) counts none of the targets its loss divides "
+                "by (all ignored, as padding): its loss would be 0/0 and make every gradient NaN, and a pipeline "
+                "runs every microbatch; give each microbatch a counted target (or plan fewer, larger microbatches)")
+        return weights
 
     def _reduce_inputs_ahead(self, first: Sequence[torch.Tensor], later: Mapping[str, torch.Tensor]) -> None:
         """Start reducing, for every microbatch of the step at once, the sums each eager chunk computes from its
