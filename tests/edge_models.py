@@ -22,6 +22,7 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   block's ``fc1``, the only parameters trained;
 * ``padded_tokens``: ``reshaped_blocks`` whose loss leaves out the targets 0 (``ignore_index``, as padding; parity
   runs draw targets 0 and 1), so microbatches count different numbers of targets;
+* ``smoothed_tokens``: ``padded_tokens`` with label smoothing (its loss two quotients by the same count);
 * ``summed_regression``: a small regression whose loss is a sum over the batch (``reduction='sum'``);
 * ``faint_gradients``: ``reshaped_blocks`` with its loss scaled down 1e-4 times, so that most gradients in its
   backward lie below fp16's smallest normal number (6e-5) and many below its smallest one (6e-8).
@@ -245,6 +246,13 @@ def lora_blocks(global_batch: int = 8, seq: int = 8):
 def padded_tokens(global_batch: int = 8, seq: int = 8):
     model, tokens, targets, _ = reshaped_blocks(global_batch, seq)
     loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), torch.where(t == 0, -100, t).flatten())  # noqa: E731
+    return model, tokens, targets, loss
+
+
+def smoothed_tokens(global_batch: int = 8, seq: int = 8):
+    model, tokens, targets, _ = reshaped_blocks(global_batch, seq)
+    loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), torch.where(t == 0, -100, t).flatten(),  # noqa: E731
+                                          label_smoothing=0.1)
     return model, tokens, targets, loss
 
 

@@ -74,7 +74,29 @@ def test_a_mixture_of_experts_loss_with_its_auxiliary_term_is_averaged() -> None
                                   bundle.loss_fn)).kind == AVERAGED
 
 
+def test_label_smoothing_adds_two_quotients_by_one_count_and_weighs_as_that_count() -> None:
+    smoothed = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), label_smoothing=0.1)  # noqa: E731
+    targets = torch.randint(1, 32, (4, 6))
+    reduction = _reduction(smoothed, targets[:2])
+    assert reduction.kind == DIVIDED
+    targets[2:, 3:] = -100  # 12 counted targets, then 6
+    assert reduction.weights([(None, targets[:2]), (None, targets[2:])]) == pytest.approx([12 / 18, 6 / 18])
+
+
+def test_quotients_by_different_counts_are_weighted_one_mth_with_a_warning() -> None:
+    def two_masks(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits, t = out.flatten(0, 1), t.flatten()
+        return F.cross_entropy(logits, t) + F.cross_entropy(logits, torch.where(t < 16, -100, t))
+
+    targets = torch.arange(24).reshape(4, 6)  # 0 to 23: the second loss counts 8 of the 24 targets, all in one half
+    reduction = _reduction(two_masks, targets[:2])
+    assert reduction.kind == DIVIDED
+    with pytest.warns(UserWarning, match="divisors differ on a microbatch"):
+        assert reduction.weights([(None, targets[:2]), (None, targets[2:])]) == [0.5, 0.5]
+
+
 RUNS = [("edge_models:padded_tokens", {"dp": 2, "microbatches": 2}, True),
+        ("edge_models:smoothed_tokens", {"dp": 2, "microbatches": 2}, True),
         ("edge_models:padded_tokens", {"tp": 2, "microbatches": 4}, False),
         ("edge_models:padded_tokens", {"pp": 2, "microbatches": 4}, None),
         ("edge_models:summed_regression", {"dp": 2, "microbatches": 2}, True),

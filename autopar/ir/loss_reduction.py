@@ -6,11 +6,13 @@ weights make that sum the loss of the whole batch depends on how the loss reduce
 
 * ``DIVIDED``, a sum divided by a count computed from the inputs alone: ``sum(terms) / divisor``, as
   ``F.cross_entropy`` averages over the targets it counts (``ignore_index`` leaves padding out) and a masked
-  mean divides by its mask's sum. ``w_i = divisor_i / sum_j divisor_j`` makes ``sum_i w_i loss_i`` the sum of
+  mean divides by its mask's sum; or a linear combination of such quotients over the same count
+  (``label_smoothing``'s two terms). ``w_i = divisor_i / sum_j divisor_j`` makes ``sum_i w_i loss_i`` the sum of
   every term over every counted target (Megatron-Core's per-token loss and Hugging Face Trainer's
   ``num_items_in_batch`` fix the same for gradient accumulation). With ``w_i = 1/m`` the microbatches' means
   were averaged instead: tiny-gpt with padding spread unevenly over two microbatches ended three SGD steps
-  2.6e-2 from single-process training.
+  2.6e-2 from single-process training. Where the quotients' divisors differ on a microbatch (two masks), no
+  weights are exact, and it is weighted as ``AVERAGED``, with a warning.
 * ``SUMMED``, a sum over the batch (``reduction='sum'``): ``w_i = 1``; with ``1/m`` the loss and every
   gradient came out ``m`` times too small.
 * ``AVERAGED``, anything else (a mean over elements, which every microbatch holds as many of; a sum of
@@ -23,6 +25,7 @@ regularizer) leaves the loss ``AVERAGED``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -35,6 +38,7 @@ DIVIDED, SUMMED, AVERAGED = "divided", "summed", "averaged"
 
 _aten = torch.ops.aten
 _SUMS = (_aten.sum.default, _aten.sum.dim_IntList)
+_SCALINGS = (_aten.mul.Scalar, _aten.div.Scalar, _aten.mul.Tensor, _aten.div.Tensor)  # by a number: args[1]
 _PASS_THROUGH = (_aten._to_copy.default, _aten.clamp.default, _aten.clamp_min.default)
 """What a count passes through on its way to the division: dtype conversions, and a clamp from below
 (``mask.sum().clamp(min=1)``, guarding a batch that counts nothing), which leaves any count it does not raise."""
@@ -42,8 +46,9 @@ _PASS_THROUGH = (_aten._to_copy.default, _aten.clamp.default, _aten.clamp_min.de
 
 @dataclass(frozen=True)
 class LossReduction:
-    """How the captured loss reduces the batch (the module docstring's kinds); for ``DIVIDED``, the divisor's
-    graph and which user inputs (positions) it reads."""
+    """How the captured loss reduces the batch (the module docstring's kinds); for ``DIVIDED``, the graph of the
+    divisors of its quotients (one, or one per term of a linear combination) and which user inputs (positions) it
+    reads."""
 
     kind: str
     divisor: fx.GraphModule | None = None
@@ -61,12 +66,17 @@ class LossReduction:
         if self.kind == AVERAGED or m == 1:
             return [1.0 / m] * m
         divisor = divisor or self.divisor_of
-        divisors = torch.stack([divisor(piece).double().reshape(()) for piece in pieces])
+        per_term = torch.stack([divisor(piece).double().reshape(-1) for piece in pieces])  # [m, terms]
+        if not bool((per_term == per_term[:, :1]).all()):
+            warnings.warn("autopar: the loss adds quotients whose divisors differ on a microbatch, so no weights make "
+                          "the microbatches' losses add up to the batch's: each is weighted 1/m", stacklevel=3)
+            return [1.0 / m] * m
+        divisors = per_term[:, 0]
         return (divisors / divisors.sum()).tolist()
 
     def divisor_of(self, piece: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The divisor of one microbatch of user inputs ``piece`` (``DIVIDED`` only)."""
-        return self.divisor(*(piece[i] for i in self.reads))
+        """The divisors (one per quotient) of one microbatch of user inputs ``piece`` (``DIVIDED`` only)."""
+        return torch.stack([d.double().reshape(()) for d in self.divisor(*(piece[i] for i in self.reads))])
 
 
 def loss_reduction(captured: CapturedGraph) -> LossReduction:
@@ -76,18 +86,37 @@ def loss_reduction(captured: CapturedGraph) -> LossReduction:
     kinds = captured.gradient_kinds()
     if batch and _sums_the_batch(loss, batch):
         return LossReduction(SUMMED)
-    if batch and loss.target is _aten.div.Tensor and all(isinstance(a, fx.Node) for a in loss.args[:2]):
-        numerator, divisor = loss.args[:2]
-        count = _through_passes(divisor)
-        if _sums_the_batch(numerator, batch) and _sums_the_batch(count, batch) and kinds[divisor.name] == "none":
-            return _divided(captured, divisor)
+    divisors = [_count_divisor(term, batch, kinds) for term in _linear_terms(loss)] if batch else [None]
+    if all(d is not None for d in divisors):
+        return _divided(captured, divisors)
     return LossReduction(AVERAGED)
 
 
-def _divided(captured: CapturedGraph, divisor: fx.Node) -> LossReduction:
-    """``DIVIDED`` with ``divisor``'s graph over the user inputs it reads; ``AVERAGED`` where it reads other
-    placeholders (buffers, parameters: not a count of the batch's)."""
-    ancestors = _ancestors(divisor)
+def _count_divisor(node: fx.Node, batch: int, kinds: dict[str, str]) -> fx.Node | None:
+    """The divisor of ``node`` where it is a sum over the batch divided by a count of it computed from the inputs
+    alone, else None."""
+    if node.target is not _aten.div.Tensor or not all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return None
+    numerator, divisor = node.args[:2]
+    count = _through_passes(divisor)
+    if _sums_the_batch(numerator, batch) and _sums_the_batch(count, batch) and kinds[divisor.name] == "none":
+        return divisor
+    return None
+
+
+def _linear_terms(node: fx.Node) -> list[fx.Node]:
+    """The terms of ``node`` as a linear combination: through sums, differences and scalings by numbers."""
+    if node.target in (_aten.add.Tensor, _aten.sub.Tensor) and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return _linear_terms(node.args[0]) + _linear_terms(node.args[1])
+    if node.target in _SCALINGS and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], (int, float)):
+        return _linear_terms(node.args[0])
+    return [node]
+
+
+def _divided(captured: CapturedGraph, divisors: list[fx.Node]) -> LossReduction:
+    """``DIVIDED`` with the graph of ``divisors`` over the user inputs they read; ``AVERAGED`` where they read
+    other placeholders (buffers, parameters: not a count of the batch's)."""
+    ancestors = set().union(*(_ancestors(d) for d in divisors))
     placeholders = [n for n in ancestors if n.op == "placeholder"]
     if any(n.name not in captured.user_inputs and n.name not in captured.constants for n in placeholders):
         return LossReduction(AVERAGED)
@@ -100,7 +129,7 @@ def _divided(captured: CapturedGraph, divisor: fx.Node) -> LossReduction:
                 env[node] = graph.get_attr(node.name)
             else:
                 env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(env[divisor])
+    graph.output([env[d] for d in divisors])
     _whole_sums_as_sum(graph)
     root = torch.nn.Module()
     for node in placeholders:

@@ -154,7 +154,7 @@ def microbatch_weights(reduction: LossReduction, pieces: Sequence[Sequence[torch
     this rank's slices (``local``), a divisor is computed on their DTensors, which reduce it over the ranks
     holding the rest of the microbatch."""
     def divisor_on_shards(piece: Sequence[torch.Tensor]) -> torch.Tensor:
-        value = reduction.divisor(*(user_input(plan, mesh, names[i], piece[i], True) for i in reduction.reads))
-        return value.full_tensor() if isinstance(value, DTensor) else value
+        values = reduction.divisor(*(user_input(plan, mesh, names[i], piece[i], True) for i in reduction.reads))
+        return torch.stack([(v.full_tensor() if isinstance(v, DTensor) else v).double().reshape(()) for v in values])
 
     return reduction.weights(pieces, divisor_on_shards if local else None)
