@@ -49,10 +49,9 @@ Where we diverge from pipelining's usual use: the loss is part of the last chunk
 captured with the model), so the schedule's ``loss_fn`` only weights it (``inputs.microbatch_weights``: a
 mean's ``1 / m``, a count-divided sum's share of the count), the schedule's ``target`` is the microbatch
 index, and ``scale_grads=False``: the sum of the ``m`` weighted backward passes is the batch's loss,
-exactly as ``ParallelModule.step`` accumulates it. User
-inputs reach the first chunk as positional arguments; later chunks that read one (the targets, for the
-loss) get it as a keyword argument, which pipelining hands to every chunk of a rank and splits into
-microbatches like the positional ones.
+exactly as ``ParallelModule.step`` accumulates it. User inputs reach the first chunk as positional
+arguments; later chunks that read one (the targets, for the loss) get it as a keyword argument, which
+pipelining hands to every chunk of a rank and splits into microbatches like the positional ones.
 """
 
 from __future__ import annotations
@@ -329,6 +328,7 @@ class PipelineParallelModule(nn.Module):
 
     def _scheduled_step(self, args: Sequence[torch.Tensor], local: bool) -> torch.Tensor:
         """``step``'s schedule over checked inputs."""
+        weights = self._microbatch_weights(args, local)  # first: it may refuse the step
         names = self.captured.user_inputs
         by_name = dict(zip(names, args))
         self._local_inputs = local
@@ -343,7 +343,7 @@ class PipelineParallelModule(nn.Module):
         self._reduce_inputs_ahead(first, later)
         self._losses = []
         scale = self.loss_scale.before_backward(list(self.parameters())) if self.loss_scale else 1.0
-        self._weights = [w * scale for w in self._microbatch_weights(args, local)]
+        self._weights = [w * scale for w in weights]
         with self.randomness.step():
             self.schedule.step(*first, target=torch.arange(self.microbatches), losses=losses, return_outputs=False,
                                **later)
