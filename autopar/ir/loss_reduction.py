@@ -57,9 +57,9 @@ class LossReduction:
     def weights(self, pieces: Sequence[Sequence[torch.Tensor]],
                 divisor: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None) -> list[float]:
         """Each microbatch's weight in the step's loss: ``pieces`` are the microbatches' user inputs (in the
-        captured order, each as the capture saw it, a whole microbatch). ``divisor`` computes a piece's divisor
-        where the pieces are something else (a rank's slices of the microbatches: the runtime runs the graph on
-        them as DTensors); by default, ``self.divisor`` on the inputs it reads."""
+        captured order, each as the capture saw it, a whole microbatch). ``divisor`` computes a piece's divisors
+        (one per quotient) where the pieces are something else (a rank's slices of the microbatches: the runtime
+        runs the graph on them as DTensors); by default, ``divisor_of``."""
         m = len(pieces)
         if self.kind == SUMMED:
             return [1.0] * m
