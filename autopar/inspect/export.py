@@ -464,8 +464,8 @@ def _header(plan: Plan, notes: list[str], dp: _DataParallel) -> list[str]:
         n = pipe["microbatches"]
         sync = "model.no_sync()" if dp.kind == "ddp" else "model.set_requires_gradient_sync(False)"
         lines += [f"        # the plan accumulates gradients over {n} microbatches: run {n} forward/backward",
-                  f"        # passes on chunks of the slice, each loss weighted by its share of the batch's: 1/{n} for a",
-                  f"        # mean, its share of the counted targets for a padded one ({sync} but for the last)"]
+                  f"        # passes on chunks of the slice, each loss weighted by its share of the batch's: 1/{n}",
+                  f"        # for a mean, its share of the counted targets for a padded one ({sync} but for the last)"]
     lines += ["        loss.backward()", "        optimizer.step()", "        optimizer.zero_grad()"]
     if notes:
         lines += ["", "Not expressed with native APIs (kept replicated or left to the training loop):"]
