@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from autopar.ir.capture import CapturedGraph
+from autopar.ir.capture import CapturedGraph, batch_size_of
 
 DIVIDED, SUMMED, AVERAGED = "divided", "summed", "averaged"
 
@@ -82,7 +82,7 @@ class LossReduction:
 def loss_reduction(captured: CapturedGraph) -> LossReduction:
     """How ``captured``'s loss reduces its batch (``DIVIDED``, ``SUMMED`` or ``AVERAGED``)."""
     loss = captured.node(captured.loss_node)
-    batch = _batch_size(captured)
+    batch = batch_size_of([captured.node(name).meta["val"].shape for name in captured.user_inputs])
     kinds = captured.gradient_kinds()
     if batch and _sums_the_batch(loss, batch):
         return LossReduction(SUMMED)
@@ -188,10 +188,3 @@ def _sums_the_batch(node: fx.Node, batch: int) -> bool:
     return isinstance(summed, torch.Tensor) and isinstance(out, torch.Tensor) and out.numel() == 1 \
         and summed.numel() >= batch and summed.numel() % batch == 0
 
-
-def _batch_size(captured: CapturedGraph) -> int | None:
-    """The global batch: dim 0 of the first user input (None without one)."""
-    if not captured.user_inputs:
-        return None
-    val = captured.node(captured.user_inputs[0]).meta["val"]
-    return int(val.shape[0]) if val.ndim else None

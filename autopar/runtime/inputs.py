@@ -47,6 +47,13 @@ def microbatches_of(x: torch.Tensor, microbatches: int, carries: bool) -> list[t
     return list(torch.chunk(x, microbatches, dim=0)) if carries else [x] * microbatches
 
 
+def microbatch_pieces(args: Sequence[torch.Tensor], microbatches: int, carriers: Sequence[bool]
+                      ) -> list[tuple[torch.Tensor, ...]]:
+    """A step's user inputs ``args`` as ``microbatches`` tuples of inputs, each cut by ``microbatches_of``
+    (``carriers``: whether each carries the batch)."""
+    return list(zip(*(microbatches_of(a, microbatches, carries) for a, carries in zip(args, carriers))))
+
+
 def pipeline_chunk_spec(carries: bool) -> Any:
     """How ``torch.distributed.pipelining`` cuts an input into microbatches, as ``microbatch_shape`` does: on
     dim 0 where it ``carries`` the batch, else repeated whole (its ``_Replicate``, a private name: the public

@@ -49,7 +49,7 @@ from autopar.runtime.autocast import CallerAutocast
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
-from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_weights, microbatches_of,
+from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_pieces, microbatch_weights,
                                     user_input)
 from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.mesh import init_job_mesh, job_device_type
@@ -179,7 +179,7 @@ class ParallelModule(nn.Module):
         scale = self.loss_scale.before_backward(list(self.parameters())) if self.loss_scale else 1.0
         with self.autocast.set_aside("step()"), self.randomness.step():
             params = self._program_params.begin_step()
-            pieces = list(zip(*(microbatches_of(a, m, carries) for a, carries in zip(args, self._carriers))))
+            pieces = microbatch_pieces(args, m, self._carriers)
             weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh,
                                          self.captured.user_inputs, local)
             # a microbatch that counts none of the targets its loss divides by adds nothing, and its loss is 0/0

@@ -84,7 +84,7 @@ from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, microbatch_weights,
-                                    microbatches_of, pipeline_chunk_spec, user_input, user_input_shard)
+                                    microbatch_pieces, pipeline_chunk_spec, user_input, user_input_shard)
 from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness
@@ -363,8 +363,7 @@ class PipelineParallelModule(nn.Module):
         """Each microbatch's weight in the step's loss (``inputs.microbatch_weights``), on every rank (each computes
         them alike: the refusal below stops every rank's schedule, not only the last stage's)."""
         m = self.microbatches
-        pieces = list(zip(*(microbatches_of(a, m, carries_batch(self.plan, name))
-                            for a, name in zip(args, self.captured.user_inputs))))
+        pieces = microbatch_pieces(args, m, [carries_batch(self.plan, name) for name in self.captured.user_inputs])
         weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh, self.captured.user_inputs,
                                      local)
         empty = [i for i, weight in enumerate(weights) if weight == 0]
