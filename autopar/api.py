@@ -127,11 +127,16 @@ def autoparallelize(
     check_memory: bool = True,
     lowered: bool | None = None,
     compile: bool = False,
+    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModule | PipelineParallelModule:
     """This rank's parallel module. Call in every rank of an initialized process group.
 
     Every rank starts from rank 0's parameters and buffers (broadcast first, as DDP does), so ranks that
-    built or seeded the model differently still train one model; a meta-device model is refused.
+    built or seeded the model differently still train one model. A model built on the meta device (too large
+    for a host) is not built whole anywhere: each rank allocates its own shards and initializes them with
+    ``init_weights(model)``, or by default each module's ``reset_parameters()`` (and ``reset_buffers()``),
+    children first; a tensor the initialization leaves unset is refused (``runtime/deferred_init.py``). The
+    model is left on the meta device. ``init_weights`` is only for such a model.
     ``plan`` may be a Plan or a plan file; without one, rank 0 plans for ``cluster`` (default: the
     world this job runs in) under ``constraints`` and every rank receives the same plan. A plan whose
     predicted per-device peak memory exceeds this rank's device (a GPU's memory; on CPU the host's
@@ -154,9 +159,10 @@ def autoparallelize(
                             "(or call torch.distributed.init_process_group) first")
     from autopar.runtime.mesh import start_from_rank_zero
 
+    deferred = _deferred_initialization(model, init_weights)
     start_from_rank_zero(model)  # every rank shards rank 0's weights, however each rank built or seeded its own
     inputs = _as_tuple(example_inputs)
-    captured = capture(model, inputs, example_targets, loss_fn)
+    captured = capture(model, _on_meta(inputs, deferred), _on_meta(example_targets, deferred), loss_fn)
     the_plan = _plan_for_job(captured, plan, cluster, pinned, type(model).__name__, _model_facts(model, inputs))
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "
@@ -167,7 +173,8 @@ def autoparallelize(
     m, dtype = the_plan.pipeline.microbatches, program_dtype(the_plan.precision)
     if m > 1 or dtype is not None:  # the program runs one microbatch at a time, in the compute dtype: capture that
         first = _first_microbatch(inputs + ((example_targets,) if example_targets is not None else ()), m)
-        captured = capture(model, first[:len(inputs)], first[len(inputs)] if example_targets is not None else None,
+        captured = capture(model, _on_meta(first[:len(inputs)], deferred),
+                           _on_meta(first[len(inputs)] if example_targets is not None else None, deferred),
                            loss_fn, dtype=dtype)
     if lowered is None:
         lowered = lowered_by_default(the_plan)
@@ -175,14 +182,14 @@ def autoparallelize(
         from autopar.runtime.pipeline import PipelineParallelModule
 
         return PipelineParallelModule(model, captured, the_plan, check_memory=check_memory, lowered=lowered,
-                                      compile=compile)
+                                      compile=compile, init_weights=init_weights)
     priced_lowered = the_plan.predicted.get("runtime") == LOWERED
     if priced_lowered and shards_parameters_over_data(the_plan) and not (lowered or compile):
         warnings.warn("autopar: the plan was priced for the lowered runtime and runs on DTensor (lowered=False): its "
                       "FSDP gradient reductions and backward regathers will not overlap backward as priced; pass "
                       "lowered=True or plan with constraint runtime=dtensor", stacklevel=2)
     return ParallelModule(model, captured, the_plan, mesh_for_plan(the_plan), check_memory=check_memory,
-                          lowered=lowered, compile=compile)
+                          lowered=lowered, compile=compile, init_weights=init_weights)
 
 
 def lowered_by_default(plan: Plan) -> bool:
@@ -265,6 +272,27 @@ def _plan_for_job(captured: CapturedGraph, plan_: Plan | str | None, cluster: An
         box[0] = _planned(captured, resolve_cluster(cluster), name, constraints, facts).to_dict()
     dist.broadcast_object_list(box, src=0)
     return Plan.from_dict(box[0])
+
+
+def _deferred_initialization(model: nn.Module, init_weights: Callable[[nn.Module], None] | None) -> bool:
+    """Whether ``model`` was built on the meta device, its shards to be made and initialized by the runtime;
+    ``init_weights`` given for a model that has its weights is refused (it would not run)."""
+    from autopar.runtime.deferred_init import holds_meta_tensors
+
+    deferred = holds_meta_tensors(model)
+    if init_weights is not None and not deferred:
+        raise BadInputError("init_weights initializes a model built on the meta device, and this model has its "
+                            "weights: initialize it before autoparallelize, or build it under "
+                            "torch.device('meta')")
+    return deferred
+
+
+def _on_meta(tensors: Any, deferred: bool) -> Any:
+    """The example inputs (a tensor, a tuple of them or None) on the meta device where the model is, to be
+    captured with it; as given otherwise."""
+    if not deferred or tensors is None:
+        return tensors
+    return tensors.to("meta") if isinstance(tensors, torch.Tensor) else tuple(t.to("meta") for t in tensors)
 
 
 def _first_microbatch(tensors: tuple[torch.Tensor, ...], microbatches: int) -> tuple[torch.Tensor, ...]:

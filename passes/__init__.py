@@ -3,6 +3,8 @@
 One pass per file, each named for what it does. ``build_program`` (``program.py``) is the one ordered
 list of graph passes; every runtime runs the stage programs it returns:
 
+0. ``retarget_devices``: ops that make tensors from nothing do so on the mesh's device, not the one the
+   step was captured on (a meta-device model's capture, a CPU model's for a GPU job);
 1. ``insert_redistributes``: before each op, inputs are moved to the placements the plan chose for
    that op (DTensor ``redistribute``, whose collectives are differentiable, so backward communication
    falls out of autograd); under context parallelism's load-balanced layout ``sequence_layout``

@@ -34,6 +34,7 @@ from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
+from .retarget_devices import retarget_devices
 from .run_locally import run_locally
 from .sequence_layout import balance_sequence
 from .split_stages import Boundary, StageProgram, boundary_of, split_program, whole_program
@@ -65,6 +66,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     plan's: one stage's submesh)."""
     plan = bind_ops(plan, captured)
     program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
+    retarget_devices(program, mesh.device_type)
     produced = produced_placements(captured, plan)
     redistributes = insert_redistributes(program, plan.ops, produced, mesh)
     balance_sequence(program, plan, produced, parameter_values(captured))

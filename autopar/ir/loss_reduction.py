@@ -131,12 +131,26 @@ def _divided(captured: CapturedGraph, divisors: list[fx.Node]) -> LossReduction:
                 env[node] = graph.node_copy(node, env.__getitem__)
     graph.output([env[d] for d in divisors])
     _whole_sums_as_sum(graph)
+    _made_beside(graph, env[reads[0]] if reads else None)
     root = torch.nn.Module()
     for node in placeholders:
         if node.name in captured.constants:
             root.register_buffer(node.name, captured.constants[node.name], persistent=False)
     return LossReduction(DIVIDED, fx.GraphModule(root, graph),
                          tuple(captured.user_inputs.index(n.name) for n in reads))
+
+
+def _made_beside(graph: fx.Graph, first_input: fx.Node | None) -> None:
+    """Tensors the divisor graph makes from nothing (``scalar_tensor``, ``full``...) made on its first input's
+    device, not on the device recorded at capture: a model built on the meta device is captured there, and the
+    runtime computes the divisors on the inputs as a step is given them, or on their shards."""
+    made = [n for n in graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+    if not made or first_input is None:
+        return
+    with graph.inserting_after(first_input):
+        device = graph.call_function(getattr, (first_input, "device"))
+    for node in made:
+        node.kwargs = {**node.kwargs, "device": device}
 
 
 def _whole_sums_as_sum(graph: fx.Graph) -> None:

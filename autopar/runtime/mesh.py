@@ -9,7 +9,8 @@ takes the job's own collective timeout, the one number a user sets (docs/archite
 Every rank builds the whole model and keeps only its shards of it (``passes/shard_parameters.py`` slices
 locally, with no communication), so the ranks must build the same weights. ``start_from_rank_zero`` makes
 sure they do, as DDP's constructor does: a job that seeds each rank differently, or loads weights on one
-rank only, would otherwise train replicas that never agree, without a word.
+rank only, would otherwise train replicas that never agree, without a word. (A model built on the meta device
+is the exception: no rank builds it whole, ``runtime/deferred_init.py``.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.core.errors import BadInputError
 
 
 def job_device_type() -> str:
@@ -52,13 +52,10 @@ def start_from_rank_zero(model: nn.Module) -> None:
     whole job, through a copy on ``job_device_type()`` where the tensor lives elsewhere (a CPU model under
     NCCL, which the runtime moves to the GPU as it shards it). torch's ``_sync_module_states`` (DDP's)
     buckets the broadcasts but needs the tensors on the backend's device already, hence this loop.
-    A model on the meta device is refused: there are no weights to shard (``autopar.plan`` takes one)."""
-    states = list(itertools.chain(model.named_parameters(), model.named_buffers()))
-    on_meta = [name for name, t in states if t.is_meta]
-    if on_meta:
-        raise BadInputError(f"autoparallelize needs the model's weights, and {len(on_meta)} of its parameters and "
-                            f"buffers are on the meta device ({', '.join(on_meta[:3])}): build it on the CPU or the "
-                            "GPU (autopar.plan plans a meta-device model)")
+    Tensors on the meta device hold no values to agree on: the runtime makes and initializes their shards
+    (``runtime/deferred_init.py``)."""
+    states = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+              if not t.is_meta]
     device = job_device_type()
     for _, tensor in states:
         data = tensor.detach()

@@ -46,6 +46,7 @@ from autopar.passes.dropout_mode import in_mode, refuse_step_that_cannot_train
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.autocast import CallerAutocast
+from autopar.runtime.deferred_init import InitWeights, ShardedInit, holds_meta_tensors
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
@@ -72,7 +73,8 @@ class ParallelModule(nn.Module):
     """The parallelized training step of one rank. Hand ``parameters()`` to any torch optimizer."""
 
     def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh,
-                 check_memory: bool = True, lowered: bool = False, compile: bool = False):
+                 check_memory: bool = True, lowered: bool = False, compile: bool = False,
+                 init_weights: InitWeights | None = None):
         super().__init__()
         if check_memory:  # before anything is sharded: a plan too large for this device is refused (fits.py)
             check_plan_fits(plan, mesh.device_type)
@@ -85,6 +87,10 @@ class ParallelModule(nn.Module):
         self._loss_reduction = loss_reduction(captured)  # how microbatches' losses add up (``microbatch_weights``)
         self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         precision = plan.precision
+        deferred = (ShardedInit(model, mesh, plan.placements, plan.buffers, init_weights)
+                    if holds_meta_tensors(model) else None)  # built on meta: shards allocated and initialized here
+        if deferred:
+            deferred.run()
         named_params = {fqn: as_master(p, precision) for fqn, p in model.named_parameters()}
         masters = shard_parameters(named_params, plan.placements, mesh)
         self._program_params = ProgramParameters({_key(k): v for k, v in masters.items()}, mesh, precision,
@@ -95,6 +101,8 @@ class ParallelModule(nn.Module):
         self._buffers_dt = {fqn: shard_tensor(in_compute_dtype(named_buffers[fqn], precision), mesh, pl)
                             for fqn, pl in plan.buffers.items()}
         self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
+        if deferred:
+            deferred.release()
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
         built = build_program(plan, captured, mesh)
         (stage,) = built.stages

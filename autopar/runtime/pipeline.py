@@ -78,6 +78,7 @@ from autopar.passes.dropout_mode import refuse_step_that_cannot_train
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.lower_eager import EagerForward
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
+from autopar.runtime.deferred_init import InitWeights, ShardedInit, holds_meta_tensors
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.autocast import CallerAutocast
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
@@ -229,7 +230,8 @@ class PipelineParallelModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, device_type: str | None = None,
-                 check_memory: bool = True, lowered: bool = False, compile: bool = False):
+                 check_memory: bool = True, lowered: bool = False, compile: bool = False,
+                 init_weights: InitWeights | None = None):
         super().__init__()
         self.plan, self.captured = plan, captured
         self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
@@ -250,7 +252,10 @@ class PipelineParallelModule(nn.Module):
         self._dropout_ops = built.dropout_ops
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
+        deferred = self._deferred_init(model, mine, init_weights)
         self.chunks = nn.ModuleList(self._stage_module(stage, model) for stage in mine)
+        if deferred:
+            deferred.release()
         if (lowered or compile) and plan.pipeline.schedule in ZERO_BUBBLE:
             warnings.warn("autopar: zero-bubble pipelines run on the DTensor runtime (torch splits each chunk's "
                           "backward at its parameters, inside what a lowered program runs as one graph); "
@@ -431,6 +436,20 @@ class PipelineParallelModule(nn.Module):
         return loss
 
     # ---- building -----------------------------------------------------------------------------
+    def _deferred_init(self, model: nn.Module, mine: list[Stage], init_weights: InitWeights | None
+                       ) -> ShardedInit | None:
+        """A meta-device model's tensors that this rank's chunks read, allocated as their shards and initialized
+        (``runtime/deferred_init.py``); None for a model with its weights."""
+        if not holds_meta_tensors(model):
+            return None
+        cg, plan = self.captured, self.plan
+        read = {name for stage in mine for name in stage.program.placeholders}
+        params = {cg.params[n]: plan.placements[cg.params[n]] for n in read if n in cg.params}
+        buffers = {cg.buffers[n]: plan.buffers[cg.buffers[n]] for n in read if n in cg.buffers}
+        deferred = ShardedInit(model, self.mesh, params, buffers, init_weights)
+        deferred.run()
+        return deferred
+
     def _stage_module(self, stage: Stage, model: nn.Module) -> StageModule:
         return StageModule(stage, self._placeholder_values(stage, model), self._user_input, self.captured.user_inputs,
                            self.mesh)
