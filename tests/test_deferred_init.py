@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+import autopar
 from autopar.api import autoparallelize
 from autopar.core.errors import BadInputError
 from autopar.models import build_model
@@ -37,17 +38,14 @@ def reset_and_adapt(model: nn.Module) -> None:
             nn.init.zeros_(module.b)
 
 
-def init_hugging_face(model: nn.Module) -> None:
-    """transformers' own initialization of the wrapped model (``HFModel.hf``)."""
-    model.hf.init_weights()
-
-
-INITS = {"reset_and_adapt": reset_and_adapt, "init_hugging_face": init_hugging_face}
+INITS = {"reset_and_adapt": reset_and_adapt}
 
 
 def _train_from_meta(rank: int, name: str, constraints: dict[str, Any], lowered: bool | None,
-                     init: str | None, built_on: str) -> dict[str, Any]:
-    """One run on this rank: the model built on ``built_on``, autoparallelized, trained ``STEPS`` SGD steps."""
+                     init: str | None, built_on: str, save_to: str | None = None,
+                     load_from: str | None = None) -> dict[str, Any]:
+    """One run on this rank: the model built on ``built_on``, autoparallelized, its state saved to or loaded
+    from a checkpoint (``save_to``, ``load_from``) before any step, then trained ``STEPS`` SGD steps."""
     model = build_model(name, global_batch=8, seq=16, device=built_on, seed=0).model
     data = build_model(name, global_batch=8, seq=16, device="cpu", seed=0)
     torch.manual_seed(100 + rank)  # ranks seeded apart: deferred initialization must not depend on it
@@ -56,6 +54,10 @@ def _train_from_meta(rank: int, name: str, constraints: dict[str, Any], lowered:
                              constraints=constraints, lowered=lowered, init_weights=INITS.get(init))
     except BadInputError as e:
         return {"error": str(e)}
+    if save_to:
+        autopar.save_checkpoint(pm, None, save_to)
+    if load_from:
+        autopar.load_checkpoint(pm, None, load_from)
     initial = {fqn: value.clone() for fqn, value in pm.full_state_dict().items()}  # not aliases of the live ones
     sharded = next(((fqn, p.to_local().clone()) for fqn, p in pm.named_parameters()
                     if isinstance(p, DTensor) and any(isinstance(x, Shard) for x in p.placements)), None)
@@ -135,11 +137,25 @@ def test_a_model_built_on_meta_is_initialized_on_its_shards_and_trains_as_one_pr
 
 
 @pytest.mark.extended
+def test_a_checkpoint_loads_into_a_model_built_on_meta_under_another_plan(tmp_path) -> None:
+    """The fine-tuning start: weights saved under dp=2 from a model built on the CPU, loaded into the same model
+    built on meta under tp=2 (its shards initialized, then overwritten), train on as one process from them."""
+    path = str(tmp_path / "ckpt")
+    runs = [dict(name="tiny-llama", constraints={"dp": 2}, lowered=None, init=None, built_on="cpu", save_to=path),
+            dict(name="tiny-llama", constraints={"tp": 2}, lowered=None, init=None, built_on="meta", load_from=path)]
+    saved, loaded = zip(*run_on_ranks(_runs_on_rank, 2, runs))
+    for fqn, value in saved[0]["initial"].items():
+        assert torch.equal(loaded[0]["initial"][fqn], value), fqn
+    _check_trains_as_one_process("tiny-llama", loaded)
+
+
+@pytest.mark.extended
 def test_meta_initialization_under_pipelines_fsdp_and_hugging_face() -> None:
+    """Hugging Face's Llama by torch's convention: ``HFModel.reset_parameters`` is transformers' ``init_weights``
+    (whose rotary tables are whole values copied into their shards)."""
     runs = [dict(name="tiny-gpt", constraints={"pp": 2}, lowered=None, init=None, built_on="meta"),
             dict(name="tiny-llama", constraints={"dp": 2, "fsdp": 3}, lowered=None, init=None, built_on="meta"),
-            dict(name="autopar.models.hf:llama", constraints={"tp": 2}, lowered=None, init="init_hugging_face",
-                 built_on="meta")]
+            dict(name="autopar.models.hf:llama", constraints={"tp": 2}, lowered=None, init=None, built_on="meta")]
     pp, fsdp, hf = zip(*run_on_ranks(_runs_on_rank, 2, runs))
     _check_trains_as_one_process("tiny-gpt", pp)
     _check_trains_as_one_process("tiny-llama", fsdp)

@@ -62,6 +62,11 @@ class HFModel(nn.Module):
         outputs = self.hf(**dict(zip(self.input_names, inputs)), **_no_cache(self.hf), return_dict=True)
         return getattr(outputs, self.output)
 
+    def reset_parameters(self) -> None:
+        """transformers' own initialization of the wrapped model (``init_weights``), as torch's convention
+        names it: what a model built on the meta device gets on its shards (``runtime/deferred_init.py``)."""
+        self.hf.init_weights()
+
     def random_batch(self, generator: torch.Generator, like: Sequence[Tensor]) -> tuple[Tensor, ...]:
         """A batch shaped as ``like`` (the inputs, then the targets if any) drawn from ``generator``:
         class ids in ``[0, classes)``, attention masks padding each sequence to a random length
