@@ -48,7 +48,8 @@ FULL_FILE_FROM = "pp2xdp2 -> tp2"
 """Its plan B (tp=2) writes the unsharded weights file after training; plan FULL_FILE_INTO loads it."""
 FULL_FILE_INTO = {"dp": 2, "fsdp": 3}
 TIED = {"tie_embeddings": True}
-"""A model whose token embedding is its head's weight: its unsharded file must hold it under both names."""
+"""A model whose token embedding is its head's weight: its unsharded file, written from a pipeline whose first and
+last stage each hold that weight, must hold it under both names."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -98,7 +99,7 @@ def _resume_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     pm, _ = _module(FULL_FILE_INTO, seed=2)
     autopar.load_full_state_dict(pm, Path(root) / "weights.pt")
     out["full file into another plan"] = pm.full_state_dict()
-    tied, _ = _module({"tp": 2}, seed=0, overrides=TIED)
+    tied, _ = _module({"pp": 2, "microbatches": 2}, seed=0, overrides=TIED)  # each stage holds the tied weight
     autopar.save_full_state_dict(tied, Path(root) / "tied.pt")
     return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from autopar.core.errors import AutoparError, BadInputError
 
@@ -46,8 +47,9 @@ def check_writable(path: str | Path, option: str) -> None:
         raise BadInputError(f"{option} {path}: directory {str(folder)!r} is not writable")
 
 
-def write_atomically(path: str | Path, text: str | bytes) -> None:
-    """Write ``text`` (UTF-8, or ``bytes`` as they are) to ``path`` through a temporary file in the same
+def write_atomically(path: str | Path, text: str | bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``text`` (UTF-8, or ``bytes`` as they are, or what a writer given the open file writes into it:
+    a large file, without its bytes in memory first) to ``path`` through a temporary file in the same
     directory and ``os.replace``: the file is either written whole or left as it was. The new file gets
     the usual permissions (0666 less the umask), not the temporary file's private ones."""
     target = Path(path)
@@ -58,7 +60,10 @@ def write_atomically(path: str | Path, text: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             os.fchmod(handle.fileno(), 0o666 & ~_umask())
-            handle.write(text.encode("utf-8") if isinstance(text, str) else text)
+            if callable(text):
+                text(handle)
+            else:
+                handle.write(text.encode("utf-8") if isinstance(text, str) else text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, target)

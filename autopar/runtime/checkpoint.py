@@ -33,7 +33,6 @@ checkpoints you trust (the unsharded file is read with ``weights_only=True``).
 
 from __future__ import annotations
 
-import io
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
@@ -271,13 +270,45 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 # ---- one unsharded file ------------------------------------------------------------------------------
 def _gather_full_state(pm: PlannedModule) -> dict[str, torch.Tensor]:
-    """FQN -> full tensor of every parameter and persistent buffer of the whole model (a pipeline's
-    other stages' included) on rank 0; an empty dict on the other ranks. Collective."""
-    full = {fqn: t.full_tensor() for fqn, t in pm.state_dict().items()}
-    first_of_stage = dist.get_rank() == int(pm.mesh.mesh.min())  # one holder per stage sends it
-    held: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(full if first_of_stage else {}, held, dst=0)
-    return {fqn: t for part in held for fqn, t in part.items()} if held else {}
+    """FQN -> full tensor, on the CPU, of every parameter and persistent buffer of the whole model (a pipeline's
+    other stages' included) on rank 0; an empty dict on the other ranks. Collective.
+
+    One tensor at a time: a stage's ranks gather each of its tensors in turn (``full_tensor`` over the stage's
+    mesh) and the stage's first rank hands it to rank 0, so no rank holds more than one full tensor beside its
+    shards (gathering the whole model on every rank first held it once per rank: a model that needed FSDP could
+    not be saved), and rank 0 the whole model once, on the CPU. A name that several stages hold (a weight tied
+    across them) is sent by the first of them."""
+    state, rank = pm.state_dict(), dist.get_rank()
+    first = int(pm.mesh.mesh.min())  # the stage's first rank (a one-stage plan's: rank 0)
+    listed: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(listed, list(state) if rank == first else None)
+    sends = _names_each_stage_sends(listed)
+    full: dict[str, torch.Tensor] = {}
+    for fqn in sends[first]:
+        value = state[fqn].full_tensor()
+        if rank == 0:
+            full[fqn] = value.cpu()
+        elif rank == first:
+            dist.send_object_list([value.cpu()], dst=0)
+        del value
+    if rank == 0:
+        for sender, names in sends.items():
+            for fqn in names if sender != 0 else ():
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=sender)
+                full[fqn] = box[0]
+    return full
+
+
+def _names_each_stage_sends(listed: list[list[str] | None]) -> dict[int, list[str]]:
+    """Stage's first rank -> the names it sends: those of its stage no stage of a lower first rank holds."""
+    sends: dict[int, list[str]] = {}
+    taken: set[str] = set()
+    for sender, names in enumerate(listed):
+        if names is not None:
+            sends[sender] = [n for n in names if n not in taken]
+            taken.update(names)
+    return sends
 
 
 def save_full_state_dict(pm: PlannedModule, path: str | Path) -> None:
@@ -286,9 +317,7 @@ def save_full_state_dict(pm: PlannedModule, path: str | Path) -> None:
     model. Collective: every rank calls it."""
     state = _gather_full_state(pm)
     if dist.get_rank() == 0:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        write_atomically(path, buffer.getvalue())
+        write_atomically(path, lambda handle: torch.save(state, handle))  # into the file, no copy in memory
     dist.barrier()
 
 
