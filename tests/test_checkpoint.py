@@ -182,3 +182,14 @@ def test_a_cut_short_or_foreign_checkpoint_is_refused(tmp_path):
     (tmp_path / "weights.pt").write_text("not torch")
     with pytest.raises(BadInputError, match="not a torch.save file"):
         autopar.load_full_state_dict(None, tmp_path / "weights.pt")
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_a_weights_file_loads_memory_mapped_or_in_torchs_legacy_format(tmp_path, zip_format):
+    """``load_full_state_dict`` maps the file (each rank reads its shards' pages only); a legacy-format file, which
+    cannot be mapped, is read whole. Any module with ``load_state_dict`` takes it, a plain one here."""
+    source = torch.nn.Linear(3, 2)
+    torch.save(source.state_dict(), tmp_path / "weights.pt", _use_new_zipfile_serialization=zip_format)
+    target = torch.nn.Linear(3, 2)
+    autopar.load_full_state_dict(target, tmp_path / "weights.pt")
+    assert max_abs_diff(target.state_dict(), source.state_dict()) == 0
