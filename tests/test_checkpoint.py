@@ -193,3 +193,36 @@ def test_a_weights_file_loads_memory_mapped_or_in_torchs_legacy_format(tmp_path,
     target = torch.nn.Linear(3, 2)
     autopar.load_full_state_dict(target, tmp_path / "weights.pt")
     assert max_abs_diff(target.state_dict(), source.state_dict()) == 0
+
+
+def test_a_weights_directory_or_safetensors_file_that_is_not_one_is_refused(tmp_path):
+    with pytest.raises(BadInputError, match="no model.safetensors.index.json or model.safetensors"):
+        autopar.load_full_state_dict(None, tmp_path)
+    (tmp_path / "model.safetensors").write_text("not safetensors")
+    with pytest.raises(BadInputError, match="not a safetensors file"):
+        autopar.load_full_state_dict(None, tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(BadInputError, match="not a safetensors index"):
+        autopar.load_full_state_dict(None, tmp_path)
+
+
+def test_a_safetensors_file_loads_into_a_plain_module(tmp_path):
+    from safetensors.torch import save_file
+
+    source = torch.nn.Linear(3, 2)
+    save_file(source.state_dict(), tmp_path / "w.safetensors")
+    target = torch.nn.Linear(3, 2)
+    autopar.load_full_state_dict(target, tmp_path / "w.safetensors")
+    assert max_abs_diff(target.state_dict(), source.state_dict()) == 0
+
+
+def test_keys_are_read_under_the_one_prefix_that_makes_every_key_a_models_name():
+    from autopar.runtime.checkpoint import with_model_prefix
+
+    t = torch.zeros(1)
+    wrapped = {"hf.model.w": (), "hf.model.b": (), "hf.lm_head.w": ()}
+    assert set(with_model_prefix({"model.w": t, "model.b": t}, wrapped)) == {"hf.model.w", "hf.model.b"}
+    bare = {"model.w": (), "model.b": ()}
+    assert set(with_model_prefix({"hf.model.w": t, "hf.model.b": t}, bare)) == {"model.w", "model.b"}
+    mixed = {"model.w": t, "other.b": t}  # no one prefix names both: left as given, for the strict check to report
+    assert with_model_prefix(mixed, wrapped) is mixed

@@ -26,6 +26,7 @@ from autopar.testing.launch import run_on_ranks
 from autopar.testing.parity import LOSS_RTOL, PARAM_ATOL, batches, sgd
 
 STEPS = 3
+HF_LLAMA = "autopar.models.hf:llama"
 
 
 def reset_and_adapt(model: nn.Module) -> None:
@@ -43,9 +44,10 @@ INITS = {"reset_and_adapt": reset_and_adapt}
 
 def _train_from_meta(rank: int, name: str, constraints: dict[str, Any], lowered: bool | None,
                      init: str | None, built_on: str, save_to: str | None = None,
-                     load_from: str | None = None) -> dict[str, Any]:
+                     load_from: str | None = None, pretrained: str | None = None) -> dict[str, Any]:
     """One run on this rank: the model built on ``built_on``, autoparallelized, its state saved to or loaded
-    from a checkpoint (``save_to``, ``load_from``) before any step, then trained ``STEPS`` SGD steps."""
+    from a checkpoint (``save_to``, ``load_from``) or loaded from a weights file or directory (``pretrained``)
+    before any step, then trained ``STEPS`` SGD steps."""
     model = build_model(name, global_batch=8, seq=16, device=built_on, seed=0).model
     data = build_model(name, global_batch=8, seq=16, device="cpu", seed=0)
     torch.manual_seed(100 + rank)  # ranks seeded apart: deferred initialization must not depend on it
@@ -58,6 +60,8 @@ def _train_from_meta(rank: int, name: str, constraints: dict[str, Any], lowered:
         autopar.save_checkpoint(pm, None, save_to)
     if load_from:
         autopar.load_checkpoint(pm, None, load_from)
+    if pretrained:
+        autopar.load_full_state_dict(pm, pretrained)
     initial = {fqn: value.clone() for fqn, value in pm.full_state_dict().items()}  # not aliases of the live ones
     sharded = next(((fqn, p.to_local().clone()) for fqn, p in pm.named_parameters()
                     if isinstance(p, DTensor) and any(isinstance(x, Shard) for x in p.placements)), None)
@@ -136,6 +140,23 @@ def test_a_model_built_on_meta_is_initialized_on_its_shards_and_trains_as_one_pr
     assert "initializes a model built on the meta device" in not_meta[0]["error"]
 
 
+def test_pretrained_hugging_face_weights_load_into_a_model_built_on_meta(tmp_path) -> None:
+    """The fine-tuning start from a hub checkpoint: Hugging Face's Llama saved by ``save_pretrained`` in safetensors
+    shards (its keys without ``HFModel``'s ``hf.`` prefix, its tied head left out), loaded into the model built on
+    meta under tp=2: the weights are the saved ones, and training goes on as one process from them."""
+    pretrained = build_model(HF_LLAMA, global_batch=8, seq=16, device="cpu", seed=7).model
+    pretrained.hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()  # several shards, read through the index
+    runs = [dict(name=HF_LLAMA, constraints={"tp": 2}, lowered=None, init=None, built_on="meta",
+                 pretrained=str(tmp_path))]
+    (loaded,) = zip(*run_on_ranks(_runs_on_rank, 2, runs))
+    saved = pretrained.state_dict()
+    assert loaded[0]["initial"].keys() == {fqn for fqn, _ in pretrained.named_parameters()}
+    for fqn, value in loaded[0]["initial"].items():
+        assert torch.equal(value, saved[fqn]), fqn
+    _check_trains_as_one_process(HF_LLAMA, loaded)
+
+
 @pytest.mark.extended
 def test_a_checkpoint_loads_into_a_model_built_on_meta_under_another_plan(tmp_path) -> None:
     """The fine-tuning start: weights saved under dp=2 from a model built on the CPU, loaded into the same model
@@ -155,9 +176,9 @@ def test_meta_initialization_under_pipelines_fsdp_and_hugging_face() -> None:
     (whose rotary tables are whole values copied into their shards)."""
     runs = [dict(name="tiny-gpt", constraints={"pp": 2}, lowered=None, init=None, built_on="meta"),
             dict(name="tiny-llama", constraints={"dp": 2, "fsdp": 3}, lowered=None, init=None, built_on="meta"),
-            dict(name="autopar.models.hf:llama", constraints={"tp": 2}, lowered=None, init=None, built_on="meta")]
+            dict(name=HF_LLAMA, constraints={"tp": 2}, lowered=None, init=None, built_on="meta")]
     pp, fsdp, hf = zip(*run_on_ranks(_runs_on_rank, 2, runs))
     _check_trains_as_one_process("tiny-gpt", pp)
     _check_trains_as_one_process("tiny-llama", fsdp)
     _check_initialized(fsdp[0]["initial"], fsdp)
-    _check_trains_as_one_process("autopar.models.hf:llama", hf)
+    _check_trains_as_one_process(HF_LLAMA, hf)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.core.errors import BadInputError
 from autopar.core.files import write_atomically
 from autopar.runtime.loss_scale import DynamicLossScale
+from autopar.runtime.weights_files import read_weights
 
 STEP_DIR = "step-{:08d}"
 """The name of step N's checkpoint under a root directory (``checkpoint_path``)."""
@@ -92,7 +93,9 @@ def load_module_state_dict(own: Mapping[str, DTensor], given: Mapping[str, torch
     """Copy ``given`` (FQN -> full tensor, or DTensor of any placement) into ``own`` (a module's
     ``state_dict()``), each rank taking its shard. ``strict``: every entry of ``own`` must be given (a
     tied parameter under any of its names), and every given key must be one of the model's ``names``
-    (a pipeline rank holds only its stages' entries)."""
+    (a pipeline rank holds only its stages' entries). Keys that one prefix, added or taken away, makes names
+    of the model are read so (``with_model_prefix``)."""
+    given = with_model_prefix(given, names)
     source = {fqn: next((a for a in names[fqn] if a in given), None) for fqn in own}
     missing = sorted(fqn for fqn, a in source.items() if a is None)
     unexpected = sorted(given.keys() - names.keys())
@@ -104,6 +107,47 @@ def load_module_state_dict(own: Mapping[str, DTensor], given: Mapping[str, torch
         for fqn, dest in own.items():
             if source[fqn] is not None:
                 _copy_into(dest, given[source[fqn]], fqn)
+
+
+def with_model_prefix(given: Mapping[str, torch.Tensor], names: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+    """``given`` keyed by the model's names where its keys are those names less, or plus, one prefix: a
+    Hugging Face checkpoint (``model.layers.0...``) for the model wrapped in ``HFModel`` (``hf.model.layers.0...``),
+    or the wrapper's file for the bare model. Only a prefix under which every key is a name of the model is
+    taken; otherwise ``given`` as it is (the caller reports what does not match)."""
+    stray = next((k for k in given if k not in names), None)
+    if stray is None:
+        return given
+    for prefix, added in _prefixes_naming(stray, names):
+        renamed = {(prefix + k if added else k[len(prefix):]): k for k in given if added or k.startswith(prefix)}
+        if len(renamed) == len(given) and all(n in names for n in renamed):
+            return _Renamed(given, renamed)
+    return given
+
+
+def _prefixes_naming(key: str, names: Iterable[str]) -> Iterator[tuple[str, bool]]:
+    """(prefix, added) such that ``prefix + key`` (added) or ``key`` less ``prefix`` is a name in ``names``: whole
+    module paths ending in a dot."""
+    for name in names:
+        if name.endswith("." + key):
+            yield name[:-len(key)], True
+        elif key.endswith("." + name):
+            yield key[:-len(name)], False
+
+
+class _Renamed(Mapping[str, torch.Tensor]):
+    """``given`` read under new keys (new -> old), each tensor fetched only when asked (a lazy file stays lazy)."""
+
+    def __init__(self, given: Mapping[str, torch.Tensor], renamed: dict[str, str]) -> None:
+        self._given, self._renamed = given, renamed
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._given[self._renamed[key]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._renamed)
+
+    def __len__(self) -> int:
+        return len(self._renamed)
 
 
 def _copy_into(dest: DTensor, src: torch.Tensor, fqn: str) -> None:
@@ -323,33 +367,10 @@ def save_full_state_dict(pm: PlannedModule, path: str | Path) -> None:
 
 def load_full_state_dict(pm: PlannedModule, source: str | Path | Mapping[str, torch.Tensor],
                          strict: bool = True) -> None:
-    """Load full (unsharded) weights, a ``torch.save`` file or a dict such as a pretrained model's
-    ``state_dict()``, into the module: each rank slices its own shards, from the file memory-mapped."""
-    state = _read_full_state(Path(source)) if isinstance(source, (str, Path)) else source
+    """Load full (unsharded) weights into the module, each rank slicing its own shards: a ``torch.save`` file
+    (memory-mapped), a ``.safetensors`` file or a Hugging Face ``save_pretrained`` directory (its shards read a
+    tensor at a time, ``runtime/weights_files.py``), or a dict such as a pretrained model's ``state_dict()``.
+    Keys may lack or carry a prefix the module's names carry or lack (``autopar.models.hf.HFModel``'s
+    ``hf.``), where one prefix makes every key one of the module's."""
+    state = read_weights(Path(source)) if isinstance(source, (str, Path)) else source
     pm.load_state_dict(state, strict=strict)
-
-
-def _load_mapped(path: Path) -> Any:
-    """``torch.load`` of ``path`` memory-mapped: each rank reads the pages of its own shards only, and the ranks
-    of a host share them (a 70B model's 140 GB file loaded whole by each of 8 ranks held 1.1 TB). A file in
-    torch's legacy format, which cannot be mapped, is read whole."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _read_full_state(path: Path) -> Mapping[str, torch.Tensor]:
-    if not path.is_file():
-        raise BadInputError(f"{path}: no such weights file")
-    try:
-        state = _load_mapped(path)
-    except Exception as exc:  # torch.load raises several types for a file that is not its own
-        raise BadInputError(f"{path}: not a torch.save file of tensors ({exc.__class__.__name__}); "
-                            f"give a file written by save_full_state_dict or torch.save(model.state_dict())") \
-            from None
-    if not isinstance(state, Mapping):
-        raise BadInputError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
-    return state
