@@ -25,7 +25,12 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``smoothed_tokens``: ``padded_tokens`` with label smoothing (its loss two quotients by the same count);
 * ``summed_regression``: a small regression whose loss is a sum over the batch (``reduction='sum'``);
 * ``faint_gradients``: ``reshaped_blocks`` with its loss scaled down 1e-4 times, so that most gradients in its
-  backward lie below fp16's smallest normal number (6e-5) and many below its smallest one (6e-8).
+  backward lie below fp16's smallest normal number (6e-5) and many below its smallest one (6e-8);
+* ``straight_through``: ``reshaped_blocks`` whose MLP hidden values are rounded to quarters by a
+  ``torch.autograd.Function`` with a straight-through backward (quantization-aware training): the derivative
+  of its forward (``round``) is zero, its backward passes the gradient through;
+* ``reversed_gradient``: ``reshaped_blocks`` whose head also reads the last hidden state through a gradient
+  reversal (a ``Function`` returning a view of its input forward, ``-0.5`` times the gradient backward).
 """
 
 from __future__ import annotations
@@ -265,3 +270,55 @@ def summed_regression(global_batch: int = 8, seq: int = 8):
 def faint_gradients(global_batch: int = 8, seq: int = 8):
     model, tokens, targets, loss = reshaped_blocks(global_batch, seq)
     return model, tokens, targets, lambda out, t: loss(out, t) * 1e-4
+
+
+class RoundToQuarter(torch.autograd.Function):
+    """Forward: round to a multiple of 1/4. Backward: the gradient as it is (straight through)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad
+
+
+class StraightThroughBlock(ReshapedBlock):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        rows = h.reshape(-1, shape[-1])
+        return (rows + self.fc2(RoundToQuarter.apply(F.gelu(self.fc1(self.norm(rows)))))).view(shape)
+
+
+def straight_through(global_batch: int = 8, seq: int = 8):
+    model, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    model.blocks = nn.ModuleList(StraightThroughBlock(32) for _ in model.blocks)
+    return model, tokens, targets, loss
+
+
+class ReverseGradient(torch.autograd.Function):
+    """Forward: the input (a view of it). Backward: ``-scale`` times the gradient (domain-adversarial training)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return -ctx.scale * grad, None
+
+
+class ReversedHead(ReshapedBlocks):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) + self.head(ReverseGradient.apply(h, 0.5))
+
+
+def reversed_gradient(global_batch: int = 8, seq: int = 8):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (ReversedHead(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
+            loss)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
+from autopar.ir.autograd_functions import capturing_functions
 from autopar.core.errors import BadInputError, UnsupportedModelError, innermost_frame
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
@@ -305,7 +306,7 @@ def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_ta
     step = TrainingStep(model, loss_fn, example_targets is not None)
     args = tuple(example_inputs) + ((example_targets,) if example_targets is not None else ())
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), capturing_functions():  # the model's autograd.Functions keep their backward
             warnings.simplefilter("ignore")
             exported = torch.export.export(step, args, strict=False).run_decompositions(_decompositions())
     except Exception as exc:

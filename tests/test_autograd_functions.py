@@ -1,0 +1,49 @@
+"""A model's own ``torch.autograd.Function``s train with their own backward (``ir/autograd_functions.py``).
+
+torch.export traces through a Function's forward and keeps none of its backward: a straight-through estimator
+captured so would get the derivative of ``round`` (zero) instead of its gradient passed through. Parity on 2 gloo
+ranks against one process, where autograd runs the Function's backward; and the captured step holds the call as
+one op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.core.errors import UnsupportedModelError
+from autopar.ir.capture import capture
+from autopar.models import build_model
+from autopar.testing.parity import train_parallel_many, train_single
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+RUNS = [("edge_models:straight_through", {"dp": 2}, None), ("edge_models:straight_through", {"tp": 2}, False),
+        ("edge_models:straight_through", {"pp": 2}, None), ("edge_models:reversed_gradient", {"tp": 2}, None)]
+
+
+def test_functions_with_their_own_backward_train_as_one_process() -> None:
+    runs = [dict(name=name, overrides=None, global_batch=8, seq=8, steps=3, plan=None, constraints=constraints,
+                 lowered=lowered) for name, constraints, lowered in RUNS]
+    for (name, constraints, _), result in zip(RUNS, train_parallel_many(2, runs)):
+        result.assert_matches(train_single(name, None, 8, 8, 3))
+
+
+def test_the_captured_step_calls_the_function_as_one_op() -> None:
+    bundle = build_model("edge_models:straight_through", global_batch=8, seq=8, device="meta")
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    calls = [n for n in captured.graph.nodes if "function_forward" in str(n.target)]
+    assert len(calls) == len(bundle.model.blocks)
+    assert not any("round" in str(n.target) for n in captured.graph.nodes)  # its forward is not traced into
+
+
+class _KeywordCall(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from edge_models import ReverseGradient
+
+        return ReverseGradient.apply(x, scale=0.5).sum()
+
+
+def test_a_function_called_with_keyword_arguments_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"ReverseGradient.apply is called with keyword arguments"):
+        capture(_KeywordCall(), (torch.randn(4, 3),))
