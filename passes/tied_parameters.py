@@ -62,7 +62,12 @@ class TiedGradientSync:
 
     def __call__(self) -> None:
         for fqn, group in self._mine.items():
-            grad = self._parameters[fqn].grad
+            param = self._parameters[fqn]
+            if not param.requires_grad:
+                continue  # frozen: no copy has a gradient
+            if param.grad is None:  # this stage reads its copy without a gradient (under torch.no_grad, say)
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             # reduce in row-major order: the copies' gradients may lie in memory differently (one made by
             # an embedding's backward, the other by a matmul's, transposed), and a collective adds storage

@@ -30,7 +30,11 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   ``torch.autograd.Function`` with a straight-through backward (quantization-aware training): the derivative
   of its forward (``round``) is zero, its backward passes the gradient through;
 * ``reversed_gradient``: ``reshaped_blocks`` whose head also reads the last hidden state through a gradient
-  reversal (a ``Function`` returning a view of its input forward, ``-0.5`` times the gradient backward).
+  reversal (a ``Function`` returning a view of its input forward, ``-0.5`` times the gradient backward);
+* ``stop_gradient``: ``reshaped_blocks`` whose logits add half the head of the last hidden state detached
+  (``h.detach()``: the head gets a gradient from it, the blocks none);
+* ``no_grad_teacher``: ``reshaped_blocks`` whose logits add half those of the same blocks run under
+  ``torch.no_grad()`` (a teacher's targets: no gradient flows into them).
 """
 
 from __future__ import annotations
@@ -321,4 +325,32 @@ class ReversedHead(ReshapedBlocks):
 def reversed_gradient(global_batch: int = 8, seq: int = 8):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (ReversedHead(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
+            loss)
+
+
+class StopGradient(ReshapedBlocks):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) + 0.5 * self.head(h.detach())
+
+
+def stop_gradient(global_batch: int = 8, seq: int = 8):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (StopGradient(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
+            loss)
+
+
+class NoGradTeacher(ReshapedBlocks):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        student = super().forward(idx)
+        with torch.no_grad():
+            teacher = super().forward(idx)
+        return student + 0.5 * teacher
+
+
+def no_grad_teacher(global_batch: int = 8, seq: int = 8):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (NoGradTeacher(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
             loss)

@@ -79,12 +79,15 @@ def test_dropout_masks_agree_on_replicas_whatever_each_rank_draws_between_steps(
     assert got["untouched"] == [True, True, True]  # a step draws nothing from the job's own generator
 
 
-def test_a_meta_device_model_is_refused_by_autoparallelize_and_planned_by_plan(two_fake_ranks: None) -> None:
+def test_init_weights_is_refused_for_a_model_with_its_weights_and_a_meta_model_is_planned(two_fake_ranks: None
+                                                                                         ) -> None:
+    """``init_weights`` initializes a model built on the meta device (``tests/test_deferred_init.py`` trains one);
+    given for a model that has its weights, it would not run: refused, before anything is broadcast."""
+    built = build_model("tiny-gpt", global_batch=4, seq=16, device="cpu")
+    with pytest.raises(BadInputError, match=r"init_weights initializes a model built on the meta device"):
+        autopar.autoparallelize(built.model, built.example_inputs, loss_fn=built.loss_fn,
+                                example_targets=built.example_targets, cluster="1x2xcpu", init_weights=print)
     bundle = build_model("tiny-gpt", global_batch=4, seq=16, device="meta")
-    with pytest.raises(BadInputError, match=r"parameters and buffers are on the meta device \(.*\): build it on "
-                                            r"the CPU or the GPU"):
-        autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                                example_targets=bundle.example_targets, cluster="1x2xcpu")
     assert autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
                         example_targets=bundle.example_targets).mesh.devices == 2
 

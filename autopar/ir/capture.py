@@ -35,6 +35,7 @@ import re
 import sys
 import sysconfig
 import traceback
+import operator
 import warnings
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -148,13 +149,16 @@ class CapturedGraph:
         """Per node: ``param`` (a parameter, or a view of one: its gradient is a weight gradient),
         ``frozen`` (a frozen parameter, or a view of one: a weight without a gradient, ``frozen_parameters``),
         ``activation`` (depends on a trainable parameter, so it gets a gradient), or ``none`` (no gradient:
-        inputs, buffers, and what is computed from them and frozen parameters alone)."""
+        inputs, buffers, what is computed from them and frozen parameters alone, and what the model cut
+        gradients from, ``KEPT_GRADIENT_CUTS``)."""
         if not hasattr(self, "_grad_kinds"):
             frozen = self.frozen_parameters()
             kinds: dict[str, str] = {}
             for node in self.graph.nodes:
                 sources = [kinds.get(a.name, "none") for a in node.all_input_nodes]
-                if node.name in self.params:
+                if node.target in KEPT_GRADIENT_CUTS:
+                    kinds[node.name] = "none"
+                elif node.name in self.params:
                     kinds[node.name] = "frozen" if node.name in frozen else "param"
                 elif getattr(node.target, "is_view", False) and sources in (["param"], ["frozen"]):
                     kinds[node.name] = sources[0]
@@ -308,7 +312,9 @@ def _export(model: nn.Module, example_inputs: Sequence[torch.Tensor], example_ta
     try:
         with warnings.catch_warnings(), capturing_functions():  # the model's autograd.Functions keep their backward
             warnings.simplefilter("ignore")
-            exported = torch.export.export(step, args, strict=False).run_decompositions(_decompositions())
+            exported = torch.export.export(step, args, strict=False)
+            _cut_gradients_out_of_no_grad_regions(exported.graph_module)
+            exported = exported.run_decompositions(_decompositions())
     except Exception as exc:
         where = _raised_in(exc)
         if where is not None and _is_autopar_code(where.filename):
@@ -510,12 +516,34 @@ the sigmoid upcast to fp32 (``pw_cast_for_opmath``). ``silu`` and ``silu_backwar
 so planning and the runtime shard them as any pointwise op, with no rule of ours."""
 
 
+KEPT_GRADIENT_CUTS = (torch.ops.aten.detach.default,)
+"""Kept, not decomposed: core aten makes ``detach`` an ``alias``, a view gradients flow through, where the model
+cut them (``x.detach()``: a stop-gradient, a target computed from the model's own output). The runtimes run
+the captured step under autograd, which reads a ``detach`` as the model did."""
+
+
 def _decompositions() -> dict:
-    """Core aten decompositions, except the ops of ``KEPT_WHOLE`` and ``KEPT_POINTWISE``."""
+    """Core aten decompositions, except the ops of ``KEPT_WHOLE``, ``KEPT_POINTWISE`` and ``KEPT_GRADIENT_CUTS``."""
     table = torch.export.default_decompositions()
-    for op in (*KEPT_WHOLE, *KEPT_POINTWISE):
+    for op in (*KEPT_WHOLE, *KEPT_POINTWISE, *KEPT_GRADIENT_CUTS):
         table.pop(op, None)
     return table
+
+
+def _cut_gradients_out_of_no_grad_regions(graph_module: fx.GraphModule) -> None:
+    """Each value computed under ``torch.no_grad()`` in the model's forward (exported as a
+    ``wrap_with_set_grad_enabled(False, ...)`` region, which decomposition inlines and forgets) leaves its
+    region through a ``detach``: as in the model, no gradient flows back into the region."""
+    regions = [n for n in graph_module.graph.nodes if n.target is torch.ops.higher_order.wrap_with_set_grad_enabled
+               and n.args and n.args[0] is False]
+    for region in regions:
+        outputs = [u for u in region.users if u.target is operator.getitem] or [region]
+        for value in outputs:
+            with graph_module.graph.inserting_after(value):
+                cut = graph_module.graph.call_function(torch.ops.aten.detach.default, (value,))
+            value.replace_all_uses_with(cut, delete_user_cb=lambda user: user is not cut)
+    if regions:
+        graph_module.recompile()
 
 
 def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:

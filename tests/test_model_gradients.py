@@ -1,9 +1,12 @@
-"""A model's own ``torch.autograd.Function``s train with their own backward (``ir/autograd_functions.py``).
+"""The gradients a model defines itself survive capture: its own ``torch.autograd.Function``s train with their own
+backward (``ir/autograd_functions.py``), and what it cuts from the gradient (``detach``, ``torch.no_grad()``)
+stays cut (``ir/capture.py``'s ``KEPT_GRADIENT_CUTS`` and ``_cut_gradients_out_of_no_grad_regions``).
 
 torch.export traces through a Function's forward and keeps none of its backward: a straight-through estimator
-captured so would get the derivative of ``round`` (zero) instead of its gradient passed through. Parity on 2 gloo
-ranks against one process, where autograd runs the Function's backward; and the captured step holds the call as
-one op.
+captured so would get the derivative of ``round`` (zero) instead of its gradient passed through. Its core aten
+decomposition makes ``detach`` a plain alias and inlines a ``no_grad`` region, so gradients would flow where the
+model cut them. Parity on 2 gloo ranks against one process (where autograd reads all three as the model meant);
+and the captured step holds a Function's call as one op.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from autopar.testing.parity import train_parallel_many, train_single
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 RUNS = [("edge_models:straight_through", {"dp": 2}, None), ("edge_models:straight_through", {"tp": 2}, False),
-        ("edge_models:straight_through", {"pp": 2}, None), ("edge_models:reversed_gradient", {"tp": 2}, None)]
+        ("edge_models:straight_through", {"pp": 2}, None), ("edge_models:reversed_gradient", {"tp": 2}, None),
+        ("edge_models:stop_gradient", {"dp": 2}, None), ("edge_models:stop_gradient", {"tp": 2}, False),
+        ("edge_models:no_grad_teacher", {"tp": 2}, None), ("edge_models:no_grad_teacher", {"pp": 2}, None)]
 
 
-def test_functions_with_their_own_backward_train_as_one_process() -> None:
+def test_functions_own_backward_and_cut_gradients_train_as_one_process() -> None:
     runs = [dict(name=name, overrides=None, global_batch=8, seq=8, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for name, constraints, lowered in RUNS]
     for (name, constraints, _), result in zip(RUNS, train_parallel_many(2, runs)):
