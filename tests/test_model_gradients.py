@@ -52,3 +52,20 @@ class _KeywordCall(torch.nn.Module):
 def test_a_function_called_with_keyword_arguments_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedModelError, match=r"ReverseGradient.apply is called with keyword arguments"):
         capture(_KeywordCall(), (torch.randn(4, 3),))
+
+
+class _HookedForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.register_hook(lambda grad: grad * 3)
+        return h.sum()
+
+
+def test_a_gradient_hook_registered_in_forward_is_refused_naming_where() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"registers a gradient hook on a tensor at .*test_model_gradients"
+                                                    r"\.py:\d+ in forward"):
+        capture(_HookedForward(), (torch.randn(4, 3),))

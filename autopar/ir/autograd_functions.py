@@ -16,12 +16,14 @@ numbers would draw others the second time). Both ops are opaque
 (``torch.library.custom_op``), so the planner runs them replicated as any op DTensor has no strategy for,
 and a lowered program keeps them as calls. Every rank captures the same model in the same order, so a key
 names the same call on every rank. torch's own Functions (reentrant checkpointing's) are traced as before:
-their backward is their forward's derivative.
+their backward is their forward's derivative. A gradient hook the forward registers on a tensor
+(``Tensor.register_hook``), which the captured step cannot keep, is refused, naming where.
 """
 
 from __future__ import annotations
 
 import contextlib
+import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -76,11 +78,26 @@ def capturing_functions() -> Iterator[None]:
         outputs = function_forward(tensors, _key(call))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    register_hook = torch.Tensor.register_hook
     Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    torch.Tensor.register_hook = _refuse_gradient_hook  # type: ignore[method-assign]
     try:
         yield
     finally:
         Function.apply = classmethod(_ORIGINAL_APPLY)  # type: ignore[method-assign, assignment]
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+
+
+def _refuse_gradient_hook(tensor: torch.Tensor, hook: Any) -> Any:
+    """``Tensor.register_hook`` in the traced forward: refused, naming where (the captured step records no hooks,
+    so the gradient would silently not be what the hook makes it)."""
+    caller = next((f for f in reversed(traceback.extract_stack()[:-1])
+                   if "/torch/" not in f.filename and "/autopar/" not in f.filename), None)
+    where = f" at {caller.filename}:{caller.lineno} in {caller.name}" if caller else ""
+    raise UnsupportedModelError(
+        f"the model's forward registers a gradient hook on a tensor{where}: the captured step keeps no hooks, so "
+        "the gradient would not be what the hook makes it; write the hook as a torch.autograd.Function (its "
+        "forward returning its input, its backward the hook), whose backward autopar keeps")
 
 
 def _key(call: _Call) -> int:
