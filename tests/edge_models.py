@@ -34,7 +34,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``stop_gradient``: ``reshaped_blocks`` whose logits add half the head of the last hidden state detached
   (``h.detach()``: the head gets a gradient from it, the blocks none);
 * ``no_grad_teacher``: ``reshaped_blocks`` whose logits add half those of the same blocks run under
-  ``torch.no_grad()`` (a teacher's targets: no gradient flows into them).
+  ``torch.no_grad()`` (a teacher's targets: no gradient flows into them);
+* ``hooked_forward``: ``reshaped_blocks`` whose forward registers a gradient hook on its last hidden state
+  (refused: a captured step keeps no hooks).
 """
 
 from __future__ import annotations
@@ -353,4 +355,19 @@ class NoGradTeacher(ReshapedBlocks):
 def no_grad_teacher(global_batch: int = 8, seq: int = 8):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (NoGradTeacher(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
+            loss)
+
+
+class HookedForward(ReshapedBlocks):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        h.register_hook(lambda grad: grad * 2)
+        return self.head(h)
+
+
+def hooked_forward(global_batch: int = 8, seq: int = 8):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return (HookedForward(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
             loss)

@@ -23,6 +23,7 @@ their backward is their forward's derivative. A gradient hook the forward regist
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -93,7 +94,7 @@ def _refuse_gradient_hook(tensor: torch.Tensor, hook: Any) -> Any:
     so the gradient would silently not be what the hook makes it)."""
     caller = next((f for f in reversed(traceback.extract_stack()[:-1])
                    if "/torch/" not in f.filename and "/autopar/" not in f.filename), None)
-    where = f" at {caller.filename}:{caller.lineno} in {caller.name}" if caller else ""
+    where = f" at {os.path.basename(caller.filename)}:{caller.lineno} in {caller.name}" if caller else ""
     raise UnsupportedModelError(
         f"the model's forward registers a gradient hook on a tensor{where}: the captured step keeps no hooks, so "
         "the gradient would not be what the hook makes it; write the hook as a torch.autograd.Function (its "
