@@ -4,6 +4,10 @@
     autopar plan tiny-gpt --cluster 1x4xcpu -o plan.json
     torchrun --nproc-per-node 4 examples/train.py --plan plan.json
 
+    # a model too large for one host: built on the meta device, each rank making only its shards, which
+    # start from pretrained weights (a Hugging Face save_pretrained directory, or a torch.save file)
+    torchrun --nproc-per-node 4 examples/train.py --model autopar.models.hf:llama --meta --pretrained DIR
+
     # checkpoint every 10 steps; after a restart on any number of ranks, go on from the last one
     torchrun --nproc-per-node 4 examples/train.py --steps 100 --checkpoint-dir ckpt --save-every 10
     torchrun --nproc-per-node 2 examples/train.py --steps 100 --checkpoint-dir ckpt --resume
@@ -38,6 +42,10 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=0.0,
                         help="clip the gradients to this total norm over the whole model (0: no clipping)")
     parser.add_argument("--plan", default=None, help="a plan file from `autopar plan` (default: plan here)")
+    parser.add_argument("--meta", action="store_true", help="build the model on the meta device: each rank makes "
+                        "and initializes only its own shards (autoparallelize's deferred initialization)")
+    parser.add_argument("--pretrained", default=None, help="start from these weights: a torch.save file, a "
+                        ".safetensors file or a Hugging Face save_pretrained directory")
     parser.add_argument("--losses-out", default=None, help="write the per-step losses here (JSON)")
     parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (one folder per step)")
     parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -56,10 +64,12 @@ def main() -> None:
     rank = dist.get_rank()
 
     bundle = build_model(args.model, overrides=parse_overrides(args.overrides), global_batch=args.global_batch,
-                         device=device, seed=args.seed)
+                         device="meta" if args.meta else device, seed=args.seed)
     # cluster=None: plan for the world this job runs in (unless --plan gives a saved plan)
     pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
                                  example_targets=bundle.example_targets, plan=args.plan)
+    if args.pretrained:
+        autopar.load_full_state_dict(pm, args.pretrained)  # each rank reads its own shards of the weights
     if rank == 0:
         print(pm.plan.summary(), flush=True)
 

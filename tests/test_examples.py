@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autopar.testing.launch import free_port
-from autopar.testing.parity import train_single
+from autopar.testing.parity import build, train_single
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
@@ -84,3 +84,19 @@ def test_train_example_resumes_from_a_checkpoint_on_another_world_size(tmp_path,
     assert (saved["world"], resumed["world"]) == (4, 2)
     assert "resumed from" in stdout and resumed["first_step"] == 2
     assert saved["losses"] + resumed["losses"] == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.extended
+def test_train_example_fine_tunes_pretrained_weights_on_a_model_built_on_meta(tmp_path):
+    """``--meta --pretrained DIR``: Hugging Face's Llama built on the meta device, its shards loaded from the
+    safetensors that ``save_pretrained`` wrote of the seed-0 model, trains as one process from that model (built
+    on meta, it has no seed-0 weights of its own: its shards are initialized apart, then overwritten)."""
+    hf_llama = "autopar.models.hf:llama"
+    build(hf_llama, None, GLOBAL_BATCH, None, seed=0).model.hf.save_pretrained(tmp_path / "pretrained")
+    out = tmp_path / "losses.json"
+    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(TRAIN),
+         "--model", hf_llama, "--global-batch", str(GLOBAL_BATCH), "--steps", str(STEPS), "--lr", repr(LR),
+         "--seed", "0", "--meta", "--pretrained", str(tmp_path / "pretrained"), "--losses-out", str(out)], tmp_path)
+    adamw = functools.partial(torch.optim.AdamW, lr=LR)
+    expected = train_single(hf_llama, None, GLOBAL_BATCH, None, STEPS, seed=0, optimizer=adamw).losses
+    assert json.loads(out.read_text())["losses"] == pytest.approx(expected, rel=1e-4)
