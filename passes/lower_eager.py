@@ -41,16 +41,17 @@ gradient's placements then depend on AOT's handling of tangents, which this path
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import defaultdict
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Partial, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -66,6 +67,28 @@ _FLATTENING_VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten.
 
 class EagerRefused(Exception):
     """Why a program's forward does not run under eager autograd (``eager_refusal``, ``EagerForward.traced``)."""
+
+
+@contextlib.contextmanager
+def _refusing_partitioned_sums() -> Iterator[None]:
+    """While a forward is traced through DTensor: a replicated value made a partial sum (an op's strategy
+    reading it ``Partial``, as a row-parallel linear layer reads its bias) raises ``EagerRefused``. DTensor
+    makes it by dividing each rank's copy by the ranks (``Partial._partition_value``) and, in backward, keeps
+    the gradient replicated and whole (``_redistribute_backward``: no Replicate to Partial in backward); eager
+    autograd over the traced local ops would divide the gradient by the ranks as well (a bias gradient half
+    its value on two ranks). The AOT backward follows DTensor's."""
+    partition = Partial._partition_value
+
+    def refuse(self: Partial, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+        if tensor.is_floating_point() and mesh.size(mesh_dim) > 1:
+            raise EagerRefused("a replicated value is made a partial sum (its gradient would be divided)")
+        return partition(self, tensor, mesh, mesh_dim)
+
+    Partial._partition_value = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Partial._partition_value = partition  # type: ignore[method-assign]
 
 
 def eager_refusal(program: nn.Module, graphs: Mapping[str, fx.GraphModule], collectives: Mapping[str, Any],
@@ -129,7 +152,7 @@ class EagerForward:
             return [v.to_local() if isinstance(v, DTensor) else v for v in flat]
 
         examples = [(args[i]._local_tensor if isinstance(args[i], DTensor) else args[i]).detach() for i in positions]
-        with torch.no_grad():
+        with torch.no_grad(), _refusing_partitioned_sums():
             graph = make_fx(local_program, tracing_mode="fake")(*examples)
         for spec in traced["specs"]:
             if spec is not None and any(p.is_partial() and spec.mesh.size(d) > 1 for d, p in enumerate(spec.placements)):
