@@ -6,18 +6,17 @@ straight-through estimator (``round`` forward, identity backward), a gradient re
 router estimator do not compute. Silently, a wrong gradient; and where the backward is the derivative (Bloom's
 GELU), a correct one only by that coincidence.
 
-So while the step is traced (``capturing_functions``), each call of a Function defined outside torch is
-recorded as one op, ``autopar::function_forward(tensors, key)``: its tensor arguments, and ``key``, which
-names the Function and its other arguments in this process's ``_CALLS`` (equal calls, one key). Its derivative is another op,
-``autopar::function_backward(tensors, grads, key)``, which runs the Function again under autograd and
-asks autograd for its inputs' gradients: the Function's own ``backward`` computes them (its forward runs
-twice a step, as under recomputation, and needs no state saved beside its inputs; a forward that draws random
-numbers would draw others the second time). Both ops are opaque
-(``torch.library.custom_op``), so the planner runs them replicated as any op DTensor has no strategy for,
-and a lowered program keeps them as calls. Every rank captures the same model in the same order, so a key
-names the same call on every rank. torch's own Functions (reentrant checkpointing's) are traced as before:
-their backward is their forward's derivative. A gradient hook the forward registers on a tensor
-(``Tensor.register_hook``), which the captured step cannot keep, is refused, naming where.
+So while the step is traced (``capturing_functions``), each call of a Function defined outside torch is recorded
+as one op, ``autopar::function_forward(tensors, key)``: its tensor arguments, and ``key``, which names the
+Function and its other arguments in this process's ``_CALLS`` (equal calls, one key). Its derivative is another
+op, ``autopar::function_backward(tensors, grads, key)``, which runs the Function again under autograd and asks
+autograd for its inputs' gradients: the Function's own ``backward`` computes them (its forward runs twice a
+step, as under recomputation, and needs no state saved beside its inputs; a forward that draws random numbers
+would draw others the second time). Both ops are opaque (``torch.library.custom_op``), so the planner runs them
+replicated as any op DTensor has no strategy for, and a lowered program keeps them as calls. Every rank captures
+the same model in the same order, so a key names the same call on every rank. torch's own Functions (reentrant
+checkpointing's) are traced as before: their backward is their forward's derivative. A gradient hook the forward
+registers on a tensor (``Tensor.register_hook``), which the captured step cannot keep, is refused, naming where.
 """
 
 from __future__ import annotations
