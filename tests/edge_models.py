@@ -208,11 +208,14 @@ class ReshapedBlocks(nn.Module):
         self.blocks = nn.ModuleList(ReshapedBlock(width) for _ in range(layers))
         self.head = nn.Linear(width, vocab)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.emb(idx)
         for block in self.blocks:
             h = block(h)
-        return self.head(h)
+        return h
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(idx))
 
 
 def reshaped_blocks(global_batch: int = 8, seq: int = 8):
@@ -303,6 +306,12 @@ def straight_through(global_batch: int = 8, seq: int = 8):
     return model, tokens, targets, loss
 
 
+def _next_tokens(model: nn.Module, global_batch: int, seq: int):
+    """``model`` (``reshaped_blocks``' vocabulary) with random tokens, targets and a token cross-entropy."""
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return model, torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)), loss
+
+
 class ReverseGradient(torch.autograd.Function):
     """Forward: the input (a view of it). Backward: ``-scale`` times the gradient (domain-adversarial training)."""
 
@@ -318,30 +327,22 @@ class ReverseGradient(torch.autograd.Function):
 
 class ReversedHead(ReshapedBlocks):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = block(h)
+        h = self.hidden(idx)
         return self.head(h) + self.head(ReverseGradient.apply(h, 0.5))
 
 
 def reversed_gradient(global_batch: int = 8, seq: int = 8):
-    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
-    return (ReversedHead(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
-            loss)
+    return _next_tokens(ReversedHead(), global_batch, seq)
 
 
 class StopGradient(ReshapedBlocks):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = block(h)
+        h = self.hidden(idx)
         return self.head(h) + 0.5 * self.head(h.detach())
 
 
 def stop_gradient(global_batch: int = 8, seq: int = 8):
-    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
-    return (StopGradient(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
-            loss)
+    return _next_tokens(StopGradient(), global_batch, seq)
 
 
 class NoGradTeacher(ReshapedBlocks):
@@ -353,21 +354,15 @@ class NoGradTeacher(ReshapedBlocks):
 
 
 def no_grad_teacher(global_batch: int = 8, seq: int = 8):
-    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
-    return (NoGradTeacher(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
-            loss)
+    return _next_tokens(NoGradTeacher(), global_batch, seq)
 
 
 class HookedForward(ReshapedBlocks):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = block(h)
+        h = self.hidden(idx)
         h.register_hook(lambda grad: grad * 2)
         return self.head(h)
 
 
 def hooked_forward(global_batch: int = 8, seq: int = 8):
-    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
-    return (HookedForward(), torch.randint(0, 64, (global_batch, seq)), torch.randint(0, 64, (global_batch, seq)),
-            loss)
+    return _next_tokens(HookedForward(), global_batch, seq)
