@@ -46,8 +46,8 @@ from autopar.passes.dropout_mode import in_mode, refuse_step_that_cannot_train
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.mixed_precision import as_master, in_compute_dtype
 from autopar.runtime.autocast import CallerAutocast
-from autopar.runtime.deferred_init import InitWeights, ShardedInit, holds_meta_tensors
 from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict, state_names
+from autopar.runtime.deferred_init import InitWeights, ShardedInit, holds_meta_tensors
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_pieces, microbatch_weights,
