@@ -598,20 +598,26 @@ def _placements_recorder(position: int, placements: dict[int, tuple[Placement, .
 
 
 class _HookedParameter(torch.autograd.Function):
-    """A local parameter shard as the DTensor of ``spec``, whose gradient leaves as its local tensor in the
-    placements it arrives in (``DTensor.from_local``'s backward would redistribute it to ``spec``'s,
-    reducing its partial dims for every microbatch), those placements recorded in ``placements[position]``
-    as the backward is traced."""
+    """A local parameter shard as the DTensor of ``spec``, whose gradient leaves as its local tensor, partial
+    where it arrives partial on a dim ``spec`` replicates (``DTensor.from_local``'s backward would reduce it
+    there for every microbatch; the gradient sync reduces it once) and in ``spec``'s placements on the others
+    (a gradient arriving whole or partial for a parameter sharded on that dim, as where a weight reads both a
+    value and its detached copy, is cut to or reduce-scattered onto the shard, as DTensor would), those
+    placements recorded in ``placements[position]`` as the backward is traced."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, mesh: DeviceMesh, spec: DTensorSpec, position: int,
                 placements: dict[int, tuple[Placement, ...]]) -> DTensor:
-        ctx.position, ctx.placements = position, placements
+        ctx.position, ctx.placements, ctx.spec = position, placements, spec
         return _from_local(local, mesh, spec)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:
-        ctx.placements[ctx.position] = tuple(grad.placements)
+        kept = tuple(have if have.is_partial() and want.is_replicate() else want
+                     for have, want in zip(grad.placements, ctx.spec.placements))
+        if kept != tuple(grad.placements):
+            grad = grad.redistribute(grad.device_mesh, kept)
+        ctx.placements[ctx.position] = kept
         return grad._local_tensor, None, None, None, None
 
 

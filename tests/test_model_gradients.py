@@ -34,6 +34,18 @@ def test_functions_own_backward_and_cut_gradients_train_as_one_process() -> None
         result.assert_matches(train_single(name, None, 8, 8, 3))
 
 
+@pytest.mark.extended
+def test_a_weight_reading_a_value_and_its_detached_copy_runs_lowered_on_local_shards() -> None:
+    """dp2 x tp2 with microbatches: the head's weight gets one gradient through ``h`` and one through
+    ``h.detach()``, arriving replicated for the tp-sharded weight; the lowered program cuts it to the shard
+    (``lower._HookedParameter``) instead of falling back to DTensor parameters, and trains as one process."""
+    name, constraints = "edge_models:stop_gradient", {"dp": 2, "tp": 2, "microbatches": 2}
+    (result,) = train_parallel_many(4, [dict(name=name, overrides=None, global_batch=8, seq=8, steps=3, plan=None,
+                                             constraints=constraints, lowered=None)])
+    result.assert_matches(train_single(name, None, 8, 8, 3))
+    assert result.lowered["dtensor_parameters"] == [] and result.lowered["local_parameters"] > 0, result.lowered
+
+
 def test_the_captured_step_calls_the_function_as_one_op() -> None:
     bundle = build_model("edge_models:straight_through", global_batch=8, seq=8, device="meta")
     captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
