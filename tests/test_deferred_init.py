@@ -44,10 +44,12 @@ INITS = {"reset_and_adapt": reset_and_adapt}
 
 def _train_from_meta(rank: int, name: str, constraints: dict[str, Any], lowered: bool | None,
                      init: str | None, built_on: str, save_to: str | None = None,
-                     load_from: str | None = None, pretrained: str | None = None) -> dict[str, Any]:
+                     load_from: str | None = None, pretrained: str | None = None,
+                     save_trained: str | None = None) -> dict[str, Any]:
     """One run on this rank: the model built on ``built_on``, autoparallelized, its state saved to or loaded
     from a checkpoint (``save_to``, ``load_from``) or loaded from a weights file or directory (``pretrained``)
-    before any step, then trained ``STEPS`` SGD steps."""
+    before any step, then trained ``STEPS`` SGD steps, and its weights then written to ``save_trained`` as
+    Hugging Face names them (safetensors, ``HFModel``'s ``hf.`` prefix left out)."""
     model = build_model(name, global_batch=8, seq=16, device=built_on, seed=0).model
     data = build_model(name, global_batch=8, seq=16, device="cpu", seed=0)
     torch.manual_seed(100 + rank)  # ranks seeded apart: deferred initialization must not depend on it
@@ -71,6 +73,8 @@ def _train_from_meta(rank: int, name: str, constraints: dict[str, Any], lowered:
         opt.zero_grad()
         losses.append(pm.step(*batch).item())
         opt.step()
+    if save_trained:
+        autopar.save_full_state_dict(pm, save_trained, without_prefix="hf.")
     return {"initial": initial, "losses": losses, "final": pm.full_state_dict(), "sharded": sharded,
             "left_on_meta": all(t.is_meta for t in [*model.parameters(), *model.buffers()])}
 
@@ -137,21 +141,28 @@ def test_a_model_built_on_meta_is_initialized_on_its_shards_and_trains_as_one_pr
     assert not adapted[0]["initial"]["blocks.0.fc1.b"].any()
 
 
-def test_pretrained_hugging_face_weights_load_into_a_model_built_on_meta(tmp_path) -> None:
-    """The fine-tuning start from a hub checkpoint: Hugging Face's Llama saved by ``save_pretrained`` in safetensors
+def test_pretrained_hugging_face_weights_load_into_a_model_built_on_meta_and_save_back(tmp_path) -> None:
+    """Fine-tuning from a hub checkpoint and back: Hugging Face's Llama saved by ``save_pretrained`` in safetensors
     shards (its keys without ``HFModel``'s ``hf.`` prefix, its tied head left out), loaded into the model built on
-    meta under tp=2: the weights are the saved ones, and training goes on as one process from them."""
+    meta under tp=2: the weights are the saved ones, training goes on as one process from them, and the trained
+    weights written as safetensors under Hugging Face's names load with ``from_pretrained``."""
+    import transformers
+
     pretrained = build_model(HF_LLAMA, global_batch=8, seq=16, device="cpu", seed=7).model
-    pretrained.hf.save_pretrained(tmp_path, max_shard_size="100KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file()  # several shards, read through the index
+    pretrained.hf.save_pretrained(tmp_path / "hub", max_shard_size="100KB")
+    assert (tmp_path / "hub" / "model.safetensors.index.json").is_file()  # several shards, read through the index
+    pretrained.hf.config.save_pretrained(tmp_path / "tuned")
     runs = [dict(name=HF_LLAMA, constraints={"tp": 2}, lowered=None, init=None, built_on="meta",
-                 pretrained=str(tmp_path))]
+                 pretrained=str(tmp_path / "hub"), save_trained=str(tmp_path / "tuned" / "model.safetensors"))]
     (loaded,) = zip(*run_on_ranks(_runs_on_rank, 2, runs))
     saved = pretrained.state_dict()
     assert loaded[0]["initial"].keys() == {fqn for fqn, _ in pretrained.named_parameters()}
     for fqn, value in loaded[0]["initial"].items():
         assert torch.equal(value, saved[fqn]), fqn
     _check_trains_as_one_process(HF_LLAMA, loaded)
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    for name, value in tuned.named_parameters():
+        assert torch.equal(value, loaded[0]["final"]["hf." + name]), name
 
 
 @pytest.mark.extended

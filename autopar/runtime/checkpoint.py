@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.core.errors import BadInputError
 from autopar.core.files import write_atomically
 from autopar.runtime.loss_scale import DynamicLossScale
-from autopar.runtime.weights_files import read_weights
+from autopar.runtime.weights_files import read_weights, write_weights
 
 STEP_DIR = "step-{:08d}"
 """The name of step N's checkpoint under a root directory (``checkpoint_path``)."""
@@ -355,14 +355,21 @@ def _names_each_stage_sends(listed: list[list[str] | None]) -> dict[int, list[st
     return sends
 
 
-def save_full_state_dict(pm: PlannedModule, path: str | Path) -> None:
-    """Write the whole model's parameters and persistent buffers, unsharded, to one ``torch.save`` file
-    (rank 0 writes it atomically); ``model.load_state_dict(torch.load(path))`` loads it into the plain
-    model. Collective: every rank calls it."""
-    state = _gather_full_state(pm)
+def save_full_state_dict(pm: PlannedModule, path: str | Path, without_prefix: str = "") -> None:
+    """Write the whole model's parameters and persistent buffers, unsharded, to one file (rank 0 writes it
+    atomically): ``torch.save``'s, which ``model.load_state_dict(torch.load(path))`` loads into the plain model,
+    or safetensors where ``path`` ends in ``.safetensors`` (Hugging Face's format: with the model's config beside
+    it, ``from_pretrained`` reads the directory). ``without_prefix``: the names are written without it where they
+    start with it (``"hf."``: ``autopar.models.hf.HFModel``'s wrapped model under its own names). Collective:
+    every rank calls it."""
+    state = {_without(fqn, without_prefix): tensor for fqn, tensor in _gather_full_state(pm).items()}
     if dist.get_rank() == 0:
-        write_atomically(path, lambda handle: torch.save(state, handle))  # into the file, no copy in memory
+        write_atomically(path, write_weights(state, Path(path)))
     dist.barrier()
+
+
+def _without(name: str, prefix: str) -> str:
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
 def load_full_state_dict(pm: PlannedModule, source: str | Path | Mapping[str, torch.Tensor],

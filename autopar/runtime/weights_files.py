@@ -1,5 +1,6 @@
 """Full (unsharded) weights files a planned module loads (``checkpoint.load_full_state_dict``), read so that a
-rank holds at most one full tensor beside its shards.
+rank holds at most one full tensor beside its shards, and writes (``checkpoint.save_full_state_dict``:
+``torch.save``'s format, or safetensors for a ``.safetensors`` path, ``write_weights``).
 
 * A ``torch.save`` file (``save_full_state_dict``'s, or ``torch.save(model.state_dict())``) is memory-mapped
   (``mmap=True``): a rank reads the pages of its own shards only, and the ranks of a host share them in the page
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, BinaryIO, Callable, Iterator, Mapping
 
 import torch
 
@@ -36,6 +37,27 @@ def read_weights(path: Path) -> Mapping[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         return SafetensorsWeights({None: path})
     return _torch_weights(path)
+
+
+def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> Callable[[BinaryIO], None]:
+    """A writer of ``state`` into an open file, in the format ``path``'s suffix names: safetensors for
+    ``.safetensors`` (its bytes made in memory first: the format is written whole; tensors sharing storage, a
+    tied weight under two names, each written as its own copy, as safetensors requires), else ``torch.save``
+    (streamed into the file)."""
+    if path.suffix != ".safetensors":
+        return lambda handle: torch.save(dict(state), handle)
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise BadInputError("writing .safetensors weights needs the safetensors package: "
+                            "pip install safetensors") from None
+    seen: set[int] = set()
+    separate = {}
+    for name, tensor in state.items():
+        tensor = tensor.contiguous()
+        separate[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in seen else tensor
+        seen.add(tensor.untyped_storage().data_ptr())
+    return lambda handle: handle.write(save(separate))
 
 
 def _torch_weights(path: Path) -> Mapping[str, torch.Tensor]:
