@@ -13,15 +13,12 @@ import torch
 from torch import fx
 
 
-def retarget_devices(program: fx.GraphModule, device_type: str) -> int:
-    """Rewrite ``program``'s ``device`` arguments to ``device_type``; the number of ops rewritten."""
+def retarget_devices(program: fx.GraphModule, device_type: str) -> None:
+    """Rewrite ``program``'s ``device`` arguments to ``device_type``."""
     target = torch.device(device_type)
-    rewritten = 0
-    for node in program.graph.nodes:
-        device = node.kwargs.get("device")
-        if isinstance(device, torch.device) and device.type != target.type:
-            node.kwargs = {**node.kwargs, "device": target}
-            rewritten += 1
-    if rewritten:
+    moved = [n for n in program.graph.nodes
+             if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"].type != target.type]
+    for node in moved:
+        node.kwargs = {**node.kwargs, "device": target}
+    if moved:
         program.recompile()
-    return rewritten

@@ -37,7 +37,7 @@ from autopar.core.errors import UnsupportedModelError
 @dataclass(frozen=True)
 class _Call:
     """A Function and its arguments but the tensors (``spec``: the arguments' tree; ``constants``: each
-    leaf that is not a tensor, None where one is)."""
+    leaf that is not a tensor, ``_TENSOR`` where one is)."""
 
     function: type[Function]
     spec: pytree.TreeSpec

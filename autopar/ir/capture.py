@@ -30,12 +30,12 @@ is captured. The runtime always captures the whole model and finds each op's str
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import re
 import sys
 import sysconfig
 import traceback
-import operator
 import warnings
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -45,8 +45,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from autopar.ir.autograd_functions import capturing_functions
 from autopar.core.errors import BadInputError, UnsupportedModelError, innermost_frame
+from autopar.ir.autograd_functions import capturing_functions
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."

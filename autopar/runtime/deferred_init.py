@@ -41,6 +41,7 @@ import torch.distributed.tensor._random as dtensor_random
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import full as dtensor_full
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.overrides import TorchFunctionMode
 
@@ -143,12 +144,10 @@ def _slots(model: nn.Module, parameters: bool) -> Iterator[tuple[str, nn.Module,
 
 
 def _marked_shard(meta: torch.Tensor, mesh: DeviceMesh, placements: Sequence[str]) -> DTensor:
-    """A DTensor of ``meta``'s shape and dtype with ``placements``, its local shard allocated on the mesh's
-    device and filled with the mark ``_still_marked`` looks for."""
-    on_meta = distribute_tensor(meta.detach(), mesh, strs_to_placements(placements), src_data_rank=None)
-    local = torch.full(on_meta.to_local().shape, _mark(meta.dtype), dtype=meta.dtype, device=mesh.device_type)
-    return DTensor.from_local(local, mesh, on_meta.placements, run_check=False, shape=on_meta.shape,
-                              stride=on_meta.stride())
+    """A DTensor of ``meta``'s shape and dtype with ``placements``, its local shard alone allocated on the mesh's
+    device (DTensor's own factory) and filled with the mark ``_still_marked`` looks for."""
+    return dtensor_full(meta.shape, _mark(meta.dtype), dtype=meta.dtype, device_mesh=mesh,
+                        placements=strs_to_placements(placements))
 
 
 def _mark(dtype: torch.dtype) -> float | int | bool:

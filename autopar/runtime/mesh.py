@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-
 def job_device_type() -> str:
     """The device the job's collectives run on: CUDA under NCCL, else the CPU (gloo)."""
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -54,10 +53,8 @@ def start_from_rank_zero(model: nn.Module) -> None:
     buckets the broadcasts but needs the tensors on the backend's device already, hence this loop.
     Tensors on the meta device hold no values to agree on: the runtime makes and initializes their shards
     (``runtime/deferred_init.py``)."""
-    states = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
-              if not t.is_meta]
     device = job_device_type()
-    for _, tensor in states:
+    for tensor in (t for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta):
         data = tensor.detach()
         on_device = data.to(device)
         dist.broadcast(on_device, src=0)

@@ -246,6 +246,7 @@ class PipelineParallelModule(nn.Module):
         self._leaf_sums = False  # lowered chunks sum gradients in their leaves (``_accumulate_in_leaves``)
         self._losses: list[tuple[int, torch.Tensor]] = []  # the last chunk's loss per microbatch (``_scaled_loss``)
         self._loss_reduction = loss_reduction(captured)  # how the microbatches' losses add up (``_microbatch_weights``)
+        self._carriers = [carries_batch(plan, name) for name in captured.user_inputs]  # cut into microbatches
         self._weights: list[float] = []  # this step's (``_microbatch_weights``), the loss scale's included
         self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         self.redistributes = built.redistributes
@@ -368,7 +369,7 @@ class PipelineParallelModule(nn.Module):
         """Each microbatch's weight in the step's loss (``inputs.microbatch_weights``), on every rank (each computes
         them alike: the refusal below stops every rank's schedule, not only the last stage's)."""
         m = self.microbatches
-        pieces = microbatch_pieces(args, m, [carries_batch(self.plan, name) for name in self.captured.user_inputs])
+        pieces = microbatch_pieces(args, m, self._carriers)
         weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh, self.captured.user_inputs,
                                      local)
         empty = [i for i, weight in enumerate(weights) if weight == 0]

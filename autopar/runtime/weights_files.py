@@ -35,7 +35,7 @@ def read_weights(path: Path) -> Mapping[str, torch.Tensor]:
     if not path.is_file():
         raise BadInputError(f"{path}: no such weights file or directory")
     if path.suffix == ".safetensors":
-        return SafetensorsWeights({None: path})
+        return SafetensorsWeights([path])
     return _torch_weights(path)
 
 
@@ -46,11 +46,7 @@ def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> Callable[[Bi
     (streamed into the file)."""
     if path.suffix != ".safetensors":
         return lambda handle: torch.save(dict(state), handle)
-    try:
-        from safetensors.torch import save
-    except ImportError:
-        raise BadInputError("writing .safetensors weights needs the safetensors package: "
-                            "pip install safetensors") from None
+    save = _safetensors("writing").torch.save
     seen: set[int] = set()
     separate = {}
     for name, tensor in state.items():
@@ -82,37 +78,40 @@ def _load_mapped(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _safetensors_in(directory: Path) -> dict[str | None, Path]:
-    """Tensor name -> the shard holding it, from the index; or ``{None: file}`` for one file holding all."""
+def _safetensors(doing: str) -> Any:
+    """The ``safetensors`` package (with its ``torch`` module), or a clear error for ``doing`` without it."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise BadInputError(f"{doing} .safetensors weights needs the safetensors package: "
+                            "pip install safetensors") from None
+    return safetensors
+
+
+def _safetensors_in(directory: Path) -> list[Path]:
+    """The safetensors files of a ``save_pretrained`` directory: the shards its index lists, or its one file."""
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BadInputError(f"{index}: not a safetensors index (no weight_map: {exc})") from None
-        return {name: directory / shard for name, shard in weight_map.items()}
+        return [directory / shard for shard in shards]
     single = directory / SAFETENSORS_FILE
     if single.is_file():
-        return {None: single}
+        return [single]
     raise BadInputError(f"{directory}: no {SAFETENSORS_INDEX} or {SAFETENSORS_FILE} (a directory of weights as "
                         "Hugging Face's save_pretrained writes it)")
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
-    """Name -> tensor of safetensors files, each tensor read from its file when asked (``safe_open``)."""
+    """Name -> tensor of safetensors ``files``, each tensor read from its file when asked (``safe_open``; the
+    names from each file's header)."""
 
-    def __init__(self, files: dict[str | None, Path]) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise BadInputError("reading .safetensors weights needs the safetensors package: "
-                                "pip install safetensors") from None
-        self._open = safe_open
+    def __init__(self, files: list[Path]) -> None:
+        self._open = _safetensors("reading").safe_open
         self._handles: dict[Path, Any] = {}
-        if list(files) == [None]:
-            (single,) = files.values()
-            files = {name: single for name in self._handle(single).keys()}
-        self._files: dict[str, Path] = files  # type: ignore[assignment]
+        self._files = {name: path for path in files for name in self._handle(path).keys()}
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
