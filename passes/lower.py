@@ -93,6 +93,7 @@ from torch._functorch.partitioners import default_partition
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autopar.ir.buffer_writes import write_values
 from autopar.ir.layers import gather_unit
 
 from .gradient_sync import GradientSync
@@ -102,6 +103,7 @@ from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters
 from .lower_direct import DirectGraphs
 from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
 from .lower_simplify import call_through_bindings, simplify_local_ops
+from .lower_writes import writes_as_outputs
 from .reshard import ResavedParameters
 
 _c10d = torch.ops._c10d_functional
@@ -147,7 +149,9 @@ class LoweredProgram(nn.Module):
         self.eager_refused: str | None = None  # why a hooked program's forward keeps AOT's graphs
         self._gradient_specs: dict[int, DTensorSpec] = {}  # of those placements (``_hooked_spec``)
         self.regathers = isinstance(program, ResavedParameters)
-        self.program = program.program if self.regathers else program
+        inner = program.program if self.regathers else program
+        # traced with its buffer writes as outputs, which ``_written`` writes (``lower_writes.py``)
+        self.program, self.writes = writes_as_outputs(inner) if isinstance(inner, fx.GraphModule) else (inner, [])
         self.dtensor_program = program
         self.parameters = dict(parameters)
         self.compile = compile
@@ -193,13 +197,22 @@ class LoweredProgram(nn.Module):
             if grad and self.hooked_gradients:
                 self.eager = self._eager_forward(args)
         if grad and self.eager is not None:
-            return self.eager(inputs)
+            return self._written(self.eager(inputs))
         if grad and self.direct is not None:
-            return self.direct(inputs)
+            return self._written(self.direct(inputs))
         outputs = self._lowered[grad](*inputs)
         if grad and first:
             self.direct = self._direct_graphs(inputs, outputs)
-        return outputs
+        return self._written(outputs)
+
+    def _written(self, outputs: Sequence[Any]) -> Sequence[Any]:
+        """The program's own outputs, the values it writes into buffers after them written there
+        (``lower_writes.py``)."""
+        if not self.writes:
+            return outputs
+        own = len(outputs) - len(self.writes)
+        write_values(self.writes, outputs[own:])
+        return outputs[:own]
 
     def _direct_graphs(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> DirectGraphs | None:
         """The graphs just lowered with grad, called without AOT autograd's runtime wrapper from the next call on
@@ -219,7 +232,7 @@ class LoweredProgram(nn.Module):
         ``EagerForward.reads_locally`` may take as local tensors given so, and its outputs as local tensors
         (``EagerForward.writes_locally``): a pipeline chunk's received and sent values, without DTensor's
         wrapping and unwrapping on each side of every microbatch."""
-        return self.eager(self._with_leaves(args), local_outputs=True)
+        return self._written(self.eager(self._with_leaves(args), local_outputs=True))
 
     def _eager_forward(self, args: Sequence[Any]) -> EagerForward | None:
         """The forward of a pipeline chunk (``hooked_gradients``), just lowered with grad, traced alone to run

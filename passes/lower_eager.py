@@ -205,10 +205,11 @@ class EagerForward:
         return spec is not None and _alike(spec.placements, placements, spec) \
             and _alike(self.gradient_placements.get(position, spec.placements), placements, spec)
 
-    def writes_locally(self, placements: Sequence[Sequence[Placement]]) -> bool:
+    def writes_locally(self, placements: Sequence[Sequence[Placement]], written: int = 0) -> bool:
         """Whether the flat outputs, each to be sent as its local tensor in ``placements`` (in order), may
-        leave as local tensors: each is a DTensor placed so."""
-        return len(placements) == len(self.output_specs) and all(
+        leave as local tensors: each is a DTensor placed so. ``written``: how many more outputs follow, the
+        values the program writes into buffers (``lower_writes.py``), read as local tensors too."""
+        return len(placements) + written == len(self.output_specs) and all(
             spec is not None and _alike(spec.placements, wanted, spec)
             for spec, wanted in zip(self.output_specs, placements))
 

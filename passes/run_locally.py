@@ -62,12 +62,21 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
     to_local = lambda a: a.to_local() if isinstance(a, DTensor) else a  # noqa: E731
     op = DIFFERENTIABLE.get(op, op)  # an op whose captured form has no derivative here: one that has
     out = op(*tree_map(to_local, args), **tree_map(to_local, kwargs))
+    if out is None:  # an op run for its effect (``ir/buffer_writes.py``)
+        return None
     if isinstance(out, torch.Tensor):
         return wrap_with_layout(out, mesh, out_placements[0], layouts[0])
     return type(out)(
         wrap_with_layout(t, mesh, p, order) if isinstance(t, torch.Tensor) and p is not None else t
         for t, p, order in zip(out, out_placements, layouts)
     )
+
+
+def local_call(node: fx.Node) -> tuple[Any, tuple[Any, ...]] | None:
+    """(op, its arguments) of a node ``run_locally`` rewrote, else None."""
+    if node.op != "call_function" or node.target is not run_local_op:
+        return None
+    return node.args[0], node.args[4:]
 
 
 def attend_locally(ranges: tuple[tuple[int, int], ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

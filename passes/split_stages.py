@@ -11,10 +11,12 @@ A pipeline plan (``degrees["pp"] = p``) lists ``p v`` layer ranges in ``plan.pip
 
 Nodes that depend on no parameter (masks, positions, rotary tables: functions of inputs, buffers and
 constants alone) get no chunk: each chunk that needs one computes it itself, so only tensors that
-carry gradients cross a boundary. A value crosses from chunk ``a`` to chunk ``b > a`` through every
-chunk in between (each chunk's outputs are all values made so far and read later). A parameter read
-by several chunks (weights tied across stages) is a placeholder of each: the runtime gives every
-stage a copy and sums their gradients (``tied_parameters.py``).
+carry gradients cross a boundary. A buffer's write (``ir/buffer_writes.py``) computed so (a counter) is
+the chunk of its layer, or outside layers the first chunk's, and computes its value there. A value
+crosses from chunk ``a`` to chunk ``b > a`` through every chunk in between (each chunk's outputs are
+all values made so far and read later). A parameter read by several chunks (weights tied across
+stages) is a placeholder of each: the runtime gives every stage a copy and sums their gradients
+(``tied_parameters.py``).
 
 A value crossing a boundary travels as a plain local tensor (``torch.distributed.pipelining`` sends
 tensors, not DTensors): ``Boundary`` is where the plan puts it on the stage mesh, with partial sums
@@ -42,6 +44,7 @@ from autopar.core.plan import Plan
 from autopar.ir.layers import layer_of
 
 from .insert_redistributes import PLACED_AS_INPUT, as_replicated, redistribute
+from .lower_writes import written_value
 from .reshard import gather_parameter
 
 
@@ -123,6 +126,8 @@ def _assign_chunks(graph: fx.Graph, layer_chunk: Mapping[str, int], param_names:
         if any(i in from_inputs for i in inputs):
             from_inputs.add(node)
         if not fed_by_layers and not any(i in from_params for i in inputs):
+            if written_value(node) is not None:  # a counter's write: its layer's chunk, outside layers the first
+                chunk[node] = layer_chunk[layer_of(node)] if layer_of(node) is not None else 0
             continue  # parameter-free: recomputed by each chunk that reads it
         from_params.add(node)
         layer = layer_of(node)

@@ -36,7 +36,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``no_grad_teacher``: ``reshaped_blocks`` whose logits add half those of the same blocks run under
   ``torch.no_grad()`` (a teacher's targets: no gradient flows into them);
 * ``hooked_forward``: ``reshaped_blocks`` whose forward registers a gradient hook on its last hidden state
-  (refused: a captured step keeps no hooks).
+  (refused: a captured step keeps no hooks);
+* ``batch_normed_convs``: residual blocks of convolutions and BatchNorm with running statistics (ResNet's), and a
+  step counter buffer the forward increments: a step that writes its buffers.
 """
 
 from __future__ import annotations
@@ -366,3 +368,38 @@ class HookedForward(ReshapedBlocks):
 
 def hooked_forward(global_batch: int = 8, seq: int = 8):
     return _next_tokens(HookedForward(), global_batch, seq)
+
+
+class NormedConvBlock(nn.Module):
+    """A residual block of two convolutions, each followed by BatchNorm with running statistics (ResNet's)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm1d(channels)
+        self.conv2 = nn.Conv1d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm1d(channels, momentum=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class NormedConvNet(nn.Module):
+    def __init__(self, channels: int = 8, blocks: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(NormedConvBlock(channels) for _ in range(blocks))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1  # a counter of forwards, written each one
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(-1))
+
+
+def batch_normed_convs(global_batch: int = 8, seq: int = 16):
+    """``NormedConvNet`` on ``[batch, 3, seq]`` signals, classified by cross-entropy."""
+    return NormedConvNet(), torch.randn(global_batch, 3, seq), torch.randint(0, 5, (global_batch,)), F.cross_entropy

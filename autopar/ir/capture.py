@@ -47,6 +47,7 @@ from torch import fx, nn
 
 from autopar.core.errors import BadInputError, UnsupportedModelError, innermost_frame
 from autopar.ir.autograd_functions import capturing_functions
+from autopar.ir.buffer_writes import WRITE_BUFFER, keep_buffer_writes, written
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
@@ -166,6 +167,15 @@ class CapturedGraph:
                     kinds[node.name] = "activation" if any(k in ("param", "activation") for k in sources) else "none"
             self._grad_kinds = kinds
         return self._grad_kinds
+
+    def written_buffers(self) -> frozenset[str]:
+        """The buffer placeholders the step writes (``buffer_writes.py``), with their repeated-layer twins (same tie
+        key): a decision they share is placed as the written ones must be."""
+        if not hasattr(self, "_written_planned"):
+            names = written(self.graph)
+            keys = {self.tie_keys.get(p, p) for p, fqn in self.buffers.items() if fqn in names}
+            self._written_planned = frozenset(p for p in self.buffers if self.tie_keys.get(p, p) in keys)
+        return self._written_planned
 
     def frozen_parameters(self) -> frozenset[str]:
         """The parameter placeholders planned as frozen: those of ``frozen`` whose repeated-layer twins (same tie
@@ -567,32 +577,33 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
             user_inputs.append(name)
     outputs = exported.graph_signature.output_specs
     _refuse_writes(outputs)
-    loss = outputs[0].arg.name
-    _check_scalar_loss(gm, loss, len(outputs))
+    keep_buffer_writes(gm, {i: _strip_prefix(spec.target) for i, spec in enumerate(outputs)
+                            if spec.kind.name == "BUFFER_MUTATION"})
+    returned = [spec for spec in outputs if spec.kind.name == "USER_OUTPUT"]
+    loss = returned[0].arg.name
+    _check_scalar_loss(gm, loss, len(returned))
     captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss, aliases=aliases)
     captured.tie_keys = _tie_repeated_layers(gm.graph, params, buffers)
     return captured
 
 
 def _refuse_writes(outputs: Sequence[Any]) -> None:
-    """Refuse a step that writes into its buffers, parameters or inputs (torch.export lists each write as
-    an output beside the loss: BatchNorm's running statistics, a step counter, ``x.add_``). The planner
-    places and prices a graph whose one output is the loss, and the runtime writes nothing back, so such a
-    step would be planned as if its first write were its loss and would leave the written tensors stale."""
-    from torch.export.graph_signature import OutputKind  # torch.export loads dynamo: only capture needs it
-
-    writes = [spec for spec in outputs if spec.kind != OutputKind.USER_OUTPUT]
+    """Refuse a step that writes into its parameters or inputs (torch.export lists each write as an output
+    beside the loss: ``x.add_`` on an input, a parameter changed in the forward), naming them. Writes into
+    buffers are kept (``buffer_writes.py``); a parameter or input written in place is not something the
+    planner can place or the runtime write back, and would leave the written tensors stale."""
+    writes = [spec for spec in outputs if spec.kind.name not in ("USER_OUTPUT", "BUFFER_MUTATION")]
     if not writes:
         return
     named = ", ".join(f"{_WRITTEN.get(spec.kind.name, spec.kind.name.lower())} {_strip_prefix(spec.target or '?')}"
                       for spec in writes)
     raise UnsupportedModelError(
-        f"the training step writes into tensors in place ({named}): autopar plans steps that only read their "
-        "buffers, parameters and inputs; build BatchNorm with track_running_stats=False (batch statistics, no "
-        "running ones) or use LayerNorm/GroupNorm, and keep counters outside the model's forward")
+        f"the training step writes into tensors in place ({named}): autopar plans steps that write only into "
+        "their buffers (BatchNorm's running statistics, counters); compute the new value out of place instead, "
+        "or keep the written tensor in a buffer (register_buffer)")
 
 
-_WRITTEN = {"BUFFER_MUTATION": "buffer", "PARAMETER_MUTATION": "parameter", "USER_INPUT_MUTATION": "input"}
+_WRITTEN = {"PARAMETER_MUTATION": "parameter", "USER_INPUT_MUTATION": "input"}
 """How a write's kind (``OutputKind`` name) is said in ``_refuse_writes``'s message."""
 
 
@@ -736,6 +747,8 @@ def _signature(node: fx.Node) -> tuple[Any, ...]:
     val = node.meta.get("val")
     shapes = _shapes(val)
     consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
+    if node.target is WRITE_BUFFER:  # the buffer it writes: each layer writes its own, as each reads its own
+        consts = tuple(_LAYER_INDEX.sub(".*", name) for name in consts)
     op = str(node.target) if node.op == "call_function" else node.op  # placeholders' targets are their names
     return (op, shapes, repr(consts))
 

@@ -542,7 +542,9 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
         if node.name in captured.user_inputs:
             return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))
                     for p in roles.user_input(val)]
-        return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in roles.buffer(val)]
+        whole = node.name in captured.written_buffers()  # its write copies a whole value into it (``buffer_writes``)
+        return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p))) for p in roles.buffer(val)
+                if not whole or all(x.is_replicate() for x in p)]
     kinds = captured.gradient_kinds()
     grad_kinds = [kinds[a.name] for a in tensor_inputs(node)]
     strategies = finder.for_node(node)

@@ -50,6 +50,7 @@ from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 from autopar.core.placement import Placements, placement_to_str
 from autopar.core.plan import ALLGATHER, RING
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
+from autopar.ir.buffer_writes import WRITE_BUFFER
 from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 from autopar.ir.layers import (ATTENTION_DROPOUT_ARG, ATTENTION_MASK_ARG, attention_argument, output_vals,
                                 tensor_inputs)
@@ -152,6 +153,10 @@ LOCAL_RULES: dict[Any, LocalRule] = {
     # fewer heads than q (grouped-query attention, ``enable_gqa``): they split with q (``grouped_inputs``).
     FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4), grouped_inputs=(1, 2)),
 }
+
+WHOLE_OPS = frozenset({WRITE_BUFFER})
+"""autopar's own ops that run whole by design, on local tensors (``runs_locally``): a buffer's write
+(``ir/buffer_writes.py``) copies the whole value into the rank's whole buffer."""
 
 # ---- context parallelism: the sequence split over a cp mesh dim ---------------------------------------
 
@@ -268,7 +273,7 @@ def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
     """Whether the runtime runs ``node`` under ``strategy`` on local shards, outside DTensor: an op of
     ``LOCAL_RULES``, or a view that moves a sequence split between ``[batch, seq, ...]`` and its
     flattened rows (``_sequence_split``), which DTensor would place as a ``_StridedShard``."""
-    if node.target in LOCAL_RULES:
+    if node.target in LOCAL_RULES or node.target in WHOLE_OPS:
         return True
     move = _row_move(node)
     return move is not None and strategy.outputs[0] is not None and any(
@@ -383,6 +388,8 @@ class StrategyFinder:
         found: list[Strategy] = []
         if op in SHARDED_BACKWARD_FAILS:
             return [_replicated(node, len(inputs), self._ndim)], True
+        if op in WHOLE_OPS:
+            return [_replicated(node, len(inputs), self._ndim)], False
         if op in LOCAL_RULES and len(inputs) in LOCAL_RULES[op].tensor_inputs:
             found = LOCAL_RULES[op].strategies(self._ndim, [tuple(i.meta["val"].shape) for i in inputs])
         elif self._ndim > 1 and _expandable(node, prop):

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
+from autopar.ir.buffer_writes import reading_copies, refuse_evaluation_that_writes, writing_buffers, written
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.loss_reduction import loss_reduction
 from autopar.passes import ProgramParameters, build_program, shard_parameters, shard_tensor
@@ -103,6 +104,7 @@ class ParallelModule(nn.Module):
         self._state_names = state_names(model)  # what state_dict() saves (runtime/checkpoint.py)
         if deferred:
             deferred.release()
+        self._written = written(captured.graph)  # buffers the step writes, each forward (``ir/buffer_writes.py``)
         self._constants = {n: shard_tensor(t, mesh, ["R"] * mesh.ndim) for n, t in captured.constants.items()}
         built = build_program(plan, captured, mesh)
         (stage,) = built.stages
@@ -144,6 +146,7 @@ class ParallelModule(nn.Module):
         """The loss as a replicated DTensor (forward only; use ``step`` to train). Under ``torch.inference_mode``
         it runs under ``torch.no_grad`` instead: DTensor's views cannot make inference tensors."""
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, inputs, local, 1, "forward()")
+        refuse_evaluation_that_writes(self.training, self._written, "forward()")
         evaluating = not self.training and self._dropout_ops > 0  # its dropout off: lowered graphs drop
         inference = torch.is_inference_mode_enabled()
         with self.autocast.set_aside("forward()"), self.randomness.drawing(), in_mode(self.training), \
@@ -157,10 +160,11 @@ class ParallelModule(nn.Module):
         ``_finish_loss`` (``LoweredProgram.start``); ``on_dtensor``: a lowered program's DTensor program runs."""
         args = self._placeholder_values(params, inputs, local)
         lowered = isinstance(self.program, LoweredProgram)
-        if lowered and on_dtensor:
-            (loss,) = self.program.dtensor_program(*args)
-        else:
-            (loss,) = self.program.start(*args) if deferred and lowered else self.program(*args)
+        with writing_buffers(self._buffers_dt):
+            if lowered and on_dtensor:
+                (loss,) = self.program.dtensor_program(*args)
+            else:
+                (loss,) = self.program.start(*args) if deferred and lowered else self.program(*args)
         return loss
 
     def _finish_loss(self) -> None:
@@ -183,6 +187,7 @@ class ParallelModule(nn.Module):
         m = self.microbatches
         check_user_inputs(self.plan, self.mesh, self.captured.user_inputs, args, local, m, "step()")
         refuse_step_that_cannot_train(self.training, self._dropout_ops)
+        refuse_evaluation_that_writes(self.training, self._written, "step()")
         total = torch.zeros(())
         scale = self.loss_scale.before_backward(list(self.parameters())) if self.loss_scale else 1.0
         with self.autocast.set_aside("step()"), self.randomness.step():
@@ -215,12 +220,13 @@ class ParallelModule(nn.Module):
         cg, precision = self.captured, self.plan.precision
         user = {n: in_compute_dtype(user_input(self.plan, self.mesh, n, x, local), precision)
                 for n, x in zip(cg.user_inputs, inputs)}
+        buffers = reading_copies(self._buffers_dt, self._written)
         values = []
         for name in self._placeholders:
             if name in cg.params:
                 values.append(params[_key(cg.params[name])])
             elif name in cg.buffers:
-                values.append(self._buffers_dt[cg.buffers[name]])
+                values.append(buffers[cg.buffers[name]])
             elif name in cg.constants:
                 values.append(self._constants[name])
             else:

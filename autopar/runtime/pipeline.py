@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import BadInputError
 from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
+from autopar.ir.buffer_writes import reading_copies, refuse_evaluation_that_writes, writing_buffers, written
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.loss_reduction import loss_reduction
 from autopar.passes import ProgramParameters, Stage, build_program, shard_parameters, shard_tensor
@@ -108,13 +109,16 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, stage: Stage, values: Mapping[str, Any], user_input: Callable[..., torch.Tensor],
-                 user_names: list[str], mesh: DeviceMesh):
+                 user_names: list[str], mesh: DeviceMesh, written: Mapping[str, str]):
+        """``written``: placeholder -> name of each buffer the chunk writes (``ir/buffer_writes.py``)."""
         super().__init__()
         self.index = stage.program.index
         self.program = stage.module
         self.placeholders = stage.program.placeholders
         self.inputs, self.outputs = stage.received, stage.sent
         self.values = dict(values)  # placeholder name -> parameter / buffer / constant (DTensors)
+        self.written = set(written)  # read as copies, and written by name:
+        self._writing = {name: self.values[placeholder] for placeholder, name in written.items()}
         self._user_input = user_input
         self.user_names = user_names
         self.reads = [n for n in self.placeholders if n in user_names]  # user inputs this chunk reads
@@ -147,15 +151,17 @@ class StageModule(nn.Module):
         else:
             received = list(args) if local else [b.to_dtensor(x, self.mesh) for b, x in zip(self.inputs, args)]
             users = kwargs
-        values = [self.values[n] if n in self.values else self._user_input(n, users[n], as_local=local)
-                  for n in self.placeholders]
+        held = reading_copies(self.values, self.written)
+        values = [held[n] if n in held else self._user_input(n, users[n], as_local=local) for n in self.placeholders]
         eager = getattr(self.program, "eager", None)
         if eager is not None:
             eager.microbatch = self.microbatch
+        with writing_buffers(self._writing):
+            ran = self.program.start_locally(*received, *values) if local else self.program(*received, *values)
         if local:
-            outs = tuple(v.contiguous() for v in self.program.start_locally(*received, *values))
+            outs = tuple(v.contiguous() for v in ran)
         else:
-            outs = tuple(b.to_local(v) for b, v in zip(self.outputs, self.program(*received, *values)))
+            outs = tuple(b.to_local(v) for b, v in zip(self.outputs, ran))
             if self.local_io is None and isinstance(self.program, LoweredProgram) and self.program.eager is not None:
                 self.local_io = self._reads_and_writes_locally(self.program.eager)
         if self.copies_outputs:
@@ -179,7 +185,7 @@ class StageModule(nn.Module):
         stages), would move nothing."""
         received = range(len(self.inputs)) if self.index > 0 else range(0)
         return all(eager.reads_locally(i, self.inputs[i].placements) for i in received) \
-            and eager.writes_locally([b.placements for b in self.outputs])
+            and eager.writes_locally([b.placements for b in self.outputs], len(self.program.writes))
 
 
 class AccumulatingStage(PipelineStage):
@@ -329,6 +335,7 @@ class PipelineParallelModule(nn.Module):
         names = self.captured.user_inputs
         check_user_inputs(self.plan, self.mesh, names, args, local, self.microbatches, "step()")
         refuse_step_that_cannot_train(self.training, self._dropout_ops)
+        refuse_evaluation_that_writes(self.training, written(self.captured.graph), "step()")
         with self.autocast.set_aside("step()"):  # the program runs in the plan's precision (``runtime/autocast``)
             return self._scheduled_step(args, local)
 
@@ -452,8 +459,11 @@ class PipelineParallelModule(nn.Module):
         return deferred
 
     def _stage_module(self, stage: Stage, model: nn.Module) -> StageModule:
-        return StageModule(stage, self._placeholder_values(stage, model), self._user_input, self.captured.user_inputs,
-                           self.mesh)
+        cg = self.captured
+        names = written(cg.graph)
+        writes = {n: cg.buffers[n] for n in stage.program.placeholders if cg.buffers.get(n) in names}
+        return StageModule(stage, self._placeholder_values(stage, model), self._user_input, cg.user_inputs,
+                           self.mesh, writes)
 
     def _placeholder_values(self, stage: Stage, model: nn.Module) -> dict[str, Any]:
         """Parameters (sharded), buffers and constants the chunk reads, by placeholder name."""

@@ -83,6 +83,7 @@ class TrainResult:
     losses: list[float]
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # final, those the step writes among them
 
 
 @dataclass
@@ -93,6 +94,7 @@ class ParityResult:
     losses: list[list[float]]
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # final persistent buffers, gathered
 
     def mismatches(self, single: TrainResult, tol: Tolerances = FP32) -> list[str]:
         """One line per kind (gradients, parameters, losses) that differs from ``single`` beyond its
@@ -101,6 +103,8 @@ class ParityResult:
         found = [_tensors_mismatch("gradients after the first backward", self.grads, single.grads,
                                    tol.grad_rtol, tol.grad_atol, tol.grad_scale_rtol),
                  _tensors_mismatch("final parameters", self.params, single.params, 0.0, tol.param_atol),
+                 _tensors_mismatch("final buffers", self.buffers, {k: single.buffers[k] for k in self.buffers},
+                                   0.0, tol.param_atol),
                  _tensors_mismatch("per-step losses", _per_step(self.losses), _per_step(expected_losses),
                                    tol.loss_rtol, 0.0)]
         return [line for line in found if line]
@@ -121,8 +125,8 @@ class ParityResult:
 class AutoparResult(ParityResult):
     """A ``ParityResult`` of autopar's runtime, with the plan it ran and its redistribute count."""
 
-    plan: dict[str, Any]
-    redistributes: int
+    plan: dict[str, Any] = field(default_factory=dict)
+    redistributes: int = 0
     lowered: dict[str, Any] = field(default_factory=dict)  # of a lowered run: its programs, and why any fell back
 
     @property
@@ -140,7 +144,8 @@ class AutoparResult(ParityResult):
         """From what each rank returned (``train_module``'s dict; rank 0's holds the gathered tensors)."""
         first = per_rank[0]
         return cls(losses=[r["losses"] for r in per_rank], grads=first["grads"], params=first["params"],
-                   plan=first["plan"], redistributes=first["redistributes"], lowered=first.get("lowered", {}))
+                   buffers=first.get("buffers") or {}, plan=first["plan"], redistributes=first["redistributes"],
+                   lowered=first.get("lowered", {}))
 
 
 def _per_step(losses_per_rank: list[list[float]]) -> dict[str, torch.Tensor]:
@@ -227,30 +232,38 @@ def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq
 
 def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
                  steps: int, seed: int = 0, optimizer: OptimizerFactory = sgd, dtype: str | None = None,
-                 clip: tuple[float, float] | None = None, autocast: torch.dtype | None = None) -> TrainResult:
+                 clip: tuple[float, float] | None = None, autocast: torch.dtype | None = None,
+                 microbatches: int = 1) -> TrainResult:
     """The reference: ``steps`` steps of single-process autograd (``optimizer``: parity's SGD unless a
     test of something else, such as the example script, trains with another). With ``dtype`` (bf16,
     fp16), mixed precision done by hand: the optimizer steps the model's fp32 parameters, each step
     runs the model on copies of them, its buffers and its float inputs in ``dtype``. With ``clip``
     (max_norm, norm_type), each backward's gradients are clipped by ``torch.nn.utils.clip_grad_norm_``. With
-    ``autocast``, each forward and loss runs under eager ``torch.autocast`` on the CPU in that dtype."""
+    ``autocast``, each forward and loss runs under eager ``torch.autocast`` on the CPU in that dtype. With
+    ``microbatches`` m, eager gradient accumulation: each batch cut into m pieces on dim 0, run one after the
+    other (a model that normalizes over its batch, BatchNorm, sees each piece's statistics), each piece's
+    loss weighted 1/m (a mean loss over pieces of equal counts)."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
     opt = optimizer(model.parameters())
     losses, grads = [], {}
     for i, batch in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
-        inputs, targets = (batch[:-1], batch[-1]) if bundle.example_targets is not None else (batch, None)
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            loss = _reference_loss(model, loss_fn, inputs, targets, dtype)
-        loss.backward()
+        loss = torch.zeros(())
+        for piece in zip(*(t.chunk(microbatches) for t in batch)):
+            inputs, targets = (piece[:-1], piece[-1]) if bundle.example_targets is not None else (piece, None)
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                part = _reference_loss(model, loss_fn, inputs, targets, dtype) / microbatches
+            part.backward()
+            loss = loss + part.detach()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
         if i == 0:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
         losses.append(loss.item())
-    return TrainResult(losses, grads, {k: v.detach().clone() for k, v in model.named_parameters()})
+    return TrainResult(losses, grads, {k: v.detach().clone() for k, v in model.named_parameters()},
+                       {k: v.detach().clone() for k, v in model.named_buffers()})
 
 
 def _reference_loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
@@ -300,7 +313,9 @@ def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int,
             grads = gathered_grads(pm)
         opt.step()
     params = pm.full_state_dict()
+    buffers = gathered({k: v for k, v in pm.state_dict().items() if k not in params})
     return {"losses": losses, "grads": grads if rank == 0 else None, "params": params if rank == 0 else None,
+            "buffers": buffers if rank == 0 else None,
             "plan": pm.plan.to_dict(), "redistributes": pm.redistributes, "lowered": pm.lowering}
 
 

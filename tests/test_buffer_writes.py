@@ -1,0 +1,80 @@
+"""A step that writes its buffers (BatchNorm's running statistics, a step counter): captured as ``write_buffer`` ops,
+planned replicated, and written on every runtime as one process writes them (``autopar/ir/buffer_writes.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import BadInputError, UnsupportedModelError
+from autopar.ir.buffer_writes import refuse_evaluation_that_writes
+from autopar.models import build_model
+from autopar.testing.parity import ParityResult, train_parallel_many, train_single
+
+SPEC = "edge_models:batch_normed_convs"
+
+
+def test_written_buffers_are_planned_replicated_and_their_writes_run_whole() -> None:
+    bundle = build_model(SPEC, global_batch=8, device="meta")
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"tp": 2},
+                        example_targets=bundle.example_targets)
+    written = {"steps", *(f"blocks.{i}.bn{j}.{stat}" for i in range(4) for j in (1, 2)
+                          for stat in ("running_mean", "running_var", "num_batches_tracked"))}
+    assert written <= set(plan.buffers) and all(plan.buffers[name] == ["R"] for name in written)
+    writes = [op for op in plan.ops.values() if op["op"] == "autopar.write_buffer.default"]
+    assert sum(op.get("count", 1) for op in writes) == len(written)  # a traced layer's stand for the others'
+    assert all(op["inputs"] == [["R"]] and op.get("local") for op in writes)
+
+
+class _WritesItsParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.bias.mul_(0.5)
+        return self.fc(x).pow(2).mean()
+
+
+def test_a_step_writing_its_parameters_is_refused_naming_them() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"writes into tensors in place \(parameter fc.bias\)"):
+        autopar.plan(_WritesItsParameter(), torch.randn(8, 4), "1x2xcpu")
+
+
+def test_a_module_in_eval_mode_whose_step_writes_buffers_is_refused() -> None:
+    refuse_evaluation_that_writes(True, {"bn.running_mean"}, "step()")
+    refuse_evaluation_that_writes(False, set(), "step()")
+    with pytest.raises(BadInputError, match=r"forward\(\) of a module in eval mode.*\(bn.running_mean: BatchNorm"):
+        refuse_evaluation_that_writes(False, {"bn.running_mean"}, "forward()")
+
+
+def test_parity_compares_the_final_buffers() -> None:
+    exact = train_single(SPEC, None, 8, None, steps=1)
+    assert exact.buffers["steps"] == 1 and exact.buffers["blocks.0.bn1.num_batches_tracked"] == 1
+    ParityResult([exact.losses], exact.grads, exact.params, exact.buffers).assert_matches(exact)
+    stale = {**exact.buffers, "blocks.0.bn1.running_mean": torch.zeros(8)}
+    with pytest.raises(AssertionError, match="final buffers: 1 of .* off, worst blocks.0.bn1.running_mean"):
+        ParityResult([exact.losses], exact.grads, exact.params, stale).assert_matches(exact)
+
+
+RUNS = [({"dp": 2}, 1), ({"tp": 2}, 1), ({"dp": 2, "fsdp": 3}, 1), ({"dp": 2, "checkpointing": "full"}, 1),
+        ({"dp": 2, "microbatches": 2}, 2), ({"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("lowered", [False, True], ids=["dtensor", "lowered"])
+def test_running_statistics_and_counters_are_written_as_one_process_writes_them(lowered: bool) -> None:
+    """Gradients, losses, final parameters and final buffers against one process: BatchNorm's batch statistics
+    over the whole microbatch, its running ones updated once a forward, microbatches in order (the reference
+    accumulates their gradients as eager PyTorch does), in a pipeline stage too; recomputation writes nothing
+    twice. Lowered, the writes leave the graphs as outputs (``passes/lower_writes.py``) and nothing falls back."""
+    references = {m: train_single(SPEC, None, 8, None, steps=3, microbatches=m) for m in (1, 2)}
+    runs = [dict(name=SPEC, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
+                 lowered=lowered) for constraints, _ in RUNS]
+    for (constraints, m), result in zip(RUNS, train_parallel_many(2, runs)):
+        assert result.buffers.keys() == references[m].buffers.keys(), constraints
+        result.assert_matches(references[m], f"{constraints}")
+        assert not lowered or (result.lowered["programs"] >= 1 and not result.lowered["fallbacks"]), result.lowered
