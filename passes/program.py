@@ -76,7 +76,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
     keep_derivatives(program)
-    pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs)
+    pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs, captured.buffers)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)
     return Program(stages, redistributes, gathers > 0, dropping)

@@ -63,11 +63,11 @@ class StageProgram:
 
 
 def split_program(program: fx.GraphModule, ranges: Sequence[Sequence[int]], params: Mapping[str, str],
-                  user_inputs: Sequence[str]) -> list[StageProgram]:
+                  user_inputs: Sequence[str], buffers: Mapping[str, str]) -> list[StageProgram]:
     """Cut ``program`` into ``len(ranges)`` chunks by layer range (``[first, last + 1)`` each).
 
-    ``params`` maps parameter placeholder names to their fqns; ``user_inputs`` names the placeholders
-    of the inputs and targets.
+    ``params`` and ``buffers`` map parameter and buffer placeholder names to their fqns; ``user_inputs``
+    names the placeholders of the inputs and targets.
     """
     graph = program.graph
     last = len(ranges) - 1
@@ -78,6 +78,8 @@ def split_program(program: fx.GraphModule, ranges: Sequence[Sequence[int]], para
         raise BadInputError("the loss is not computed after the last pipeline stage's layers; "
                             "pipeline plans need the loss to follow the model's last layer")
     crossing = _values_crossing(graph, chunk, last)
+    writers = {written_value(n)[1]: chunk[n] for n in chunk if written_value(n) is not None}
+    written_by = {p: writers[fqn] for p, fqn in buffers.items() if fqn in writers}  # a placeholder of the chunk
     stages = []
     for s in range(last + 1):
         inputs = crossing[s - 1] if s > 0 else []
@@ -85,7 +87,7 @@ def split_program(program: fx.GraphModule, ranges: Sequence[Sequence[int]], para
         if not outputs:
             raise BadInputError(f"pipeline chunk {s} computes nothing a later chunk reads (layer ranges "
                                 f"{list(ranges)}): re-plan with fewer stages")
-        stages.append(_stage_program(program, s, chunk, inputs, outputs))
+        stages.append(_stage_program(program, s, chunk, inputs, outputs, written_by))
     return stages
 
 
@@ -184,7 +186,10 @@ def _values_crossing(graph: fx.Graph, chunk: Mapping[fx.Node, int], last: int) -
 
 
 def _stage_program(program: fx.GraphModule, s: int, chunk: Mapping[fx.Node, int], inputs: list[fx.Node],
-                   outputs: list[fx.Node]) -> StageProgram:
+                   outputs: list[fx.Node], written_by: Mapping[str, int]) -> StageProgram:
+    """Chunk ``s``'s program. Its placeholders: what its nodes read, the buffers it writes (``written_by``:
+    placeholder -> the chunk writing it, which holds it though it may not read it), and in the first chunk
+    the placeholders nothing reads or writes (so that the model's every parameter and buffer has a stage)."""
     graph = program.graph
     members = [n for n in graph.nodes if chunk.get(n) == s]
     needed = _unassigned_inputs(members, chunk)
@@ -193,8 +198,10 @@ def _stage_program(program: fx.GraphModule, s: int, chunk: Mapping[fx.Node, int]
     for node in inputs:
         env[node] = g.placeholder(node.name)
         env[node].meta = dict(node.meta)
-    unused = [n for n in graph.nodes if n.op == "placeholder" and not n.users] if s == 0 else []
-    placeholders = [n for n in graph.nodes if n.op == "placeholder" and (n in needed or n in unused)]
+    unused = [n for n in graph.nodes if n.op == "placeholder" and not n.users and n.name not in written_by] \
+        if s == 0 else []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"
+                    and (n in needed or n in unused or written_by.get(n.name) == s)]
     for node in placeholders:
         env[node] = g.placeholder(node.name)
         env[node].meta = dict(node.meta)

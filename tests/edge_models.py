@@ -38,7 +38,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``hooked_forward``: ``reshaped_blocks`` whose forward registers a gradient hook on its last hidden state
   (refused: a captured step keeps no hooks);
 * ``batch_normed_convs``: residual blocks of convolutions and BatchNorm with running statistics (ResNet's), and a
-  step counter buffer the forward increments: a step that writes its buffers.
+  step counter buffer the forward increments: a step that writes its buffers;
+* ``written_unread``: blocks that each write their input's mean into a buffer they never read (a pipeline stage
+  holds it all the same).
 """
 
 from __future__ import annotations
@@ -403,3 +405,33 @@ class NormedConvNet(nn.Module):
 def batch_normed_convs(global_batch: int = 8, seq: int = 16):
     """``NormedConvNet`` on ``[batch, 3, seq]`` signals, classified by cross-entropy."""
     return NormedConvNet(), torch.randn(global_batch, 3, seq), torch.randint(0, 5, (global_batch,)), F.cross_entropy
+
+
+class SeenBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("seen", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.copy_(x.detach().mean(0))  # written, never read
+        return x + torch.tanh(self.fc(x))
+
+
+class SeenBlocks(nn.Module):
+    def __init__(self, width: int = 8, blocks: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(SeenBlock(width) for _ in range(blocks))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def written_unread(global_batch: int = 8, seq: int = 8):
+    """``SeenBlocks``: each block writes its input's mean into a buffer it never reads."""
+    return SeenBlocks(), torch.randn(global_batch, 6), torch.randint(0, 3, (global_batch,)), F.cross_entropy

@@ -60,8 +60,10 @@ def test_parity_compares_the_final_buffers() -> None:
         ParityResult([exact.losses], exact.grads, exact.params, stale).assert_matches(exact)
 
 
-RUNS = [({"dp": 2}, 1), ({"tp": 2}, 1), ({"dp": 2, "fsdp": 3}, 1), ({"dp": 2, "checkpointing": "full"}, 1),
-        ({"dp": 2, "microbatches": 2}, 2), ({"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2)]
+RUNS = [(SPEC, {"dp": 2}, 1), (SPEC, {"tp": 2}, 1), (SPEC, {"dp": 2, "fsdp": 3}, 1),
+        (SPEC, {"dp": 2, "checkpointing": "full"}, 1), (SPEC, {"dp": 2, "microbatches": 2}, 2),
+        (SPEC, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2),
+        ("edge_models:written_unread", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2)]
 
 
 @pytest.mark.dist
@@ -70,11 +72,12 @@ def test_running_statistics_and_counters_are_written_as_one_process_writes_them(
     """Gradients, losses, final parameters and final buffers against one process: BatchNorm's batch statistics
     over the whole microbatch, its running ones updated once a forward, microbatches in order (the reference
     accumulates their gradients as eager PyTorch does), in a pipeline stage too; recomputation writes nothing
-    twice. Lowered, the writes leave the graphs as outputs (``passes/lower_writes.py``) and nothing falls back."""
-    references = {m: train_single(SPEC, None, 8, None, steps=3, microbatches=m) for m in (1, 2)}
-    runs = [dict(name=SPEC, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
-                 lowered=lowered) for constraints, _ in RUNS]
-    for (constraints, m), result in zip(RUNS, train_parallel_many(2, runs)):
-        assert result.buffers.keys() == references[m].buffers.keys(), constraints
-        result.assert_matches(references[m], f"{constraints}")
+    twice; a buffer written but not read is held by the stage that writes it. Lowered, the writes leave the graphs
+    as outputs (``passes/lower_writes.py``) and nothing falls back."""
+    references = {(spec, m): train_single(spec, None, 8, None, steps=3, microbatches=m) for spec, _, m in RUNS}
+    runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
+                 lowered=lowered) for spec, constraints, _ in RUNS]
+    for (spec, constraints, m), result in zip(RUNS, train_parallel_many(2, runs)):
+        assert result.buffers.keys() == references[spec, m].buffers.keys(), constraints
+        result.assert_matches(references[spec, m], f"{spec} under {constraints}")
         assert not lowered or (result.lowered["programs"] >= 1 and not result.lowered["fallbacks"]), result.lowered

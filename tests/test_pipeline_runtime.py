@@ -60,7 +60,7 @@ def _whole_and_chained_loss(name: str, ranges: list[list[int]], tie_embeddings: 
                             ) -> tuple[float, float, list[StageProgram]]:
     cg, program, values = _captured(name, tie_embeddings)
     (whole,) = program(*(values[n.name] for n in program.graph.nodes if n.op == "placeholder"))
-    stages = split_program(program, ranges, cg.params, cg.user_inputs)
+    stages = split_program(program, ranges, cg.params, cg.user_inputs, cg.buffers)
     carried: tuple = ()
     for stage in stages:
         carried = stage.graph_module(*carried, *(values[n] for n in stage.placeholders))

@@ -78,6 +78,7 @@ from autopar.passes import ProgramParameters, Stage, build_program, shard_parame
 from autopar.passes.dropout_mode import refuse_step_that_cannot_train
 from autopar.passes.lower import LoweredProgram, lowering_of
 from autopar.passes.lower_eager import EagerForward
+from autopar.passes.lower_writes import written_value
 from autopar.passes.mixed_precision import TORCH_DTYPES, as_master, in_compute_dtype
 from autopar.passes.tied_parameters import TiedGradientSync, stages_reading
 from autopar.runtime.autocast import CallerAutocast
@@ -460,7 +461,7 @@ class PipelineParallelModule(nn.Module):
 
     def _stage_module(self, stage: Stage, model: nn.Module) -> StageModule:
         cg = self.captured
-        names = written(cg.graph)
+        names = {found[1] for found in map(written_value, stage.program.graph_module.graph.nodes) if found}
         writes = {n: cg.buffers[n] for n in stage.program.placeholders if cg.buffers.get(n) in names}
         return StageModule(stage, self._placeholder_values(stage, model), self._user_input, cg.user_inputs,
                            self.mesh, writes)

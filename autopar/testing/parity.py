@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from autopar.api import autoparallelize
 from autopar.core.plan import Plan
+from autopar.ir.capture import batch_carriers
 from autopar.models import ModelBundle, build_model
+from autopar.runtime.inputs import microbatch_pieces
 from autopar.testing.counters import CollectiveCounter, planned_for_dtensor
 from autopar.testing.launch import run_on_ranks
 
@@ -240,8 +242,8 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     runs the model on copies of them, its buffers and its float inputs in ``dtype``. With ``clip``
     (max_norm, norm_type), each backward's gradients are clipped by ``torch.nn.utils.clip_grad_norm_``. With
     ``autocast``, each forward and loss runs under eager ``torch.autocast`` on the CPU in that dtype. With
-    ``microbatches`` m, eager gradient accumulation: each batch cut into m pieces on dim 0, run one after the
-    other (a model that normalizes over its batch, BatchNorm, sees each piece's statistics), each piece's
+    ``microbatches`` m, eager gradient accumulation: each batch cut into m pieces (the inputs that carry it, on
+    dim 0), run one after the other (a model that normalizes over its batch, BatchNorm, sees each piece's statistics), each piece's
     loss weighted 1/m (a mean loss over pieces of equal counts)."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
@@ -250,7 +252,7 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     for i, batch in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
         loss = torch.zeros(())
-        for piece in zip(*(t.chunk(microbatches) for t in batch)):
+        for piece in microbatch_pieces(batch, microbatches, batch_carriers([tuple(t.shape) for t in batch])):
             inputs, targets = (piece[:-1], piece[-1]) if bundle.example_targets is not None else (piece, None)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 part = _reference_loss(model, loss_fn, inputs, targets, dtype) / microbatches
@@ -313,7 +315,8 @@ def train_module(pm: Any, bundle: ModelBundle, steps: int, seed: int, rank: int,
             grads = gathered_grads(pm)
         opt.step()
     params = pm.full_state_dict()
-    buffers = gathered({k: v for k, v in pm.state_dict().items() if k not in params})
+    names = {name for name, _ in bundle.model.named_buffers()}
+    buffers = gathered({k: v for k, v in pm.state_dict().items() if k in names})
     return {"losses": losses, "grads": grads if rank == 0 else None, "params": params if rank == 0 else None,
             "buffers": buffers if rank == 0 else None,
             "plan": pm.plan.to_dict(), "redistributes": pm.redistributes, "lowered": pm.lowering}
