@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir.capture import TRACED_LAYERS, CapturedGraph, batch_carriers, capture
+from autopar.ir.capture import TRACED_LAYERS, CapturedGraph, capture
 from autopar.cost_models import Cluster, ClusterSpecError, parse_cluster
+from autopar.core.batch import batch_carriers
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.files import check_writable
@@ -297,7 +298,7 @@ def _on_meta(tensors: Any, deferred: bool) -> Any:
 
 def _first_microbatch(tensors: tuple[torch.Tensor, ...], microbatches: int) -> tuple[torch.Tensor, ...]:
     """The first of ``microbatches`` microbatches of a step's inputs and targets: the rows of those that carry
-    the batch (``ir/capture.batch_carriers``, as ``runtime/inputs.microbatch_shape`` cuts them), the others whole."""
+    the batch (``core/batch.batch_carriers``, as ``runtime/inputs.microbatch_shape`` cuts them), the others whole."""
     carriers = batch_carriers([t.shape for t in tensors])
     return tuple(t[: t.shape[0] // microbatches] if carries else t for t, carries in zip(tensors, carriers))
 

@@ -137,7 +137,7 @@ def test_blocks_with_numbered_parts_are_alike_layers_traced_three_deep(layers: i
 
 
 def test_only_inputs_whose_dim_0_is_the_batch_are_split_on_it() -> None:
-    from autopar.ir.capture import batch_carriers
+    from autopar.core.batch import batch_carriers
 
     assert batch_carriers([[8, 6], [6], [], [8, 6]]) == [True, False, False, True]
     assert batch_carriers([[], [4, 3]]) == [False, True]  # the batch is the first input with dims

@@ -674,20 +674,6 @@ def _strip_prefix(fqn: str) -> str:
     return fqn[len(_MODEL_PREFIX):] if fqn.startswith(_MODEL_PREFIX) else fqn
 
 
-def batch_size_of(shapes: Sequence[Sequence[int]]) -> int | None:
-    """A step's samples, from its inputs' shapes in order (the inputs, then the targets): dim 0 of the first
-    input that has dims (a 0-dim input, such as a scale or a step index, holds no batch); None if none has."""
-    return next((int(shape[0]) for shape in shapes if len(shape)), None)
-
-
-def batch_carriers(shapes: Sequence[Sequence[int]]) -> list[bool]:
-    """Which of a step's inputs (``batch_size_of``'s shapes) carry the batch on dim 0: those whose dim 0 is the
-    batch size. The others (no dims, or another dim 0: positions ``[seq]`` every sample reads) are read whole
-    by every rank and microbatch; an input whose dim 0 only happens to equal the batch size counts as a carrier."""
-    batch = batch_size_of(shapes)
-    return [len(shape) > 0 and int(shape[0]) == batch for shape in shapes]
-
-
 def module_path(node: fx.Node) -> str:
     """Model-relative path of the innermost module that produced ``node`` ('' for the loss)."""
     stack = node.meta.get("nn_module_stack") or {}

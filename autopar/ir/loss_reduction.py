@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from autopar.ir.capture import CapturedGraph, batch_size_of
+from autopar.core.batch import batch_size_of
+from autopar.ir.capture import CapturedGraph
 
 DIVIDED, SUMMED, AVERAGED = "divided", "summed", "averaged"
 

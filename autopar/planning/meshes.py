@@ -18,7 +18,8 @@ from autopar.core.axes import MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError
 from autopar.cost_models import Cluster
-from autopar.ir.capture import CapturedGraph, batch_carriers, batch_size_of
+from autopar.core.batch import batch_carriers, batch_size_of
+from autopar.ir.capture import CapturedGraph
 
 
 @dataclass(frozen=True)
@@ -201,11 +202,11 @@ def microbatch_counts(batch: int | None, dp: int, constraints: Constraints) -> l
 
 
 def global_batch(captured: CapturedGraph) -> int | None:
-    """The step's samples (``ir/capture.batch_size_of`` of its user inputs); None where no input has dims."""
+    """The step's samples (``core/batch.batch_size_of`` of its user inputs); None where no input has dims."""
     return batch_size_of([captured.node(name).meta["val"].shape for name in captured.user_inputs])
 
 
 def batch_inputs(captured: CapturedGraph) -> set[str]:
-    """The user inputs that carry the batch on dim 0 (``ir/capture.batch_carriers``); the others are read whole."""
+    """The user inputs that carry the batch on dim 0 (``core/batch.batch_carriers``); the others are read whole."""
     carriers = batch_carriers([captured.node(name).meta["val"].shape for name in captured.user_inputs])
     return {name for name, carries in zip(captured.user_inputs, carriers) if carries}

@@ -18,17 +18,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from autopar.core.batch import batch_carriers
 from autopar.core.errors import BadInputError
 from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
-from autopar.ir.capture import batch_carriers
 from autopar.ir.loss_reduction import LossReduction
 from autopar.passes import shard_tensor
 from autopar.passes.sequence_layout import in_layout
 
 
 def carries_batch(plan: Plan, name: str) -> bool:
-    """Whether the planned input (or targets) ``name`` carries the batch on dim 0 (``ir/capture.batch_carriers``
+    """Whether the planned input (or targets) ``name`` carries the batch on dim 0 (``core/batch.batch_carriers``
     of the plan's inputs, in their order); one that does not is read whole by every rank and microbatch."""
     names = list(plan.inputs)
     return batch_carriers([plan.inputs[n]["shape"] for n in names])[names.index(name)]
@@ -39,19 +39,6 @@ def microbatch_shape(plan: Plan, name: str, microbatches: int) -> list[int]:
     where it carries the batch (``carries_batch``), else whole."""
     shape = list(plan.inputs[name]["shape"])
     return [shape[0] // microbatches] + shape[1:] if carries_batch(plan, name) else shape
-
-
-def microbatches_of(x: torch.Tensor, microbatches: int, carries: bool) -> list[torch.Tensor]:
-    """``x`` cut into ``microbatches`` pieces as ``microbatch_shape`` says: on dim 0 where it ``carries`` the
-    batch, else whole each time."""
-    return list(torch.chunk(x, microbatches, dim=0)) if carries else [x] * microbatches
-
-
-def microbatch_pieces(args: Sequence[torch.Tensor], microbatches: int, carriers: Sequence[bool]
-                      ) -> list[tuple[torch.Tensor, ...]]:
-    """A step's user inputs ``args`` as ``microbatches`` tuples of inputs, each cut by ``microbatches_of``
-    (``carriers``: whether each carries the batch)."""
-    return list(zip(*(microbatches_of(a, microbatches, carries) for a, carries in zip(args, carriers))))
 
 
 def pipeline_chunk_spec(carries: bool) -> Any:

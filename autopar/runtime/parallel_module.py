@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.core.batch import microbatch_pieces
 from autopar.core.errors import BadInputError
 from autopar.core.plan import Plan
 from autopar.ir.buffer_writes import reading_copies, refuse_evaluation_that_writes, writing_buffers, written
@@ -51,8 +52,7 @@ from autopar.runtime.checkpoint import load_module_state_dict, module_state_dict
 from autopar.runtime.deferred_init import InitWeights, ShardedInit, holds_meta_tensors
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
-from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_pieces, microbatch_weights,
-                                    user_input)
+from autopar.runtime.inputs import carries_batch, check_user_inputs, microbatch_weights, user_input
 from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.mesh import init_job_mesh, job_device_type
 from autopar.runtime.randomness import StepRandomness

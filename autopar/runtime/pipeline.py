@@ -69,6 +69,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.tensor import DTensor
 
+from autopar.core.batch import microbatch_pieces
 from autopar.core.errors import BadInputError
 from autopar.core.plan import MULTI_CHUNK_SCHEDULES, Plan
 from autopar.ir.buffer_writes import reading_copies, refuse_evaluation_that_writes, writing_buffers, written
@@ -87,7 +88,7 @@ from autopar.runtime.deferred_init import InitWeights, ShardedInit, holds_meta_t
 from autopar.runtime.fits import check_plan_fits
 from autopar.runtime.grad_norm import clip_grad_norm
 from autopar.runtime.inputs import (carries_batch, check_user_inputs, microbatch_shape, microbatch_weights,
-                                    microbatch_pieces, pipeline_chunk_spec, user_input, user_input_shard)
+                                    pipeline_chunk_spec, user_input, user_input_shard)
 from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.mesh import init_job_mesh, job_collective_timeout, job_device_type
 from autopar.runtime.randomness import StepRandomness

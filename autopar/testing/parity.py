@@ -26,10 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.api import autoparallelize
+from autopar.core.batch import microbatch_pieces
 from autopar.core.plan import Plan
-from autopar.ir.capture import batch_carriers
 from autopar.models import ModelBundle, build_model
-from autopar.runtime.inputs import microbatch_pieces
 from autopar.testing.counters import CollectiveCounter, planned_for_dtensor
 from autopar.testing.launch import run_on_ranks
 
@@ -252,7 +251,7 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     for i, batch in enumerate(batches(bundle, steps, seed)):
         opt.zero_grad()
         loss = torch.zeros(())
-        for piece in microbatch_pieces(batch, microbatches, batch_carriers([tuple(t.shape) for t in batch])):
+        for piece in microbatch_pieces(batch, microbatches):
             inputs, targets = (piece[:-1], piece[-1]) if bundle.example_targets is not None else (piece, None)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 part = _reference_loss(model, loss_fn, inputs, targets, dtype) / microbatches
