@@ -88,7 +88,21 @@ def split_program(program: fx.GraphModule, ranges: Sequence[Sequence[int]], para
             raise BadInputError(f"pipeline chunk {s} computes nothing a later chunk reads (layer ranges "
                                 f"{list(ranges)}): re-plan with fewer stages")
         stages.append(_stage_program(program, s, chunk, inputs, outputs, written_by))
+    _refuse_buffers_written_across_chunks(stages, written_by, buffers)
     return stages
+
+
+def _refuse_buffers_written_across_chunks(stages: Sequence[StageProgram], written_by: Mapping[str, int],
+                                          buffers: Mapping[str, str]) -> None:
+    """Refuse a buffer one chunk writes and another reads: each pipeline stage holds its own copy of what it reads,
+    so the reader would read a copy the writer never updates."""
+    for stage in stages:
+        for name in stage.placeholders:
+            if written_by.get(name, stage.index) != stage.index:
+                raise BadInputError(
+                    f"buffer {buffers[name]} is written in pipeline chunk {written_by[name]} and read in chunk "
+                    f"{stage.index}: each stage holds its own copy of a buffer, so the reader's would go stale; keep "
+                    "a written buffer within one layer (or before the layers), or plan without pp")
 
 
 def whole_program(program: fx.GraphModule) -> StageProgram:

@@ -40,7 +40,10 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``batch_normed_convs``: residual blocks of convolutions and BatchNorm with running statistics (ResNet's), and a
   step counter buffer the forward increments: a step that writes its buffers;
 * ``written_unread``: blocks that each write their input's mean into a buffer they never read (a pipeline stage
-  holds it all the same).
+  holds it all the same);
+* ``counted_blocks``: blocks that read a step counter the model writes before them (a pipeline would hold a copy
+  per stage: refused);
+* ``clamped_activations``: ReLU6, Hardtanh, LeakyReLU, ELU and SELU, whose backward kernels DTensor had no rule for.
 """
 
 from __future__ import annotations
@@ -435,3 +438,47 @@ class SeenBlocks(nn.Module):
 def written_unread(global_batch: int = 8, seq: int = 8):
     """``SeenBlocks``: each block writes its input's mean into a buffer it never reads."""
     return SeenBlocks(), torch.randn(global_batch, 6), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class CountedBlock(SeenBlock):
+    def forward(self, x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1 + 0.01 * steps)
+
+
+class CountedBlocks(SeenBlocks):
+    def __init__(self, width: int = 8, blocks: int = 4) -> None:
+        super().__init__(width, blocks)
+        self.blocks = nn.ModuleList(CountedBlock(width) for _ in range(blocks))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, self.steps)
+        return self.out(h)
+
+
+def counted_blocks(global_batch: int = 8, seq: int = 8):
+    """``SeenBlocks`` whose blocks scale their output by a step counter the model writes before them."""
+    return CountedBlocks(), torch.randn(global_batch, 6), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class ClampedActivations(nn.Module):
+    """An MLP through the activations whose backward kernels DTensor has no rule for by itself (``ir/dtensor_rules``):
+    ReLU6 and Hardtanh (``hardtanh``), LeakyReLU, ELU and SELU (``elu``)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.acts = nn.ModuleList([nn.ReLU6(), nn.Hardtanh(-0.5, 0.5), nn.LeakyReLU(0.1), nn.ELU(), nn.SELU()])
+        self.fcs = nn.ModuleList(nn.Linear(8 if i == 0 else width, width) for i in range(len(self.acts)))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fc, act in zip(self.fcs, self.acts):
+            x = act(fc(x) * 4)  # past the clamps, so that their gradient cut matters
+        return self.out(x)
+
+
+def clamped_activations(global_batch: int = 8, seq: int = 8):
+    return ClampedActivations(), torch.randn(global_batch, 8), torch.randint(0, 3, (global_batch,)), F.cross_entropy

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 import autopar
 from autopar import BadInputError, UnsupportedModelError
 from autopar.ir.buffer_writes import refuse_evaluation_that_writes
+from autopar.ir.capture import capture
 from autopar.models import build_model
+from autopar.passes.program import copy_graph
+from autopar.passes.split_stages import split_program
 from autopar.testing.parity import ParityResult, train_parallel_many, train_single
 
 SPEC = "edge_models:batch_normed_convs"
@@ -42,6 +45,15 @@ class _WritesItsParameter(nn.Module):
 def test_a_step_writing_its_parameters_is_refused_naming_them() -> None:
     with pytest.raises(UnsupportedModelError, match=r"writes into tensors in place \(parameter fc.bias\)"):
         autopar.plan(_WritesItsParameter(), torch.randn(8, 4), "1x2xcpu")
+
+
+def test_a_buffer_written_in_one_pipeline_chunk_and_read_in_another_is_refused() -> None:
+    bundle = build_model("edge_models:counted_blocks", global_batch=8)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
+    with pytest.raises(BadInputError, match="buffer steps is written in pipeline chunk 0 and read in chunk 1"):
+        split_program(program, [[0, 2], [2, 4]], captured.params, captured.user_inputs, captured.buffers)
+    split_program(program, [[0, 4]], captured.params, captured.user_inputs, captured.buffers)  # one chunk: fine
 
 
 def test_a_module_in_eval_mode_whose_step_writes_buffers_is_refused() -> None:

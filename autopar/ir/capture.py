@@ -47,6 +47,7 @@ from torch import fx, nn
 
 from autopar.core.errors import BadInputError, UnsupportedModelError, innermost_frame
 from autopar.ir.autograd_functions import capturing_functions
+from autopar.ir import dtensor_rules  # noqa: F401  (registers DTensor rules the captured ops' derivatives need)
 from autopar.ir.buffer_writes import WRITE_BUFFER, keep_buffer_writes, written
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
