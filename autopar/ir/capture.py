@@ -47,12 +47,14 @@ from torch import fx, nn
 
 from autopar.core.errors import BadInputError, UnsupportedModelError, innermost_frame
 from autopar.ir.autograd_functions import capturing_functions
-from autopar.ir import dtensor_rules  # noqa: F401  (registers DTensor rules the captured ops' derivatives need)
 from autopar.ir.buffer_writes import WRITE_BUFFER, keep_buffer_writes, written
+from autopar.ir.dtensor_rules import register_derivative_rules
 from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+register_derivative_rules()  # the captured ops' derivatives DTensor has no rule for by itself (``dtensor_rules.py``)
 
 
 class TrainingStep(nn.Module):

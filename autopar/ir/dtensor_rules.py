@@ -7,7 +7,8 @@ splits one of those activations ran its forward and then failed in backward, on 
 aten.hardtanh_backward.default does not have a sharding strategy registered": MobileNetV2's ReLU6 under dp).
 Importing this module registers DTensor's own elementwise rule for them (a private helper of
 ``torch.distributed.tensor._ops._pointwise_ops``; where it is missing, nothing is registered and such plans
-fail in backward as before). Capture imports it, so planning and every runtime see the rules.
+fail in backward as before). Capture registers them when it is imported (``register_derivative_rules``), so
+planning and every runtime see them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ ELEMENTWISE_DERIVATIVES = (
 """Elementwise in every tensor argument (the gradient, the input or result, a noise tensor), untagged."""
 
 
-def _register() -> None:
+def register_derivative_rules() -> None:
+    """Register DTensor's elementwise rule for each of ``ELEMENTWISE_DERIVATIVES`` that has none (again: nothing)."""
     try:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
@@ -34,5 +36,3 @@ def _register() -> None:
         if op not in known:
             _register_single_dim_pointwise(op)
 
-
-_register()
