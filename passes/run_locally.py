@@ -5,7 +5,8 @@ Three kinds of nodes get this treatment, all marked ``"local": true`` in the pla
 * ops with no DTensor strategy, planned all-``R`` (the planner warned): every rank runs the whole op;
 * ops planned with one of autopar's own *local rules* (``autopar.planning.strategies.LOCAL_RULES``), e.g.
   fused attention split on batch or heads: each rank runs the op on its shards, which is exact
-  because the split dims are independent;
+  because the split dims are independent (a float mask read whole there, a learned bias, gets a partial
+  gradient, which DTensor reduces);
 * context parallelism (``planning/strategies.py``, ``_sequence_split``): fused attention with its
   queries split on the sequence against the gathered keys and values, whose causal mask is built for
   the true positions of the rank's queries (``attend_locally``: SDPA's ``is_causal`` aligns the mask
@@ -51,7 +52,12 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
     ``query_ranges``: fused attention whose queries are split on the sequence (context parallelism),
     this rank's holding those [start, end) ranges of positions; its whole keys and values get partial
     gradients (``attend_locally``). ``ring``: (mesh dim, the ranges each of its ranks holds) of fused
-    attention whose keys and values are split there too, run as ring attention over that dim's group."""
+    attention whose keys and values are split there too, run as ring attention over that dim's group.
+    Fused attention's mask, where it is whole on a mesh dim that splits the output (a learned bias of batch
+    size 1, the relative position bias of Swin, under a batch split), gets a partial gradient there too: each
+    rank's is the sum over its own shard of the scores."""
+    if op is FUSED_ATTENTION and len(args) > 3 and isinstance(args[3], DTensor):
+        args = (*args[:3], _partial_gradient(args[3], out_placements[0]), *args[4:])
     if ring is not None or query_ranges is not None:
         q, k, v, *rest = args
         k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))

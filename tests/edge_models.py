@@ -43,7 +43,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   holds it all the same);
 * ``counted_blocks``: blocks that read a step counter the model writes before them (a pipeline would hold a copy
   per stage: refused);
-* ``clamped_activations``: ReLU6, Hardtanh, LeakyReLU, ELU and SELU, whose backward kernels DTensor had no rule for.
+* ``clamped_activations``: ReLU6, Hardtanh, LeakyReLU, ELU and SELU, whose backward kernels DTensor had no rule for;
+* ``learned_attention_bias``: fused attention whose float mask is a learned relative position bias of batch size 1
+  (Swin's), whose gradient a batch split leaves partial.
 """
 
 from __future__ import annotations
@@ -482,3 +484,29 @@ class ClampedActivations(nn.Module):
 
 def clamped_activations(global_batch: int = 8, seq: int = 8):
     return ClampedActivations(), torch.randn(global_batch, 8), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class LearnedAttentionBias(nn.Module):
+    """Attention whose additive mask is a learned relative position bias (Swin's, T5's): ``[1, heads, seq, seq]``
+    gathered from a table by a fixed index, passed to fused attention as its float ``attn_mask``."""
+
+    def __init__(self, seq: int = 8, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.seq = heads, seq
+        self.qkv = nn.Linear(width, 3 * width)
+        self.table = nn.Parameter(torch.randn(2 * seq - 1, heads) / 2)
+        offsets = torch.arange(seq)[:, None] - torch.arange(seq)[None, :] + seq - 1
+        self.register_buffer("index", offsets.reshape(-1), persistent=False)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index].view(n, n, self.heads).permute(2, 0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.out(attended.transpose(1, 2).reshape(b, n, d).mean(1))
+
+
+def learned_attention_bias(global_batch: int = 8, seq: int = 8):
+    return (LearnedAttentionBias(seq), torch.randn(global_batch, seq, 16), torch.randint(0, 3, (global_batch,)),
+            F.cross_entropy)

@@ -69,7 +69,8 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:einsum_attention", {"tp": 2}),
              ("edge_models:einsum_attention", {"tp": 2, "checkpointing": "selective"}),
              ("edge_models:reshaped_blocks", {"pp": 2, "microbatches": 2}),
-             ("edge_models:clamped_activations", {"dp": 2}), ("edge_models:clamped_activations", {"tp": 2})]
+             ("edge_models:clamped_activations", {"dp": 2}), ("edge_models:clamped_activations", {"tp": 2}),
+             ("edge_models:learned_attention_bias", {"dp": 2})]
 
 
 @pytest.mark.dist
@@ -84,7 +85,9 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     attention under tp trains on DTensor and with selective checkpointing (a view in backward met a gradient
     laid out otherwise than its spec said); a stage boundary that is a view, its layout guard looked through
     for its placement (the plan has none for the guard: "the plan gives no placement", OPT under pp); ReLU6,
-    LeakyReLU and ELU split over dp or tp run their backward (DTensor had no rule for their derivatives)."""
+    LeakyReLU and ELU split over dp or tp run their backward (DTensor had no rule for their derivatives); a
+    learned attention bias read whole by batch-split fused attention gets its gradient summed over dp (each rank
+    kept its own shard's: Swin's relative position bias, about half its gradient)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
