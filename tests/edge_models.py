@@ -45,7 +45,8 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   per stage: refused);
 * ``clamped_activations``: ReLU6, Hardtanh, LeakyReLU, ELU and SELU, whose backward kernels DTensor had no rule for;
 * ``learned_attention_bias``: fused attention whose float mask is a learned relative position bias of batch size 1
-  (Swin's), whose gradient a batch split leaves partial.
+  (Swin's), whose gradient a batch split leaves partial;
+* ``spectral_normed``: spectral normalization, whose power iteration writes its buffers at every forward.
 """
 
 from __future__ import annotations
@@ -510,3 +511,21 @@ class LearnedAttentionBias(nn.Module):
 def learned_attention_bias(global_batch: int = 8, seq: int = 8):
     return (LearnedAttentionBias(seq), torch.randn(global_batch, seq, 16), torch.randint(0, 3, (global_batch,)),
             F.cross_entropy)
+
+
+class SpectralNormed(nn.Module):
+    """Linear layers under spectral normalization (``torch.nn.utils.parametrizations.spectral_norm``), whose power
+    iteration updates its ``_u`` and ``_v`` buffers in place at every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 16))
+        self.fc2 = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16))
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def spectral_normed(global_batch: int = 8, seq: int = 8):
+    return SpectralNormed(), torch.randn(global_batch, 8), torch.randint(0, 3, (global_batch,)), F.cross_entropy

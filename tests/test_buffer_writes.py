@@ -75,7 +75,8 @@ def test_parity_compares_the_final_buffers() -> None:
 RUNS = [(SPEC, {"dp": 2}, 1), (SPEC, {"tp": 2}, 1), (SPEC, {"dp": 2, "fsdp": 3}, 1),
         (SPEC, {"dp": 2, "checkpointing": "full"}, 1), (SPEC, {"dp": 2, "microbatches": 2}, 2),
         (SPEC, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2),
-        ("edge_models:written_unread", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2)]
+        ("edge_models:written_unread", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 2),
+        ("edge_models:spectral_normed", {"tp": 2}, 1)]
 
 
 @pytest.mark.dist
@@ -84,7 +85,8 @@ def test_running_statistics_and_counters_are_written_as_one_process_writes_them(
     """Gradients, losses, final parameters and final buffers against one process: BatchNorm's batch statistics
     over the whole microbatch, its running ones updated once a forward, microbatches in order (the reference
     accumulates their gradients as eager PyTorch does), in a pipeline stage too; recomputation writes nothing
-    twice; a buffer written but not read is held by the stage that writes it. Lowered, the writes leave the graphs
+    twice; a buffer written but not read is held by the stage that writes it; spectral normalization's power
+    iteration writes its vectors. Lowered, the writes leave the graphs
     as outputs (``passes/lower_writes.py``) and nothing falls back."""
     references = {(spec, m): train_single(spec, None, 8, None, steps=3, microbatches=m) for spec, _, m in RUNS}
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
