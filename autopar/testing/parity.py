@@ -242,8 +242,8 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     (max_norm, norm_type), each backward's gradients are clipped by ``torch.nn.utils.clip_grad_norm_``. With
     ``autocast``, each forward and loss runs under eager ``torch.autocast`` on the CPU in that dtype. With
     ``microbatches`` m, eager gradient accumulation: each batch cut into m pieces (the inputs that carry it, on
-    dim 0), run one after the other (a model that normalizes over its batch, BatchNorm, sees each piece's statistics), each piece's
-    loss weighted 1/m (a mean loss over pieces of equal counts)."""
+    dim 0), run one after the other (a model that normalizes over its batch, BatchNorm, sees each piece's
+    statistics), each piece's loss weighted 1/m (a mean loss over pieces of equal counts)."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
     opt = optimizer(model.parameters())
