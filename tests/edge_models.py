@@ -46,7 +46,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``clamped_activations``: ReLU6, Hardtanh, LeakyReLU, ELU and SELU, whose backward kernels DTensor had no rule for;
 * ``learned_attention_bias``: fused attention whose float mask is a learned relative position bias of batch size 1
   (Swin's), whose gradient a batch split leaves partial;
-* ``spectral_normed``: spectral normalization, whose power iteration writes its buffers at every forward.
+* ``spectral_normed``: spectral normalization, whose power iteration writes its buffers at every forward;
+* ``random_function``: ``reshaped_blocks`` whose head reads its hidden state through a ``torch.autograd.Function``
+  that draws random noise in its forward (refused).
 """
 
 from __future__ import annotations
@@ -529,3 +531,28 @@ class SpectralNormed(nn.Module):
 
 def spectral_normed(global_batch: int = 8, seq: int = 8):
     return SpectralNormed(), torch.randn(global_batch, 8), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class NoisyScale(torch.autograd.Function):
+    """Multiplies by random noise drawn in the forward, saved for the backward: a Function autopar refuses (it runs
+    a Function's forward again for its backward, which would draw other noise)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        noise = torch.rand_like(x) + 0.5
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (noise,) = ctx.saved_tensors
+        return grad * noise
+
+
+class NoisyBlocks(ReshapedBlocks):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(NoisyScale.apply(self.hidden(idx)))
+
+
+def random_function(global_batch: int = 8, seq: int = 8):
+    return _next_tokens(NoisyBlocks(), global_batch, seq)

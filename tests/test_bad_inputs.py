@@ -79,6 +79,8 @@ CASES = [
     Case("plan nosuchmodel --cluster 1x2xcpu", 2, "unknown model 'nosuchmodel'"),
     Case("plan edge_models:hooked_forward --cluster 1x2xcpu", 2, "registers a gradient hook on a tensor at edge_models",
          in_capture=True),
+    Case("plan edge_models:random_function --cluster 1x2xcpu", 2, "edge_models.NoisyScale.forward draws random numbers "
+         "(rand_like)", in_capture=True),
     Case("plan --cluster 1x2xcpu", 2, "give a MODEL"),
     Case("plan mlp --problem problem.json --cluster 1x2xcpu", 2, "not both"),
     Case("plan mlp --cluster 0x8xH100", 2, "N and G must be positive"),

@@ -11,9 +11,9 @@ as one op, ``autopar::function_forward(tensors, key)``: its tensor arguments, an
 Function and its other arguments in this process's ``_CALLS`` (equal calls, one key). Its derivative is another
 op, ``autopar::function_backward(tensors, grads, key)``, which runs the Function again under autograd and asks
 autograd for its inputs' gradients: the Function's own ``backward`` computes them (its forward runs twice a
-step, as under recomputation, and needs no state saved beside its inputs; a forward that draws random numbers
-would draw others the second time). Both ops are opaque (``torch.library.custom_op``), so the planner runs them
-replicated as any op DTensor has no strategy for, and a lowered program keeps them as calls. Every rank captures
+step, as under recomputation, and needs no state saved beside its inputs; a forward that draws random numbers,
+which would draw others the second time, is refused, naming the Function and the draws). Both ops are opaque
+(``torch.library.custom_op``), so the planner runs them replicated as any op DTensor has no strategy for, and a lowered program keeps them as calls. Every rank captures
 the same model in the same order, so a key names the same call on every rank. torch's own Functions (reentrant
 checkpointing's) are traced as before: their backward is their forward's derivative. A gradient hook the forward
 registers on a tensor (``Tensor.register_hook``), which the captured step cannot keep, is refused, naming where.
@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.autograd.function import Function
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.core.errors import UnsupportedModelError
 
@@ -120,8 +121,27 @@ def function_forward(tensors: list[torch.Tensor], key: int) -> list[torch.Tensor
 
 @function_forward.register_fake
 def _(tensors: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [torch.empty_like(o) for o in _CALLS[key].run(tensors)]
+    with torch.no_grad(), _RandomDraws() as draws:
+        outputs = _CALLS[key].run(tensors)
+    if draws.ops:
+        raise UnsupportedModelError(
+            f"{_name(_CALLS[key].function)}.forward draws random numbers ({', '.join(sorted(draws.ops))}): "
+            "autopar runs a Function's forward again to compute its backward, which would draw others, so its gradient would not "
+            "match its forward; draw them outside the Function and pass them in as an argument")
+    return [torch.empty_like(o) for o in outputs]
+
+
+class _RandomDraws(TorchDispatchMode):
+    """The random ops (``torch.Tag.nondeterministic_seeded``: rand, bernoulli, dropout...) run while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.add(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
 
 
 @torch.library.custom_op("autopar::function_backward", mutates_args=())
