@@ -13,10 +13,11 @@ op, ``autopar::function_backward(tensors, grads, key)``, which runs the Function
 autograd for its inputs' gradients: the Function's own ``backward`` computes them (its forward runs twice a
 step, as under recomputation, and needs no state saved beside its inputs; a forward that draws random numbers,
 which would draw others the second time, is refused, naming the Function and the draws). Both ops are opaque
-(``torch.library.custom_op``), so the planner runs them replicated as any op DTensor has no strategy for, and a lowered program keeps them as calls. Every rank captures
-the same model in the same order, so a key names the same call on every rank. torch's own Functions (reentrant
-checkpointing's) are traced as before: their backward is their forward's derivative. A gradient hook the forward
-registers on a tensor (``Tensor.register_hook``), which the captured step cannot keep, is refused, naming where.
+(``torch.library.custom_op``), so the planner runs them replicated as any op DTensor has no strategy for, and a
+lowered program keeps them as calls. Every rank captures the same model in the same order, so a key names the
+same call on every rank. torch's own Functions (reentrant checkpointing's) are traced as before: their backward
+is their forward's derivative. A gradient hook the forward registers on a tensor (``Tensor.register_hook``),
+which the captured step cannot keep, is refused, naming where.
 """
 
 from __future__ import annotations
