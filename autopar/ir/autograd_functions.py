@@ -127,8 +127,8 @@ def _(tensors: list[torch.Tensor], key: int) -> list[torch.Tensor]:
     if draws.ops:
         raise UnsupportedModelError(
             f"{_name(_CALLS[key].function)}.forward draws random numbers ({', '.join(sorted(draws.ops))}): "
-            "autopar runs a Function's forward again to compute its backward, which would draw others, so its gradient would not "
-            "match its forward; draw them outside the Function and pass them in as an argument")
+            "autopar runs a Function's forward again to compute its backward, which would draw others, so its "
+            "gradient would not match its forward; draw them outside the Function and pass them in as an argument")
     return [torch.empty_like(o) for o in outputs]
 
 
