@@ -384,8 +384,10 @@ def _gather_bucket(graph: fx.Graph, members: Sequence[_Gather], launch: fx.Node,
         for i, (member, x) in enumerate(zip(members, inputs)):
             shape = list(_value(x).shape)
             piece = graph.call_function(operator.getitem, (pieces, i))
+            if len(members) > 1:  # a column block of the rows: made contiguous, as the gathered value it replaces was
+                piece = graph.call_function(_aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
             member.wait.replace_all_uses_with(
-                graph.call_function(_aten.reshape.default, (piece, [size * shape[0], *shape[1:]])))
+                graph.call_function(_aten.view.default, (piece, [size * shape[0], *shape[1:]])))
     for member in members:
         graph.erase_node(member.wait)
         graph.erase_node(member.gather)

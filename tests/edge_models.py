@@ -48,7 +48,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   (Swin's), whose gradient a batch split leaves partial;
 * ``spectral_normed``: spectral normalization, whose power iteration writes its buffers at every forward;
 * ``random_function``: ``reshaped_blocks`` whose head reads its hidden state through a ``torch.autograd.Function``
-  that draws random noise in its forward (refused).
+  that draws random noise in its forward (refused);
+* ``column_blocks``: blocks with a ``Linear(1, width)`` read transposed (Mamba's ``dt_proj``), which FSDP gathers
+  and views back from a column block of the layer's gathered buffer.
 """
 
 from __future__ import annotations
@@ -556,3 +558,33 @@ class NoisyBlocks(ReshapedBlocks):
 
 def random_function(global_batch: int = 8, seq: int = 8):
     return _next_tokens(NoisyBlocks(), global_batch, seq)
+
+
+class ColumnBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.gate = nn.Linear(1, width, bias=False)  # weight [width, 1], read transposed: [1, width]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * self.gate(x.mean(-1, keepdim=True))
+
+
+class ColumnBlocks(nn.Module):
+    """Blocks whose ``Linear(1, width)`` weight is read transposed, ``[1, width]`` (Mamba's ``dt_proj``): FSDP over
+    2 ranks splits it, DTensor gathers it on dim 0 and views it back, and the block's gathered parameters come out
+    of one buffer (a column block of it, which that view needs contiguous)."""
+
+    def __init__(self, width: int = 16, blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ColumnBlock(width) for _ in range(blocks))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def column_blocks(global_batch: int = 8, seq: int = 8):
+    return ColumnBlocks(), torch.randn(global_batch, 16), torch.randint(0, 3, (global_batch,)), F.cross_entropy

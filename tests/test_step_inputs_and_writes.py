@@ -70,7 +70,7 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:einsum_attention", {"tp": 2, "checkpointing": "selective"}),
              ("edge_models:reshaped_blocks", {"pp": 2, "microbatches": 2}),
              ("edge_models:clamped_activations", {"dp": 2}), ("edge_models:clamped_activations", {"tp": 2}),
-             ("edge_models:learned_attention_bias", {"dp": 2})]
+             ("edge_models:learned_attention_bias", {"dp": 2}), ("edge_models:column_blocks", {"dp": 2, "fsdp": 3})]
 
 
 @pytest.mark.dist
@@ -87,7 +87,9 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     for its placement (the plan has none for the guard: "the plan gives no placement", OPT under pp); ReLU6,
     LeakyReLU and ELU split over dp or tp run their backward (DTensor had no rule for their derivatives); a
     learned attention bias read whole by batch-split fused attention gets its gradient summed over dp (each rank
-    kept its own shard's: Swin's relative position bias, about half its gradient)."""
+    kept its own shard's: Swin's relative position bias, about half its gradient); a parameter FSDP gathers on
+    dim 0 and views back (a ``[1, width]`` transposed weight) reads a contiguous piece of its layer's gathered
+    buffer on the lowered runtime (it failed: "view size is not compatible with input tensor's size")."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
