@@ -259,6 +259,7 @@ class PipelineParallelModule(nn.Module):
         self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         self.redistributes = built.redistributes
         self._dropout_ops = built.dropout_ops
+        self._written = written(captured.graph)  # buffers the step writes (``ir/buffer_writes.py``)
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
         deferred = self._deferred_init(model, mine, init_weights)
@@ -337,7 +338,7 @@ class PipelineParallelModule(nn.Module):
         names = self.captured.user_inputs
         check_user_inputs(self.plan, self.mesh, names, args, local, self.microbatches, "step()")
         refuse_step_that_cannot_train(self.training, self._dropout_ops)
-        refuse_evaluation_that_writes(self.training, written(self.captured.graph), "step()")
+        refuse_evaluation_that_writes(self.training, self._written, "step()")
         with self.autocast.set_aside("step()"):  # the program runs in the plan's precision (``runtime/autocast``)
             return self._scheduled_step(args, local)
 
