@@ -36,7 +36,7 @@ from autopar.core.plan import Plan
 from autopar.ir.capture import CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
 
-from .layout import gradient_in_spec_layout, in_memory_order, memory_order
+from .layout import gradient_in_spec_layout, in_captured_layout, in_memory_order, memory_order
 
 
 def redistribute(x: DTensor, placements: tuple[str, ...]) -> DTensor:
@@ -116,10 +116,10 @@ def _replicate_the_loss(graph: fx.Graph, produced: Mapping[str, Sequence[str]], 
     return 1
 
 
-PLACED_AS_INPUT = (torch.ops.aten._to_copy.default, gradient_in_spec_layout)
+PLACED_AS_INPUT = (torch.ops.aten._to_copy.default, gradient_in_spec_layout, in_captured_layout)
 """Ops a program places as their first input where the plan has no placement of their own: a cast the plan
 never saw (a program captured in a compute dtype may end in one: bf16's ``mse_loss`` upcasts, then casts its
-mean back, which DTensor leaves placed as its input) and the layout guard put after reshaping views
+mean back, which DTensor leaves placed as its input) and the layout guards put around reshaping views
 (``layout.guard_view_gradients``). Here and in ``split_stages._planned``, which reads placements off the plan."""
 
 

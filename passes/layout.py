@@ -104,11 +104,56 @@ class _GradientInSpecLayout(torch.autograd.Function):
         return wrap_with_layout(grad._local_tensor, grad.device_mesh, placements_to_strs(grad.placements), want)
 
 
+def in_captured_layout(x: Any, order: tuple[int, ...]) -> Any:
+    """``x`` laid out in memory as the captured graph saw it (``order``, outermost dim first), for a reshaping
+    view the trace saw valid: where DTensor's spec or local shard lays it out otherwise (XLNet's relative
+    attention under tp: a replicated ``[8, 2, 8, 8, 1]`` of strides ``(8, 512, 64, 1, 1)`` that ``view`` cannot
+    take), it is rearranged (``in_memory_order``); a value laid out as captured passes untouched, as does
+    anything but a DTensor."""
+    if not isinstance(x, DTensor):
+        return x
+    meta = x._spec.tensor_meta
+    if order == tuple(range(x.ndim)):  # captured contiguous: the common case, checked as torch checks it
+        if x._local_tensor.is_contiguous() and (meta is None or _contiguous(meta.shape, meta.stride)):
+            return x
+    elif memory_order(x._local_tensor) == order and (meta is None or order_of(meta.stride, meta.shape) == order):
+        return x
+    return in_memory_order(x, order)
+
+
+def _captured_value(node: Any) -> Any:
+    """The traced value ``node`` computes: its own, or for a node a pass inserted without one (a redistribute
+    of the value), its first argument's, which it holds in another placement."""
+    while isinstance(node, fx.Node):
+        if "val" in node.meta:
+            return node.meta["val"]
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` is the row-major layout of ``shape`` (dims of size 1 may have any stride)."""
+    step = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != step:
+            return False
+        step *= size
+    return True
+
+
 def guard_view_gradients(gm: fx.GraphModule, views: Sequence[Any]) -> None:
     """Put ``gradient_in_spec_layout`` on the output of every reshaping view of ``gm`` (``views``: their
-    targets)."""
+    targets), and ``in_captured_layout`` on its input."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in views:
+            source = node.args[0]
+            val = _captured_value(source)
+            if isinstance(val, torch.Tensor):
+                with gm.graph.inserting_before(node):
+                    order = tuple(range(val.ndim)) if val.is_contiguous() else memory_order(val)
+                    laid = gm.graph.call_function(in_captured_layout, (source, order))
+                laid.meta = dict(source.meta)
+                node.args = (laid, *node.args[1:])
             with gm.graph.inserting_after(node):
                 guard = gm.graph.call_function(gradient_in_spec_layout, (node,))
             guard.meta = dict(node.meta)  # the view's layer and value: checkpointing and stages read them

@@ -50,7 +50,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``random_function``: ``reshaped_blocks`` whose head reads its hidden state through a ``torch.autograd.Function``
   that draws random noise in its forward (refused);
 * ``column_blocks``: blocks with a ``Linear(1, width)`` read transposed (Mamba's ``dt_proj``), which FSDP gathers
-  and views back from a column block of the layer's gathered buffer.
+  and views back from a column block of the layer's gathered buffer;
+* ``sequence_first_attention``: einsum attention on ``[seq, batch, heads, dim]`` values (XLNet's), whose views
+  under tp read a value a redistribute laid out otherwise than the trace saw.
 """
 
 from __future__ import annotations
@@ -588,3 +590,31 @@ class ColumnBlocks(nn.Module):
 
 def column_blocks(global_batch: int = 8, seq: int = 8):
     return ColumnBlocks(), torch.randn(global_batch, 16), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class SequenceFirstAttention(nn.Module):
+    """Attention on ``[seq, batch, heads, dim]`` values written with ``torch.einsum`` (XLNet's relative attention),
+    whose decomposed permutes and views under tp read values a redistribute lays out otherwise than the trace."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Parameter(torch.randn(width, heads, width // heads) / 4)
+        self.k = nn.Parameter(torch.randn(width, heads, width // heads) / 4)
+        self.v = nn.Parameter(torch.randn(width, heads, width // heads) / 4)
+        self.bias = nn.Parameter(torch.randn(heads, width // heads) / 4)
+        self.o = nn.Parameter(torch.randn(width, heads, width // heads) / 4)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(0, 1)  # [seq, batch, width]
+        q, k, v = (torch.einsum("ibh,hnd->ibnd", h, w) for w in (self.q, self.k, self.v))
+        scores = torch.einsum("ibnd,jbnd->bnij", q + self.bias, k) / 4
+        attended = torch.einsum("bnij,jbnd->ibnd", scores.softmax(-1), v)
+        y = torch.einsum("ibnd,hnd->ibh", attended, self.o)
+        return self.out(y.mean(0))
+
+
+def sequence_first_attention(global_batch: int = 8, seq: int = 8):
+    return (SequenceFirstAttention(), torch.randn(global_batch, seq, 16), torch.randint(0, 3, (global_batch,)),
+            F.cross_entropy)
