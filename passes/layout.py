@@ -152,7 +152,7 @@ def guard_view_gradients(gm: fx.GraphModule, views: Sequence[Any]) -> None:
                 with gm.graph.inserting_before(node):
                     order = tuple(range(val.ndim)) if val.is_contiguous() else memory_order(val)
                     laid = gm.graph.call_function(in_captured_layout, (source, order))
-                laid.meta = dict(source.meta)
+                laid.meta = {**node.meta, "val": val}  # the view's layer (checkpointing, stages), its input's value
                 node.args = (laid, *node.args[1:])
             with gm.graph.inserting_after(node):
                 guard = gm.graph.call_function(gradient_in_spec_layout, (node,))

@@ -26,7 +26,7 @@ from autopar.models import ModelBundle, build_model
 from autopar.passes import Program, build_program, shard_tensor
 from autopar.passes.checkpoint import CheckpointedLayer
 from autopar.passes.insert_redistributes import as_replicated, produced_placements, redistribute
-from autopar.passes.layout import gradient_in_spec_layout
+from autopar.passes.layout import gradient_in_spec_layout, in_captured_layout
 from autopar.passes.reshard import ResavedParameters, gather_parameter, parameter_values
 from autopar.passes.run_locally import run_local_op
 from autopar.runtime.parallel_module import mesh_for_plan
@@ -60,8 +60,9 @@ def _value_name(node: fx.Node) -> str:
 
 
 def _read_in_place_of(captured: fx.Node, rewritten: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """(captured tensor input, the node the rewritten op reads in its place) for each input of an op; a
-    view's gradient guard (``layout.gradient_in_spec_layout``, which passes its value through) seen through."""
+    """(captured tensor input, the node the rewritten op reads in its place) for each input of an op; a view's
+    layout guards (``layout.gradient_in_spec_layout``, ``in_captured_layout``, which pass values through) seen
+    through."""
     local = rewritten.target is run_local_op  # run_locally made its args (op, mesh, outputs, layouts, *args)
     args = rewritten.args[4:] if local else rewritten.args
     pairs = zip(tree_leaves((captured.args, captured.kwargs)), tree_leaves((args, rewritten.kwargs)))
@@ -69,8 +70,11 @@ def _read_in_place_of(captured: fx.Node, rewritten: fx.Node) -> list[tuple[fx.No
 
 
 def _unguarded(node: fx.Node) -> fx.Node:
-    """The value ``node`` passes on: the guarded view for a gradient guard, else ``node``."""
-    return node.args[0] if node.target is gradient_in_spec_layout else node
+    """The value ``node`` passes on: the guarded value for a layout guard (a view's gradient guard, a view's
+    input laid out as traced), else ``node``."""
+    while node.target in (gradient_in_spec_layout, in_captured_layout):
+        node = node.args[0]
+    return node
 
 
 def _reads_unmoved(old: fx.Node, new: fx.Node) -> bool:
