@@ -5,10 +5,9 @@ has rules for (``hardtanh``, which ``nn.ReLU6`` and ``nn.Hardtanh`` capture as, 
 ``nn.ELU`` and ``nn.SELU`` capture as, ``rrelu_with_noise``) are elementwise too but carry no tag. So a plan that
 splits one of those activations ran its forward and then failed in backward, on every runtime ("Operator
 aten.hardtanh_backward.default does not have a sharding strategy registered": MobileNetV2's ReLU6 under dp).
-Importing this module registers DTensor's own elementwise rule for them (a private helper of
+``register_derivative_rules`` registers DTensor's own elementwise rule for them (a private helper of
 ``torch.distributed.tensor._ops._pointwise_ops``; where it is missing, nothing is registered and such plans
-fail in backward as before). Capture registers them when it is imported (``register_derivative_rules``), so
-planning and every runtime see them.
+fail in backward as before). Capture calls it when it is imported, so planning and every runtime see them.
 """
 
 from __future__ import annotations
@@ -35,4 +34,3 @@ def register_derivative_rules() -> None:
     for op in ELEMENTWISE_DERIVATIVES:
         if op not in known:
             _register_single_dim_pointwise(op)
-
