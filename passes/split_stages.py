@@ -78,7 +78,7 @@ def split_program(program: fx.GraphModule, ranges: Sequence[Sequence[int]], para
         raise BadInputError("the loss is not computed after the last pipeline stage's layers; "
                             "pipeline plans need the loss to follow the model's last layer")
     crossing = _values_crossing(graph, chunk, last)
-    writers = {written_value(n)[1]: chunk[n] for n in chunk if written_value(n) is not None}
+    writers = {write[1]: chunk[n] for n in chunk if (write := written_value(n)) is not None}
     written_by = {p: writers[fqn] for p, fqn in buffers.items() if fqn in writers}  # a placeholder of the chunk
     stages = []
     for s in range(last + 1):
@@ -143,7 +143,8 @@ def _assign_chunks(graph: fx.Graph, layer_chunk: Mapping[str, int], param_names:
             from_inputs.add(node)
         if not fed_by_layers and not any(i in from_params for i in inputs):
             if written_value(node) is not None:  # a counter's write: its layer's chunk, outside layers the first
-                chunk[node] = layer_chunk[layer_of(node)] if layer_of(node) is not None else 0
+                layer = layer_of(node)
+                chunk[node] = layer_chunk[layer] if layer is not None else 0
             continue  # parameter-free: recomputed by each chunk that reads it
         from_params.add(node)
         layer = layer_of(node)

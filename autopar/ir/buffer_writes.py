@@ -83,9 +83,11 @@ def written(graph: fx.Graph) -> set[str]:
     return {node.args[1] for node in graph.nodes if node.op == "call_function" and node.target is WRITE_BUFFER}
 
 
-def reading_copies(values: Mapping[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:
+def reading_copies(values: Mapping[str, torch.Tensor], names: set[str]) -> Mapping[str, torch.Tensor]:
     """``values`` (buffer name -> tensor) with a fresh copy of each buffer ``names`` lists, for one forward to read
-    while it writes the buffers themselves."""
+    while it writes the buffers themselves; ``values`` itself where it lists none (most steps, every microbatch)."""
+    if not names:
+        return values
     return {name: value.detach().clone() if name in names else value for name, value in values.items()}
 
 

@@ -49,8 +49,8 @@ from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 
 from autopar.core.placement import Placements, placement_to_str
 from autopar.core.plan import ALLGATHER, RING
-from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.buffer_writes import WRITE_BUFFER
+from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION, VIEWS
 from autopar.ir.layers import (ATTENTION_DROPOUT_ARG, ATTENTION_MASK_ARG, attention_argument, output_vals,
                                 tensor_inputs)
@@ -271,7 +271,7 @@ def _sequence_split(node: fx.Node, strategy: Strategy, dim: int, rows: tuple[int
 
 def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
     """Whether the runtime runs ``node`` under ``strategy`` on local shards, outside DTensor: an op of
-    ``LOCAL_RULES``, or a view that moves a sequence split between ``[batch, seq, ...]`` and its
+    ``LOCAL_RULES`` or ``WHOLE_OPS``, or a view that moves a sequence split between ``[batch, seq, ...]`` and its
     flattened rows (``_sequence_split``), which DTensor would place as a ``_StridedShard``."""
     if node.target in LOCAL_RULES or node.target in WHOLE_OPS:
         return True

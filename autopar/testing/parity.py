@@ -98,8 +98,9 @@ class ParityResult:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # final persistent buffers, gathered
 
     def mismatches(self, single: TrainResult, tol: Tolerances = FP32) -> list[str]:
-        """One line per kind (gradients, parameters, losses) that differs from ``single`` beyond its
-        tolerance: how many tensors are off, and the worst with its values and error."""
+        """One line per kind (gradients, parameters, buffers, losses) that differs from ``single`` beyond its
+        tolerance: how many tensors are off, and the worst with its values and error. Buffers are those this run
+        gathered (``pm.state_dict()``'s persistent ones), compared with the reference's of the same names."""
         expected_losses = [single.losses] * len(self.losses)
         found = [_tensors_mismatch("gradients after the first backward", self.grads, single.grads,
                                    tol.grad_rtol, tol.grad_atol, tol.grad_scale_rtol),
