@@ -14,6 +14,7 @@ both sections; ``autopar.inspect.explain`` renders them.
 from __future__ import annotations
 
 import weakref
+from collections import ChainMap
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,28 +24,48 @@ from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
 from autopar.planning.pricing import Collective, Cost, Pricer, gathers
-from autopar.planning.problem import (Problem, RootSharding, edge_pair, gradient_root, partial_gradient_share,
-                                      read_through_views, source_of)
+from autopar.planning.problem import (Edge, Problem, RootSharding, SharedResharding, edge_pair, gradient_root,
+                                      partial_gradient_share, read_through_views, source_of)
 from autopar.planning.strategies import Strategy
 
 TOP_K = 8
 
 
-def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str,
-                          root_terms: Sequence[RootSharding] = (), top: int = TOP_K) -> list[dict]:
-    """Options of ``key`` with ``delta_s`` (step-time change if taken alone), best first. ``problem`` is
-    settled at ``choice`` (``Problem.settled``); ``root_terms``: the problem's terms whose root is ``key``."""
+class _Solution:
+    """What the alternatives of every decision read of one settled solution, worked out once for all of
+    them: the exposed gradient sync of the whole solution, and which edges and shared moves touch each
+    decision (asking every decision for every edge made a graph's explanations quadratic in its ops:
+    1,524 decisions took 9 s)."""
+
+    def __init__(self, problem: Problem, choice: Mapping[str, int]):
+        self.problem = problem
+        self.choice = choice
+        self.z_now = _exposed_sync(problem, choice)
+        self.edges_of: dict[str, list[Edge]] = {}
+        for edge in problem.edges:
+            for key in dict.fromkeys((edge.src, edge.dst)):
+                self.edges_of.setdefault(key, []).append(edge)
+        self.shared_of: dict[str, list[SharedResharding]] = {}
+        for g in problem.shared:
+            for key in dict.fromkeys(k for e in g.edges for k in (problem.edges[e].src, problem.edges[e].dst)):
+                self.shared_of.setdefault(key, []).append(g)
+
+
+def decision_alternatives(solution: _Solution, key: str, root_terms: Sequence[RootSharding] = (),
+                          top: int = TOP_K) -> list[dict]:
+    """Options of ``key`` with ``delta_s`` (step-time change if taken alone), best first. ``solution``'s
+    problem is settled at its choice (``Problem.settled``); ``root_terms``: the problem's terms whose root
+    is ``key``."""
+    problem, choice = solution.problem, solution.choice
     decision = problem.decisions[key]
-    z_now = _exposed_sync(problem, choice)
     chosen = choice[key]
     rows = []
     for k, option in enumerate(decision.options):
-        trial = dict(choice)
-        trial[key] = k
+        trial = ChainMap({key: k}, choice)
         delta = decision.count * (option.cost.exposed_s - decision.options[chosen].cost.exposed_s)
-        edges, edge_sync = _edge_delta(problem, choice, trial, key)
+        edges, edge_sync = _edge_delta(solution, trial, key)
         exposed, sync = _root_change(problem, root_terms, choice, trial)
-        delta += edges + exposed + _sync_delta(problem, decision, chosen, k, z_now, sync + edge_sync)
+        delta += edges + exposed + _sync_delta(problem, decision, chosen, k, solution.z_now, sync + edge_sync)
         rows.append({
             "strategy": option.strategy.describe(),
             "chosen": k == chosen,
@@ -57,24 +78,21 @@ def decision_alternatives(problem: Problem, choice: Mapping[str, int], key: str,
     return rows[:top]
 
 
-def _edge_delta(problem: Problem, before: Mapping[str, int], after: Mapping[str, int], key: str
-                ) -> tuple[float, float]:
-    """(exposed, gradient sync) seconds the edges touching ``key`` change by from ``before`` to ``after``."""
+def _edge_delta(solution: _Solution, after: Mapping[str, int], key: str) -> tuple[float, float]:
+    """(exposed, gradient sync) seconds the edges touching ``key`` change by from the solution to ``after``."""
+    problem, before = solution.problem, solution.choice
     delta = sync = 0.0
-    for edge in problem.edges:
-        if key not in (edge.src, edge.dst):
-            continue
+    for edge in solution.edges_of.get(key, ()):
         now, then = _edge_cost(problem, edge, after), _edge_cost(problem, edge, before)
         delta += edge.count * (now.exposed_s - then.exposed_s)
         sync += edge.count * (now.grad_sync_s - then.grad_sync_s)
-    for g in problem.shared:  # moves several edges share (``problem.SharedResharding``)
-        if any(key in (problem.edges[e].src, problem.edges[e].dst) for e in g.edges):
-            delta += g.count(problem.edges) * (sum(c.exposed_s for c in g.taken(problem, after))
-                                               - sum(c.exposed_s for c in g.taken(problem, before)))
+    for g in solution.shared_of.get(key, ()):  # moves several edges share (``problem.SharedResharding``)
+        delta += g.count(problem.edges) * (sum(c.exposed_s for c in g.taken(problem, after))
+                                           - sum(c.exposed_s for c in g.taken(problem, before)))
     return delta, sync
 
 
-def _edge_cost(problem: Problem, edge, choice: Mapping[str, int]) -> Cost:
+def _edge_cost(problem: Problem, edge: Edge, choice: Mapping[str, int]) -> Cost:
     return edge.price[edge_pair(problem, edge, choice)]
 
 
@@ -118,9 +136,10 @@ def explanations(problem: Problem, choice: Mapping[str, int], index: Mapping[str
     for t in problem.root_terms:
         by_root.setdefault(t.root, []).append(t)
     settled = problem.settled(choice)
+    solution = _Solution(settled, choice)
     return {
         "decisions": {key: {"nodes": d.nodes, "occurrences": d.occurrences,
-                            "alternatives": decision_alternatives(settled, choice, key, by_root.get(key, ()))}
+                            "alternatives": decision_alternatives(solution, key, by_root.get(key, ()))}
                       for key, d in settled.decisions.items() if len(d.options) > 1},
         "index": dict(index),
     }
