@@ -53,9 +53,15 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   and views back from a column block of the layer's gathered buffer;
 * ``sequence_first_attention``: einsum attention on ``[seq, batch, heads, dim]`` values (XLNet's), whose views
   under tp read a value a redistribute laid out otherwise than the trace saw.
+* ``depth_scaled_blocks``: ``reshaped_blocks`` whose residual branches are scaled by a constant of their depth
+  (DiffLlama's per-layer ``lambda_init``): alike layers, though their ops' float arguments differ.
+* ``alternating_blocks``: ``reshaped_blocks`` whose odd blocks are wider gated MLPs (layers alike every other one,
+  as Jamba's and Llama 4's mixture-of-experts layers are): pipelines cut between pairs of layers.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -618,3 +624,47 @@ class SequenceFirstAttention(nn.Module):
 def sequence_first_attention(global_batch: int = 8, seq: int = 8):
     return (SequenceFirstAttention(), torch.randn(global_batch, seq, 16), torch.randint(0, 3, (global_batch,)),
             F.cross_entropy)
+
+
+class DepthScaledBlock(ReshapedBlock):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__(width)
+        self.scale = 0.8 - 0.6 * math.exp(-0.3 * depth)  # a Python float: a constant of the traced graph
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.scale * self.fc2(F.gelu(self.fc1(self.norm(h))))
+
+
+class DepthScaledBlocks(ReshapedBlocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DepthScaledBlock(32, depth) for depth in range(len(self.blocks)))
+
+
+def depth_scaled_blocks(global_batch: int = 8, seq: int = 8):
+    _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    return DepthScaledBlocks(), tokens, targets, loss
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.gate = nn.Linear(width, 4 * width, bias=False)
+        self.up = nn.Linear(width, 4 * width, bias=False)
+        self.down = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class AlternatingBlocks(ReshapedBlocks):
+    def __init__(self, layers: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(GatedBlock(32) if i % 2 else ReshapedBlock(32) for i in range(layers))
+
+
+def alternating_blocks(global_batch: int = 8, seq: int = 8, layers: int = 8):
+    _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    return AlternatingBlocks(layers), tokens, targets, loss

@@ -8,7 +8,9 @@ ranks too):
 * ``deepseek_v3``: DeepSeek-V3, multi-head latent attention (its queries and keys written into buffers slice
   by slice) and grouped top-k routing over 4 experts beside a shared one, its first layer dense;
 * ``gpt_oss``: gpt-oss, experts stored transposed with biases and a clamped gate of its own, attention sinks
-  (transformers runs it with eager attention only).
+  (transformers runs it with eager attention only);
+* ``jamba``: Jamba, four layers alternating a Mamba mixer with a dense MLP and attention with 4 experts, 2 a
+  token (layers alike every other one: a pipeline cuts between pairs).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from autopar.models.hf import HFModel, token_loss, use_permuted_experts
 VOCAB = 128
 
 
-def _factory(config_name: str, global_batch: int, seq: int, attention: str = "sdpa", **config: object):
+def _factory(config_name: str, global_batch: int, seq: int, attention: str = "sdpa", layers: int = 2,
+             **config: object):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
     cfg = getattr(transformers, config_name)(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
+        num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
         max_position_embeddings=max(seq, 32), bos_token_id=0, eos_token_id=1, pad_token_id=None, **config)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
     use_permuted_experts(model, seq)
@@ -49,3 +52,9 @@ def deepseek_v3(global_batch: int = 4, seq: int = 16):
 def gpt_oss(global_batch: int = 4, seq: int = 16):
     return _factory("GptOssConfig", global_batch, seq, "eager", num_key_value_heads=2, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=8)
+
+
+def jamba(global_batch: int = 4, seq: int = 16):
+    return _factory("JambaConfig", global_batch, seq, layers=4, num_key_value_heads=2, num_experts=4,
+                    num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                    expert_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False)

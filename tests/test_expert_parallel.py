@@ -289,6 +289,21 @@ def test_use_permuted_experts_refuses_a_model_without_experts() -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.extended
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_jambas_alternating_layers_train_in_pipeline_stages_of_pairs() -> None:
+    """Jamba's layers alternate a Mamba mixer with attention and experts: a pipeline cuts between pairs of layers
+    (``ir/layers.layer_period``; they were refused as unalike), on both runtimes."""
+    pytest.importorskip("transformers")
+    runs = [dict(name="hf_moe_models:jamba", overrides=None, global_batch=4, seq=16, steps=STEPS, plan=None,
+                 constraints={"pp": 2, "microbatches": 2}, lowered=lowered) for lowered in (False, True)]
+    reference = train_single("hf_moe_models:jamba", None, 4, 16, STEPS)
+    for run, result in zip(runs, train_parallel_many(2, runs)):
+        assert result.plan["pipeline"]["stages"] == [[0, 2], [2, 4]]
+        result.assert_matches(reference, f"Jamba under pp=2, lowered={run['lowered']}")
+
+
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
 def test_hugging_face_moe_families_train_under_ep_like_one_process() -> None:

@@ -581,3 +581,38 @@ def test_problems_derived_from_one_mesh_share_their_edge_rows_and_build_the_same
         assert build_model(staged, 1.0, 0.1)[0].to_proto() == build_model(alone, 1.0, 0.1)[0].to_proto()
     held = whole.with_choice({key: 0 for key in whole.decisions})
     assert held.edge_rows is None
+
+
+def test_layers_of_two_kinds_alternating_are_cut_between_pairs():
+    """Layers alike every other one (Jamba's and Llama 4's mixture-of-experts layers between dense ones) repeat in
+    pairs: stages are cut between pairs (each stage holds as many of each kind, so one pair's price scales to a
+    stage's), a stage hands the next one tensor per boundary (the pair's output, not each layer's: the same as a
+    stack of one kind of layer with the same boundary), and a pipeline deeper than the pairs is refused."""
+    bundle = build_model("edge_models:alternating_blocks", global_batch=8, device="meta")
+    alike = build_model("edge_models:reshaped_blocks", global_batch=8, device="meta")
+
+    def plan(b, constraints, cluster="2x1xH100"):
+        return autopar.plan(b.model, b.example_inputs, cluster, b.loss_fn, constraints,
+                            example_targets=b.example_targets)
+
+    pipeline = {"pp": 2, "microbatches": 2, "schedule": "1f1b"}
+    alternating = plan(bundle, pipeline)
+    assert alternating.pipeline.stages == [[0, 4], [4, 8]] and alternating.model["layers"] == 8
+    assert alternating.predicted["exposed_comm_s"] == plan(alike, pipeline).predicted["exposed_comm_s"]
+    assert plan(bundle, {"pp": 4}, "4x1xH100").pipeline.stages == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    with pytest.raises(BadInputError, match=r"pp=8: the model has only 4 repeated layers .* groups of consecutive "
+                                            r"layers that repeat alike"):
+        plan(bundle, {"pp": 8}, "8x1xH100")
+
+
+def test_a_unit_of_layers_runs_in_one_checkpointing_mode():
+    """Mixed checkpointing counts units of ``layer_period`` layers: both layers of a pair get the pair's mode, and
+    reading the modes back counts the pairs."""
+    from autopar.planning.stages import assign_layer_modes, count_layer_modes
+
+    device = [f"blocks.{i}" for i in range(6)]
+    modes = assign_layer_modes([device], {"full": 1, "selective": 1, "none": 1}, period=2)
+    assert modes == {"blocks.0": "full", "blocks.1": "full", "blocks.2": "selective", "blocks.3": "selective",
+                     "blocks.4": "none", "blocks.5": "none"}
+    assert count_layer_modes(device, modes.get, 3, period=2) == {"full": 1, "selective": 1, "none": 1}
+    assert assign_layer_modes([device], {"full": 2}) == {"blocks.0": "full", "blocks.1": "full"}

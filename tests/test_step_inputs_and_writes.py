@@ -71,7 +71,10 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:reshaped_blocks", {"pp": 2, "microbatches": 2}),
              ("edge_models:clamped_activations", {"dp": 2}), ("edge_models:clamped_activations", {"tp": 2}),
              ("edge_models:learned_attention_bias", {"dp": 2}), ("edge_models:column_blocks", {"dp": 2, "fsdp": 3}),
-             ("edge_models:sequence_first_attention", {"tp": 2})]
+             ("edge_models:sequence_first_attention", {"tp": 2}),
+             ("edge_models:depth_scaled_blocks", {"pp": 2, "microbatches": 2}),
+             ("edge_models:alternating_blocks", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2,
+                                                 "microbatches": 2})]
 
 
 @pytest.mark.dist
@@ -92,7 +95,9 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     dim 0 and views back (a ``[1, width]`` transposed weight) reads a contiguous piece of its layer's gathered
     buffer on the lowered runtime (it failed: "view size is not compatible with input tensor's size"); a view
     whose input a redistribute laid out otherwise than the trace saw reads it laid out as traced (XLNet's
-    einsum attention under tp failed: "Cannot view a tensor with shape [8, 2, 8, 8, 1] and strides ...")."""
+    einsum attention under tp failed: "Cannot view a tensor with shape [8, 2, 8, 8, 1] and strides ..."); layers whose
+    ops differ only in float constants are alike layers a pipeline cuts between (DiffLlama's were refused); layers of
+    two kinds alternating are cut between pairs, each chunk a pair (Jamba's were refused)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):

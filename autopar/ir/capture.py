@@ -29,6 +29,7 @@ is captured. The runtime always captures the whole model and finds each op's str
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import operator
 import os
@@ -697,8 +698,9 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
     the whole model's graph does (``ir/bind.py``). Nodes whose groups disagree on shapes or
     arguments are keyed again with only the first index replaced (a layer's own numbered parts, such as
     the two ``Linear``s of an ``nn.Sequential`` block, ``blocks.*.1`` and ``blocks.*.3``, then tie
-    layer by layer), and those that still disagree keep their own name as key, so tying never changes
-    what a node computes, only how many decisions the solver makes.
+    layer by layer), and those that still disagree are told apart by their signature (the layers of a
+    stack of two kinds, Jamba's, whose residual adds differ in shape: each kind's tie with its kind's),
+    so tying never changes what a node computes, only how many decisions the solver makes.
     """
     keys: dict[str, str] = {}
     finer: dict[str, str] = {}
@@ -718,8 +720,9 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
             keys[node.name] = finer[node.name] = node.name
     for rekeyed in _inconsistent(graph, keys):
         keys[rekeyed] = finer[rekeyed]
-    for untied in _inconsistent(graph, keys):
-        keys[untied] = untied
+    signature_of = {n.name: _signature(n) for n in graph.nodes if n.name in keys}
+    for apart in _inconsistent(graph, keys):
+        keys[apart] = f"{keys[apart]}|{hashlib.sha1(repr(signature_of[apart]).encode()).hexdigest()[:10]}"
     return keys
 
 
@@ -733,9 +736,11 @@ def _inconsistent(graph: fx.Graph, keys: dict[str, str]) -> list[str]:
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...]:
-    val = node.meta.get("val")
-    shapes = _shapes(val)
-    consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple)))
+    """What tied nodes must share: op, the shapes of its inputs and outputs, and constant arguments other
+    than floats. A float is a factor (DiffLlama's per-layer ``lambda_init``, a dropout probability), never
+    a dim or a size, so it changes no strategy and no price; each node still computes with its own."""
+    shapes = (_shapes(node.meta.get("val")), tuple(_shapes(a.meta.get("val")) for a in node.all_input_nodes))
+    consts = tuple(a for a in node.args if not isinstance(a, (fx.Node, list, tuple, float)))
     if node.target is WRITE_BUFFER:  # the buffer it writes: each layer writes its own, as each reads its own
         consts = tuple(_LAYER_INDEX.sub(".*", name) for name in consts)
     op = str(node.target) if node.op == "call_function" else node.op  # placeholders' targets are their names

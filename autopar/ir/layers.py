@@ -204,28 +204,50 @@ def layer_names(captured: CapturedGraph) -> list[str]:
 
 
 def layer_count(captured: CapturedGraph) -> int:
-    """How many repeated layers pipeline stages may be cut between: every layer of ``layer_names`` when
-    the layers are alike (each one's ops share their tie keys with every other's: same ops, shapes and
-    arguments), else 1, the model taken as one layer. Stage prices scale one layer's cost by the layers
-    a stage holds (``planning/stages.py``), which holds only for alike layers; the runtime cuts the
-    program at the same ``layer_names``."""
+    """How many units of repeated layers pipeline stages may be cut between: the model's layers
+    (``layer_names``) in groups of ``layer_period``, each group alike every other (every layer, where
+    the layers are alike; one group, the model taken as one layer, where they do not repeat). Stage
+    prices scale one group's cost by the groups a stage holds (``planning/stages.py``), which holds
+    only for alike groups; the runtime cuts the program between the same groups (plan ranges count
+    layers, multiples of the period)."""
     names = layer_names(captured)
-    return len(names) if unalike_layers(captured) is None else 1
+    return len(names) // layer_period(captured) if names else 0
+
+
+def layer_period(captured: CapturedGraph) -> int:
+    """The fewest consecutive layers that repeat alike through the whole stack: 1 where every layer is
+    alike the next (a traced stack is, by construction); 2 for layers that alternate (Jamba's mixture of
+    experts every other layer, Llama 4's interleaved ones); the number of layers where none repeats
+    (DeepSeek-V3's dense first layers before its mixture-of-experts ones). A layer is alike another
+    when their ops' tie keys are (``capture._tie_repeated_layers``: same ops, shapes and arguments)."""
+    keys = _tie_keys_by_layer(captured)
+    if len(keys) < 2:
+        return 1
+    return next(p for p in range(1, len(keys) + 1)
+                if len(keys) % p == 0 and all(keys[i] == keys[i + p] for i in range(len(keys) - p)))
 
 
 def unalike_layers(captured: CapturedGraph) -> tuple[str, str] | None:
-    """The first of the model's layers (``layer_names``) and the first that is not alike it (their ops'
-    tie keys differ: DeepSeek-V3's dense first layers before its mixture-of-experts ones), or None where
-    every layer is alike (a traced stack is, by construction)."""
-    if captured.stack is not None:
+    """The first of the model's layers (``layer_names``) and the first that is not alike it, where the
+    layers do not repeat (``layer_period`` is their number: DeepSeek-V3's dense first layers before its
+    mixture-of-experts ones), else None."""
+    keys = _tie_keys_by_layer(captured)
+    if layer_period(captured) < max(len(keys), 2):
         return None
+    names = list(layer_names(captured))
+    return next(((names[0], names[i]) for i in range(1, len(keys)) if keys[i] != keys[0]), None)
+
+
+def _tie_keys_by_layer(captured: CapturedGraph) -> list[Counter]:
+    """Per layer of ``layer_names`` (one for a traced stack, whose layers are alike), its ops' tie keys."""
+    if captured.stack is not None:
+        return [Counter()]
     keys_by_layer: dict[str, Counter] = {name: Counter() for name in layer_names(captured)}
     for node in captured.graph.nodes:
         layer = layer_of(node)
         if layer in keys_by_layer and node.op == "call_function":
             keys_by_layer[layer][captured.tie_keys[node.name]] += 1
-    layers = list(keys_by_layer.items())
-    return next(((layers[0][0], name) for name, keys in layers[1:] if keys != layers[0][1]), None)
+    return list(keys_by_layer.values())
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -11,7 +11,7 @@ from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.placement import placements_to_strs
 from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MEMORY_PARTS, MIXED, RING, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
-from autopar.ir.layers import layer_count, tensor_inputs
+from autopar.ir.layers import layer_count, layer_names, layer_period, tensor_inputs
 from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
@@ -103,7 +103,7 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
     every rank of it holds the same copy, else None), as the solution places it."""
     layers = max(1, layer_count(captured))
     out = []
-    for key in sorted(layer_roles(captured, problem).boundary):
+    for key in sorted(layer_roles(captured, problem).stage_boundary):
         handed = _handed_over(captured, problem.decisions[key], solution.choice[key], layers, pricer, mesh)
         if handed is not None:
             out.append(handed)
@@ -119,7 +119,7 @@ def least_stage_transfers(captured: CapturedGraph, problem: Problem, staging: St
         return 0.0
     m, layers = problem.microbatches, max(1, layer_count(captured))
     least = 0.0
-    for key in sorted(layer_roles(captured, problem).boundary):
+    for key in sorted(layer_roles(captured, problem).stage_boundary):
         d = problem.decisions[key]
         sends = [pricer.stage_transfer(handed[0] / m, handed[1]) for k in range(len(d.options))
                  if (handed := _handed_over(captured, d, k, layers, pricer, mesh)) is not None]
@@ -152,7 +152,7 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
     placed = lambda name: placements_to_strs(by_node[name][1].strategy.outputs[0])  # noqa: E731
     placements = {real: placed(name) for name, fqn in captured.params.items() for real in captured.real_fqns(fqn)}
     return Plan(
-        model={"name": model_name, "params": captured.num_params(), "layers": layer_count(captured),
+        model={"name": model_name, "params": captured.num_params(), "layers": len(layer_names(captured)),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
                "dtype": dtype},
         precision=Precision.of(dtype, pricer.reduce_dtype, pricer.master_dtype),
@@ -192,13 +192,13 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
 def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any]:
     """Stages as layer ranges ``[first, last + 1)``: ``p`` of them, or ``p v`` model chunks (chunk
     ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range. Chunks
-    differ by at most one layer, the first ones longer (no device holds more than the
-    ``ceil(L / (p v))`` layers a chunk is priced at, and the last stage, which also runs the head and
-    the loss, holds the fewest)."""
+    differ by at most one unit of ``layer_period`` layers (one layer where the layers are alike), the
+    first ones longer (no device holds more than the ``ceil(L / (p v))`` units a chunk is priced at, and
+    the last stage, which also runs the head and the loss, holds the fewest)."""
     staging, m = best.staging, best.problem.microbatches
-    layers = layer_count(captured)
+    units, period = layer_count(captured), layer_period(captured)
     chunks = staging.stages * staging.chunks
-    sizes = [layers // chunks + (i < layers % chunks) for i in range(chunks)]
+    sizes = [period * (units // chunks + (i < units % chunks)) for i in range(chunks)]
     ends = list(itertools.accumulate(sizes))
     ranges = [[end - size, end] for size, end in zip(sizes, ends)]
     return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
@@ -218,7 +218,7 @@ def _recomputed_layers(captured: CapturedGraph, best: Candidate) -> dict[str, st
     if best.checkpointing != MIXED:
         return {}
     layers = device_layers(captured, _pipeline_section(captured, best)["stages"], best.staging.stages)
-    modes = assign_layer_modes(layers, best.layer_modes)
+    modes = assign_layer_modes(layers, best.layer_modes, layer_period(captured))
     return {layer: mode for layer, mode in modes.items() if mode != "none"}
 
 

@@ -178,7 +178,8 @@ def _check_fixed_degrees(cluster: Cluster, fixed: dict[str, int | None], layers:
         raise BadInputError(f"pp={pp}: the model has no repeated layers to split into pipeline stages")
     if pp > layers > 0:
         raise BadInputError(f"pp={pp}: the model has only {layers} repeated layer{'s' * (layers > 1)} to split "
-                            "into stages (stages are cut between alike layers: same ops and shapes)")
+                            "into stages (stages are cut between alike layers, same ops and shapes, or between "
+                            "groups of consecutive layers that repeat alike)")
 
 
 def _divisors(n: int) -> list[int]:

@@ -81,7 +81,7 @@ from typing import Callable
 from torch import fx
 
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import attention_cores, kept_under_selective, layer_names, layer_of, widens
+from autopar.ir.layers import attention_cores, kept_under_selective, layer_names, layer_of, layer_period, widens
 from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
 from autopar.cost_models.pipeline import (last_chunk_in_flight, last_stage_in_flight, least_bubble_fraction,
                                           microbatches_in_flight, pipeline_bubble_fraction)
@@ -177,14 +177,15 @@ def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int)
     return [[name for first, end in ranges[s::stages] for name in names[first:end]] for s in range(stages)]
 
 
-def assign_layer_modes(layers_by_device: list[list[str]], counts: dict[str, int]) -> dict[str, str]:
-    """Each layer's checkpointing mode when every device runs ``counts[mode]`` of its layers (listed in
-    ``layers_by_device``) in each mode: the most recomputation first (``CHECKPOINTING`` backwards), the
-    rest none (a device holding fewer layers than priced recomputes at least as large a share)."""
+def assign_layer_modes(layers_by_device: list[list[str]], counts: dict[str, int], period: int = 1) -> dict[str, str]:
+    """Each layer's checkpointing mode when every device runs ``counts[mode]`` of its units of ``period``
+    layers (``layer_period``; the layers listed in ``layers_by_device``) in each mode: the most
+    recomputation first (``CHECKPOINTING`` backwards), the rest none (a device holding fewer layers than
+    priced recomputes at least as large a share); the layers of a unit alike."""
     queue = [m for m in reversed(CHECKPOINTING) for _ in range(counts.get(m, 0))]
     modes = {}
     for layers in layers_by_device:
-        modes.update(zip(layers, queue))
+        modes.update((layer, queue[i // period]) for i, layer in enumerate(layers) if i // period < len(queue))
     return modes
 
 
@@ -194,14 +195,16 @@ def checkpointing_summary(counts: dict[str, int]) -> str:
     return used[0] if len(used) == 1 else (MIXED if used else "none")
 
 
-def count_layer_modes(device_layers: list[str], mode_of: Callable[[str], str], layers: int) -> dict[str, int]:
-    """How many of the ``layers`` a device is priced for run in each mode, from the modes of the
-    layers it holds (``device_layers``); any it is priced for beyond those count as ``none``."""
+def count_layer_modes(device_layers: list[str], mode_of: Callable[[str], str], units: int, period: int = 1
+                      ) -> dict[str, int]:
+    """How many of the ``units`` (of ``period`` layers) a device is priced for run in each mode, from the
+    modes of the layers it holds (``device_layers``), a unit's being its first layer's; any it is priced
+    for beyond those count as ``none``."""
     counts: dict[str, int] = {}
-    for layer in device_layers:
+    for layer in device_layers[::period]:
         counts[mode_of(layer)] = counts.get(mode_of(layer), 0) + 1
     recomputed = sum(n for mode, n in counts.items() if mode != "none")
-    return {**counts, "none": layers - recomputed} if layers > recomputed else counts
+    return {**counts, "none": units - recomputed} if units > recomputed else counts
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,8 @@ class LayerRoles:
     saved_outside_core: frozenset[str] = frozenset()  # ... whose output an op outside its core saves (still held)
     first_stage_only: frozenset[str] = frozenset()  # keys of ops before the first layer and of the values only they read
     last_stage_only: frozenset[str] = frozenset()  # keys of ``after_layers`` and of the values only they read
+    stage_boundary: frozenset[str] = frozenset()  # keys of ``boundary`` whose output leaves its unit of
+    # ``layer_period`` layers: what a pipeline stage hands the next (``boundary`` where every layer is alike)
 
 
 _last_roles: list[tuple[CapturedGraph, tuple[str, ...], LayerRoles]] = []  # the last graph's: a search asks hundreds of times
@@ -236,7 +241,10 @@ def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
 
 def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
     key_of = {n: key for key, d in problem.decisions.items() for n in d.nodes}
+    period = layer_period(captured)
+    unit_of = {name: i // period for i, name in enumerate(layer_names(captured))}
     in_layer, boundary, expensive, widening, after_layers = set(), set(), set(), set(), set()
+    stage_boundary = set()
     cores = attention_cores(captured.graph.nodes)
     core = {key_of[n.name] for nodes in cores for n in nodes if n.name in key_of}
     savers = captured.saved_for_backward().savers
@@ -254,8 +262,11 @@ def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
         after_layers.clear()
         in_layer.add(key)
         if node.op == "call_function":
-            if any(layer_of(user) != layer for user in _users_through_getitem(node)):
+            users = _users_through_getitem(node)
+            if any(layer_of(user) != layer for user in users):
                 boundary.add(key)
+            if any(unit_of.get(layer_of(user)) != unit_of.get(layer) for user in users):
+                stage_boundary.add(key)
             if kept_under_selective(node.target):
                 expensive.add(key)
             if widens(node):
@@ -263,7 +274,8 @@ def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
     first, last = _held_at_one_end(captured, key_of, after_layers)
     return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive), frozenset(widening),
                       frozenset(after_layers),
-                      frozenset(core & in_layer), frozenset(saved_outside & in_layer), first, last)
+                      frozenset(core & in_layer), frozenset(saved_outside & in_layer), first, last,
+                      frozenset(stage_boundary))
 
 
 def _held_at_one_end(captured: CapturedGraph, key_of: dict[str, str], after: set[str]

@@ -20,7 +20,7 @@ from dataclasses import replace
 from autopar.core.axes import MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.ir.bind import bind_ops
-from autopar.ir.layers import layer_count
+from autopar.ir.layers import layer_count, layer_period
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.core.errors import BadInputError
@@ -142,7 +142,7 @@ def _staging(plan: Plan, captured: CapturedGraph) -> tuple[Staging, dict[str, in
     pipeline = plan.pipeline
     staging = Staging(plan.degrees.pp, layer_count(captured), pipeline.schedule, pipeline.virtual_stages or 1)
     first_stage = device_layers(captured, pipeline.stages, staging.stages)[0]
-    counts = count_layer_modes(first_stage, plan.checkpointing_of, staging.layers_per_stage)
+    counts = count_layer_modes(first_stage, plan.checkpointing_of, staging.layers_per_stage, layer_period(captured))
     return replace(staging, checkpointing=tuple(counts) or ("none",)), counts
 
 
