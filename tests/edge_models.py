@@ -56,7 +56,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``depth_scaled_blocks``: ``reshaped_blocks`` whose residual branches are scaled by a constant of their depth
   (DiffLlama's per-layer ``lambda_init``): alike layers, though their ops' float arguments differ.
 * ``alternating_blocks``: ``reshaped_blocks`` whose odd blocks are wider gated MLPs (layers alike every other one,
-  as Jamba's and Llama 4's mixture-of-experts layers are): pipelines cut between pairs of layers.
+  as Jamba's and Llama 4's mixture-of-experts layers are): pipelines cut between pairs of layers;
+* ``pooled_convs``: convolutions mixing tokens by average pooling (PoolFormer's) and reduced by adaptive max
+  pooling, whose backward kernels DTensor had no rule for.
 """
 
 from __future__ import annotations
@@ -668,3 +670,22 @@ class AlternatingBlocks(ReshapedBlocks):
 def alternating_blocks(global_batch: int = 8, seq: int = 8, layers: int = 8):
     _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
     return AlternatingBlocks(layers), tokens, targets, loss
+
+
+class PooledConvs(nn.Module):
+    def __init__(self, channels: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.mix = nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False)
+        self.conv = nn.Conv2d(channels, channels, 1)
+        self.reduce = nn.AdaptiveMaxPool2d(1)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = h + self.conv(self.mix(h) - h)
+        return self.head(self.reduce(h).flatten(1))
+
+
+def pooled_convs(global_batch: int = 8, seq: int = 8):
+    return PooledConvs(), torch.randn(global_batch, 3, seq, seq), torch.randint(0, 3, (global_batch,)), F.cross_entropy
