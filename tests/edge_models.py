@@ -58,7 +58,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``alternating_blocks``: ``reshaped_blocks`` whose odd blocks are wider gated MLPs (layers alike every other one,
   as Jamba's and Llama 4's mixture-of-experts layers are): pipelines cut between pairs of layers;
 * ``pooled_convs``: convolutions mixing tokens by average pooling (PoolFormer's) and reduced by adaptive max
-  pooling, whose backward kernels DTensor had no rule for.
+  pooling, whose backward kernels DTensor had no rule for;
+* ``channel_first_blocks``: blocks over ``[batch, channels, seq]`` values that normalize their channels through a
+  permute (SqueezeBERT's), so the gradient of a value a pipeline stage receives is strided.
 """
 
 from __future__ import annotations
@@ -689,3 +691,30 @@ class PooledConvs(nn.Module):
 
 def pooled_convs(global_batch: int = 8, seq: int = 8):
     return PooledConvs(), torch.randn(global_batch, 3, seq, seq), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class ChannelFirstBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.conv = nn.Conv1d(width, width, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [batch, channels, seq]
+        return self.conv(self.norm(h.permute(0, 2, 1)).permute(0, 2, 1))
+
+
+class ChannelFirstBlocks(ReshapedBlocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ChannelFirstBlock(32) for _ in range(len(self.blocks)))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx).permute(0, 2, 1)
+        for block in self.blocks:
+            h = block(h)
+        return h.permute(0, 2, 1)
+
+
+def channel_first_blocks(global_batch: int = 8, seq: int = 8):
+    _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    return ChannelFirstBlocks(), tokens, targets, loss

@@ -103,6 +103,20 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 rank's chunks; the others one stage a rank)."""
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous. Pipelining sends each received value's
+    gradient back with ``isend``, which takes contiguous tensors only, and a chunk that reads its input
+    transposed (SqueezeBERT's convolutions over ``[batch, channels, seq]``) makes a strided one."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class StageModule(nn.Module):
     """One chunk as pipelining runs it: local tensors in and out, DTensors on the stage mesh inside.
 
@@ -151,6 +165,7 @@ class StageModule(nn.Module):
         if self.index == 0:
             received, users = [], dict(zip(self.user_names, args))
         else:
+            args = tuple(_ContiguousGradient.apply(x) if x.requires_grad else x for x in args)
             received = list(args) if local else [b.to_dtensor(x, self.mesh) for b, x in zip(self.inputs, args)]
             users = kwargs
         held = reading_copies(self.values, self.written)
