@@ -59,7 +59,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {  # row -> (kind, config
     "Falcon": ("decoder", "FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "head_dim": None}),
     "GPT-NeoX": ("decoder", "GPTNeoXConfig", {}),
     "GPT-J": ("decoder", "GPTJConfig", {"rotary_dim": 8}),
-    "CodeGen": ("decoder", "CodeGenConfig", {"rotary_dim": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "CodeGen": ("decoder", "CodeGenConfig", {"rotary_dim": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                             "attn_pdrop": 0.0}),
     "OPT": ("decoder", "OPTConfig", {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
                                      "layerdrop": 0.0}),
     "XGLM": ("decoder", "XGLMConfig", {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
@@ -161,7 +162,8 @@ def factory(row: str) -> tuple:
                   "decoder_input_ids": hf._ids(config.vocab_size, BATCH, SEQ)}
     elif kind == "speech":
         model = transformers.WhisperForConditionalGeneration(config)
-        inputs = {"input_features": torch.randn(BATCH, 16, 32), "decoder_input_ids": hf._ids(config.vocab_size, BATCH, SEQ)}
+        inputs = {"input_features": torch.randn(BATCH, 16, 32),
+                  "decoder_input_ids": hf._ids(config.vocab_size, BATCH, SEQ)}
     else:
         model = transformers.AutoModelForImageClassification.from_config(config)
         return hf._result(model, {"pixel_values": torch.randn(BATCH, 3, 32, 32)},
@@ -234,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parity", action="store_true", help="also train each family on 2 gloo ranks")
     parser.add_argument("--only", nargs="+", help="rows whose names start so")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"the JSON results (default {RESULTS})")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))  # hf_families:ROW, here and (below) in spawned ranks
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
@@ -248,11 +251,11 @@ def main() -> None:
             result["parity"] = parity_row(row)
         results.append(result)
         print(json.dumps(result), flush=True)
-    if args.only and RESULTS.exists():  # the other rows as the last full run left them
-        kept = {r["family"]: r for r in json.loads(RESULTS.read_text())["rows"]}
+    if args.only and args.out.exists():  # the other rows as the last full run left them
+        kept = {r["family"]: r for r in json.loads(args.out.read_text())["rows"]}
         results = list({**kept, **{r["family"]: r for r in results}}.values())
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="minutes"),
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="minutes"),
                                    "torch": torch.__version__, "transformers": transformers.__version__,
                                    "rows": results}, indent=1) + "\n")
     print(_table(results, args.parity))

@@ -187,3 +187,21 @@ def test_a_config_the_family_refuses_is_one_line_naming_the_override_and_the_fac
     assert run.stderr.startswith("autopar plan: error: model factory 'autopar.models.hf:llama' failed with heads=7: ")
     assert "(7)" in run.stderr and run.stderr.rstrip().endswith("in _decoder_config)")
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.extended
+@pytest.mark.dist
+def test_the_families_benchmark_runs_a_row_and_merges_it_into_its_results(tmp_path) -> None:
+    """``benchmarks/hf_families.py`` (every family it has plans and trains at parity, its table in
+    benchmarks/README.md): one row again, planned and trained under dp, tp and pp, the other rows kept."""
+    out = tmp_path / "families.json"
+    out.write_text(json.dumps({"rows": [{"family": "Gemma", "config": "GemmaConfig", "plan": "ok", "replicated": []}]}))
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "hf_families.py")
+    run = subprocess.run([sys.executable, script, "--parity", "--only", "SqueezeBERT", "--out", str(out)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["family"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"Gemma", "SqueezeBERT"}
+    assert rows["SqueezeBERT"]["plan"] == "ok"
+    assert rows["SqueezeBERT"]["parity"] == {"dp=2": "ok", "tp=2": "ok", "pp=2": "ok"}
+    assert "| SqueezeBERT | `SqueezeBertConfig` | ok | ok | ok | ok |" in run.stdout
