@@ -56,7 +56,7 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``depth_scaled_blocks``: ``reshaped_blocks`` whose residual branches are scaled by a constant of their depth
   (DiffLlama's per-layer ``lambda_init``): alike layers, though their ops' float arguments differ.
 * ``alternating_blocks``: ``reshaped_blocks`` whose odd blocks are wider gated MLPs (layers alike every other one,
-  as Jamba's and Llama 4's mixture-of-experts layers are): pipelines cut between pairs of layers;
+  as Jamba's mixture-of-experts layers are): pipelines cut between pairs of layers;
 * ``pooled_convs``: convolutions mixing tokens by average pooling (PoolFormer's) and reduced by adaptive max
   pooling, whose backward kernels DTensor had no rule for;
 * ``channel_first_blocks``: blocks over ``[batch, channels, seq]`` values that normalize their channels through a

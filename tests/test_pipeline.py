@@ -584,7 +584,7 @@ def test_problems_derived_from_one_mesh_share_their_edge_rows_and_build_the_same
 
 
 def test_layers_of_two_kinds_alternating_are_cut_between_pairs():
-    """Layers alike every other one (Jamba's and Llama 4's mixture-of-experts layers between dense ones) repeat in
+    """Layers alike every other one (Jamba's mixture-of-experts layers between dense ones) repeat in
     pairs: stages are cut between pairs (each stage holds as many of each kind, so one pair's price scales to a
     stage's), a stage hands the next one tensor per boundary (the pair's output, not each layer's: the same as a
     stack of one kind of layer with the same boundary), and a pipeline deeper than the pairs is refused."""

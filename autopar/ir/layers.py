@@ -216,10 +216,11 @@ def layer_count(captured: CapturedGraph) -> int:
 
 def layer_period(captured: CapturedGraph) -> int:
     """The fewest consecutive layers that repeat alike through the whole stack: 1 where every layer is
-    alike the next (a traced stack is, by construction); 2 for layers that alternate (Jamba's mixture of
-    experts every other layer, Llama 4's interleaved ones); the number of layers where none repeats
-    (DeepSeek-V3's dense first layers before its mixture-of-experts ones). A layer is alike another
-    when their ops' tie keys are (``capture._tie_repeated_layers``: same ops, shapes and arguments)."""
+    alike the next (a traced stack is, by construction); 2 where two kinds alternate (Jamba's experts every
+    other layer); 4 for Llama 4's (experts every other layer, no rotary embedding every fourth); the number
+    of layers where none repeats (DeepSeek-V3's dense first layers before its mixture-of-experts ones). A
+    layer is alike another when their ops' tie keys are (``capture._tie_repeated_layers``: same ops, shapes
+    and arguments)."""
     keys = _tie_keys_by_layer(captured)
     if len(keys) < 2:
         return 1
