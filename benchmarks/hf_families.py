@@ -47,6 +47,8 @@ SEQ2SEQ = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, e
                decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
                dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=0,
                eos_token_id=1, decoder_start_token_id=0)
+SPEECH = {**{k: v for k, v in SEQ2SEQ.items() if k != "max_position_embeddings"}, "num_mel_bins": 16,
+          "max_source_positions": 16, "max_target_positions": 32}  # Whisper: 2 x 16 frames, halved by its stride
 VISION = dict(image_size=32, num_labels=10)
 EXPERTS = dict(num_experts_per_tok=2)
 
@@ -144,11 +146,8 @@ def factory(row: str) -> tuple:
 
     kind, config_class, settings = FAMILIES[row]
     transformers = hf._transformers()
-    defaults = {"decoder": DECODER, "masked": ENCODER, "seq2seq": SEQ2SEQ, "speech": {}, "vision": VISION}[kind]
+    defaults = {"decoder": DECODER, "masked": ENCODER, "seq2seq": SEQ2SEQ, "speech": SPEECH, "vision": VISION}[kind]
     arguments = {k: v for k, v in {**defaults, **settings}.items() if v is not None or k == "pad_token_id"}
-    if kind == "speech":
-        arguments = {**SEQ2SEQ, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 32}
-        del arguments["max_position_embeddings"]
     config = getattr(transformers, config_class)(**arguments)
     if kind == "decoder":
         model = _from_config(transformers.AutoModelForCausalLM, config)
@@ -162,7 +161,7 @@ def factory(row: str) -> tuple:
                   "decoder_input_ids": hf._ids(config.vocab_size, BATCH, SEQ)}
     elif kind == "speech":
         model = transformers.WhisperForConditionalGeneration(config)
-        inputs = {"input_features": torch.randn(BATCH, 16, 32),
+        inputs = {"input_features": torch.randn(BATCH, config.num_mel_bins, 2 * config.max_source_positions),
                   "decoder_input_ids": hf._ids(config.vocab_size, BATCH, SEQ)}
     else:
         model = transformers.AutoModelForImageClassification.from_config(config)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.core.placement import placements_to_strs, strs_to_placements
+from autopar.ir.layers import captured_value
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -121,16 +122,6 @@ def in_captured_layout(x: Any, order: tuple[int, ...]) -> Any:
     return in_memory_order(x, order)
 
 
-def _captured_value(node: Any) -> Any:
-    """The traced value ``node`` computes: its own, or for a node a pass inserted without one (a redistribute
-    of the value), its first argument's, which it holds in another placement."""
-    while isinstance(node, fx.Node):
-        if "val" in node.meta:
-            return node.meta["val"]
-        node = node.args[0] if node.args else None
-    return None
-
-
 def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether ``stride`` is the row-major layout of ``shape`` (dims of size 1 may have any stride)."""
     step = 1
@@ -147,7 +138,7 @@ def guard_view_gradients(gm: fx.GraphModule, views: Sequence[Any]) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in views:
             source = node.args[0]
-            val = _captured_value(source)
+            val = captured_value(source)
             if isinstance(val, torch.Tensor):
                 with gm.graph.inserting_before(node):
                     order = tuple(range(val.ndim)) if val.is_contiguous() else memory_order(val)

@@ -718,21 +718,22 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
             finer[node.name] = f"{_LAYER_INDEX.sub('.*', path, count=1)}|{node.target}|{ordinal[(path, node.target)]}"
         else:
             keys[node.name] = finer[node.name] = node.name
-    for rekeyed in _inconsistent(graph, keys):
+    signature_of = {n.name: _signature(n) for n in graph.nodes}
+    for rekeyed in _inconsistent(keys, signature_of):
         keys[rekeyed] = finer[rekeyed]
-    signature_of = {n.name: _signature(n) for n in graph.nodes if n.name in keys}
-    for apart in _inconsistent(graph, keys):
+    for apart in _inconsistent(keys, signature_of):
         keys[apart] = f"{keys[apart]}|{hashlib.sha1(repr(signature_of[apart]).encode()).hexdigest()[:10]}"
     return keys
 
 
-def _inconsistent(graph: fx.Graph, keys: dict[str, str]) -> list[str]:
-    """The nodes whose key groups them with nodes of other shapes or arguments (``_signature``)."""
-    groups: dict[str, list[fx.Node]] = defaultdict(list)
-    for node in graph.nodes:
-        groups[keys[node.name]].append(node)
-    return [n.name for members in groups.values() if len(members) > 1 and len({_signature(n) for n in members}) > 1
-            for n in members]
+def _inconsistent(keys: dict[str, str], signature_of: dict[str, tuple[Any, ...]]) -> list[str]:
+    """The nodes whose key groups them with nodes of other shapes or arguments (``signature_of``: each node's
+    ``_signature``)."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in signature_of:
+        groups[keys[name]].append(name)
+    return [name for members in groups.values()
+            if len(members) > 1 and len({signature_of[m] for m in members}) > 1 for name in members]
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...]:

@@ -44,11 +44,13 @@ def widens(node: fx.Node) -> bool:
     packet = getattr(node.target, "overloadpacket", None)
     if node.op != "call_function" or packet not in (_aten.mm, _aten.addmm):
         return False
-    rows, out = _captured_value(node.args[1 if packet is _aten.addmm else 0]), node.meta.get("val")
+    rows, out = captured_value(node.args[1 if packet is _aten.addmm else 0]), node.meta.get("val")
     return isinstance(rows, torch.Tensor) and isinstance(out, torch.Tensor) and out.shape[-1] > rows.shape[-1]
 
 
-def _captured_value(arg: Any) -> Any:
+def captured_value(arg: Any) -> Any:
+    """The traced value ``arg`` computes: its own, or for a node a pass inserted without one (a redistribute,
+    a cast, a layout guard), its first input's, which it holds in another placement or layout."""
     while isinstance(arg, fx.Node) and "val" not in arg.meta and arg.all_input_nodes:
         arg = arg.all_input_nodes[0]
     return arg.meta.get("val") if isinstance(arg, fx.Node) else None
@@ -221,11 +223,13 @@ def layer_period(captured: CapturedGraph) -> int:
     of layers where none repeats (DeepSeek-V3's dense first layers before its mixture-of-experts ones). A
     layer is alike another when their ops' tie keys are (``capture._tie_repeated_layers``: same ops, shapes
     and arguments)."""
-    keys = _tie_keys_by_layer(captured)
-    if len(keys) < 2:
-        return 1
+    return _period(_tie_keys_by_layer(captured))
+
+
+def _period(keys: list[Counter]) -> int:
+    """``layer_period`` of layers whose ops' tie keys are ``keys``."""
     return next(p for p in range(1, len(keys) + 1)
-                if len(keys) % p == 0 and all(keys[i] == keys[i + p] for i in range(len(keys) - p)))
+                if len(keys) % p == 0 and all(keys[i] == keys[i + p] for i in range(len(keys) - p))) if keys else 1
 
 
 def unalike_layers(captured: CapturedGraph) -> tuple[str, str] | None:
@@ -233,7 +237,7 @@ def unalike_layers(captured: CapturedGraph) -> tuple[str, str] | None:
     layers do not repeat (``layer_period`` is their number: DeepSeek-V3's dense first layers before its
     mixture-of-experts ones), else None."""
     keys = _tie_keys_by_layer(captured)
-    if layer_period(captured) < max(len(keys), 2):
+    if _period(keys) < max(len(keys), 2):
         return None
     names = list(layer_names(captured))
     return next(((names[0], names[i]) for i in range(1, len(keys)) if keys[i] != keys[0]), None)
