@@ -57,6 +57,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .checkpoint import CheckpointedLayer
+from .dtensor_backward import keep_derivatives
 from .lower_buckets import (COLLECTIVES, from_inputs_alone, graph_of, launch_from_inputs_first, read_only_by,
                             recompiled, reduce_gathered_sums)
 from .lower_simplify import call_through_bindings, erase_unused, simplify_local_ops
@@ -167,6 +168,7 @@ class EagerForward:
         reductions = take_out_input_sums(graph, differentiable)  # the loss's count of targets
         launch_from_inputs_first(graph, differentiable)  # any other collective of inputs alone, waited where read
         with_local_gradients(graph, differentiable)
+        keep_derivatives(graph)  # the trace ran through the program's own (``dtensor_backward.py``): its ops again
         call_through_bindings(graph)  # last: the passes above match aten overloads
         kept = {i: tuple(p) for i, p in gradient_placements.items() if i not in local}
         inputs = {i: spec for i, spec in specs.items() if i not in local}

@@ -78,7 +78,8 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     keep_derivatives(program)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs, captured.buffers)
               if _pipelined(plan) else [whole_program(program)])
-    stages = tuple(_ready_to_run(piece, program, plan, regathers=gathers > 0) for piece in pieces)
+    stages = tuple(_ready_to_run(piece, program, plan, captured.leading_layers, regathers=gathers > 0)
+                   for piece in pieces)
     return Program(stages, redistributes, gathers > 0, dropping)
 
 
@@ -102,10 +103,13 @@ def _pipelined(plan: Plan) -> bool:
     return plan.degrees.pp > 1
 
 
-def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, regathers: bool) -> Stage:
-    """``piece`` with its layers checkpointed as planned, under ``ResavedParameters`` when the program
-    gathers parameters, and the placements of the values it receives and sends."""
-    module = checkpoint_layers(piece.graph_module, plan.checkpointing_of, lambda node: _whole_output(node, plan))
+def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, leading: tuple[str, ...],
+                  regathers: bool) -> Stage:
+    """``piece`` with its layers checkpointed as planned (the ``leading`` layers that do not repeat, priced
+    as the code before the layers is, never: ``ir.layers.repeating_layers``), under ``ResavedParameters``
+    when the program gathers parameters, and the placements of the values it receives and sends."""
+    mode_of = lambda layer: "none" if layer in leading else plan.checkpointing_of(layer)  # noqa: E731
+    module = checkpoint_layers(piece.graph_module, mode_of, lambda node: _whole_output(node, plan))
     nodes = {node.name: node for node in program.graph.nodes}
     return Stage(piece, ResavedParameters(module) if regathers else module,
                  tuple(boundary_of(nodes[name], plan) for name in piece.inputs),

@@ -61,6 +61,12 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   pooling, whose backward kernels DTensor had no rule for;
 * ``channel_first_blocks``: blocks over ``[batch, channels, seq]`` values that normalize their channels through a
   permute (SqueezeBERT's), so the gradient of a value a pipeline stage receives is strided.
+* ``dense_first_blocks``: a gated MLP block, then blocks that write their update into an empty tensor half by half
+  (``copy_`` and a slice assignment, as DeepSeek-V3's latent attention writes its queries): alike layers after a
+  first one that is not (DeepSeek-V3's dense first layers), which a pipeline's first stage holds beside its share.
+* ``encoder_decoder_blocks``: an encoder of blocks, then decoder blocks that each read the encoder's output (as
+  cross-attention does): a pipeline cuts the decoder, the first stage holding the encoder, whose output every
+  stage passes on.
 """
 
 from __future__ import annotations
@@ -718,3 +724,63 @@ class ChannelFirstBlocks(ReshapedBlocks):
 def channel_first_blocks(global_batch: int = 8, seq: int = 8):
     _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
     return ChannelFirstBlocks(), tokens, targets, loss
+
+
+class HalvesWrittenBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.left = nn.Linear(width, width // 2)
+        self.right = nn.Linear(width, width - width // 2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x, half = self.norm(h), h.shape[-1] // 2
+        update = h.new_empty(h.shape)
+        update[..., :half].copy_(self.left(x))
+        update[..., half:] = F.gelu(self.right(x))
+        return h + update
+
+
+class DenseFirstBlocks(ReshapedBlocks):
+    def __init__(self, layers: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(HalvesWrittenBlock(32) if i else GatedBlock(32) for i in range(layers))
+
+
+def dense_first_blocks(global_batch: int = 8, seq: int = 8, layers: int = 5):
+    _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    return DenseFirstBlocks(layers), tokens, targets, loss
+
+
+class MemoryReadingBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(width, width)
+        self.cross = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return h + self.mix(F.gelu(self.norm(h))) + self.cross(memory)
+
+
+class EncoderDecoderBlocks(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.encoder = nn.ModuleList(ReshapedBlock(width) for _ in range(layers))
+        self.decoder = nn.ModuleList(MemoryReadingBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        memory = self.emb(idx)
+        for block in self.encoder:
+            memory = block(memory)
+        h = self.emb(idx.flip(1))
+        for block in self.decoder:
+            h = block(h, memory)
+        return self.head(h)
+
+
+def encoder_decoder_blocks(global_batch: int = 8, seq: int = 8):
+    _, tokens, targets, loss = reshaped_blocks(global_batch, seq)
+    return EncoderDecoderBlocks(), tokens, targets, loss

@@ -6,7 +6,8 @@ ranks too):
 
 * ``qwen2_moe``: Qwen2-MoE, a shared expert beside 4 routed ones, 2 a token;
 * ``deepseek_v3``: DeepSeek-V3, multi-head latent attention (its queries and keys written into buffers slice
-  by slice) and grouped top-k routing over 4 experts beside a shared one, its first layer dense;
+  by slice) and grouped top-k routing over 4 experts beside a shared one, its first layer dense (``layers``:
+  2, or 3 for two mixture-of-experts layers a pipeline cuts between);
 * ``gpt_oss``: gpt-oss, experts stored transposed with biases and a clamped gate of its own, attention sinks
   (transformers runs it with eager attention only);
 * ``jamba``: Jamba, four layers alternating a Mamba mixer with a dense MLP and attention with 4 experts, 2 a
@@ -43,8 +44,8 @@ def qwen2_moe(global_batch: int = 4, seq: int = 16):
                     moe_intermediate_size=32, shared_expert_intermediate_size=64)
 
 
-def deepseek_v3(global_batch: int = 4, seq: int = 16):
-    return _factory("DeepseekV3Config", global_batch, seq, n_routed_experts=4, num_experts_per_tok=2,
+def deepseek_v3(global_batch: int = 4, seq: int = 16, layers: int = 2):
+    return _factory("DeepseekV3Config", global_batch, seq, layers=layers, n_routed_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 

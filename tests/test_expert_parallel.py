@@ -271,11 +271,13 @@ def test_permuted_experts_compute_each_familys_own_experts_and_plan_with_ep(fami
 
 
 def test_a_pipeline_of_unalike_layers_is_refused_naming_two_that_differ() -> None:
-    """DeepSeek-V3's first layer is dense, its others mixture-of-experts: stages, cut between alike layers,
-    cannot hold them (their prices scale one layer's); the message names the layers, not a count of one."""
+    """DeepSeek-V3 of two layers, its first dense and its second mixture-of-experts: stages, cut between alike
+    layers after any leading ones that are not, cannot hold them (no two layers repeat); the message names the
+    layers, not a count of one."""
     pytest.importorskip("transformers")
-    with pytest.raises(BadInputError, match=r"pp=2: pipeline stages are cut between alike layers .* this model's "
-                                            r"are not: hf.model.layers.0 and hf.model.layers.1 differ"):
+    with pytest.raises(BadInputError, match=r"pp=2: pipeline stages are cut between alike layers, and no two of "
+                                            r"this model's last layers repeat alike: hf.model.layers.0 and "
+                                            r"hf.model.layers.1 differ"):
         _plan("hf_moe_models:deepseek_v3", "1x2xcpu", {"pp": 2}, batch=4)
 
 
@@ -301,6 +303,22 @@ def test_jambas_alternating_layers_train_in_pipeline_stages_of_pairs() -> None:
     for run, result in zip(runs, train_parallel_many(2, runs)):
         assert result.plan["pipeline"]["stages"] == [[0, 2], [2, 4]]
         result.assert_matches(reference, f"Jamba under pp=2, lowered={run['lowered']}")
+
+
+@pytest.mark.dist
+@pytest.mark.extended
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_deepseek_v3s_dense_first_layer_runs_on_the_first_pipeline_stage() -> None:
+    """DeepSeek-V3's dense first layer before two mixture-of-experts layers: the pipeline is cut between the
+    mixture-of-experts layers, the first stage holding the dense one too (refused as unalike layers before), on
+    both runtimes; the lowered last stage runs the latent attention's ``aten.copy`` with its derivative."""
+    pytest.importorskip("transformers")
+    runs = [dict(name="hf_moe_models:deepseek_v3", overrides={"layers": 3}, global_batch=4, seq=16, steps=STEPS,
+                 plan=None, constraints={"pp": 2, "microbatches": 2}, lowered=lowered) for lowered in (False, True)]
+    reference = train_single("hf_moe_models:deepseek_v3", {"layers": 3}, 4, 16, STEPS)
+    for run, result in zip(runs, train_parallel_many(2, runs)):
+        assert result.plan["pipeline"]["stages"] == [[0, 2], [2, 3]]
+        result.assert_matches(reference, f"DeepSeek-V3 under pp=2, lowered={run['lowered']}")
 
 
 @pytest.mark.dist

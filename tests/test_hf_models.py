@@ -154,6 +154,9 @@ def test_hf_models_train_like_single_process_under_dp_tp_and_pp() -> None:
         # weights tied across pipeline stages: embedding on the first, output layer on the last
         _run("gpt2", {"pp": 2}, mask=True), _run("llama", {"pp": 2, "schedule": "gpipe"}, own_loss=True),
         _run("tiny-gpt", {"pp": 2}, tie_embeddings=True),
+        # the encoder and the decoder's first layer (its relative position bias) on the first stage, which passes
+        # the encoder's output and the bias on; one embedding tied across the stages
+        _run("t5", {"pp": 2, "microbatches": 2}, layers=3, mask=True),
     ])
 
 

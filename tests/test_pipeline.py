@@ -19,7 +19,7 @@ from autopar.planning.search import make_plan
 from autopar.core.axes import MeshAxis
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for, problem_for
-from autopar.planning.stages import FewestHeld, Staging, layer_roles, stage_problem, staged_alike
+from autopar.planning.stages import FewestHeld, Staging, device_layers, layer_roles, stage_problem, staged_alike
 from autopar.cost_models.pipeline import (Action, held_activations, last_chunk_in_flight, least_bubble_fraction,
                                           microbatches_in_flight, pipeline_bubble_fraction, simulate,
                                           torch_schedule_order)
@@ -616,3 +616,63 @@ def test_a_unit_of_layers_runs_in_one_checkpointing_mode():
                      "blocks.4": "none", "blocks.5": "none"}
     assert count_layer_modes(device, modes.get, 3, period=2) == {"full": 1, "selective": 1, "none": 1}
     assert assign_layer_modes([device], {"full": 2}) == {"blocks.0": "full", "blocks.1": "full"}
+
+
+def test_leading_layers_that_do_not_repeat_run_on_the_first_stage():
+    """Alike layers after a first one that is not (DeepSeek-V3's dense first layers before its mixture-of-experts
+    ones, refused before): stages are cut between the layers that repeat, the first stage holding the leading one
+    too, as it holds the embedding: its parameters on that stage's row (the first stage of two holds the embedding,
+    the leading layer and two of the four others), its ops priced whole and never recomputed (full checkpointing
+    recomputes the repeating layers' linear layers, one more forward, and leaves the leading layer's as they
+    are); mixed checkpointing assigns modes to the repeating layers alone, and re-pricing prices the plan alike."""
+    bundle = build_model("edge_models:dense_first_blocks", global_batch=8, device="meta")
+
+    def plan(constraints, cluster="1x2xcpu"):
+        return autopar.plan(bundle.model, bundle.example_inputs, cluster, bundle.loss_fn,
+                            {"microbatches": 2, "schedule": "1f1b", **constraints},
+                            example_targets=bundle.example_targets)
+
+    uniform = {mode: plan({"pp": 2, "checkpointing": mode}) for mode in ("none", "selective", "full")}
+    assert uniform["none"].pipeline.stages == [[0, 3], [3, 5]] and uniform["none"].model["layers"] == 5
+    assert uniform["full"].pipeline.leading_layers == 1 and "pipeline" in uniform["full"].to_dict()
+    assert ("[[0, 3], [3, 5]] (the first also holds the 1 leading layer, which does not repeat and is never "
+            "recomputed)") in uniform["full"].summary()
+    first_stage = ("emb.", "blocks.0.", "blocks.1.", "blocks.2.")
+    held = sum(p.numel() for name, p in bundle.model.named_parameters() if name.startswith(first_stage))
+    assert uniform["none"].predicted["memory_stage"] == "first"
+    assert uniform["none"].predicted["memory_bytes"]["params"] == 4 * held
+    ops = {mode: {op["module"]: op["cost"]["compute_s"] for op in p.to_dict()["ops"].values()
+                  if op["op"] in ("aten.mm.default", "aten.addmm.default")} for mode, p in uniform.items()}
+    assert ops["full"]["blocks.0.gate"] == ops["none"]["blocks.0.gate"] > 0
+    assert ops["full"]["blocks.1.left"] == pytest.approx(4 / 3 * ops["none"]["blocks.1.left"], rel=1e-9)
+    assert plan({"pp": 4}, "1x4xcpu").pipeline.stages == [[0, 2], [2, 3], [3, 4], [4, 5]]
+    with pytest.raises(BadInputError, match=r"pp=8: the model has only 4 repeated layers"):
+        plan({"pp": 8}, "1x8xcpu")
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    assert captured.leading_layers == ("blocks.0",)
+    assert device_layers(captured, [[0, 3], [3, 5]], 2) == [["blocks.1", "blocks.2"], ["blocks.3", "blocks.4"]]
+    repriced = reprice(autopar.Plan.from_dict(uniform["full"].to_dict()), captured, "1x2xcpu")
+    assert repriced.predicted["step_time_s"] == pytest.approx(uniform["full"].predicted["step_time_s"], rel=1e-9)
+
+
+def test_stages_pass_on_what_later_layers_read_from_before_them():
+    """Every stage hands the next what later stages read: a decoder layer's output, and the encoder's output (made
+    on the first stage, read by every decoder layer, as cross-attention reads it), so a pipeline of an
+    encoder-decoder sends twice the bytes of a stack of the same width handing one tensor; a post-norm layer (BERT's,
+    ending in ``native_layer_norm``) hands its normalized values, as many bytes as a pre-norm one (GPT-2's: it was
+    priced as handing nothing)."""
+    def plan(spec, **sizes):
+        b = build_model(spec, device="meta", **sizes)
+        return autopar.plan(b.model, b.example_inputs, "1x2xcpu", b.loss_fn,
+                            {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, example_targets=b.example_targets)
+
+    def p2p(spec, **sizes):
+        return plan(spec, **sizes).predicted["comm_s"]["p2p"]
+
+    encoder_decoder = plan("edge_models:encoder_decoder_blocks", global_batch=8)
+    assert encoder_decoder.pipeline.stages == [[0, 3], [3, 4]]
+    assert encoder_decoder.predicted["comm_s"]["p2p"] == pytest.approx(2 * p2p("edge_models:reshaped_blocks",
+                                                                               global_batch=8), rel=1e-12)
+    pytest.importorskip("transformers")
+    post_norm = p2p("autopar.models.hf:bert", global_batch=4)
+    assert post_norm > 0 and post_norm == pytest.approx(p2p("autopar.models.hf:gpt2", global_batch=4), rel=1e-12)

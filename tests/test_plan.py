@@ -218,6 +218,11 @@ def test_mesh_that_does_not_cover_the_cluster(plan_dict, tmp_path):
     _raises_naming(_write(tmp_path, plan_dict, "small-mesh.json"))
 
 
+def test_leading_layers_that_are_not_a_count(plan_dict, tmp_path):
+    plan_dict["pipeline"]["leading_layers"] = -1
+    _raises_naming(_write(tmp_path, plan_dict, "leading.json"), "pipeline.leading_layers")
+
+
 def test_nonexistent_file(tmp_path):
     path = tmp_path / "nowhere.json"
     with pytest.raises(PlanFormatError, match="nowhere.json"):

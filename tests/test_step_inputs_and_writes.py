@@ -76,7 +76,10 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:alternating_blocks", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2,
                                                  "microbatches": 2}),
              ("edge_models:pooled_convs", {"dp": 2}),
-             ("edge_models:channel_first_blocks", {"pp": 2, "microbatches": 2})]
+             ("edge_models:channel_first_blocks", {"pp": 2, "microbatches": 2}),
+             ("edge_models:dense_first_blocks", {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
+             ("edge_models:dense_first_blocks", {"pp": 2, "microbatches": 2, "checkpointing": "full"}),
+             ("edge_models:encoder_decoder_blocks", {"pp": 2, "microbatches": 2})]
 
 
 @pytest.mark.dist
@@ -101,7 +104,11 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     ops differ only in float constants are alike layers a pipeline cuts between (DiffLlama's were refused); layers of
     two kinds alternating are cut between pairs, each chunk a pair (Jamba's were refused); average and adaptive max
     pooling split over dp run their backward (DTensor had no rule for their derivatives: PoolFormer failed); a stage
-    whose input's gradient is strided sends it back (``isend`` refused it: SqueezeBERT under pp)."""
+    whose input's gradient is strided sends it back (``isend`` refused it: SqueezeBERT under pp); alike layers after
+    a first one that is not are cut between, the first stage holding the leading one, never recomputed (DeepSeek-V3's
+    were refused), an encoder-decoder's pipeline cut between decoder layers passes the encoder's output on, and a
+    lowered stage running an op whose derivative the program supplies (``aten.copy`` of a
+    tensor written half by half) runs it in its eager forward too ("derivative for aten::copy is not implemented")."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):

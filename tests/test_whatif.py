@@ -117,6 +117,8 @@ MALFORMED = {
     "bad dtype": (lambda text: text.replace('"dtype":"float32"', '"dtype":"float99"', 1), "float99"),
     "unknown param": (lambda text: _edit(text, lambda d: d["params"].update(ghost="w")), "ghost"),
     "nodes not a list": (lambda text: _edit(text, lambda d: d.update(nodes={})), "'nodes'"),
+    "leading layers not first": (lambda text: _edit(text, lambda d: d.update(leading_layers=["blocks.1"])),
+                                 "'leading_layers' must list the graph's first layers"),
 }
 
 
@@ -163,6 +165,16 @@ def test_api_saves_the_problem_and_refuses_inputs_with_a_saved_one(tmp_path):
     assert autopar.plan(problem, cluster="1x2xcpu").placements == first.placements
     with pytest.raises(BadInputError, match="already fixes"):
         autopar.plan(problem, bundle.example_inputs, cluster="1x2xcpu")
+
+
+def test_a_saved_problem_keeps_the_leading_layers_a_pipeline_sets_apart(tmp_path):
+    bundle = build_model("edge_models:dense_first_blocks", global_batch=8, device="meta")
+    path = tmp_path / "dense_first.json"
+    first = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"pp": 2},
+                         example_targets=bundle.example_targets, save_problem=path)
+    again = autopar.plan(autopar.load_problem(path), cluster="1x2xcpu", constraints={"pp": 2})
+    assert again.pipeline.stages == first.pipeline.stages == [[0, 3], [3, 5]]
+    assert again.predicted["step_time_s"] == pytest.approx(first.predicted["step_time_s"], rel=1e-9)
 
 
 # ---- re-pricing -----------------------------------------------------------------------------------

@@ -211,6 +211,8 @@ class Pipeline(_Section):
     virtual_stages: int | None = None  # model chunks per device (interleaved)
     microbatches: int
     microbatch_size: int  # samples per microbatch per data-parallel rank
+    leading_layers: int | None = None  # first layers, which do not repeat, that the first range holds before its
+    # share of the repeating ones (priced as the code before the layers, never recomputed); absent: none
     extra: Mapping[str, Any] = field(default_factory=dict)
     json_name: ClassVar[str] = "pipeline"
     _required: ClassVar[tuple[str, ...]] = ("stages", "schedule", "microbatches", "microbatch_size")
@@ -220,6 +222,8 @@ class Pipeline(_Section):
         _positive_int(source, "pipeline.microbatch_size", self.microbatch_size)
         if self.virtual_stages is not None:
             _positive_int(source, "pipeline.virtual_stages", self.virtual_stages)
+        if self.leading_layers is not None:
+            _positive_int(source, "pipeline.leading_layers", self.leading_layers)
         if not isinstance(self.schedule, str):
             raise PlanFormatError(f"{source}: pipeline.schedule must be a string, got {_short(self.schedule)}")
         if not isinstance(self.stages, list) or not all(

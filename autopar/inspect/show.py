@@ -62,8 +62,18 @@ def _schedule_text(plan: Plan) -> str:
     if stages > 1:
         chunks = pipe.get("virtual_stages", 1)
         text = (f"pp={stages} {pipe.get('schedule')}" + (f" (v={chunks})" if chunks > 1 else "")
-                + f", layer ranges {pipe.get('stages')}, " + text)
+                + f", layer ranges {pipe.get('stages')}{_leading_text(plan)}, " + text)
     return text + f"; checkpointing {checkpointing_text(plan)}"
+
+
+def _leading_text(plan: Plan) -> str:
+    """What the first range holds beside its share of the repeating layers, where the model's first layers do not
+    repeat (``pipeline.leading_layers``)."""
+    leading = plan.pipeline.get("leading_layers")
+    if not leading:
+        return ""
+    return (f" (the first also holds the {leading} leading layer{'s, which do' if leading > 1 else ', which does'} not"
+            f" repeat and {'are' if leading > 1 else 'is'} never recomputed)")
 
 
 def checkpointing_text(plan: Plan) -> str:

@@ -54,6 +54,7 @@ from autopar.ir.saved_tensors import SavedTensors, find_saved_tensors
 
 _MODEL_PREFIX = "model."
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+_LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "layers.3.attn.q" -> "layers.3"
 
 register_derivative_rules()  # the captured ops' derivatives DTensor has no rule for by itself (``dtensor_rules.py``)
 
@@ -98,6 +99,7 @@ class CapturedGraph:
     aliases: dict[str, str] = field(default_factory=dict)  # tied fqn -> the fqn whose placeholder stands for both
     autocast: str | None = None  # the dtype of the torch.autocast the step was traced under (its casts are ops)
     frozen: frozenset[str] = frozenset()  # parameter placeholders whose every real parameter has requires_grad False
+    leading_layers: tuple[str, ...] = ()  # the first layers, which do not repeat, before those that do
 
     @property
     def graph(self) -> fx.Graph:
@@ -587,7 +589,7 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
     loss = returned[0].arg.name
     _check_scalar_loss(gm, loss, len(returned))
     captured = CapturedGraph(gm, params, buffers, constants, user_inputs, loss, aliases=aliases)
-    captured.tie_keys = _tie_repeated_layers(gm.graph, params, buffers)
+    captured.tie_keys, captured.leading_layers = _tie_repeated_layers(gm.graph, params, buffers)
     return captured
 
 
@@ -688,9 +690,10 @@ def module_path(node: fx.Node) -> str:
     return path
 
 
-def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[str, str]) -> dict[str, str]:
+def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[str, str]
+                         ) -> tuple[dict[str, str], tuple[str, ...]]:
     """Give every node a structural key, shared by the nodes of repeated layers (``layers.0.*``,
-    ``layers.1.*``...).
+    ``layers.1.*``...), and name the leading layers that do not repeat (``CapturedGraph.leading_layers``).
 
     An op's key is its module path with layer indices replaced by ``*``, the op, and the node's ordinal
     among nodes of the same path and op; a parameter's or buffer's is its name with layer indices
@@ -700,30 +703,83 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
     the two ``Linear``s of an ``nn.Sequential`` block, ``blocks.*.1`` and ``blocks.*.3``, then tie
     layer by layer), and those that still disagree are told apart by their signature (the layers of a
     stack of two kinds, Jamba's, whose residual adds differ in shape: each kind's tie with its kind's),
-    so tying never changes what a node computes, only how many decisions the solver makes.
+    so tying never changes what a node computes, only how many decisions the solver makes. The nodes of
+    the leading layers tie with nothing (their keys keep every index): they are priced and placed on
+    their own, as the ops before the layers are.
     """
-    keys: dict[str, str] = {}
-    finer: dict[str, str] = {}
-    ordinal: Counter = Counter()
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            fqn = params.get(node.name) or buffers.get(node.name)
-            kind = "param:" if node.name in params else "buffer:"
-            keys[node.name] = kind + _LAYER_INDEX.sub(".*", fqn) if fqn else node.name
-            finer[node.name] = kind + _LAYER_INDEX.sub(".*", fqn, count=1) if fqn else node.name
-        elif node.op == "call_function":
-            path = module_path(node)
-            ordinal[(path, node.target)] += 1
-            keys[node.name] = f"{_LAYER_INDEX.sub('.*', path)}|{node.target}|{ordinal[(path, node.target)]}"
-            finer[node.name] = f"{_LAYER_INDEX.sub('.*', path, count=1)}|{node.target}|{ordinal[(path, node.target)]}"
-        else:
-            keys[node.name] = finer[node.name] = node.name
+    keys = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path))
+    finer = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path, count=1))
     signature_of = {n.name: _signature(n) for n in graph.nodes}
     for rekeyed in _inconsistent(keys, signature_of):
         keys[rekeyed] = finer[rekeyed]
     for apart in _inconsistent(keys, signature_of):
         keys[apart] = f"{keys[apart]}|{hashlib.sha1(repr(signature_of[apart]).encode()).hexdigest()[:10]}"
+    leading = _leading_layers(tie_keys_by_layer(graph, keys, params, buffers))
+    if leading:
+        literal = _structural_keys(graph, params, buffers, lambda path: path)
+        keys.update((n.name, literal[n.name]) for n in graph.nodes if _layer_of_node(n, params, buffers) in leading)
+    return keys, leading
+
+
+def _structural_keys(graph: fx.Graph, params: dict[str, str], buffers: dict[str, str],
+                     indices: Callable[[str], str]) -> dict[str, str]:
+    """Every node's key, its path's layer indices rewritten by ``indices`` (``_tie_repeated_layers``)."""
+    keys: dict[str, str] = {}
+    ordinal: Counter = Counter()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            fqn = params.get(node.name) or buffers.get(node.name)
+            kind = "param:" if node.name in params else "buffer:"
+            keys[node.name] = kind + indices(fqn) if fqn else node.name
+        elif node.op == "call_function":
+            path = module_path(node)
+            ordinal[(path, node.target)] += 1
+            keys[node.name] = f"{indices(path)}|{node.target}|{ordinal[(path, node.target)]}"
+        else:
+            keys[node.name] = node.name
     return keys
+
+
+def tie_keys_by_layer(graph: fx.Graph, keys: dict[str, str], params: dict[str, str], buffers: dict[str, str]
+                      ) -> dict[str, Counter]:
+    """Per repeated-layer instance (``layers.3``), in the order the graph runs them, its ops' tie keys."""
+    by_layer: dict[str, Counter] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and (layer := _layer_of_node(node, params, buffers)) is not None:
+            by_layer.setdefault(layer, Counter())[keys[node.name]] += 1
+    return by_layer
+
+
+def _layer_of_node(node: fx.Node, params: dict[str, str], buffers: dict[str, str]) -> str | None:
+    """The repeated-layer instance of an op (by its module path) or of a parameter or buffer (by its name)."""
+    if node.op == "placeholder":
+        return layer_of_path(params.get(node.name) or buffers.get(node.name) or "")
+    return layer_of_path(module_path(node)) if node.op == "call_function" else None
+
+
+def layer_of_path(path: str) -> str | None:
+    """The repeated-layer instance a module or parameter path is in (``layers.3.attn.q`` -> ``layers.3``),
+    or None outside layers."""
+    match = _LAYER.match(path)
+    return match.group(1) if match else None
+
+
+def repetition_period(keys: Sequence[Counter]) -> int:
+    """The fewest consecutive layers that repeat alike through layers whose ops' tie keys are ``keys``: 1
+    where every layer is alike the next, their number where none repeats (1 for no layers)."""
+    return next(p for p in range(1, len(keys) + 1)
+                if len(keys) % p == 0 and all(keys[i] == keys[i + p] for i in range(len(keys) - p))) if keys else 1
+
+
+def _leading_layers(by_layer: dict[str, Counter]) -> tuple[str, ...]:
+    """The fewest first layers after which the rest repeat at least twice (``repetition_period``): DeepSeek-V3's
+    dense first layers before its mixture-of-experts ones; none where the layers repeat from the first, or
+    where no tail of them does."""
+    names, keys = list(by_layer), list(by_layer.values())
+    for first in range(len(names) - 1):
+        if (len(names) - first) // repetition_period(keys[first:]) >= 2:
+            return tuple(names[:first])
+    return ()
 
 
 def _inconsistent(keys: dict[str, str], signature_of: dict[str, tuple[Any, ...]]) -> list[str]:

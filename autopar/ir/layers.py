@@ -9,7 +9,6 @@ One place for each: ``planning/stages.py`` prices by these rules and ``passes/ch
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections import Counter
 from typing import Any, Callable, Iterable
@@ -18,9 +17,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from autopar.ir.capture import CapturedGraph, module_path
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "layers.3.attn.q" -> "layers.3"
+from autopar.ir.capture import CapturedGraph, layer_of_path, module_path, repetition_period, tie_keys_by_layer
 
 _aten = torch.ops.aten
 KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
@@ -166,13 +163,6 @@ def layer_of(node: fx.Node) -> str | None:
     return layer_of_path(module_path(node))
 
 
-def layer_of_path(path: str) -> str | None:
-    """The repeated-layer instance a module or parameter path is in (``layers.3.attn.q`` -> ``layers.3``),
-    or None outside layers."""
-    match = _LAYER.match(path)
-    return match.group(1) if match else None
-
-
 def gather_unit(path: str) -> str:
     """The unit a parameter at ``path`` is gathered and its gradient reduce-scattered with, when sharded
     over data parallelism: its repeated layer, outside layers its module (the path less its last name),
@@ -205,54 +195,55 @@ def layer_names(captured: CapturedGraph) -> list[str]:
     return list(dict.fromkeys(layer for node in captured.graph.nodes if (layer := layer_of(node)) is not None))
 
 
+def repeating_layers(captured: CapturedGraph) -> list[str]:
+    """The layers pipeline stages are cut between and checkpointing recomputes: ``layer_names`` but the
+    leading ones that do not repeat (``CapturedGraph.leading_layers``: DeepSeek-V3's dense first layers),
+    which run with what comes before the layers (``planning/stages.py``)."""
+    return layer_names(captured)[len(captured.leading_layers):]
+
+
+def repeating_layer_of(captured: CapturedGraph) -> Callable[[fx.Node], str | None]:
+    """``layer_of`` for ``captured``'s nodes but None for those of its leading layers (``repeating_layers``)."""
+    leading = frozenset(captured.leading_layers)
+    return lambda node: None if (layer := layer_of(node)) in leading else layer
+
+
 def layer_count(captured: CapturedGraph) -> int:
-    """How many units of repeated layers pipeline stages may be cut between: the model's layers
-    (``layer_names``) in groups of ``layer_period``, each group alike every other (every layer, where
-    the layers are alike; one group, the model taken as one layer, where they do not repeat). Stage
-    prices scale one group's cost by the groups a stage holds (``planning/stages.py``), which holds
-    only for alike groups; the runtime cuts the program between the same groups (plan ranges count
-    layers, multiples of the period)."""
-    names = layer_names(captured)
+    """How many units of repeated layers pipeline stages may be cut between: the ``repeating_layers`` in
+    groups of ``layer_period``, each group alike every other (every layer, where the layers are alike; one
+    group, the model taken as one layer, where they do not repeat). Stage prices scale one group's cost by
+    the groups a stage holds (``planning/stages.py``), which holds only for alike groups; the runtime cuts
+    the program between the same groups (plan ranges count layers, multiples of the period after the
+    leading layers, which the first range holds too)."""
+    names = repeating_layers(captured)
     return len(names) // layer_period(captured) if names else 0
 
 
 def layer_period(captured: CapturedGraph) -> int:
-    """The fewest consecutive layers that repeat alike through the whole stack: 1 where every layer is
-    alike the next (a traced stack is, by construction); 2 where two kinds alternate (Jamba's experts every
-    other layer); 4 for Llama 4's (experts every other layer, no rotary embedding every fourth); the number
-    of layers where none repeats (DeepSeek-V3's dense first layers before its mixture-of-experts ones). A
-    layer is alike another when their ops' tie keys are (``capture._tie_repeated_layers``: same ops, shapes
-    and arguments)."""
-    return _period(_tie_keys_by_layer(captured))
-
-
-def _period(keys: list[Counter]) -> int:
-    """``layer_period`` of layers whose ops' tie keys are ``keys``."""
-    return next(p for p in range(1, len(keys) + 1)
-                if len(keys) % p == 0 and all(keys[i] == keys[i + p] for i in range(len(keys) - p))) if keys else 1
+    """The fewest consecutive layers that repeat alike through the ``repeating_layers``: 1 where every layer
+    is alike the next (a traced stack is, by construction); 2 where two kinds alternate (Jamba's experts
+    every other layer); 4 for Llama 4's (experts every other layer, no rotary embedding every fourth); their
+    number where none repeats. A layer is alike another when their ops' tie keys are
+    (``capture._tie_repeated_layers``: same ops, shapes and arguments)."""
+    return repetition_period(_tie_keys_by_layer(captured))
 
 
 def unalike_layers(captured: CapturedGraph) -> tuple[str, str] | None:
-    """The first of the model's layers (``layer_names``) and the first that is not alike it, where the
-    layers do not repeat (``layer_period`` is their number: DeepSeek-V3's dense first layers before its
-    mixture-of-experts ones), else None."""
+    """The first of the model's layers and the first that is not alike it, where no tail of the layers
+    repeats (``layer_period`` is their number, and no leading layers were set apart), else None."""
     keys = _tie_keys_by_layer(captured)
-    if _period(keys) < max(len(keys), 2):
+    if repetition_period(keys) < max(len(keys), 2):
         return None
-    names = list(layer_names(captured))
+    names = repeating_layers(captured)
     return next(((names[0], names[i]) for i in range(1, len(keys)) if keys[i] != keys[0]), None)
 
 
 def _tie_keys_by_layer(captured: CapturedGraph) -> list[Counter]:
-    """Per layer of ``layer_names`` (one for a traced stack, whose layers are alike), its ops' tie keys."""
+    """Per layer of ``repeating_layers`` (one for a traced stack, whose layers are alike), its ops' tie keys."""
     if captured.stack is not None:
         return [Counter()]
-    keys_by_layer: dict[str, Counter] = {name: Counter() for name in layer_names(captured)}
-    for node in captured.graph.nodes:
-        layer = layer_of(node)
-        if layer in keys_by_layer and node.op == "call_function":
-            keys_by_layer[layer][captured.tie_keys[node.name]] += 1
-    return list(keys_by_layer.values())
+    by_layer = tie_keys_by_layer(captured.graph, captured.tie_keys, captured.params, captured.buffers)
+    return [by_layer[name] for name in repeating_layers(captured)]
 
 
 def is_getitem(node: fx.Node) -> bool:

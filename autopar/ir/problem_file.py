@@ -9,7 +9,8 @@ versioned JSON (schema ``autopar.problem/1``; no pickle, so loading one runs no 
   module path it came from (``nn_module_stack``, read by ``capture.module_path``), and its value's
   shape, stride and dtype (rebuilt as meta-device tensors, tuples of them for multi-output ops);
 * what each placeholder stands for (parameters, buffers, lifted constants, user inputs), the loss node,
-  the tie keys of repeated layers and the frozen parameters (``requires_grad=False``), where there are any;
+  the tie keys of repeated layers, the leading layers that do not repeat and the frozen parameters
+  (``requires_grad=False``), where there are any;
 * the model name, a description of the inputs (names, shapes, dtypes), and what a plan states about the
   model that its graph does not show, read from the model's code when it was captured (``facts``: named
   sizes, ``dims``; a mixture-of-experts model's routing, ``moe``), so a plan made from the file states
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.ir.capture import CapturedGraph, LayerStack
+from autopar.ir.capture import CapturedGraph, LayerStack, tie_keys_by_layer
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import check_model_facts
 from autopar.core.files import read_text, write_atomically
@@ -80,6 +81,7 @@ def problem_to_dict(captured: CapturedGraph, model_name: str, facts: dict[str, A
         "loss_node": captured.loss_node,
         "tie_keys": captured.tie_keys,
         **({"frozen": sorted(captured.frozen)} if captured.frozen else {}),
+        **({"leading_layers": list(captured.leading_layers)} if captured.leading_layers else {}),
         **({"stack": {"path": captured.stack.path, "layers": captured.stack.layers, "traced": captured.stack.traced}}
            if captured.stack is not None else {}),
     }
@@ -197,6 +199,7 @@ def problem_from_dict(data: Any) -> SavedProblem:
         stack=_stack(data.get("stack")),
         frozen=_frozen(data.get("frozen", []), data["params"]),
     )
+    captured.leading_layers = _leading_layers(data.get("leading_layers", []), captured)
     _check_references(captured)
     if captured.stack is not None:
         _check_stack(captured)
@@ -248,6 +251,15 @@ def _typed(data: dict, key: str, kind: type) -> Any:
     if not isinstance(value, kind):
         raise _Malformed(f"'{key}' must be a JSON {'array' if kind is list else 'object'}, got {type(value).__name__}")
     return value
+
+
+def _leading_layers(names: Any, captured: CapturedGraph) -> tuple[str, ...]:
+    """The saved leading layers (``CapturedGraph.leading_layers``), checked to be the graph's first layers."""
+    layers = list(tie_keys_by_layer(captured.graph, captured.tie_keys, captured.params, captured.buffers))
+    if not isinstance(names, list) or names != layers[:len(names)]:
+        raise _Malformed(f"'leading_layers' must list the graph's first layers in order ({layers[:2]}...), "
+                         f"got {json.dumps(names)[:80]}")
+    return tuple(names)
 
 
 def _names_to_names(data: dict, key: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.placement import placements_to_strs
 from autopar.core.plan import ALLGATHER, CONTIGUOUS, LOAD_BALANCED, MEMORY_PARTS, MIXED, RING, Plan, Precision
 from autopar.cost_models import Cluster, adamw_step_time
-from autopar.ir.layers import layer_count, layer_names, layer_period, tensor_inputs
+from autopar.ir.layers import layer_count, layer_names, layer_period, output_vals, tensor_inputs
 from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
@@ -99,15 +99,23 @@ def _tied_across_stages(captured: CapturedGraph, problem: Problem, solution: Sol
 
 def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solution, pricer: Pricer,
                       mesh: MeshChoice) -> list[tuple[float, int | None]]:
-    """Per tensor one layer hands the next: (bytes per device for the whole batch, the tp mesh dim if
+    """Per tensor one stage hands the next: (bytes per device for the whole batch, the tp mesh dim if
     every rank of it holds the same copy, else None), as the solution places it."""
-    layers = max(1, layer_count(captured))
     out = []
-    for key in sorted(layer_roles(captured, problem).stage_boundary):
-        handed = _handed_over(captured, problem.decisions[key], solution.choice[key], layers, pricer, mesh)
+    for key, share in _handed_keys(captured, problem):
+        handed = _handed_over(captured, problem.decisions[key], solution.choice[key], share, pricer, mesh)
         if handed is not None:
             out.append(handed)
     return out
+
+
+def _handed_keys(captured: CapturedGraph, problem: Problem) -> list[tuple[str, float]]:
+    """The decisions whose values cross a stage boundary, each with the share of its occurrences that does: a
+    unit's output (``LayerRoles.stage_boundary``: one unit's of the ``layer_count``) and a value made before the
+    layers that later units read (``LayerRoles.carried``: all of them)."""
+    roles, units = layer_roles(captured, problem), max(1, layer_count(captured))
+    return ([(key, problem.decisions[key].occurrences / units) for key in sorted(roles.stage_boundary)]
+            + [(key, problem.decisions[key].occurrences) for key in sorted(roles.carried)])
 
 
 def least_stage_transfers(captured: CapturedGraph, problem: Problem, staging: Staging, pricer: Pricer,
@@ -117,29 +125,28 @@ def least_stage_transfers(captured: CapturedGraph, problem: Problem, staging: St
     adds it to the cutoff row of a pipeline's ILP (a plan whose sends alone lose is pruned at once)."""
     if staging.stages == 1:
         return 0.0
-    m, layers = problem.microbatches, max(1, layer_count(captured))
-    least = 0.0
-    for key in sorted(layer_roles(captured, problem).stage_boundary):
+    m, least = problem.microbatches, 0.0
+    for key, share in _handed_keys(captured, problem):
         d = problem.decisions[key]
         sends = [pricer.stage_transfer(handed[0] / m, handed[1]) for k in range(len(d.options))
-                 if (handed := _handed_over(captured, d, k, layers, pricer, mesh)) is not None]
+                 if (handed := _handed_over(captured, d, k, share, pricer, mesh)) is not None]
         least += min(sends, default=0.0)
     return 2 * staging.chunks * m * least
 
 
-def _handed_over(captured: CapturedGraph, decision: Decision, k: int, layers: int, pricer: Pricer,
+def _handed_over(captured: CapturedGraph, decision: Decision, k: int, share: float, pricer: Pricer,
                  mesh: MeshChoice) -> tuple[float, int | None] | None:
     """(bytes per device for the whole batch, the tp mesh dim whose ranks all hold the same copy, else None)
-    of the tensor a boundary ``decision`` hands the next layer under its option ``k`` (``layers``: the
-    model's repeated layers, ``layer_count``); None where it hands no tensor."""
+    of the tensors a crossing ``decision`` hands the next stage under its option ``k`` (``share``: how many of
+    its occurrences cross): its first output (a post-norm layer's ``native_layer_norm`` hands its normalized
+    values, not its statistics); None where it hands no tensor."""
     placements = decision.options[k].strategy.outputs[0]
-    val = captured.node(decision.nodes[0]).meta["val"]
+    val = output_vals(captured.node(decision.nodes[0]))[0]
     if placements is None or not isinstance(val, torch.Tensor):
         return None
-    per_layer = decision.occurrences / layers
     copies = next((i for i, n in enumerate(mesh.names)
                    if n == MeshAxis.TP and placements[i].is_replicate() and mesh.shape[i] > 1), None)
-    return pricer.local_bytes(val, placements) * per_layer, copies
+    return pricer.local_bytes(val, placements) * share, copies
 
 
 def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: str, best: Candidate,
@@ -194,16 +201,19 @@ def _pipeline_section(captured: CapturedGraph, best: Candidate) -> dict[str, Any
     ``i`` on stage ``i mod p``) when interleaved; the layers of a 1-stage plan are one range. Chunks
     differ by at most one unit of ``layer_period`` layers (one layer where the layers are alike), the
     first ones longer (no device holds more than the ``ceil(L / (p v))`` units a chunk is priced at, and
-    the last stage, which also runs the head and the loss, holds the fewest)."""
+    the last stage, which also runs the head and the loss, holds the fewest); the first also holds the
+    leading layers that do not repeat (``ir.layers.repeating_layers``), as it holds the embedding."""
     staging, m = best.staging, best.problem.microbatches
     units, period = layer_count(captured), layer_period(captured)
     chunks = staging.stages * staging.chunks
     sizes = [period * (units // chunks + (i < units % chunks)) for i in range(chunks)]
+    sizes[0] += len(captured.leading_layers)
     ends = list(itertools.accumulate(sizes))
     ranges = [[end - size, end] for size, end in zip(sizes, ends)]
     return {"stages": ranges, "schedule": staging.schedule, "virtual_stages": staging.chunks,
             "microbatches": m,
-            "microbatch_size": _microbatch_size(global_batch(captured), m, best.mesh.data_parallel_size)}
+            "microbatch_size": _microbatch_size(global_batch(captured), m, best.mesh.data_parallel_size),
+            **({"leading_layers": len(captured.leading_layers)} if captured.leading_layers else {})}
 
 
 def _microbatch_size(batch: int | None, microbatches: int, dp: int) -> int:

@@ -258,12 +258,14 @@ def _better(first: "Candidate | MeshChoice | str", second: "Candidate | MeshChoi
 
 def _refuse_stages_of_unalike_layers(captured: CapturedGraph, constraints: Constraints) -> None:
     """A pinned pipeline of a model whose layers are not alike, refused naming two that differ: stages are
-    cut between alike layers, whose prices one layer's scale to a stage's (``layers.layer_count``)."""
+    cut between alike layers, whose prices one layer's scale to a stage's (``layers.layer_count``), after
+    any leading layers that do not repeat (``layers.repeating_layers``)."""
     unalike = unalike_layers(captured) if (constraints.pp or 1) > 1 else None
     if unalike is not None:
-        raise BadInputError(f"pp={constraints.pp}: pipeline stages are cut between alike layers (same ops and "
-                            f"shapes), and this model's are not: {unalike[0]} and {unalike[1]} differ (a "
-                            "mixture-of-experts stack after dense layers, say); plan it without pp")
+        raise BadInputError(f"pp={constraints.pp}: pipeline stages are cut between alike layers, and no two of this "
+                            f"model's last layers repeat alike: {unalike[0]} and {unalike[1]} differ (layers are alike "
+                            "when their ops and shapes are; first layers that differ go with the first stage); plan "
+                            "it without pp")
 
 
 def _sequence_splits(captured: CapturedGraph, constraints: Constraints, meshes: list[MeshChoice]

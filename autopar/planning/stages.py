@@ -19,6 +19,12 @@ loss, the head's weight, the labels); a weight both ends read (a tied embedding 
 ``passes/tied_parameters.py``) counts on both. A pipeline fits when both rows do: the stages between
 hold neither end and no more microbatches than the first.
 
+Layers that repeat only after some first ones that do not (DeepSeek-V3's dense first layers before its
+mixture-of-experts ones; ``CapturedGraph.leading_layers``) are cut after those: ``L`` counts the repeating
+layers (``ir.layers.repeating_layers``), and the leading layers are priced as the code before the layers is,
+on the first stage, whole and never recomputed (their ops tie with no other layer's: ``capture``), in its
+memory row alone; the runtime runs them in the first chunk, not checkpointed (``passes/program.py``).
+
 Activations kept for backward are held for every microbatch in flight on the first stage: ``m`` for
 GPipe, ``min(p, m)`` for 1F1B, ``p (1 + (p - 1) / (p v))`` interleaved where ``m`` is a multiple of ``p``
 (Korthikanti et al. 2022, §4.2.3; ``cost_models/symbolic.py`` for the rest), 1 without a pipeline. The
@@ -81,7 +87,8 @@ from typing import Callable
 from torch import fx
 
 from autopar.ir.capture import CapturedGraph
-from autopar.ir.layers import attention_cores, kept_under_selective, layer_names, layer_of, layer_period, widens
+from autopar.ir.layers import (attention_cores, kept_under_selective, layer_names, layer_period, repeating_layer_of,
+                               repeating_layers, widens)
 from autopar.core.plan import CHECKPOINTING, MIXED, SELECTIVE_MODES
 from autopar.cost_models.pipeline import (last_chunk_in_flight, last_stage_in_flight, least_bubble_fraction,
                                           microbatches_in_flight, pipeline_bubble_fraction)
@@ -170,11 +177,13 @@ class FewestHeld(Staging):
 
 
 def device_layers(captured: CapturedGraph, ranges: list[list[int]], stages: int) -> list[list[str]]:
-    """The layers each pipeline stage's device holds, from a plan's layer ranges (chunk ``i`` on stage
-    ``i mod stages``)."""
+    """The repeating layers (``ir.layers.repeating_layers``) each pipeline stage's device holds, from a plan's
+    layer ranges (chunk ``i`` on stage ``i mod stages``; the leading layers, in the first range, left out)."""
     names = layer_names(captured)
+    repeating = set(repeating_layers(captured))
     ranges = ranges or [[0, len(names)]]
-    return [[name for first, end in ranges[s::stages] for name in names[first:end]] for s in range(stages)]
+    return [[name for first, end in ranges[s::stages] for name in names[first:end] if name in repeating]
+            for s in range(stages)]
 
 
 def assign_layer_modes(layers_by_device: list[list[str]], counts: dict[str, int], period: int = 1) -> dict[str, str]:
@@ -222,6 +231,8 @@ class LayerRoles:
     last_stage_only: frozenset[str] = frozenset()  # keys of ``after_layers`` and of the values only they read
     stage_boundary: frozenset[str] = frozenset()  # keys of ``boundary`` whose output leaves its unit of
     # ``layer_period`` layers: what a pipeline stage hands the next (``boundary`` where every layer is alike)
+    carried: frozenset[str] = frozenset()  # keys of values made from parameters before the repeating layers that
+    # a unit after the first reads (an encoder's output, which every decoder layer reads): every stage passes them on
 
 
 _last_roles: list[tuple[CapturedGraph, tuple[str, ...], LayerRoles]] = []  # the last graph's: a search asks hundreds of times
@@ -241,8 +252,8 @@ def layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
 
 def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
     key_of = {n: key for key, d in problem.decisions.items() for n in d.nodes}
-    period = layer_period(captured)
-    unit_of = {name: i // period for i, name in enumerate(layer_names(captured))}
+    period, layer_of = layer_period(captured), repeating_layer_of(captured)
+    unit_of = {name: i // period for i, name in enumerate(repeating_layers(captured))}
     in_layer, boundary, expensive, widening, after_layers = set(), set(), set(), set(), set()
     stage_boundary = set()
     cores = attention_cores(captured.graph.nodes)
@@ -275,7 +286,25 @@ def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
     return LayerRoles(frozenset(in_layer), frozenset(boundary), frozenset(expensive), frozenset(widening),
                       frozenset(after_layers),
                       frozenset(core & in_layer), frozenset(saved_outside & in_layer), first, last,
-                      frozenset(stage_boundary))
+                      frozenset(stage_boundary), _carried(captured, key_of, unit_of))
+
+
+def _carried(captured: CapturedGraph, key_of: dict[str, str], unit_of: dict[str, int]) -> frozenset[str]:
+    """``LayerRoles.carried``: the keys of ops before the first repeating layer's, computed from a parameter, that
+    an op of a unit after the first reads. ``passes/split_stages.py`` sends such a value from the first chunk
+    through every chunk to its last reader; a value computed from no parameter (a mask, a rotary table) each chunk
+    computes itself."""
+    layer_of, from_params, carried = repeating_layer_of(captured), set(captured.params), set()
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or not any(i.name in from_params for i in node.all_input_nodes):
+            continue
+        if layer_of(node) is not None:
+            break
+        from_params.add(node.name)
+        key = key_of.get(node.name)
+        if key is not None and any(unit_of.get(layer_of(user), 0) > 0 for user in _users_through_getitem(node)):
+            carried.add(key)
+    return frozenset(carried)
 
 
 def _held_at_one_end(captured: CapturedGraph, key_of: dict[str, str], after: set[str]
@@ -288,7 +317,7 @@ def _held_at_one_end(captured: CapturedGraph, key_of: dict[str, str], after: set
     one end's when only that end's ops read it (the tokens and the embedding's weight; the labels and
     the head's weight); a weight both ends read (a tied embedding and head, of which
     ``passes/tied_parameters.py`` gives each end stage a copy) is held by both."""
-    nodes = list(captured.graph.nodes)
+    nodes, layer_of = list(captured.graph.nodes), repeating_layer_of(captured)
     layer_ops = [n for n in nodes if n.op == "call_function" and layer_of(n) is not None]
     first_layer = layer_of(layer_ops[0]) if layer_ops else None
     before = nodes[:nodes.index(layer_ops[0])] if layer_ops else []
