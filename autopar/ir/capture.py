@@ -703,22 +703,36 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
     the two ``Linear``s of an ``nn.Sequential`` block, ``blocks.*.1`` and ``blocks.*.3``, then tie
     layer by layer), and those that still disagree are told apart by their signature (the layers of a
     stack of two kinds, Jamba's, whose residual adds differ in shape: each kind's tie with its kind's),
-    so tying never changes what a node computes, only how many decisions the solver makes. The nodes of
-    the leading layers tie with nothing (their keys keep every index): they are priced and placed on
-    their own, as the ops before the layers are.
+    so tying never changes what a node computes, only how many decisions the solver makes. The leading
+    layers are keyed apart (``_LEADING``): they tie among themselves, never with the repeating layers, whose
+    share of a pipeline stage scales their price while the leading layers' is the first stage's whole.
     """
-    keys = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path))
-    finer = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path, count=1))
     signature_of = {n.name: _signature(n) for n in graph.nodes}
+    coarse = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path))
+    finer = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path, count=1))
+    keys = _consistent(coarse, finer, signature_of)
+    leading = _leading_layers(tie_keys_by_layer(graph, keys, params, buffers))
+    if not leading:
+        return keys, leading
+    apart = {n.name for n in graph.nodes if _layer_of_node(n, params, buffers) in leading}
+    marked = lambda table: {name: _LEADING + key if name in apart else key for name, key in table.items()}  # noqa: E731
+    return _consistent(marked(coarse), marked(finer), signature_of), leading
+
+
+_LEADING = "leading:"
+"""What the tie keys of the leading layers' nodes begin with (``_tie_repeated_layers``)."""
+
+
+def _consistent(keys: dict[str, str], finer: dict[str, str], signature_of: dict[str, tuple[Any, ...]]
+                ) -> dict[str, str]:
+    """``keys`` where every group's nodes agree on their signature: a disagreeing group's nodes keyed ``finer``,
+    and those that still disagree told apart by their signature's digest."""
+    keys = dict(keys)
     for rekeyed in _inconsistent(keys, signature_of):
         keys[rekeyed] = finer[rekeyed]
     for apart in _inconsistent(keys, signature_of):
         keys[apart] = f"{keys[apart]}|{hashlib.sha1(repr(signature_of[apart]).encode()).hexdigest()[:10]}"
-    leading = _leading_layers(tie_keys_by_layer(graph, keys, params, buffers))
-    if leading:
-        literal = _structural_keys(graph, params, buffers, lambda path: path)
-        keys.update((n.name, literal[n.name]) for n in graph.nodes if _layer_of_node(n, params, buffers) in leading)
-    return keys, leading
+    return keys
 
 
 def _structural_keys(graph: fx.Graph, params: dict[str, str], buffers: dict[str, str],

@@ -110,12 +110,12 @@ def _boundary_tensors(captured: CapturedGraph, problem: Problem, solution: Solut
 
 
 def _handed_keys(captured: CapturedGraph, problem: Problem) -> list[tuple[str, float]]:
-    """The decisions whose values cross a stage boundary, each with the share of its occurrences that does: a
-    unit's output (``LayerRoles.stage_boundary``: one unit's of the ``layer_count``) and a value made before the
-    layers that later units read (``LayerRoles.carried``: all of them)."""
+    """The decisions whose values cross a stage boundary, each with how many of its occurrences do: a unit's
+    output (``LayerRoles.stage_boundary``: one unit's of the ``layer_count``) and the values made before the
+    layers that later units read (``LayerRoles.carried``)."""
     roles, units = layer_roles(captured, problem), max(1, layer_count(captured))
     return ([(key, problem.decisions[key].occurrences / units) for key in sorted(roles.stage_boundary)]
-            + [(key, problem.decisions[key].occurrences) for key in sorted(roles.carried)])
+            + list(roles.carried))
 
 
 def least_stage_transfers(captured: CapturedGraph, problem: Problem, staging: Staging, pricer: Pricer,

@@ -81,6 +81,7 @@ stage's first layers the most recomputation.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -231,8 +232,9 @@ class LayerRoles:
     last_stage_only: frozenset[str] = frozenset()  # keys of ``after_layers`` and of the values only they read
     stage_boundary: frozenset[str] = frozenset()  # keys of ``boundary`` whose output leaves its unit of
     # ``layer_period`` layers: what a pipeline stage hands the next (``boundary`` where every layer is alike)
-    carried: frozenset[str] = frozenset()  # keys of values made from parameters before the repeating layers that
-    # a unit after the first reads (an encoder's output, which every decoder layer reads): every stage passes them on
+    carried: tuple[tuple[str, int], ...] = ()  # (key, how many of its nodes) of values made from parameters before
+    # the repeating layers that a unit after the first reads (an encoder's output, read by every decoder layer):
+    # every stage passes them on
 
 
 _last_roles: list[tuple[CapturedGraph, tuple[str, ...], LayerRoles]] = []  # the last graph's: a search asks hundreds of times
@@ -289,12 +291,13 @@ def _layer_roles(captured: CapturedGraph, problem: Problem) -> LayerRoles:
                       frozenset(stage_boundary), _carried(captured, key_of, unit_of))
 
 
-def _carried(captured: CapturedGraph, key_of: dict[str, str], unit_of: dict[str, int]) -> frozenset[str]:
+def _carried(captured: CapturedGraph, key_of: dict[str, str], unit_of: dict[str, int]
+             ) -> tuple[tuple[str, int], ...]:
     """``LayerRoles.carried``: the keys of ops before the first repeating layer's, computed from a parameter, that
     an op of a unit after the first reads. ``passes/split_stages.py`` sends such a value from the first chunk
     through every chunk to its last reader; a value computed from no parameter (a mask, a rotary table) each chunk
     computes itself."""
-    layer_of, from_params, carried = repeating_layer_of(captured), set(captured.params), set()
+    layer_of, from_params, carried = repeating_layer_of(captured), set(captured.params), Counter()
     for node in captured.graph.nodes:
         if node.op != "call_function" or not any(i.name in from_params for i in node.all_input_nodes):
             continue
@@ -303,8 +306,8 @@ def _carried(captured: CapturedGraph, key_of: dict[str, str], unit_of: dict[str,
         from_params.add(node.name)
         key = key_of.get(node.name)
         if key is not None and any(unit_of.get(layer_of(user), 0) > 0 for user in _users_through_getitem(node)):
-            carried.add(key)
-    return frozenset(carried)
+            carried[key] += 1
+    return tuple(sorted(carried.items()))
 
 
 def _held_at_one_end(captured: CapturedGraph, key_of: dict[str, str], after: set[str]
