@@ -22,8 +22,10 @@ hold neither end and no more microbatches than the first.
 Layers that repeat only after some first ones that do not (DeepSeek-V3's dense first layers before its
 mixture-of-experts ones; ``CapturedGraph.leading_layers``) are cut after those: ``L`` counts the repeating
 layers (``ir.layers.repeating_layers``), and the leading layers are priced as the code before the layers is,
-on the first stage, whole and never recomputed (their ops tie with no other layer's: ``capture``), in its
-memory row alone; the runtime runs them in the first chunk, not checkpointed (``passes/program.py``).
+on the first stage, whole and never recomputed (their ops tie among themselves, never with the repeating
+layers': ``capture``), in its memory row alone; the runtime runs them in the first chunk, not checkpointed
+(``passes/program.py``). What a later unit reads from before the repeating layers (an encoder's output, which
+every decoder layer reads) every stage passes on, priced as a stage transfer (``LayerRoles.carried``).
 
 Activations kept for backward are held for every microbatch in flight on the first stage: ``m`` for
 GPipe, ``min(p, m)`` for 1F1B, ``p (1 + (p - 1) / (p v))`` interleaved where ``m`` is a multiple of ``p``
