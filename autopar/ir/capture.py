@@ -711,7 +711,7 @@ def _tie_repeated_layers(graph: fx.Graph, params: dict[str, str], buffers: dict[
     coarse = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path))
     finer = _structural_keys(graph, params, buffers, lambda path: _LAYER_INDEX.sub(".*", path, count=1))
     keys = _consistent(coarse, finer, signature_of)
-    leading = _leading_layers(tie_keys_by_layer(graph, keys, params, buffers))
+    leading = _leading_layers(tie_keys_by_layer(graph, keys))
     if not leading:
         return keys, leading
     apart = {n.name for n in graph.nodes if _layer_of_node(n, params, buffers) in leading}
@@ -754,21 +754,27 @@ def _structural_keys(graph: fx.Graph, params: dict[str, str], buffers: dict[str,
     return keys
 
 
-def tie_keys_by_layer(graph: fx.Graph, keys: dict[str, str], params: dict[str, str], buffers: dict[str, str]
-                      ) -> dict[str, Counter]:
+def tie_keys_by_layer(graph: fx.Graph, keys: dict[str, str]) -> dict[str, Counter]:
     """Per repeated-layer instance (``layers.3``), in the order the graph runs them, its ops' tie keys."""
     by_layer: dict[str, Counter] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and (layer := _layer_of_node(node, params, buffers)) is not None:
+        if node.op == "call_function" and (layer := layer_of(node)) is not None:
             by_layer.setdefault(layer, Counter())[keys[node.name]] += 1
     return by_layer
 
 
+def layer_of(node: fx.Node) -> str | None:
+    """The repeated-layer instance a node belongs to (``layers.3``), or None outside layers."""
+    if node.op == "placeholder":
+        return None
+    return layer_of_path(module_path(node))
+
+
 def _layer_of_node(node: fx.Node, params: dict[str, str], buffers: dict[str, str]) -> str | None:
-    """The repeated-layer instance of an op (by its module path) or of a parameter or buffer (by its name)."""
+    """``layer_of``, and for a parameter or buffer the repeated-layer instance its name is in."""
     if node.op == "placeholder":
         return layer_of_path(params.get(node.name) or buffers.get(node.name) or "")
-    return layer_of_path(module_path(node)) if node.op == "call_function" else None
+    return layer_of(node)
 
 
 def layer_of_path(path: str) -> str | None:

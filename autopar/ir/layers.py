@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from autopar.ir.capture import CapturedGraph, layer_of_path, module_path, repetition_period, tie_keys_by_layer
+from autopar.ir.capture import CapturedGraph, layer_of, layer_of_path, repetition_period, tie_keys_by_layer
 
 _aten = torch.ops.aten
 KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
@@ -156,13 +156,6 @@ def _reached(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]], keep:
     return found
 
 
-def layer_of(node: fx.Node) -> str | None:
-    """The repeated-layer instance a node belongs to (``layers.3``), or None outside layers."""
-    if node.op == "placeholder":
-        return None
-    return layer_of_path(module_path(node))
-
-
 def gather_unit(path: str) -> str:
     """The unit a parameter at ``path`` is gathered and its gradient reduce-scattered with, when sharded
     over data parallelism: its repeated layer, outside layers its module (the path less its last name),
@@ -242,7 +235,7 @@ def _tie_keys_by_layer(captured: CapturedGraph) -> list[Counter]:
     """Per layer of ``repeating_layers`` (one for a traced stack, whose layers are alike), its ops' tie keys."""
     if captured.stack is not None:
         return [Counter()]
-    by_layer = tie_keys_by_layer(captured.graph, captured.tie_keys, captured.params, captured.buffers)
+    by_layer = tie_keys_by_layer(captured.graph, captured.tie_keys)
     return [by_layer[name] for name in repeating_layers(captured)]
 
 

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.ir.capture import CapturedGraph, LayerStack, tie_keys_by_layer
+from autopar.ir.capture import CapturedGraph, LayerStack
+from autopar.ir.layers import layer_names
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import check_model_facts
 from autopar.core.files import read_text, write_atomically
@@ -199,10 +200,10 @@ def problem_from_dict(data: Any) -> SavedProblem:
         stack=_stack(data.get("stack")),
         frozen=_frozen(data.get("frozen", []), data["params"]),
     )
-    captured.leading_layers = _leading_layers(data.get("leading_layers", []), captured)
     _check_references(captured)
     if captured.stack is not None:
         _check_stack(captured)
+    captured.leading_layers = _leading_layers(data.get("leading_layers", []), captured)
     _check_values(captured.graph)
     model = _typed(data, "model", dict)
     inputs = model.get("inputs", [])
@@ -255,7 +256,7 @@ def _typed(data: dict, key: str, kind: type) -> Any:
 
 def _leading_layers(names: Any, captured: CapturedGraph) -> tuple[str, ...]:
     """The saved leading layers (``CapturedGraph.leading_layers``), checked to be the graph's first layers."""
-    layers = list(tie_keys_by_layer(captured.graph, captured.tie_keys, captured.params, captured.buffers))
+    layers = layer_names(captured)
     if not isinstance(names, list) or names != layers[:len(names)]:
         raise _Malformed(f"'leading_layers' must list the graph's first layers in order ({layers[:2]}...), "
                          f"got {json.dumps(names)[:80]}")
