@@ -190,6 +190,30 @@ def test_each_task_reads_the_results_taken_up_to_the_window_with_any_number_of_w
     assert (set(ran_in.values()) == {os.getpid()}) == (count == 1)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_tasks_run_one_at_a_time_until_a_result_settles_what_the_later_ones_read(count):
+    """Until a result ``settles`` (a mesh's search found a plan: its step time cuts the later searches
+    off), item ``i`` is asked for once every result before it is taken and runs in this process, so no
+    search starts without what the earlier ones found; after the first that settles (item 3), item ``i``
+    is asked for once the results up to ``max(3, i - WINDOW)`` are, in one process as in two."""
+    taken: list[int] = []
+    asked_after: dict[int, int] = {}
+    ran_in: dict[int, int] = {}
+
+    def item_for(i: int) -> int:
+        asked_after[i] = len(taken)
+        return i
+
+    with Workers(lambda i: (i, os.getpid()), count) as workers:
+        for i, result in workers.in_order(12, item_for, settles=lambda result: result[0] == 3):
+            assert result[0] == i
+            ran_in[i] = result[1]
+            taken.append(i)
+    assert asked_after == {i: i if i <= 3 else max(4, i - WINDOW + 1) for i in range(12)}
+    assert all(ran_in[i] == os.getpid() for i in range(4))
+    assert (set(ran_in.values()) == {os.getpid()}) == (count == 1)
+
+
 def test_a_pricer_sent_back_by_a_worker_keeps_no_prices_keyed_by_the_workers_object_ids():
     """A candidate comes back from a planning worker pickled, its pricer with it; the pricer's cache of
     costs re-priced per microbatch count is keyed by the ids of the worker's cost objects, which in the

@@ -86,3 +86,34 @@ def test_rules_asked_once_per_key_allow_what_each_op_asked_alone_allows(monkeypa
     roles = asked[0]
     assert all(r is roles for r in asked) and len(asked) > 50 and roles.rule is not problem_module.ALLOW_ANY
     assert len(roles._allowed) < len(asked), (len(roles._allowed), len(asked))  # ops alike asked once
+
+
+def test_ops_made_from_neither_data_nor_parameters_stay_whole_on_data_parallel_dims():
+    """The rotary tables and positions a model makes from ``arange`` and its buffers are read whole by every
+    rank beside its share of the batch: on dp and ep they are offered whole only (they had every placement
+    there, each a decision's worth of options and edge pairs), while on tp the solver still places them."""
+    bundle = build_model("tiny-moe", global_batch=16)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    mesh = MeshChoice(((DP, 2), (EP, 2), (TP, 2)), 1)
+    pricer = pricer_for(parse_cluster("1x8xH100"), mesh, "bf16", Constraints())
+    problem = problem_for(captured, mesh, pricer, 80e9, Constraints(), edges=False)
+    made = {node.name for node in captured.graph.nodes if node.op == "call_function"
+            and not any(a.name in captured.params or a.name in captured.user_inputs
+                        for a in _ancestors(captured.graph, node))}
+    constant = [d for d in problem.decisions.values() if set(d.nodes) <= made]
+    assert constant, "tiny-moe makes its rotary tables in its step"
+    for decision in constant:
+        for option in decision.options:
+            placed = [p for p in option.strategy.outputs if p is not None]
+            assert all(p[0].is_replicate() and p[1].is_replicate() for p in placed), (decision.key, option.strategy)
+    assert any(len({p[2] for o in d.options for p in o.strategy.outputs if p is not None}) > 1 for d in constant)
+
+
+def _ancestors(graph, node) -> set:
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen

@@ -79,6 +79,7 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:channel_first_blocks", {"pp": 2, "microbatches": 2}),
              ("edge_models:dense_first_blocks", {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
              ("edge_models:dense_first_blocks", {"pp": 2, "microbatches": 2, "checkpointing": "full"}),
+             ("edge_models:dense_first_blocks", {"dp": 2}), ("edge_models:dense_first_blocks", {"tp": 2}),
              ("edge_models:encoder_decoder_blocks", {"pp": 2, "microbatches": 2})]
 
 
@@ -108,7 +109,8 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     a first one that is not are cut between, the first stage holding the leading one, never recomputed (DeepSeek-V3's
     were refused), an encoder-decoder's pipeline cut between decoder layers passes the encoder's output on, and a
     lowered stage running an op whose derivative the program supplies (``aten.copy`` of a
-    tensor written half by half) runs it in its eager forward too ("derivative for aten::copy is not implemented")."""
+    tensor written half by half) runs it in its eager forward too ("derivative for aten::copy is not implemented"),
+    and that ``copy`` runs on local shards split over dp or tp (it ran whole)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):
@@ -145,6 +147,24 @@ def test_an_expert_dim_may_leave_the_loss_partial_and_group_norm_is_offered_whol
                             example_targets=conv.example_targets)
     norm = next(op for op in plan.ops.values() if op["op"] == "aten.native_group_norm.default")
     assert norm["inputs"][0] == ["R"] and norm.get("local")
+
+
+def test_a_tensor_written_half_by_half_stays_split_on_the_batch() -> None:
+    """``dst.copy_(src)`` is captured as ``aten.copy``, which DTensor has no rule for: it runs on local shards
+    split like its source (``strategies.LOCAL_RULES``), so under dp the tensor a block writes half by half
+    (DeepSeek-V3's latent attention writes its queries so) and every op after it stay split on the batch. Run
+    whole, the copy gathered the batch on every rank and the data-parallel rule lost the batch dim after it
+    (``roles.batch_dims``), leaving those ops every placement on dp."""
+    from autopar.models import build_model
+
+    bundle = build_model("edge_models:dense_first_blocks", global_batch=8, device="meta")
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"dp": 2},
+                        example_targets=bundle.example_targets)
+    copies = [op for op in plan.ops.values() if op["op"] == "aten.copy.default"]
+    assert copies and all(op["outputs"] == [["S(0)"]] and op["inputs"] == [["S(0)"], ["S(0)"]] and op.get("local")
+                          for op in copies), copies
+    written = [op for op in plan.ops.values() if op["op"] == "aten.slice_scatter.default"]
+    assert written and all(op["outputs"] == [["S(0)"]] for op in written), written
 
 
 @pytest.mark.parametrize("layers", [3, 6])

@@ -92,6 +92,7 @@ class MeshTrace:
     finder: StrategyFinder
     rows: tuple[int, int]
     on_data: set[str]
+    constants: set[str]  # ops computed from neither the data nor the parameters (``_constants_stay_whole``)
     batch: dict[tuple[str, int], int | None]
     seq: dict[tuple[str, int], int | None]
 
@@ -106,12 +107,14 @@ def mesh_trace(captured: CapturedGraph, mesh: MeshChoice, cp_attention: str | No
     copies = {r: shard_dims[0] for r in replica_dims} if shard_dims else {}
     finder = StrategyFinder(mesh.shape, copies, sequence_dims=cp_dims, rows=rows, cp_attention=cp_attention)
     on_data = _downstream_of(captured.graph, set(captured.user_inputs))
+    constants = {node.name for node in captured.graph.nodes if node.op == "call_function"} \
+        - on_data - _downstream_of(captured.graph, set(captured.params))
     traced_on = (dp_dims + ep_dims + tp_dims)[:1]  # any split mesh dim traces the batch dim alike
     batch = batch_dims(captured, on_data, traced_on[0], finder) if traced_on else {}
     seq = sequence_dims(captured, on_data, cp_dims[0], finder) if cp_dims else {}
     if cp_dims:
         check_groups_within_a_chunk(captured, mesh.size(MeshAxis.CP), on_data, seq, rows)
-    return MeshTrace(finder, rows, on_data, batch, seq)
+    return MeshTrace(finder, rows, on_data, constants, batch, seq)
 
 
 def mesh_cp_attention(pricer: Pricer, constraints: Constraints) -> str | None:
@@ -153,6 +156,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
         rule=_all_of(_batch_stays_split(dp_dims, on_data, batch),
                      _batch_only_on_data_parallel(captured, shape, tp_dims, on_data, batch,
                                                   smallest_microbatch(captured, mesh, constraints)),
+                     _constants_stay_whole(dp_dims + ep_dims, trace.constants),
                      _no_average_partials_on(tp_dims),
                      _sequence_stays_split(cp_dims, on_data, trace.seq, trace.rows[1]),
                      _tokens_split_on_batch_or_expert(captured, ep_dims, on_data, batch, trace.finder),
@@ -191,6 +195,26 @@ def _batch_stays_split(dp_dims: list[int], on_data: set[str], batch: dict[tuple[
         return splits is None or splits.allow(strategy, dp_dims)
 
     return Rule(allow, lambda node: node.name in on_data and required(node))
+
+
+def _constants_stay_whole(dims: list[int], constants: set[str]):
+    """Data-parallel roles (``dp``, ``dp_replicate``, ``ep``): an op computed from neither the data nor the
+    parameters (positions, masks, rotary tables: made from ``arange`` and buffers, which are replicated
+    there) keeps its outputs whole on these dims. Every rank reads all of such a value beside its own share
+    of the batch, so splitting it (or leaving it partial) there only adds a gather; and a split over a
+    data-parallel dim would be tensor or context parallelism under the wrong name, which
+    ``_batch_stays_split`` forbids the data. (A cp dim is not among them: it splits a sequence's positions
+    and tables with the sequence.) Without this rule such an op had every placement on each of these dims:
+    DeepSeek-V3's causal mask had 144 options on a ``dp x ep x tp`` mesh, 4 (tp's) with it."""
+    if not dims:
+        return ALLOW_ANY
+
+    def allow(node: fx.Node, strategy) -> bool:
+        if node.name not in constants:
+            return True
+        return all(p is None or all(p[d].is_replicate() for d in dims) for p in strategy.outputs)
+
+    return Rule(allow, lambda node: node.name in constants)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ the meshes with a context-parallel ``cp`` dim are searched as well (``context_pa
 splitting every sequence divides the activations, for the gathers of keys and values.
 Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
 in order (no pipeline first), side by side in forked processes, each with the best step time of the
-meshes at least ``workers.WINDOW`` places before it as a cutoff: the solver stops on a mesh as soon as
+meshes up to the first that found a plan and of those at least ``workers.WINDOW`` places before it as a
+cutoff (until one finds a plan, they run one at a time): the solver stops on a mesh as soon as
 its bound shows it cannot win, and the plan lists it under ``solver.pruned_meshes``. The window, not the
 number of processes that run it, fixes every cutoff, so the plan is the same on any machine.
 """
@@ -105,7 +106,7 @@ def make_plan(
             return meshes[i], best.step_s if best else None
 
         with progress.showing(f"search ({workers.count} workers)") if workers.count > 1 else nullcontext():
-            for i, outcome in workers.in_order(len(meshes), task_for):
+            for i, outcome in workers.in_order(len(meshes), task_for, settles=_found_a_plan):
                 if outcome is None:
                     pruned.append(meshes[i])
                     progress.skipped()
@@ -153,6 +154,12 @@ def make_plan(
     plan = to_plan(captured, cluster, model_name, dtype, results[0], results, pruned,
                     time.perf_counter() - start, progress.phases_s)
     return replace(plan, model={**plan.model, "dims": dict(model_dims)}) if model_dims else plan
+
+
+def _found_a_plan(outcome: "MeshOutcome | None") -> bool:
+    """Whether a mesh's search found a plan, whose step time the meshes after it are cut off by
+    (``Workers.in_order``'s ``settles``)."""
+    return outcome is not None and isinstance(outcome.found, Candidate)
 
 
 def _context_parallel_may_help(constraints: Constraints, results: list[Candidate]) -> bool:

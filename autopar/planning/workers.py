@@ -1,8 +1,8 @@
 """Candidate meshes searched side by side in forked processes, to a result that does not depend on how many.
 
 ``make_plan`` hands the meshes over in order through ``Workers.in_order``, and each mesh is searched against
-a cutoff, the best step time among the first mesh and the meshes at least ``WINDOW`` places before it (never
-the ones closer: those may still be running). The outcomes are taken in mesh order. Which meshes are pruned,
+a cutoff, the best step time among the meshes up to the first that found a plan and those at least
+``WINDOW`` places before it (never the ones closer: those may still be running). The outcomes are taken in mesh order. Which meshes are pruned,
 which plan wins and everything the plan reports (wall times aside) thus depend on ``WINDOW``, a constant,
 and never on the number of cores, the machine's load or which worker finished first: one worker runs the
 meshes one after the other, in this process, to the same plan that two run side by side.
@@ -69,22 +69,30 @@ class Workers:
         self._pool: Any = None
         self._warned: set[Warned] = set()  # raised already: each warning once per search
 
-    def in_order(self, count: int, item_for: Callable[[int], _T | None]) -> Iterator[tuple[int, _R | None]]:
+    def in_order(self, count: int, item_for: Callable[[int], _T | None],
+                 settles: Callable[[_R | None], bool] = lambda result: True) -> Iterator[tuple[int, _R | None]]:
         """``(i, task(item_for(i)))`` for ``i`` in ``range(count)``, in that order; ``(i, None)`` where
         ``item_for(i)`` is None (nothing to run). ``item_for(i)`` is called once the caller has taken the
-        results of items ``0 .. max(0, i - WINDOW)`` and no later ones, whether one worker runs the tasks or
-        several: what it reads of them (a cutoff) is the same either way. The first item thus runs alone,
-        and every later one reads its result: a search without any cutoff can take ten times as long
-        (Llama 3 8B on 64 GPUs: its third mesh, searched beside the first, 3.5 s instead of 0.4). Running
-        alone, it runs in this process, and the workers forked after it start from its caches. Every task's
-        warnings, wherever it ran, are raised here when its result is taken (``_reraised``)."""
+        results of items ``0 .. max(s, i - WINDOW)`` and no later ones, ``s`` the first item whose result
+        ``settles`` (gives the later items what they read: a cutoff), whether one worker runs the tasks or
+        several: what it reads of them is the same either way. Until a result settles, the items thus run
+        one at a time, each reading every result before it, and every later one reads the settling result:
+        a search without any cutoff can take a hundred times as long (Llama 3 8B on 64 GPUs: its third mesh,
+        searched beside the first, 3.5 s instead of 0.4; DeepSeek-V3 on 128 GPUs, whose first mesh fits
+        nothing: its third and fourth, 380 and 410 s of HiGHS where the second's plan prunes them in one).
+        Running alone, an item runs in this process, and the workers forked after it start from its
+        caches. Every task's warnings, wherever it ran, are raised here when its result is taken
+        (``_reraised``)."""
         started: dict[int, tuple[bool, Any]] = {}
         next_index = 0
+        settled = False
         for taken in range(count):
-            while next_index < min(count, taken + WINDOW if taken else 1):
-                started[next_index] = self._start(item_for(next_index), alone=next_index == 0)
+            while next_index < min(count, taken + WINDOW if settled else taken + 1):
+                started[next_index] = self._start(item_for(next_index), alone=not settled)
                 next_index += 1
-            yield taken, self._finish(started.pop(taken))
+            result = self._finish(started.pop(taken))
+            settled = settled or settles(result)
+            yield taken, result
 
     def _start(self, item: _T | None, alone: bool) -> tuple[bool, Any]:
         """(whether it runs in a worker, its asynchronous result there or else ``item`` itself, which
