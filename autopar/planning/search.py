@@ -22,11 +22,12 @@ gradient all_reduce, which often costs less than the gathers of FSDP or the reco
 (``_distributed_optimizer_may_help``); that second search of a mesh reads the strategies, the traced
 batch and sequence dims and the resharding prices of the first (``_shared_with_earlier_search``), which
 ZeRO does not change.
-Where the parameters' state replicated over dp cannot fit a device at all (``must_shard_parameters``),
-ZeRO-1 is searched first and the search without it second, against ZeRO-1's step time: a mesh whose
-search without ZeRO the cutoff prunes is then not left untried under ZeRO-1. (Where it can fit, a mesh
-pruned without ZeRO is still not tried under it: a known gap; trying every such mesh closes it at 1.7
-times the search time, 48 s against 28 in one process for Llama 3 70B on 1,024 GPUs, to the same plan.)
+Where the parameters' state replicated over dp cannot fit a device at all (``must_shard_parameters``), or
+memory refuses the fewest microbatch count without recomputation (``fewest_count_refused``), ZeRO-1 is
+searched first and the search without it second, against ZeRO-1's step time: a mesh whose search without
+ZeRO the cutoff prunes is then not left untried under ZeRO-1. (Where memory is not that tight, a mesh
+pruned without ZeRO is still not tried under it: trying every such mesh costs 1.7 times the search time,
+48 s against 28 in one process for Llama 3 70B on 1,024 GPUs, to the same plan.)
 Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fit, or it recomputes),
 the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
 splitting every sequence divides the activations, for the gathers of keys and values.
@@ -239,8 +240,8 @@ def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
     x dp2 x ep4 x tp2 ran 32 microbatches of 1 sample, 2 chunks a device, 3,575 ms, without ZeRO; under ZeRO-1
     16 of 2, 4 chunks, 3,407 ms, the search's winner, where pp4 x dp8 x tp2 had won at 3,504 ms. Llama 3 8B, 70B
     and 405B keep their plans.) A mesh pruned by the cutoff is not retried, though its bound holds for the plans
-    without ZeRO only (ZeRO-1 frees memory): the gap the module docstring states, closed where the parameters
-    must be sharded by searching ZeRO-1 first (``must_shard_parameters``)."""
+    without ZeRO only (ZeRO-1 frees memory): the gap the module docstring states, closed where memory is tight
+    by searching ZeRO-1 first (``must_shard_parameters``, ``fewest_count_refused``)."""
     if not _zero_one_applies(search, mesh) or isinstance(found, MeshChoice):
         return False
     return (isinstance(found, str) or found.checkpointing != "none" or search.microbatches_raised
@@ -341,8 +342,7 @@ class _MeshSearch:
         self.microbatches_raised = False
         self._traced.clear()  # one mesh's at a time
         self._decided_problems.clear()  # one mesh's at a time
-        if _zero_one_applies(self, mesh) and (self.must_shard_parameters(mesh)
-                                              or cutoff_s is None and self.fewest_count_refused(mesh)):
+        if _zero_one_applies(self, mesh) and (self.must_shard_parameters(mesh) or self.fewest_count_refused(mesh)):
             found = self.run(mesh, cutoff_s, zero_stage=1)
             found = _better(found, self.run(mesh, _cutoff(cutoff_s, found)))
         else:
@@ -373,13 +373,16 @@ class _MeshSearch:
 
     def fewest_count_refused(self, mesh: MeshChoice) -> bool:
         """Whether, without ZeRO, memory refuses ``mesh``'s fewest microbatch count under its first staging
-        (no recomputation unless one is pinned), as ``run`` finds before it solves anything. With no cutoff
-        to beat, the search of ``mesh`` then searches ZeRO-1 as well, whatever it finds without
-        (``_distributed_optimizer_may_help``: ``microbatches_raised``, a recomputing plan, or none), so
-        ``search_mesh`` searches ZeRO-1 first: where memory is tight its plan is the likelier winner (it
-        frees the optimizer state), and its step time prunes the other search's ILPs at their roots. The
-        same two searches, in the order that solves less: a pinned Llama 3 70B pipeline (pp 4 x dp 4 x tp
-        8) solved its ILPs in 0.71 s this way against 1.59 s, to a plan of the same step time."""
+        (no recomputation unless one is pinned), as ``run`` finds before it solves anything. ``search_mesh``
+        then searches ZeRO-1 first: where memory is tight its plan is the likelier winner (it frees the
+        optimizer state), and its step time prunes the other search's ILPs at their roots. With no cutoff to
+        beat these are the two searches ``_distributed_optimizer_may_help`` would ask for anyway, in the order
+        that solves less: a pinned Llama 3 70B pipeline (pp 4 x dp 4 x tp 8) solved its ILPs in 0.71 s this way
+        against 1.59 s, to a plan of the same step time. With a cutoff, the search without ZeRO could be
+        pruned by its bound, which ZeRO-1's freed memory does not hold to, and ZeRO-1 then never tried:
+        DeepSeek-V3 at its size on 128 H100s (``benchmarks/published_models.py``) lost pp 2 x dp 8 x tp 8 under
+        ZeRO-1, 3.57 s a step, to pp 1 x dp 16 x tp 8 at 3.66 s, and Llama 3 405B on 16,384 H100s pp 16 x dp 128
+        x tp 8 at 5.98 s to pp 8 x dp 256 x tp 8 at 6.12 s."""
         counts = self._counts(mesh)
         if isinstance(counts, str):
             return False
