@@ -496,7 +496,7 @@ def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch
     plan = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"memory_gb": 0.02},
                         example_targets=bundle.example_targets)
     assert plan.checkpointing != "none" and plan.degrees.cp == 1
-    assert [m for m in built if m.get("cp")] == [{"dp": 4, "cp": 2}]
+    assert {tuple(m.items()) for m in built if m.get("cp")} == {(("dp", 4), ("cp", 2))}  # with and without ZeRO-1
     pruned = plan.solver["pruned_meshes"]
     assert {"cp": 2, "tp": 4} in pruned and {"dp": 2, "cp": 2, "tp": 2} in pruned
     assert {"dp": 2, "cp": 4} in plan.solver["pruned_meshes"] and {"cp": 8} in plan.solver["pruned_meshes"]

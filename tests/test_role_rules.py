@@ -14,6 +14,7 @@ from autopar.core.axes import MeshAxis
 from autopar.core.constraints import Constraints
 from autopar.cost_models import parse_cluster
 from autopar.ir.capture import capture
+from autopar.ir.loss_reduction import _ancestors
 from autopar.models import build_model
 from autopar.planning import problem as problem_module
 from autopar.planning.meshes import MeshChoice
@@ -99,7 +100,7 @@ def test_ops_made_from_neither_data_nor_parameters_stay_whole_on_data_parallel_d
     problem = problem_for(captured, mesh, pricer, 80e9, Constraints(), edges=False)
     made = {node.name for node in captured.graph.nodes if node.op == "call_function"
             and not any(a.name in captured.params or a.name in captured.user_inputs
-                        for a in _ancestors(captured.graph, node))}
+                        for a in _ancestors(node))}
     constant = [d for d in problem.decisions.values() if set(d.nodes) <= made]
     assert constant, "tiny-moe makes its rotary tables in its step"
     for decision in constant:
@@ -107,13 +108,3 @@ def test_ops_made_from_neither_data_nor_parameters_stay_whole_on_data_parallel_d
             placed = [p for p in option.strategy.outputs if p is not None]
             assert all(p[0].is_replicate() and p[1].is_replicate() for p in placed), (decision.key, option.strategy)
     assert any(len({p[2] for o in d.options for p in o.strategy.outputs if p is not None}) > 1 for d in constant)
-
-
-def _ancestors(graph, node) -> set:
-    seen, todo = set(), list(node.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
