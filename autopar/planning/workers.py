@@ -3,9 +3,10 @@
 ``make_plan`` hands the meshes over in order through ``Workers.in_order``, and each mesh is searched against
 a cutoff, the best step time among the meshes up to the first that found a plan and those at least
 ``WINDOW`` places before it (never the ones closer: those may still be running). The outcomes are taken in
-mesh order. Which meshes are pruned, which plan wins and everything the plan reports (wall times aside) thus depend on ``WINDOW``, a constant,
-and never on the number of cores, the machine's load or which worker finished first: one worker runs the
-meshes one after the other, in this process, to the same plan that two run side by side.
+mesh order. Which meshes are pruned, which plan wins and everything the plan reports (wall times aside) thus
+depend on ``WINDOW``, a constant, and never on the number of cores, the machine's load or which worker
+finished first: one worker runs the meshes one after the other, in this process, to the same plan that two
+run side by side.
 
 The window is a sliding one, not a batch: a mesh starts as soon as a worker is free and the mesh
 ``WINDOW`` places before it has been taken, so a mesh whose search is long (a pipeline mesh's solves take
