@@ -157,8 +157,8 @@ def _broadcast(placements: tuple[Placement, ...], shape: tuple[int, ...], full: 
     """``placements`` of a tensor of shape ``full`` for an input of ``shape`` broadcast to it (trailing
     dims aligned): whole on a dim it broadcasts on."""
     lead = len(full) - len(shape)
-    return tuple(Shard(p.dim - lead) if p.is_shard() and p.dim >= lead and shape[p.dim - lead] == full[p.dim]
-                 else Replicate() for p in placements)
+    return tuple(Shard(p.dim - lead) if p.is_shard() and _unbroadcast(shape, full, p.dim) else Replicate()
+                 for p in placements)
 
 
 LOCAL_RULES: dict[Any, LocalRule] = {

@@ -80,7 +80,7 @@ class Workers:
         one at a time, each reading every result before it, and every later one reads the settling result:
         a search without any cutoff can take a hundred times as long (Llama 3 8B on 64 GPUs: its third mesh,
         searched beside the first, 3.5 s instead of 0.4; DeepSeek-V3 on 128 GPUs, whose first mesh fits
-        nothing: its third and fourth, 380 and 410 s of HiGHS where the second's plan prunes them in one).
+        nothing: its third and fourth, 381 and 411 s of HiGHS where the second's plan prunes them in one).
         Running alone, an item runs in this process, and the workers forked after it start from its
         caches. Every task's warnings, wherever it ran, are raised here when its result is taken
         (``_reraised``)."""
