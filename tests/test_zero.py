@@ -184,6 +184,40 @@ def test_a_resharding_costs_the_same_under_zero_one_so_a_meshs_two_searches_shar
         pricer_for(cluster, other, "bf16", plain).share_edge_prices(pricer_for(cluster, mesh, "bf16", plain).edge_prices())
 
 
+def _options_and_edges(problem) -> tuple[dict, dict]:
+    options = {key: [(o.strategy, o.cost, o.grad_partial, o.gathered_bytes) for o in d.options]
+               for key, d in problem.decisions.items()}
+    edges = {(e.src, e.src_out, e.dst, e.slot): (e.count, e.price) for e in problem.edges}
+    return options, edges
+
+
+def test_a_meshs_second_problem_reads_what_reads_no_weight_from_its_first_as_if_built_apart(llama) -> None:
+    """The problem of a mesh under ZeRO-1 built after the one without, on the same ``MeshTrace``, takes the
+    options of the ops that read no weight and the prices of the edges from what is no weight from the first
+    (``problem.PricedAlike``): it equals, option by option and edge by edge, the problem built apart, whose
+    weights' options and prices differ from the first's; the first is untouched; and a pricer of another
+    dtype may not read those prices."""
+    from autopar.core.axes import MeshAxis
+    from autopar.planning.meshes import MeshChoice
+    from autopar.planning.roles import mesh_cp_attention, mesh_trace, pricer_for, problem_for
+
+    cluster = parse_cluster("1x4xH100")
+    mesh = MeshChoice(((MeshAxis.DP_SHARD, 2), (MeshAxis.TP, 2)), 1)
+    plain, zero_one = Constraints(), Constraints(zero_stage=1)
+    trace = mesh_trace(llama, mesh, mesh_cp_attention(pricer_for(cluster, mesh, "bf16", plain), plain))
+    built = {}
+    for name, c, shared in (("first", plain, trace), ("second", zero_one, trace), ("apart", zero_one, None)):
+        built[name] = _options_and_edges(problem_for(llama, mesh, pricer_for(cluster, mesh, "bf16", c), 80e9, c,
+                                                     shared))
+    assert trace.priced.options and trace.priced.edges
+    assert built["second"] == built["apart"]
+    assert built["second"][0] != built["first"][0]  # ZeRO-1 pins and prices the weights otherwise
+    assert built["first"] == _options_and_edges(problem_for(llama, mesh, pricer_for(cluster, mesh, "bf16", plain),
+                                                            80e9, plain))
+    with pytest.raises(ValueError, match="one mesh, dtype and runtime"):
+        problem_for(llama, mesh, pricer_for(cluster, mesh, "fp32", plain), 80e9, plain, trace)
+
+
 def test_a_plan_sharding_parameters_over_cp_may_be_searched_again_under_zero_one() -> None:
     """A plan that shards parameters over a context-parallel dim (FSDP over ``cp``) is one ZeRO-1 may
     replace: its optimizer state split over the same ranks (``ZERO_AXES``). The rule that sends a mesh's

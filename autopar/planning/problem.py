@@ -488,13 +488,14 @@ class Roles:
 def build_problem(
     captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer, roles: Roles,
     memory_capacity_bytes: float, overlap_fraction: float, gathered_by_parameter: bool = False,
-    edges: bool = True,
+    edges: bool = True, priced: PricedAlike | None = None,
 ) -> Problem:
     """The problem of one mesh; ``gathered_by_parameter``: the plan runs on DTensor, which gathers a
     parameter sharded over data parallelism alone (``gathered_units``). Without ``edges``, the problem
     has no edges and no shared moves (``with_edges`` adds them): a relaxation of the whole one (every
     edge and move only adds to the objective and to the gradient sync, and only constrains), cheaper to
-    build by half."""
+    build by half. ``priced``: what an earlier problem of the mesh, priced alike but for the ZeRO stage, left
+    to read (else left there for a later one: ``PricedAlike``)."""
     graph = captured.graph
     keys = captured.tie_keys
     members: dict[str, list[fx.Node]] = defaultdict(list)
@@ -502,7 +503,8 @@ def build_problem(
         if _is_decision(node):
             members[keys[node.name]].append(node)
     decisions = {
-        key: Decision(key, [n.name for n in nodes], _options(nodes[0], captured, finder, pricer, roles),
+        key: Decision(key, [n.name for n in nodes], _priced_options(nodes[0], captured, finder, pricer, roles,
+                                                                     priced and priced.checked(pricer)),
                       occurrences=sum(captured.weight(n.name) for n in nodes))
         for key, nodes in members.items()
     }
@@ -513,13 +515,14 @@ def build_problem(
     problem = Problem(tuple(pricer.mesh_shape), decisions, [], memory_capacity_bytes, overlap_fraction,
                       set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer),
                       gathered_units=gathered_units(captured, decisions, pricer, gathered_by_parameter), edge_rows={})
-    return with_edges(problem, captured, pricer) if edges else problem
+    return with_edges(problem, captured, pricer, priced) if edges else problem
 
 
-def with_edges(problem: Problem, captured: CapturedGraph, pricer: Pricer) -> Problem:
+def with_edges(problem: Problem, captured: CapturedGraph, pricer: Pricer, priced: PricedAlike | None = None
+               ) -> Problem:
     """``problem``, as ``build_problem`` makes it without edges, with its edges and the moves their readers
-    share, priced by ``pricer`` (the one it was built with)."""
-    edges, shared = _edges(captured, problem.decisions, pricer)
+    share, priced by ``pricer`` (the one it was built with); ``priced``: as ``build_problem``'s."""
+    edges, shared = _edges(captured, problem.decisions, pricer, priced and priced.checked(pricer))
     return with_fields(problem, edges=edges, shared=shared, edge_rows={})
 
 
@@ -527,6 +530,48 @@ def _is_decision(node: fx.Node) -> bool:
     if node.op == "placeholder":
         return True
     return node.op == "call_function" and not is_getitem(node)
+
+
+@dataclass
+class PricedAlike:
+    """What one problem of a mesh prices for the mesh's later problems whose pricers differ from its own in the
+    ZeRO stage alone (``search._MeshSearch.search_mesh`` builds two a mesh, with and without ZeRO-1): the
+    options of the ops that read no weight (``_priced_options``) and the prices of the edges whose producer is
+    no weight (``_edges``). The ZeRO stage changes what a weight costs (its placements, state and gradient
+    sync: ``Pricer.gradient_collectives``, ``parameter_memory``), never the strategies of such an op (the
+    roles' rules do not read it), its price, nor a resharding's (``Pricer.share_edge_prices``)."""
+
+    signature: tuple | None = None  # the pricers' (``Pricer.edge_prices``), once one has priced here
+    options: dict[str, tuple[tuple[Strategy, Cost, tuple[tuple[int, ...], ...]], ...]] = field(default_factory=dict)
+    edges: dict[tuple[str, int, str, int], dict] = field(default_factory=dict)  # ``Edge.price`` by edge key
+
+    def checked(self, pricer: Pricer) -> "PricedAlike":
+        """These prices, for ``pricer``: refused where an earlier pricer here priced another mesh, dtype or
+        runtime."""
+        signature = pricer.edge_prices().signature
+        if self.signature is None:
+            self.signature = signature
+        elif signature != self.signature:
+            raise ValueError("prices are shared only between pricers of one mesh, dtype and runtime")
+        return self
+
+
+def _reads_no_weight(node: fx.Node, captured: CapturedGraph) -> bool:
+    """Whether ``node`` is an op none of whose inputs is a weight (``WEIGHT_KINDS``)."""
+    kinds = captured.gradient_kinds()
+    return node.op == "call_function" and all(kinds[a.name] not in WEIGHT_KINDS for a in tensor_inputs(node))
+
+
+def _priced_options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer,
+                    roles: Roles, priced: PricedAlike | None) -> list[Option]:
+    """``_options`` of ``node``; of an op that reads no weight, as ``priced`` holds them (``PricedAlike``),
+    else priced now and left there. New options every time: ``_charge_working_set`` adds to a problem's own."""
+    if priced is None or not _reads_no_weight(node, captured):
+        return _options(node, captured, finder, pricer, roles)
+    if node.name not in priced.options:
+        priced.options[node.name] = tuple((o.strategy, o.cost, o.grad_partial)
+                                          for o in _options(node, captured, finder, pricer, roles))
+    return [Option(strategy, cost, partial) for strategy, cost, partial in priced.options[node.name]]
 
 
 def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pricer: Pricer,
@@ -707,7 +752,7 @@ def source_of(arg: fx.Node) -> tuple[fx.Node, int]:
     return arg, 0
 
 
-def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer
+def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pricer, priced: PricedAlike | None
            ) -> tuple[list[Edge], list[SharedResharding]]:
     keys = dict(captured.tie_keys)
     keys[OUTPUT_KEY] = OUTPUT_KEY
@@ -740,9 +785,14 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     regathered = {ekey: node.op != "output" and captured.keeps_parameter(node, arg)  # the consumer keeps the parameter
                   for ekey, (node, arg) in first.items()}
     for ekey, edge in grouped.items():
+        if priced is not None and edge.src not in weights and ekey in priced.edges:
+            edge.price = priced.edges[ekey]
+            continue
         arg = first[ekey][1]
         edge.price = _edge_prices(edge, decisions, arg.meta["val"], pricer, edge.src in weights, regathered[ekey],
                                   partial_gradient_share(arg), ekey in shares, kinds[source_of(arg)[0].name] != "none")
+        if priced is not None and edge.src not in weights:
+            priced.edges[ekey] = edge.price
     index = {ekey: i for i, ekey in enumerate(grouped)}
     shared = [SharedResharding(tuple(index[k] for k in group), occurrences / grouped[group[0]].count,
                                _shared_prices([grouped[k] for k in group], decisions, first[group[0]][1].meta["val"],

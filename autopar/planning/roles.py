@@ -28,7 +28,7 @@ encode (by the axis names plans spell; ``core/axes.py`` names them in code, ``dp
 
 from __future__ import annotations
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 from autopar.core.axes import DATA_PARALLEL_AXES, ZERO_AXES, MeshAxis
 from autopar.core.constraints import Constraints
@@ -39,8 +39,8 @@ from autopar.ir.capture import (ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, WEI
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, batch_inputs, global_batch, microbatch_counts
 from autopar.planning.pricing import Pricer
-from autopar.planning.problem import (ALLOW_ANY, Problem, Roles, Rule, build_problem, placeholder_candidates,
-                                      source_of)
+from autopar.planning.problem import (ALLOW_ANY, PricedAlike, Problem, Roles, Rule, build_problem,
+                                      placeholder_candidates, source_of)
 from autopar.planning.sequence_parallel import sequence_parallel_rule
 from autopar.core.plan import ALLGATHER, DTENSOR, LOWERED, RING
 from autopar.planning.strategies import (KEY_VALUE_SLOTS, StrategyFinder, merged_dim, ring_refusal, rings,
@@ -87,7 +87,9 @@ def priced_runtime(mesh: MeshChoice, constraints: Constraints) -> str:
 class MeshTrace:
     """What every problem of one mesh reads the same way whatever its ZeRO stage (``problem_for``): the
     strategies (``finder``, which keeps those it has enumerated), the context-parallel rows, the ops
-    downstream of the data, and where the batch and the sequence run through the graph."""
+    downstream of the data, and where the batch and the sequence run through the graph; and what its first
+    problem priced that the ZeRO stage does not change (``priced``, filled by ``build_problem`` and
+    ``with_edges``)."""
 
     finder: StrategyFinder
     rows: tuple[int, int]
@@ -95,6 +97,7 @@ class MeshTrace:
     constants: set[str]  # ops computed from neither the data nor the parameters (``_constants_stay_whole``)
     batch: dict[tuple[str, int], int | None]
     seq: dict[tuple[str, int], int | None]
+    priced: PricedAlike = field(default_factory=PricedAlike)
 
 
 def mesh_trace(captured: CapturedGraph, mesh: MeshChoice, cp_attention: str | None) -> MeshTrace:
@@ -129,7 +132,8 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
     parameters are replicated on ``dp_replicate`` (HSDP's replica groups) and, on ``dp`` and ``cp``,
     replicated (fsdp 0-2), sharded (fsdp 3, and always under HSDP) or free for the solver to choose.
     ``trace``: the mesh's ``MeshTrace`` from an earlier problem of it (the search's ZeRO-1 try of a mesh
-    reuses its first problem's), made here when not given. ``edges``: as ``build_problem``'s."""
+    reuses its first problem's, with what that problem priced: ``MeshTrace.priced``), made here when not given.
+    ``edges``: as ``build_problem``'s."""
     shape = mesh.shape
     dp_dims = mesh.dims_of(*DATA_PARALLEL_AXES)
     shard_dims = mesh.dims_of(MeshAxis.DP_SHARD)
@@ -165,7 +169,7 @@ def problem_for(captured: CapturedGraph, mesh: MeshChoice, pricer: Pricer, capac
                      sequence_parallel_rule(captured, tp_dims, constraints.sp)),
     )
     return build_problem(captured, trace.finder, pricer, roles, capacity, OVERLAP_FRACTION,
-                         gathered_by_parameter=constraints.runtime == DTENSOR, edges=edges)
+                         gathered_by_parameter=constraints.runtime == DTENSOR, edges=edges, priced=trace.priced)
 
 
 def _split_matrices(cands: list, val: torch.Tensor, dims: list[int]) -> list:

@@ -447,7 +447,8 @@ class _MeshSearch:
                                                      cutoff_s):
             return self._pruned(mesh, counts, stagings[0], memory)
         with self.progress.phase("build"):
-            whole = with_edges(decided, self.captured, pricer)
+            whole = with_edges(decided, self.captured, pricer,
+                               self._shared_with_earlier_search(mesh, pricer, constraints).priced)
         per_m = _MicrobatchProblems(whole, pricer, self.progress)
         if cutoff_s is not None and self._cannot_win(mesh, stagings[0], per_m[counts[0]], cutoff_s):
             return self._pruned(mesh, counts, stagings[0], memory)
@@ -500,7 +501,8 @@ class _MeshSearch:
     def _shared_with_earlier_search(self, mesh: MeshChoice, pricer: Pricer, constraints: Constraints) -> MeshTrace:
         """``mesh``'s ``MeshTrace``, and its resharding prices shared with ``pricer``: made by the mesh's first
         search, kept for its second (under ZeRO-1, or without it: ``search_mesh``), which reads the same
-        strategies and reshardings; only parameter pins, their state and their gradient sync differ."""
+        strategies, reshardings and prices of what reads no weight (``MeshTrace.priced``); only parameter pins,
+        their state and their gradient sync differ."""
         key = (mesh, pricer.runtime, mesh_cp_attention(pricer, constraints))
         if key in self._traced:
             prices, trace = self._traced[key]
