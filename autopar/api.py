@@ -27,6 +27,7 @@ from autopar.core.axes import ZERO_AXES
 from autopar.core.placement import str_to_placement
 from autopar.core.plan import LOWERED, RING, Plan
 from autopar.cost_models.pipeline import SIMULATED as ZERO_BUBBLE_SCHEDULES
+from autopar.models.hf import unpermuted_experts
 from autopar.models.moe import routing_facts
 from autopar.planning import whatif
 from autopar.planning.assemble import fingerprint, model_dims
@@ -74,10 +75,22 @@ def plan(
     with search.phase("capture"):
         captured, default_name = _captured_step(model, example_inputs, loss_fn, example_targets)
     model_name = name or default_name
+    _warn_of_unpermuted_experts(model)
     facts = _model_facts(model, example_inputs)
     if save_problem is not None:
         write_problem_file(captured, save_problem, model_name=model_name, facts=facts)
     return _planned(captured, target, model_name, pinned, facts, search)
+
+
+def _warn_of_unpermuted_experts(model: nn.Module | SavedProblem) -> None:
+    """Warn where a transformers mixture-of-experts model runs its experts as transformers does
+    (``models.hf.unpermuted_experts``): every rank would run them whole, and ``ep`` could split nothing."""
+    found = unpermuted_experts(model) if isinstance(model, nn.Module) else []
+    if found:
+        warnings.warn(f"autopar: {', '.join(found)} run{'s' if len(found) == 1 else ''} transformers' own experts "
+                      "implementation, whose ops no mesh dim splits (every rank runs them whole); call "
+                      "autopar.models.hf.use_permuted_experts(model, seq) first, so that expert parallelism splits "
+                      "the experts", stacklevel=3)
 
 
 def _model_facts(model: nn.Module | SavedProblem, example_inputs: Any) -> dict[str, Any]:
@@ -164,6 +177,7 @@ def autoparallelize(
     start_from_rank_zero(model)  # every rank shards rank 0's weights, however each rank built or seeded its own
     inputs = _as_tuple(example_inputs)
     captured = capture(model, _on_meta(inputs, deferred), _on_meta(example_targets, deferred), loss_fn)
+    _warn_of_unpermuted_experts(model)
     the_plan = _plan_for_job(captured, plan, cluster, pinned, type(model).__name__, _model_facts(model, inputs))
     if the_plan.model.get("graph_fingerprint") != fingerprint(captured):
         raise PlanFormatError("the plan was made for a different model or input shapes "

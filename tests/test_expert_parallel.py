@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -279,6 +280,26 @@ def test_a_pipeline_of_unalike_layers_is_refused_naming_two_that_differ() -> Non
                                             r"this model's last layers repeat alike: hf.model.layers.0 and "
                                             r"hf.model.layers.1 differ"):
         _plan("hf_moe_models:deepseek_v3", "1x2xcpu", {"pp": 2}, batch=4)
+
+
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_a_transformers_moe_left_on_its_own_experts_is_planned_with_a_warning_naming_the_fix() -> None:
+    """A transformers mixture-of-experts model planned as transformers runs its experts (no
+    ``use_permuted_experts``) has nothing ``ep`` can split: ``plan`` says so and names the call that fixes it;
+    the same model set up with it plans without that warning."""
+    pytest.importorskip("transformers")
+    bundle = build_model("hf_moe_models:qwen2_moe", global_batch=4, seq=16, device="meta")
+    args = (bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.plan(*args, example_targets=bundle.example_targets)
+        bundle.model.hf.set_experts_implementation("grouped_mm")
+        autopar.plan(*args, example_targets=bundle.example_targets)
+    said = [str(w.message) for w in caught if "use_permuted_experts" in str(w.message)]
+    assert said == ["autopar: Qwen2MoeExperts runs transformers' own experts implementation, whose ops no mesh dim "
+                    "splits (every rank runs them whole); call autopar.models.hf.use_permuted_experts(model, seq) "
+                    "first, so that expert parallelism splits the experts"]
+    assert all(w.filename == __file__ for w in caught if "use_permuted_experts" in str(w.message))
 
 
 def test_use_permuted_experts_refuses_a_model_without_experts() -> None:

@@ -35,7 +35,8 @@ from autopar.core.errors import BadInputError
 
 from .moe import Routing, combine, dispatch
 
-__all__ = ["HFModel", "model_loss", "padding_mask", "permuted_experts_forward", "token_loss", "use_permuted_experts",
+__all__ = ["HFModel", "model_loss", "padding_mask", "permuted_experts_forward", "token_loss", "unpermuted_experts",
+           "use_permuted_experts",
            "gpt2", "llama", "mistral", "mixtral", "qwen2", "bert", "t5", "vit"]
 
 Factory = tuple[Any, ...]
@@ -220,6 +221,15 @@ def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None) -
         module.group_tokens = seq
         module.routing = _dropless_routing(int(module.down_proj.shape[0]), int(k), seq)
     return model
+
+
+def unpermuted_experts(model: nn.Module) -> list[str]:
+    """The classes of ``model``'s transformers experts modules (``ExpertsInterface``'s, as ``use_permuted_experts``
+    finds them) that run an implementation of transformers' own, not ``permuted_experts_forward``: their tokens
+    are picked with data-dependent shapes or their weights read through one grouped op, which no mesh dim splits
+    (those ops run replicated on every rank)."""
+    return sorted({type(module).__name__ for module in model.modules() if hasattr(module, "is_transposed")
+                   and getattr(getattr(module, "config", None), "_experts_implementation", None) != PERMUTED_EXPERTS})
 
 
 def permuted_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
