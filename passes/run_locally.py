@@ -3,10 +3,11 @@
 Three kinds of nodes get this treatment, all marked ``"local": true`` in the plan's ops:
 
 * ops with no DTensor strategy, planned all-``R`` (the planner warned): every rank runs the whole op;
-* ops planned with one of autopar's own *local rules* (``autopar.planning.strategies.LOCAL_RULES``), e.g.
-  fused attention split on batch or heads: each rank runs the op on its shards, which is exact
-  because the split dims are independent (a float mask read whole there, a learned bias, gets a partial
-  gradient, which DTensor reduces);
+* ops planned with one of autopar's own *local rules* (``autopar.planning.strategies.LOCAL_RULES`` and
+  ``NODE_RULES``), e.g. fused attention split on batch or heads, advanced indexing split as its indices: each
+  rank runs the op on its shards, which is exact because the split dims are independent (an input read whole
+  there, ``READ_WHOLE``: fused attention's float mask, a learned bias; the table indexing gathers rows of,
+  gets a partial gradient, which DTensor reduces);
 * context parallelism (``planning/strategies.py``, ``_sequence_split``): fused attention with its
   queries split on the sequence against the gathered keys and values, whose causal mask is built for
   the true positions of the rank's queries (``attend_locally``: SDPA's ``is_causal`` aligns the mask
@@ -44,6 +45,11 @@ from .ring_attention import ring_attention
 from .sequence_layout import rank_ranges
 
 
+READ_WHOLE = {FUSED_ATTENTION: 3, torch.ops.aten.index.Tensor: 0}
+"""Per local op, the input slot its strategies may read whole on a mesh dim that splits its output
+(``planning/strategies.py``: ``LOCAL_RULES``' broadcast mask, ``index_strategies``)."""
+
+
 def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Sequence[Sequence[str] | None],
                  layouts: Sequence[tuple[int, ...] | None], *args: Any,
                  query_ranges: tuple[tuple[int, int], ...] | None = None,
@@ -53,11 +59,13 @@ def run_local_op(op: Callable[..., Any], mesh: DeviceMesh, out_placements: Seque
     this rank's holding those [start, end) ranges of positions; its whole keys and values get partial
     gradients (``attend_locally``). ``ring``: (mesh dim, the ranges each of its ranks holds) of fused
     attention whose keys and values are split there too, run as ring attention over that dim's group.
-    Fused attention's mask, where it is whole on a mesh dim that splits the output (a learned bias of batch
-    size 1, the relative position bias of Swin, under a batch split), gets a partial gradient there too: each
-    rank's is the sum over its own shard of the scores."""
-    if op is FUSED_ATTENTION and len(args) > 3 and isinstance(args[3], DTensor):
-        args = (*args[:3], _partial_gradient(args[3], out_placements[0]), *args[4:])
+    The input of ``READ_WHOLE`` (fused attention's mask, advanced indexing's ``self``), where it is whole on a
+    mesh dim that splits the output (a learned bias of batch size 1, the relative position bias of Swin, under
+    a batch split; a table whose rows the split ids gather), gets a partial gradient there too: each rank's is
+    the sum over its own shard of the output."""
+    slot = READ_WHOLE.get(op)
+    if slot is not None and len(args) > slot and isinstance(args[slot], DTensor):
+        args = (*args[:slot], _partial_gradient(args[slot], out_placements[0]), *args[slot + 1:])
     if ring is not None or query_ranges is not None:
         q, k, v, *rest = args
         k, v = (_partial_gradient(t, out_placements[0]) for t in (k, v))

@@ -9,6 +9,9 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``einsum_attention``: causal attention written with ``torch.einsum`` and a mask buffer, whose backward under
   tp meets a gradient DTensor lays out otherwise than its spec says (``passes/layout.guard_view_gradients``);
 * ``positions``: a second input of positions ``[seq]`` that every sample reads (no batch on its dim 0);
+* ``gathered_rows``: ``positions`` with its tables read by advanced indexing, ``weight[ids]`` (``aten.index.Tensor``),
+  its positions made in the model and repeated over the batch (Whisper's decoder): a split of the ids leaves each
+  table's gradient partial;
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between;
 * ``reshaped_blocks``: blocks that flatten their tokens to rows for the MLP and view the sum back (OPT's
@@ -154,6 +157,28 @@ def positions(global_batch: int = 8, seq: int = 6):
     loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
     return (Positions(), (torch.randint(0, 16, (global_batch, seq)), torch.arange(seq)),
             torch.randint(0, 16, (global_batch, seq)), loss)
+
+
+class GatheredRows(nn.Module):
+    def __init__(self, vocab: int = 16, width: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)  # read as tables, ``weight[ids]``, not called
+        self.positions = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, s = idx.shape
+        pos = torch.arange(s).unsqueeze(0).repeat(b, 1)  # as Whisper's decoder positions: every sample's
+        h = self.tokens.weight[idx] + self.positions.weight[pos]
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.head(h)
+
+
+def gathered_rows(global_batch: int = 8, seq: int = 6):
+    loss = lambda out, targets: F.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    return GatheredRows(), (torch.randint(0, 16, (global_batch, seq)),), torch.randint(0, 16, (global_batch, seq)), loss
 
 
 class EinsumAttention(nn.Module):

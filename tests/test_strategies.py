@@ -84,3 +84,38 @@ def test_ops_that_differ_only_in_their_sizes_share_one_expansion() -> None:
         ours, _ = finder._enumerate(node, tensor_inputs(node))
         assert ours == strategies._first_of_each_family(finder._from_dtensor(node, PROP)), node.target
     assert 0 < len(strategies._EXPANDED) < len(nodes)
+
+
+def _index_node(fn, *args: torch.Tensor):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn)(*args).graph
+    return next(n for n in graph.nodes if n.target is torch.ops.aten.index.Tensor)
+
+
+def _described(node, ndim: int = 1) -> list[str]:
+    return [s.describe() for s in strategies.index_strategies(node, ndim)]
+
+
+def test_advanced_indexing_splits_a_dim_no_index_reads_or_the_indices_broadcast_dims() -> None:
+    """``aten.index.Tensor``, which DTensor only propagates: the indexed tensor split on a dim no index reads
+    (where the output has it: in place when the indexed dims are together, after the broadcast dims when not),
+    or the indices split on a dim of their broadcast shape (those that have all of it), the output then split
+    there; a boolean mask is read whole. Each is run on local shards (``runs_locally``)."""
+    long = dict(dtype=torch.long)
+    mask = _index_node(lambda x, b, q: x[b, q], torch.zeros(4, 16), torch.zeros(4, 1, 1, 1, **long),
+                       torch.zeros(1, 1, 16, 1, **long))  # transformers' mask construction: [4, 1, 16, 1]
+    assert _described(mask) == ["(R), (R), (R) -> (R)", "(R), (S(0)), (R) -> (S(0))", "(R), (R), (S(2)) -> (S(2))"]
+    rows = _index_node(lambda t, ids: t[ids], torch.zeros(32, 64), torch.zeros(4, 16, **long))  # [4, 16, 64]
+    assert _described(rows) == ["(R), (R) -> (R)", "(S(1)), (R) -> (S(2))", "(R), (S(0)) -> (S(0))",
+                                "(R), (S(1)) -> (S(1))"]
+    middle = _index_node(lambda t, i: t[:, i], torch.zeros(8, 32, 6), torch.zeros(5, **long))  # [8, 5, 6]
+    assert _described(middle) == ["(R), (R) -> (R)", "(S(0)), (R) -> (S(0))", "(S(2)), (R) -> (S(2))",
+                                  "(R), (S(0)) -> (S(1))"]
+    apart = _index_node(lambda t, i, j: t[i, :, j], torch.zeros(8, 32, 6), torch.zeros(5, **long),
+                        torch.zeros(5, **long))  # [5, 32]: the broadcast dim first
+    assert _described(apart) == ["(R), (R), (R) -> (R)", "(S(1)), (R), (R) -> (S(1))", "(R), (S(0)), (S(0)) -> (S(0))"]
+    boolean = _index_node(lambda x, m: x[m], torch.zeros(4, 3), torch.ones(4, dtype=torch.bool))
+    assert _described(boolean) == ["(R), (R) -> (R)"]
+    assert len(_described(rows, ndim=2)) == 16
+    assert all(strategies.runs_locally(rows, s) for s in strategies.index_strategies(rows, 2))

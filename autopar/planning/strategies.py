@@ -11,7 +11,9 @@ order, tested op by op), because its per-combination Python is most of enumerati
 
 Where we diverge: ops in ``LOCAL_RULES`` (fused attention, which DTensor only knows as backend kernels
 such as the CUDA flash variant) get our own rule: the dims listed are independent, so the op can be
-split on any of them on all inputs at once and run on local shards. On a context-parallel mesh dim
+split on any of them on all inputs at once and run on local shards; so does advanced indexing
+(``aten.index.Tensor``, ``index_strategies``: a rule of the node, ``NODE_RULES``, since which arguments are
+indices matters), which DTensor propagates on DTensors but offers no strategies for. On a context-parallel mesh dim
 (``StrategyFinder(sequence_dims=...)``) ops also get sequence-split variants (``_sequence_splits``):
 fused attention with its queries split and its keys and values whole (all-gathered before it), or all
 of them split (ring attention, without a mask tensor or dropout), and the views between
@@ -37,7 +39,7 @@ import itertools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -174,6 +176,44 @@ LOCAL_RULES: dict[Any, LocalRule] = {
     torch.ops.aten.copy.default: LocalRule(independent_dims=None, tensor_inputs=(2,), broadcast_splits=False),
 }
 
+INDEX = torch.ops.aten.index.Tensor
+
+
+def index_strategies(node: fx.Node, mesh_ndim: int) -> list[Strategy]:
+    """``self[indices]`` (``aten.index.Tensor``: advanced indexing by integer tensors, ``None`` for a dim taken
+    whole) on local shards, which DTensor has no strategy for (only a propagation rule it runs on DTensors).
+    Per mesh dim, each of: all whole; ``self`` split on a dim no index reads (the output split on that dim's
+    place), the indices whole; or ``self`` whole and the indices split on a dim of their broadcast shape (each
+    index that has all of it; the output split on its place), as an embedding splits its ids: every rank
+    gathers its own rows of the output, and ``self``'s gradient is then partial there (``run_local_op``
+    reduces it). A boolean mask (its result's shape depends on its values) runs whole."""
+    indices = list(node.args[1])
+    shapes = [tuple(i.meta["val"].shape) if isinstance(i, fx.Node) else None for i in indices]
+    read = [d for d, shape in enumerate(shapes) if shape is not None]
+    if not read or any(indices[d].meta["val"].dtype == torch.bool for d in read):
+        return [_replicated(node, len(tensor_inputs(node)), mesh_ndim)]
+    width = max(len(shapes[d]) for d in read)
+    aligned = {d: (1,) * (width - len(shapes[d])) + shapes[d] for d in read}  # broadcast: trailing dims aligned
+    broadcast = [max(aligned[d][b] for d in read) for b in range(width)]
+    together = read == list(range(read[0], read[-1] + 1))  # the broadcast dims then take the indexed dims' place
+    first = read[0] if together else 0
+    kept = [d for d in range(node.args[0].meta["val"].ndim) if d not in read]
+    whole = tuple(Replicate() for _ in read)
+    choices = [(Replicate(), whole, Replicate())]
+    choices += [(Shard(d), whole, Shard(d if d < first else d - len(read) + width) if together
+                 else Shard(width + kept.index(d))) for d in kept]
+    choices += [(Replicate(), tuple(Shard(b - width + len(shapes[d])) if aligned[d][b] == broadcast[b] else Replicate()
+                                    for d in read), Shard(first + b))
+                for b in range(width) if broadcast[b] > 1]
+    return [Strategy((tuple(c[0] for c in combo), *(tuple(c[1][k] for c in combo) for k in range(len(read)))),
+                     (tuple(c[2] for c in combo),))
+            for combo in itertools.product(choices, repeat=mesh_ndim)]
+
+
+NODE_RULES: dict[Any, Callable[[fx.Node, int], list[Strategy]]] = {INDEX: index_strategies}
+"""Local rules (run as ``LOCAL_RULES``' are, on local shards) that read the node itself, not only its inputs'
+shapes: which of its arguments are tensors."""
+
 WHOLE_OPS = frozenset({WRITE_BUFFER})
 """autopar's own ops that run whole by design, on local tensors (``runs_locally``): a buffer's write
 (``ir/buffer_writes.py``) copies the whole value into the rank's whole buffer."""
@@ -293,7 +333,7 @@ def runs_locally(node: fx.Node, strategy: Strategy) -> bool:
     """Whether the runtime runs ``node`` under ``strategy`` on local shards, outside DTensor: an op of
     ``LOCAL_RULES`` or ``WHOLE_OPS``, or a view that moves a sequence split between ``[batch, seq, ...]`` and its
     flattened rows (``_sequence_split``), which DTensor would place as a ``_StridedShard``."""
-    if node.target in LOCAL_RULES or node.target in WHOLE_OPS:
+    if node.target in LOCAL_RULES or node.target in NODE_RULES or node.target in WHOLE_OPS:
         return True
     move = _row_move(node)
     return move is not None and strategy.outputs[0] is not None and any(
@@ -412,6 +452,8 @@ class StrategyFinder:
             return [_replicated(node, len(inputs), self._ndim)], False
         if op in LOCAL_RULES and len(inputs) in LOCAL_RULES[op].tensor_inputs:
             found = LOCAL_RULES[op].strategies(self._ndim, [tuple(i.meta["val"].shape) for i in inputs])
+        elif op in NODE_RULES:
+            found = NODE_RULES[op](node, self._ndim)
         elif self._ndim > 1 and _expandable(node, prop):
             found = _expanded_families(
                 _one_dim_strategies(node, prop), self._ndim, [tuple(i.meta["val"].shape) for i in inputs],
