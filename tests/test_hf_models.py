@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -85,17 +86,21 @@ def test_the_checks_torch_export_records_are_dropped_from_the_graph() -> None:
     assert not [n for n in captured.graph.nodes if n.op == "call_function" and "_assert" in str(n.target)]
 
 
-def test_masked_attention_is_split_on_heads_and_an_op_without_a_rule_runs_replicated_with_a_warning() -> None:
+def test_masked_attention_is_split_on_heads_and_its_mask_built_on_local_shards_without_warnings() -> None:
+    """transformers builds the padding mask by advanced indexing (``aten.index.Tensor``), which DTensor offers no
+    strategy for: autopar's own (``strategies.index_strategies``) runs it on local shards, with no warning that
+    an op runs replicated."""
     bundle = _bundle("llama", mask=True)
-    warning = r"no DTensor sharding strategy for aten\.index\.Tensor; it will run replicated"
-    with pytest.warns(UserWarning, match=warning):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         plan = _plan(bundle, {"tp": 2})
+    assert not [str(w.message) for w in caught if "no DTensor sharding strategy" in str(w.message)]
     attention = [op for op in plan.ops.values() if op["op"].endswith("scaled_dot_product_attention.default")]
     assert len(attention) == 2 and all(op["local"] for op in attention)
     # q, k, v split on heads; the mask [b, 1, s, s] broadcasts over heads, so each rank reads all of it
     assert all(op["inputs"] == [["S(1)"]] * 3 + [["R"]] and op["outputs"] == [["S(1)"]] for op in attention)
     index = [op for op in plan.ops.values() if op["op"].endswith("index.Tensor")]
-    assert index and all(op["local"] and op["outputs"] == [["R"]] for op in index)
+    assert index and all(op["local"] for op in index)
 
 
 class _Gate(nn.Module):
