@@ -67,6 +67,7 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:positions", {"dp": 2, "microbatches": 2}),
              ("edge_models:positions", {"pp": 2, "microbatches": 4}),
              ("edge_models:gathered_rows", {"dp": 2}), ("edge_models:gathered_rows", {"tp": 2}),
+             ("edge_models:gathered_rows", {"dp": 2, "fsdp": 3}),
              ("edge_models:einsum_attention", {"tp": 2}),
              ("edge_models:einsum_attention", {"tp": 2, "checkpointing": "selective"}),
              ("edge_models:reshaped_blocks", {"pp": 2, "microbatches": 2}),
