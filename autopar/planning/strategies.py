@@ -192,9 +192,8 @@ def index_strategies(node: fx.Node, mesh_ndim: int) -> list[Strategy]:
     read = [d for d, shape in enumerate(shapes) if shape is not None]
     if not read or any(indices[d].meta["val"].dtype == torch.bool for d in read):
         return [_replicated(node, len(tensor_inputs(node)), mesh_ndim)]
-    width = max(len(shapes[d]) for d in read)
-    aligned = {d: (1,) * (width - len(shapes[d])) + shapes[d] for d in read}  # broadcast: trailing dims aligned
-    broadcast = [max(aligned[d][b] for d in read) for b in range(width)]
+    broadcast = tuple(torch.broadcast_shapes(*(shapes[d] for d in read)))
+    width = len(broadcast)
     together = read == list(range(read[0], read[-1] + 1))  # the broadcast dims then take the indexed dims' place
     first = read[0] if together else 0
     kept = [d for d in range(node.args[0].meta["val"].ndim) if d not in read]
@@ -202,8 +201,7 @@ def index_strategies(node: fx.Node, mesh_ndim: int) -> list[Strategy]:
     choices = [(Replicate(), whole, Replicate())]
     choices += [(Shard(d), whole, Shard(d if d < first else d - len(read) + width) if together
                  else Shard(width + kept.index(d))) for d in kept]
-    choices += [(Replicate(), tuple(Shard(b - width + len(shapes[d])) if aligned[d][b] == broadcast[b] else Replicate()
-                                    for d in read), Shard(first + b))
+    choices += [(Replicate(), tuple(_broadcast((Shard(b),), shapes[d], broadcast)[0] for d in read), Shard(first + b))
                 for b in range(width) if broadcast[b] > 1]
     return [Strategy((tuple(c[0] for c in combo), *(tuple(c[1][k] for c in combo) for k in range(len(read)))),
                      (tuple(c[2] for c in combo),))
