@@ -12,6 +12,8 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
 * ``gathered_rows``: ``positions`` with its tables read by advanced indexing, ``weight[ids]`` (``aten.index.Tensor``),
   its positions made in the model and repeated over the batch (Whisper's decoder): a split of the ids leaves each
   table's gradient partial;
+* ``upsampled_convs``: convolutions with ``F.interpolate`` between them (bilinear and nearest), which DTensor
+  cannot split (no strategy for the ``.vec`` overloads, nor for bilinear's backward);
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between;
 * ``reshaped_blocks``: blocks that flatten their tokens to rows for the MLP and view the sum back (OPT's
@@ -722,6 +724,24 @@ class PooledConvs(nn.Module):
 
 def pooled_convs(global_batch: int = 8, seq: int = 8):
     return PooledConvs(), torch.randn(global_batch, 3, seq, seq), torch.randint(0, 3, (global_batch,)), F.cross_entropy
+
+
+class UpsampledConvs(nn.Module):
+    def __init__(self, channels: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.interpolate(self.stem(x), scale_factor=2, mode="bilinear", align_corners=False)
+        h = F.interpolate(self.conv(h), size=(3 * x.shape[-2], 3 * x.shape[-1]), mode="nearest")
+        return self.head(h.mean((2, 3)))
+
+
+def upsampled_convs(global_batch: int = 8, seq: int = 6):
+    return UpsampledConvs(), torch.randn(global_batch, 3, seq, seq), torch.randint(0, 3, (global_batch,)), \
+        F.cross_entropy
 
 
 class ChannelFirstBlock(nn.Module):

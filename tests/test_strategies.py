@@ -119,3 +119,27 @@ def test_advanced_indexing_splits_a_dim_no_index_reads_or_the_indices_broadcast_
     assert _described(boolean) == ["(R), (R) -> (R)"]
     assert len(_described(rows, ndim=2)) == 16
     assert all(strategies.runs_locally(rows, s) for s in strategies.index_strategies(rows, 2))
+
+
+def test_resampling_and_polar_run_on_local_shards_split_on_samples_or_channels() -> None:
+    """``F.interpolate`` (``upsample_*.vec``, which DTensor has no strategy for) and ``torch.polar`` are split on
+    local shards without a warning that they run replicated; a batch split carries through the upsampling."""
+    import warnings
+
+    import autopar
+    from autopar.models import build_model as build
+
+    bundle = build("edge_models:upsampled_convs", global_batch=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"dp": 2},
+                            example_targets=bundle.example_targets)
+    upsampled = [op for op in plan.ops.values() if "upsample" in op["op"]]
+    assert len(upsampled) == 2 and all(op["local"] and op["outputs"] == [["S(0)"]] for op in upsampled)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(torch.polar)(torch.ones(4, 6), torch.zeros(4, 6)).graph
+    polar = next(n for n in graph.nodes if n.target is torch.ops.aten.polar.default)
+    found = StrategyFinder((2,)).for_node(polar)
+    assert [s.describe() for s in found] == ["(R), (R) -> (R)", "(S(0)), (S(0)) -> (S(0))", "(S(1)), (S(1)) -> (S(1))"]
+    assert all(strategies.runs_locally(polar, s) for s in found)

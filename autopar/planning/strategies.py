@@ -174,7 +174,19 @@ LOCAL_RULES: dict[Any, LocalRule] = {
     # dtensor_backward.py``) gathered the batch and lost its trace (``roles.batch_dims``) for everything
     # after it: its ILP on a 32 x 2 x 2 mesh had 10,520 options and 431,517 edge pairs, 4,396 and 84,490 without.
     torch.ops.aten.copy.default: LocalRule(independent_dims=None, tensor_inputs=(2,), broadcast_splits=False),
+    # ``torch.polar(abs, angle)``: elementwise, complex out (Llama 4's rotary frequencies); DTensor has no strategy.
+    torch.ops.aten.polar.default: LocalRule(independent_dims=None, tensor_inputs=(2,)),
 }
+# Resampling ``[batch, channels, *spatial]`` (``F.interpolate``): each sample and channel on its own. DTensor has
+# strategies for some ``.default`` overloads but none for the ``.vec`` ones the capture keeps (BEiT's
+# ``upsample_bilinear2d.vec``) nor for most backwards (``upsample_bilinear2d_backward``), so all run on local shards.
+LOCAL_RULES.update({getattr(getattr(torch.ops.aten, name), overload): LocalRule(independent_dims=(0, 1),
+                                                                                tensor_inputs=(1,))
+                    for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                                 "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+                                 "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+                                 "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+                    for overload in ("default", "vec")})
 
 INDEX = torch.ops.aten.index.Tensor
 
