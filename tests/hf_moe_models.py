@@ -4,7 +4,8 @@
 weights, nothing downloaded; loaded by spec ``hf_moe_models:NAME`` (``build_model`` imports it, in spawned
 ranks too):
 
-* ``qwen2_moe``: Qwen2-MoE, a shared expert beside 4 routed ones, 2 a token;
+* ``qwen2_moe``: Qwen2-MoE, a shared expert beside 4 routed ones, 2 a token (``capacity_factor``: each
+  expert's slots per sequence, as ``use_permuted_experts`` takes it; None: none dropped);
 * ``deepseek_v3``: DeepSeek-V3, multi-head latent attention (its queries and keys written into buffers slice
   by slice) and grouped top-k routing over 4 experts beside a shared one, its first layer dense (``layers``:
   2, or 3 for two mixture-of-experts layers a pipeline cuts between);
@@ -26,7 +27,7 @@ VOCAB = 128
 
 
 def _factory(config_name: str, global_batch: int, seq: int, attention: str = "sdpa", layers: int = 2,
-             **config: object):
+             capacity_factor: float | None = None, **config: object):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
@@ -34,13 +35,14 @@ def _factory(config_name: str, global_batch: int, seq: int, attention: str = "sd
         num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
         max_position_embeddings=max(seq, 32), bos_token_id=0, eos_token_id=1, pad_token_id=None, **config)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
-    use_permuted_experts(model, seq)
+    use_permuted_experts(model, seq, capacity_factor=capacity_factor)
     ids, targets = torch.randint(0, VOCAB, (global_batch, seq)), torch.randint(0, VOCAB, (global_batch, seq))
     return HFModel(model, ["input_ids"], "logits", VOCAB), (ids,), targets, token_loss
 
 
-def qwen2_moe(global_batch: int = 4, seq: int = 16):
-    return _factory("Qwen2MoeConfig", global_batch, seq, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+def qwen2_moe(global_batch: int = 4, seq: int = 16, capacity_factor: float | None = None):
+    return _factory("Qwen2MoeConfig", global_batch, seq, capacity_factor=capacity_factor, num_key_value_heads=2,
+                    num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=32, shared_expert_intermediate_size=64)
 
 

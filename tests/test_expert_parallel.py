@@ -302,6 +302,40 @@ def test_a_transformers_moe_left_on_its_own_experts_is_planned_with_a_warning_na
     assert all(w.filename == __file__ for w in caught if "use_permuted_experts" in str(w.message))
 
 
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_permuted_experts_with_a_capacity_drop_choices_past_it_and_the_plan_prices_that_capacity() -> None:
+    """``use_permuted_experts(..., capacity_factor=f)``: ``ceil(f * k * s / E)`` slots per expert and sequence,
+    as autopar's own layer; at ``f = E / k`` a slot per token (transformers' own logits), below it some choices
+    dropped; the plan states the capacity and prices the experts' matmuls at it, not at a slot per token."""
+    pytest.importorskip("transformers")
+
+    def logits(factor: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        bundle = build_model("hf_moe_models:qwen2_moe", overrides={"capacity_factor": factor}, global_batch=2,
+                             seq=16, device="cpu")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in bundle.model.parameters():
+                p.normal_(std=0.2)
+            permuted = bundle.model(*bundle.example_inputs)
+            bundle.model.hf.set_experts_implementation("eager")
+            return permuted, bundle.model(*bundle.example_inputs)
+
+    permuted, eager = logits(2.0)  # 4 experts, 2 a token: 16 slots for a sequence of 16, none dropped
+    torch.testing.assert_close(permuted, eager, rtol=1e-5, atol=1e-5)
+    permuted, eager = logits(0.5)  # 4 slots an expert: choices past them dropped
+    assert not torch.allclose(permuted, eager, rtol=1e-3, atol=1e-3)
+    with pytest.raises(BadInputError, match="capacity_factor must be > 0"):
+        build_model("hf_moe_models:qwen2_moe", overrides={"capacity_factor": 0.0}, global_batch=2, seq=16)
+
+    dropless = _plan("hf_moe_models:qwen2_moe", "1x2xcpu", {"ep": 2}, batch=4).to_dict()
+    capped = _plan("hf_moe_models:qwen2_moe", "1x2xcpu", {"ep": 2}, {"capacity_factor": 1.0}, batch=4).to_dict()
+    assert (dropless["model"]["moe"]["slots_per_expert"], dropless["model"]["moe"]["capacity_factor"]) == (16, None)
+    moe = capped["model"]["moe"]
+    assert (moe["slots_per_expert"], moe["capacity_factor"]) == (math.ceil(1.0 * 2 * 16 / 4), 1.0)
+    assert moe["dropped_tokens"].startswith("past capacity")
+    assert capped["predicted"]["compute_s"] < dropless["predicted"]["compute_s"]
+
+
 def test_use_permuted_experts_refuses_a_model_without_experts() -> None:
     pytest.importorskip("transformers")
     from autopar.models.hf import use_permuted_experts
@@ -348,14 +382,17 @@ def test_deepseek_v3s_dense_first_layer_runs_on_the_first_pipeline_stage() -> No
 def test_hugging_face_moe_families_train_under_ep_like_one_process() -> None:
     """DeepSeek-V3's attention writes its queries and keys into buffers slice by slice, captured as ``copy``
     and ``slice_scatter``, whose derivatives the program could not run (``passes/dtensor_backward.py``);
-    gpt-oss's experts hold biases beside the weights ep splits."""
+    gpt-oss's experts hold biases beside the weights ep splits; Qwen2-MoE's experts with a capacity drop the same
+    choices on every rank as in one process."""
     pytest.importorskip("transformers")
-    runs = [dict(name=f"hf_moe_models:{family}", overrides=None, global_batch=4, seq=16, steps=STEPS, plan=None,
+    runs = [dict(name=f"hf_moe_models:{family}", overrides=overrides, global_batch=4, seq=16, steps=STEPS, plan=None,
                  constraints=constraints, lowered=None)
-            for family, constraints in (("deepseek_v3", {"ep": 2}), ("gpt_oss", {"ep": 2}), ("qwen2_moe", {"tp": 2}))]
+            for family, constraints, overrides in (("deepseek_v3", {"ep": 2}, None), ("gpt_oss", {"ep": 2}, None),
+                                                   ("qwen2_moe", {"tp": 2}, None),
+                                                   ("qwen2_moe", {"ep": 2}, {"capacity_factor": 1.0}))]
     for run, result in zip(runs, train_parallel_many(2, runs)):
-        reference = train_single(run["name"], None, 4, 16, STEPS)
-        result.assert_matches(reference, f"{run['name']} under {run['constraints']}")
+        reference = train_single(run["name"], run["overrides"], 4, 16, STEPS)
+        result.assert_matches(reference, f"{run['name']} under {run['constraints']}, {run['overrides']}")
 
 
 @pytest.mark.slow

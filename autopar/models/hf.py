@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from autopar.core.errors import BadInputError
 
-from .moe import Routing, combine, dispatch
+from .moe import Routing, combine, dispatch, slots_per_expert
 
 __all__ = ["HFModel", "model_loss", "padding_mask", "permuted_experts_forward", "token_loss", "unpermuted_experts",
            "use_permuted_experts",
@@ -192,7 +192,8 @@ def mixtral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int =
     return built
 
 
-def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None) -> nn.Module:
+def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None,
+                         capacity_factor: float | None = None) -> nn.Module:
     """Run every experts module of a transformers mixture-of-experts model with ``permuted_experts_forward``,
     so that autopar can split its experts over an ``ep`` dim; returns ``model`` (a transformers model or an
     ``HFModel`` around one).
@@ -201,10 +202,19 @@ def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None) -
     DeepSeek-V3, OLMoE, gpt-oss and the other families of its ``ExpertsInterface``); their own implementations
     pick each expert's tokens with data-dependent shapes (``eager``) or read the weights through one op that
     hides the expert dim (``grouped_mm``). Each module routes groups of ``seq`` tokens (a sequence: build it
-    with the sequence length it trains on), a slot per token of its group (dropless, as transformers' are),
-    and states that routing for the plan (``Plan.model["moe"]``) with ``top_k`` experts a token (by default
-    the config's ``num_experts_per_tok``). Expert biases (gpt-oss) are not expert weights to the planner (it
+    with the sequence length it trains on) and states that routing for the plan (``Plan.model["moe"]``) with
+    ``top_k`` experts a token (by default the config's ``num_experts_per_tok``).
+
+    ``capacity_factor`` None (the default): a slot per token of its group in every expert, so no token is
+    dropped, as in transformers' own; the experts' matmuls then run on ``E`` times a group's tokens, ``E / k``
+    times the routed work (4x for Mixtral, 32x for gpt-oss). A factor: ``ceil(capacity_factor * k * seq / E)``
+    slots per (group, expert), as autopar's own mixture of experts (``models/moe.py``, GShard's policy): a
+    choice past its expert's capacity is dropped, the residual carrying its token, and the plan prices the
+    matmuls and all_to_alls at that capacity. Expert biases (gpt-oss) are not expert weights to the planner (it
     finds those by the batched matmuls that read them): they stay whole on every ep rank, small beside them."""
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise BadInputError(f"use_permuted_experts: capacity_factor must be > 0 (None: no token dropped), "
+                            f"got {capacity_factor!r}")
     transformers = _transformers()
     transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS.register(PERMUTED_EXPERTS, permuted_experts_forward)
     hf_model = model.hf if isinstance(model, HFModel) else model
@@ -218,8 +228,10 @@ def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None) -
         if not k:
             raise BadInputError(f"{type(module).__name__}'s config has no num_experts_per_tok: pass "
                                 "use_permuted_experts(model, seq, top_k=...) the experts each token is routed to")
+        experts_count = int(module.down_proj.shape[0])
         module.group_tokens = seq
-        module.routing = _dropless_routing(int(module.down_proj.shape[0]), int(k), seq)
+        module.expert_slots = slots_per_expert(capacity_factor, int(k), experts_count, seq)
+        module.routing = _routing(Routing(experts_count, int(k), seq, module.expert_slots, capacity_factor))
     return model
 
 
@@ -237,8 +249,9 @@ def permuted_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index
     """A transformers experts module (stacked weights ``gate_up_proj``, or ``up_proj`` without a gate, and
     ``down_proj``: ``[E, out, in]``, or ``[E, in, out]`` where ``is_transposed``, each with an ``[E, out]``
     bias where ``has_bias``) on ``hidden_states [n, d]`` routed to ``top_k_index [n, k]`` with weights
-    ``top_k_weights [n, k]``, as ``models/moe.py`` runs its own: tokens permuted into ``[E, groups x s, d]``
-    slots per group of ``group_tokens`` (a sequence), one slot per token of the group (dropless, as HF is),
+    ``top_k_weights [n, k]``, as ``models/moe.py`` runs its own: tokens permuted into ``[E, groups x C, d]``
+    slots per group of ``group_tokens`` (a sequence), ``expert_slots`` of them (``C``: the group's tokens, none
+    dropped, or a capacity; ``use_permuted_experts``),
     batched matmuls, the module's own gate (``_apply_gate``) or activation and post-expert norm between them,
     and combined back. ``use_permuted_experts`` sets the modules up."""
     n, d = hidden_states.shape
@@ -251,7 +264,7 @@ def permuted_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index
                             "not a multiple: set it up with the sequence length it runs on")
     g, k = n // s, top_k_index.shape[-1]
     routed, where = dispatch(hidden_states.reshape(g, s, d), top_k_index.reshape(g, s, k),
-                             self.down_proj.shape[0], s)
+                             self.down_proj.shape[0], self.expert_slots)
     if getattr(self, "has_gate", True):
         hidden = self._apply_gate(_experts_linear(self, routed, "gate_up_proj"))
     else:
@@ -269,9 +282,9 @@ def _experts_linear(experts: nn.Module, x: Tensor, name: str) -> Tensor:
     return y + getattr(experts, f"{name}_bias").unsqueeze(1) if getattr(experts, "has_bias", False) else y
 
 
-def _dropless_routing(experts: int, top_k: int, group_tokens: int) -> Callable[[int], Routing]:
-    """A Mixtral experts module's ``routing`` (``moe.routing_facts``): a slot per token of each group."""
-    return lambda seq: Routing(experts, top_k, group_tokens, group_tokens, None)
+def _routing(routing: Routing) -> Callable[[int], Routing]:
+    """An experts module's ``routing`` (``moe.routing_facts``): the one ``use_permuted_experts`` set up."""
+    return lambda seq: routing
 
 
 def qwen2(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,

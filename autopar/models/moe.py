@@ -47,7 +47,7 @@ from .common import INIT_STD, RMSNorm, check_positive, init_weights, is_meta, lm
 from .llama import LlamaAttention, LlamaConfig, rope_tables
 
 __all__ = ["MoEConfig", "MoE", "MoEBlock", "MoEFeedForward", "Experts", "Dispatch", "Routing", "moe_loss",
-           "capacity", "combine", "dispatch", "route", "routing_facts"]
+           "capacity", "combine", "dispatch", "route", "routing_facts", "slots_per_expert"]
 
 
 @dataclass
@@ -89,11 +89,17 @@ class MoEConfig:
 
 
 def capacity(cfg: MoEConfig, tokens: int) -> int:
+    """Slots per (group, expert) of ``cfg``'s layers for groups of ``tokens`` tokens (``slots_per_expert``)."""
+    return slots_per_expert(cfg.capacity_factor if cfg.drop_tokens else None, cfg.top_k, cfg.experts, tokens)
+
+
+def slots_per_expert(capacity_factor: float | None, top_k: int, experts: int, tokens: int) -> int:
     """Slots per (group, expert) for groups of ``tokens`` tokens: ``ceil(capacity_factor * k * tokens / E)``,
-    at most ``tokens`` (a token goes to an expert once); ``tokens`` when tokens are never dropped."""
-    if not cfg.drop_tokens:
+    at most ``tokens`` (a token goes to an expert once); ``tokens`` when none is dropped (``capacity_factor``
+    None)."""
+    if capacity_factor is None:
         return tokens
-    return min(tokens, math.ceil(cfg.capacity_factor * cfg.top_k * tokens / cfg.experts))
+    return min(tokens, math.ceil(capacity_factor * top_k * tokens / experts))
 
 
 @dataclass(frozen=True)
