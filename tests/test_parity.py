@@ -173,6 +173,16 @@ def test_the_check_names_the_worst_gradient_and_its_error() -> None:
     assert "final parameters" not in message
 
 
+def test_an_fp32_gradient_entry_is_held_to_the_scale_of_its_tensors_largest() -> None:
+    """An entry near zero in a gradient reaching 100 may be off by the rounding of the sums at that scale (a
+    millionth of it), however small itself; a tensor 1.25x too large still fails."""
+    expected = TrainResult([1.0], {"w": torch.tensor([100.0, 0.0128])}, {"w": torch.zeros(2)})
+    rounded = ParityResult([[1.0]], {"w": torch.tensor([100.0, 0.0128 + 1.5e-5])}, {"w": torch.zeros(2)})
+    assert rounded.mismatches(expected) == []
+    scaled = ParityResult([[1.0]], {"w": torch.tensor([125.0, 0.016])}, {"w": torch.zeros(2)})
+    assert scaled.mismatches(expected)[0].startswith("gradients after the first backward: 1 of 1 off")
+
+
 def _gathered_gradient_storage(rank: int, world: int) -> tuple[int, int, list[tuple[int, int]]]:
     """(bytes of this rank's gradients, bytes of the storages they view, (storage, tensor) bytes of each
     gathered gradient) after one data-parallel step."""
