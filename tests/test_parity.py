@@ -5,7 +5,8 @@ group: the solver's own plan for the world, a plan forced to data parallelism, o
 parallelism, and (world 4) a 2x2 hybrid; tiny-llama under TP, 2x2, FSDP and gradient accumulation;
 HSDP. Each must match the single-process run with the same seed and global batches
 (``ParityResult.assert_matches``): every gathered gradient after the first backward (rtol 1e-4, atol
-1e-5, at least 1e-6 of the tensor's largest entry), per-step losses on every rank (rtol 1e-4), gathered final parameters (atol 1e-5).
+1e-5, at least 1e-6 of the tensor's largest entry), per-step losses on every rank (rtol 1e-4), gathered
+final parameters (atol 1e-5).
 
 And the check itself can fail: a gradient sync that scales every gradient by 1.25 fails it, naming the
 gradients, and the SGD learning rate turns such an error into a parameter error far above the tolerance.
