@@ -14,6 +14,8 @@ Loaded by spec ``edge_models:NAME`` (``build_model`` imports it, in spawned rank
   table's gradient partial;
 * ``upsampled_convs``: convolutions with ``F.interpolate`` between them (bilinear and nearest), which DTensor
   cannot split (no strategy for the ``.vec`` overloads, nor for bilinear's backward);
+* ``pooled_tokens``: tokens averaged by ``nn.AdaptiveAvgPool1d`` (FocalNet's and Swinv2's pooler), whose
+  ``[b, c, 1, 1]`` mean torch.export restrides with an ``as_strided`` of its size-1 dims;
 * ``sequential_blocks``: a stack of ``nn.Sequential`` blocks, each with two numbered ``Linear``s of other
   shapes (``blocks.*.1``, ``blocks.*.3``), that pipelines cut between;
 * ``reshaped_blocks``: blocks that flatten their tokens to rows for the MLP and view the sum back (OPT's
@@ -742,6 +744,21 @@ class UpsampledConvs(nn.Module):
 def upsampled_convs(global_batch: int = 8, seq: int = 6):
     return UpsampledConvs(), torch.randn(global_batch, 3, seq, seq), torch.randint(0, 3, (global_batch,)), \
         F.cross_entropy
+
+
+class PooledTokens(nn.Module):
+    def __init__(self, width: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, tokens, width]
+        return self.head(self.pool(torch.relu(self.proj(x)).transpose(1, 2)).flatten(1))
+
+
+def pooled_tokens(global_batch: int = 8, seq: int = 6):
+    return PooledTokens(), torch.randn(global_batch, seq, 16), torch.randint(0, 3, (global_batch,)), F.cross_entropy
 
 
 class ChannelFirstBlock(nn.Module):

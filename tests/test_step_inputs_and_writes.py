@@ -78,7 +78,7 @@ EDGE_RUNS = [("edge_models:experts", {"dp": 2, "ep": 2}), ("edge_models:grouped_
              ("edge_models:alternating_blocks", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2,
                                                  "microbatches": 2}),
              ("edge_models:pooled_convs", {"dp": 2}), ("edge_models:upsampled_convs", {"dp": 2}),
-             ("edge_models:upsampled_convs", {"tp": 2}),
+             ("edge_models:upsampled_convs", {"tp": 2}), ("edge_models:pooled_tokens", {"dp": 2}),
              ("edge_models:channel_first_blocks", {"pp": 2, "microbatches": 2}),
              ("edge_models:dense_first_blocks", {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
              ("edge_models:dense_first_blocks", {"pp": 2, "microbatches": 2, "checkpointing": "full"}),
@@ -114,7 +114,8 @@ def test_models_at_the_edges_train_on_2_ranks_like_one_process(lowered: bool) ->
     lowered stage running an op whose derivative the program supplies (``aten.copy`` of a
     tensor written half by half) runs it in its eager forward too ("derivative for aten::copy is not implemented"),
     and that ``copy`` runs on local shards split over dp or tp (it ran whole), as ``F.interpolate``'s upsampling
-    does (it ran whole, with a warning)."""
+    does (it ran whole, with a warning), and adaptive pooling's restride of its size-1 dims is read as its input
+    (an ``as_strided`` that ran whole, with a warning: FocalNet's pooler)."""
     runs = [dict(name=spec, overrides=None, global_batch=8, seq=None, steps=3, plan=None, constraints=constraints,
                  lowered=lowered) for spec, constraints in EDGE_RUNS]
     for (spec, _), result in zip(EDGE_RUNS, train_parallel_many(2, runs)):

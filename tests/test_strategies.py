@@ -143,3 +143,23 @@ def test_resampling_and_polar_run_on_local_shards_split_on_samples_or_channels()
     found = StrategyFinder((2,)).for_node(polar)
     assert [s.describe() for s in found] == ["(R), (R) -> (R)", "(S(0)), (S(0)) -> (S(0))", "(S(1)), (S(1)) -> (S(1))"]
     assert all(strategies.runs_locally(polar, s) for s in found)
+
+
+def test_an_as_strided_of_size_one_dims_only_is_read_as_its_input() -> None:
+    """Adaptive pooling's ``[b, c, 1, 1]`` mean, restrided by torch.export with an ``as_strided`` that changes
+    only its size-1 dims' strides, is its input in the captured graph: nothing runs replicated, the batch stays
+    split (DTensor has no strategy for ``as_strided``)."""
+    import warnings
+
+    import autopar
+    from autopar.models import build_model as build
+
+    bundle = build("edge_models:pooled_tokens", global_batch=8)
+    graph = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn).graph
+    assert not [n for n in graph.nodes if n.target is torch.ops.aten.as_strided.default]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn, {"dp": 2},
+                            example_targets=bundle.example_targets)
+    mean = [op for op in plan.ops.values() if op["op"].endswith("mean.dim")]
+    assert mean and all(op["outputs"] == [["S(0)"]] for op in mean)

@@ -567,6 +567,7 @@ def _describe(exported: torch.export.ExportedProgram) -> CapturedGraph:
 
     gm = exported.graph_module
     _drop_assertions(gm.graph)
+    _drop_unit_restrides(gm.graph)
     aliases = _merge_tied(exported)
     params, buffers, constants, user_inputs = {}, {}, {}, []
     for spec in exported.graph_signature.input_specs:
@@ -629,6 +630,30 @@ def _drop_assertions(graph: fx.Graph) -> None:
         if node.op == "call_function" and not node.users and _returns_nothing(node.target):
             graph.erase_node(node)
     graph.owning_module.recompile()
+
+
+def _drop_unit_restrides(graph: fx.Graph) -> None:
+    """Read each ``as_strided`` that restrides only dims of size 1 as its input: the same shape, the same elements
+    in the same order (a memory-format relabel of nothing: adaptive pooling's ``[b, c, 1, 1]`` output,
+    FocalNet's and Swinv2's poolers), which DTensor has no strategy for, so it ran replicated, gathering the
+    batch."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.as_strided.default \
+                and _restrides_unit_dims_only(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    graph.owning_module.recompile()
+
+
+def _restrides_unit_dims_only(node: fx.Node) -> bool:
+    """Whether ``as_strided(x, size, stride, storage_offset)`` keeps ``x``'s shape, offset and, on every dim
+    longer than 1, stride."""
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    size, stride = node.args[1], node.args[2]
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+    if not isinstance(x, torch.Tensor) or list(size) != list(x.shape):
+        return False
+    return offset in (None, x.storage_offset()) and all(s == t for n, s, t in zip(size, stride, x.stride()) if n > 1)
 
 
 def _merge_tied(exported: torch.export.ExportedProgram) -> dict[str, str]:
