@@ -90,7 +90,8 @@ def _warn_of_unpermuted_experts(model: nn.Module | SavedProblem) -> None:
         warnings.warn(f"autopar: {', '.join(found)} run{'s' if len(found) == 1 else ''} transformers' own experts "
                       "implementation, whose ops no mesh dim splits (every rank runs them whole); call "
                       "autopar.models.hf.use_permuted_experts(model, seq) first, so that expert parallelism splits "
-                      "the experts", stacklevel=3)
+                      "the experts (with capacity_factor=..., tokens past each expert's capacity are dropped and the "
+                      "experts run on that capacity; without, on a slot per token)", stacklevel=3)
 
 
 def _model_facts(model: nn.Module | SavedProblem, example_inputs: Any) -> dict[str, Any]:

@@ -298,7 +298,9 @@ def test_a_transformers_moe_left_on_its_own_experts_is_planned_with_a_warning_na
     said = [str(w.message) for w in caught if "use_permuted_experts" in str(w.message)]
     assert said == ["autopar: Qwen2MoeExperts runs transformers' own experts implementation, whose ops no mesh dim "
                     "splits (every rank runs them whole); call autopar.models.hf.use_permuted_experts(model, seq) "
-                    "first, so that expert parallelism splits the experts"]
+                    "first, so that expert parallelism splits the experts (with capacity_factor=..., tokens past "
+                    "each expert's capacity are dropped and the experts run on that capacity; without, on a slot per "
+                    "token)"]
     assert all(w.filename == __file__ for w in caught if "use_permuted_experts" in str(w.message))
 
 
