@@ -99,6 +99,9 @@ CASES = [
          "cp_attention must be one of allgather, ring"),
     Case("plan tiny-llama --cluster 1x2xcpu --fix cp=1,cp_attention=ring", 2, "it needs cp > 1, got cp=1"),
     Case("plan mlp --cluster 1x2xcpu --fix pp=1,schedule=1f1b", 2, "shapes a pipeline: it needs pp > 1 or pp free"),
+    Case("plan tiny-gpt --cluster 8x8xcpu --global-batch 16 --fix dp=1", 2,
+         "no mesh of the 64 devices of 8x8xcpu has dp=1: the other degrees (pp x tp) must make up the rest",
+         in_capture=True),
     Case("reprice plan.json --problem problem.json --cluster 1x4xcpu", 2, "the plan runs on 2 devices"),
     Case("demo --world 0", 2, "--world and --steps must be positive"),
     # no plan fits

@@ -111,11 +111,33 @@ def mesh_candidates(cluster: Cluster, constraints: Constraints, batch: int | Non
         raise BadInputError(f"constraint sp=1 needs a tp mesh dim (tp > 1), and no mesh of the {world} devices "
                             f"of {cluster.spec} has one (tp <= {cluster.devices_per_node} devices per node"
                             + (f", global batch {batch}" if batch is not None else "") + ")")
+    if not out and any(fixed.values()):
+        raise BadInputError(_pinned_degrees_cover_no_mesh(cluster, constraints, fixed, batch, layers))
     if not out:
         raise BadInputError(f"global batch {batch} cannot be split over any data-parallel degree of "
                             f"{world} devices with tp <= {cluster.devices_per_node}: use a batch divisible "
                             f"by {world // min(world, cluster.devices_per_node)}")
     return out
+
+
+def _pinned_degrees_cover_no_mesh(cluster: Cluster, constraints: Constraints, fixed: dict[str, int | None],
+                                  batch: int | None, layers: int) -> str:
+    """Why no mesh of ``cluster`` has the pinned degrees ``fixed``: the rules the free ones follow."""
+    pinned = ", ".join(f"{k}={v}" for k, v in fixed.items() if v)
+    free = [k for k, v in fixed.items() if not v]
+    rules = []
+    if "tp" in free:
+        rules.append(f"tp at most the {cluster.devices_per_node} devices of a node")
+    if "pp" in free:
+        rules.append(f"pp dividing the {cluster.nodes} node{'s' * (cluster.nodes > 1)} and at most the model's "
+                     f"{layers} repeated layer{'s' * (layers != 1)}")
+    if "dp" in free and batch is not None:
+        rules.append(f"dp dividing the global batch ({batch})")
+    if constraints.sp == 1:
+        rules.append("tp > 1 (sp=1)")
+    return (f"no mesh of the {cluster.world_size} devices of {cluster.spec} has {pinned}: the other degrees "
+            f"({' x '.join(free + (['cp'] if constraints.cp else []))}) must make up the rest of the devices, with "
+            + ", ".join(rules) + "; pin them too, or pin fewer")
 
 
 def _data_parallel_splits(cluster: Cluster, constraints: Constraints, dp: int, tp: int, experts: int
