@@ -139,6 +139,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {  # row -> (kind, config
     "PoolFormer": ("vision", "PoolFormerConfig", {"hidden_sizes": [16, 32, 48, 64], "depths": [1, 1, 1, 1]}),
     "FocalNet": ("vision", "FocalNetConfig", {"embed_dim": 16, "depths": [1, 1, 1, 1], "hidden_dropout_prob": 0.0,
                                               "drop_path_rate": 0.0}),
+    "Swinv2": ("vision", "Swinv2Config", {"embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 2, 2, 4],
+                                          "window_size": 2, "drop_path_rate": 0.0}),
 }
 # Decoders of transformers' causal-LM registry beyond those above, each from its config's defaults with the
 # decoder settings (and every dropout off, ``_dropout_off``), probed 2026-12-07 (stop 60).
