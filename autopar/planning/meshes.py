@@ -135,9 +135,10 @@ def _pinned_degrees_cover_no_mesh(cluster: Cluster, constraints: Constraints, fi
         rules.append(f"dp dividing the global batch ({batch})")
     if constraints.sp == 1:
         rules.append("tp > 1 (sp=1)")
+    others = " x ".join(free + (["cp"] if constraints.cp else [])) or "none"
+    followed = f", with {', '.join(rules)}" if rules else ""
     return (f"no mesh of the {cluster.world_size} devices of {cluster.spec} has {pinned}: the other degrees "
-            f"({' x '.join(free + (['cp'] if constraints.cp else []))}) must make up the rest of the devices, with "
-            + ", ".join(rules) + "; pin them too, or pin fewer")
+            f"({others}) must make up the rest of the devices{followed}; pin them too, or pin fewer")
 
 
 def _data_parallel_splits(cluster: Cluster, constraints: Constraints, dp: int, tp: int, experts: int
