@@ -338,6 +338,34 @@ def test_permuted_experts_with_a_capacity_drop_choices_past_it_and_the_plan_pric
     assert capped["predicted"]["compute_s"] < dropless["predicted"]["compute_s"]
 
 
+@pytest.mark.filterwarnings("ignore:autopar. no DTensor sharding strategy")
+def test_permuted_experts_read_the_experts_a_token_under_the_configs_own_name() -> None:
+    """Aria's config calls the experts a token ``moe_topk`` (``hf.TOP_K_NAMES``): its experts permute without a
+    ``top_k`` given, to transformers' own eager experts' logits, and ep splits them."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from autopar.models.hf import HFModel, token_loss, use_permuted_experts
+
+    config = transformers.AriaTextConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                                         max_position_embeddings=32, moe_num_experts=4, moe_topk=2,
+                                         moe_num_shared_experts=1, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    model = HFModel(transformers.AutoModelForCausalLM.from_config(config), ["input_ids"], "logits", 128)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.2)
+        model.hf.set_experts_implementation("eager")
+        eager = model(ids)
+        permuted = use_permuted_experts(model, 16)(ids)
+    torch.testing.assert_close(permuted, eager, rtol=1e-5, atol=1e-5)
+    plan = autopar.plan(model, (ids,), "1x2xcpu", token_loss, {"ep": 2}, example_targets=ids)
+    assert plan.to_dict()["model"]["moe"]["top_k"] == 2
+    assert sum(placements == ["S(0)"] for placements in plan.placements.values()) == 4  # 2 layers x 2 weights
+
+
 def test_use_permuted_experts_refuses_a_model_without_experts() -> None:
     pytest.importorskip("transformers")
     from autopar.models.hf import use_permuted_experts

@@ -192,6 +192,11 @@ def mixtral(global_batch: int = 4, seq: int = 16, layers: int = 2, hidden: int =
     return built
 
 
+TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k")
+"""What transformers configs call the experts each token is routed to (in 5.25: 73, 3, 1 and 2 config classes;
+Aria's and Hunyuan's ``moe_topk``)."""
+
+
 def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None,
                          capacity_factor: float | None = None) -> nn.Module:
     """Run every experts module of a transformers mixture-of-experts model with ``permuted_experts_forward``,
@@ -203,7 +208,9 @@ def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None,
     pick each expert's tokens with data-dependent shapes (``eager``) or read the weights through one op that
     hides the expert dim (``grouped_mm``). Each module routes groups of ``seq`` tokens (a sequence: build it
     with the sequence length it trains on) and states that routing for the plan (``Plan.model["moe"]``) with
-    ``top_k`` experts a token (by default the config's ``num_experts_per_tok``).
+    ``top_k`` experts a token (by default the config's, ``TOP_K_NAMES``). A token's ``top_k`` choices are taken to
+    be distinct experts, as top-k routing makes them: a routing that sends a token to one expert twice (DeepSeek-V4's
+    hash layers with an untrained, all-zero table) takes two of its slots, so dropless holds only for distinct ones.
 
     ``capacity_factor`` None (the default): a slot per token of its group in every expert, so no token is
     dropped, as in transformers' own; the experts' matmuls then run on ``E`` times a group's tokens, ``E / k``
@@ -224,9 +231,10 @@ def use_permuted_experts(model: nn.Module, seq: int, top_k: int | None = None,
                             "(a class decorated with use_experts_implementation): nothing to permute")
     hf_model.set_experts_implementation(PERMUTED_EXPERTS)
     for module in experts:
-        k = top_k or getattr(module.config, "num_experts_per_tok", None)
+        k = top_k or next((getattr(module.config, name) for name in TOP_K_NAMES
+                           if getattr(module.config, name, None)), None)
         if not k:
-            raise BadInputError(f"{type(module).__name__}'s config has no num_experts_per_tok: pass "
+            raise BadInputError(f"{type(module).__name__}'s config has none of {', '.join(TOP_K_NAMES)}: pass "
                                 "use_permuted_experts(model, seq, top_k=...) the experts each token is routed to")
         experts_count = int(module.down_proj.shape[0])
         module.group_tokens = seq
