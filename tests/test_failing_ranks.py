@@ -105,6 +105,7 @@ def test_a_hung_rank_fails_the_run_at_its_timeout_naming_the_ranks_still_running
 
 
 def _exit_without_reporting(rank: int, world: int) -> int:
+    dist.barrier()  # gloo's connections all made first: rank 1 gone during the handshake fails rank 0's too
     if rank == 1:
         os._exit(3)
     return rank
