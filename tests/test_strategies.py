@@ -143,6 +143,11 @@ def test_resampling_and_polar_run_on_local_shards_split_on_samples_or_channels()
     found = StrategyFinder((2,)).for_node(polar)
     assert [s.describe() for s in found] == ["(R), (R) -> (R)", "(S(0)), (S(0)) -> (S(0))", "(S(1)), (S(1)) -> (S(1))"]
     assert all(strategies.runs_locally(polar, s) for s in found)
+    graph = make_fx(torch.polar)(torch.ones(4, 6), torch.zeros(6)).graph  # the angle broadcast over dim 0
+    broadcast = next(n for n in graph.nodes if n.target is torch.ops.aten.polar.default)
+    # not split on dim 0: the whole angle's gradient would be partial there, which nothing reduces
+    assert [s.describe() for s in StrategyFinder((2,)).for_node(broadcast)] == ["(R), (R) -> (R)",
+                                                                                 "(S(1)), (S(0)) -> (S(1))"]
 
 
 def test_an_as_strided_of_size_one_dims_only_is_read_as_its_input() -> None:

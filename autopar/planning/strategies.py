@@ -126,9 +126,10 @@ class LocalRule:
 
     independent_dims: tuple[int, ...] | None  # None: every dim of the output (an elementwise op)
     tensor_inputs: tuple[int, ...]  # the numbers of tensor inputs it takes
-    broadcast_splits: bool = True
+    broadcast_splits: bool = False
     """Whether the output may split on a dim an input broadcasts on (that input whole there, its gradient
-    then partial: ``run_locally`` reduces it for fused attention's mask only)."""
+    then partial): only for an op whose runtime reduces that gradient (``passes/run_locally.READ_WHOLE``: fused
+    attention's mask); any other's would be left unreduced."""
     grouped_inputs: tuple[int, ...] = ()
     """Inputs split exactly as the output, also on a dim where they are smaller: grouped-query
     attention's keys and values, whose ``nkv`` heads each serve ``nh / nkv`` query heads, so a rank's
@@ -167,13 +168,14 @@ LOCAL_RULES: dict[Any, LocalRule] = {
     # q, k, v: [batch, heads, seq, head_dim], and an optional attention mask [batch|1, heads|1, seq, seq]
     # broadcast to the scores: attention mixes seq and head_dim, never batch or heads. k and v may have
     # fewer heads than q (grouped-query attention, ``enable_gqa``): they split with q (``grouped_inputs``).
-    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4), grouped_inputs=(1, 2)),
+    FUSED_ATTENTION: LocalRule(independent_dims=(0, 1), tensor_inputs=(3, 4), broadcast_splits=True,
+                               grouped_inputs=(1, 2)),
     # ``dst.copy_(src)`` captured functionally: the output is ``src`` broadcast to ``dst``'s shape, so every
     # dim is independent where ``src`` has it whole. DTensor registers only the in-place ``copy_``; run
     # replicated, the copy in a buffer written slice by slice (DeepSeek-V3's attention, ``passes/
     # dtensor_backward.py``) gathered the batch and lost its trace (``roles.batch_dims``) for everything
     # after it: its ILP on a 32 x 2 x 2 mesh had 10,520 options and 431,517 edge pairs, 4,396 and 84,490 without.
-    torch.ops.aten.copy.default: LocalRule(independent_dims=None, tensor_inputs=(2,), broadcast_splits=False),
+    torch.ops.aten.copy.default: LocalRule(independent_dims=None, tensor_inputs=(2,)),
     # ``torch.polar(abs, angle)``: elementwise, complex out (Llama 4's rotary frequencies); DTensor has no strategy.
     torch.ops.aten.polar.default: LocalRule(independent_dims=None, tensor_inputs=(2,)),
 }
