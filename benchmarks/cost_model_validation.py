@@ -21,7 +21,8 @@ Megatron-Core, MaxText, torchtitan, the Llama 3 paper), each with its published 
 way (``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``microbatch_size``, recomputation, schedule and chunks, the
 ZeRO stage of its data parallelism, sequence parallelism), on ``Nx8x<device>`` with the catalog's constants
 for that device. A row the planner refuses (context or expert parallelism, no plan fits) is recorded with
-autopar's own message; FP8 rows are recorded without pricing (autopar prices BF16). MoE rows are priced
+autopar's own message. FP8 rows are priced with float8 linears (``fp8=tensorwise``: NeMo's FP8 current scaling,
+"FP8-CS", and torchtitan's tensorwise float8 are that recipe). MoE rows are priced
 with the MoE family (token-permutation dispatch, ``moe_overrides``) at capacity factor 1: the balanced
 routing Megatron-Core's dropless dispatcher spends on average.
 Where the published configuration is refused, the closest accepted one is priced (a mode recomputing
@@ -242,6 +243,8 @@ def modern_constraints(run: ModernRun, zero_stage: int, checkpointing: str) -> d
         fixed["virtual_stages"] = run.vp
     if run.cp > 1 and run.cp_attention:
         fixed["cp_attention"] = run.cp_attention
+    if run.precision == "fp8":
+        fixed["fp8"] = "tensorwise"
     if run.reduce_dtype:
         fixed["reduce_dtype"] = run.reduce_dtype
     if run.master_dtype:
@@ -272,8 +275,8 @@ def configurations(run: ModernRun) -> list[dict[str, object]]:
 
 def why_not_priced(run: ModernRun) -> str:
     """Why a row is recorded without pricing ("" when it is priced)."""
-    if run.precision != "bf16":
-        return f"{run.precision.upper()} run: not comparable with autopar's BF16 price"
+    if run.precision not in ("bf16", "fp8"):
+        return f"{run.precision.upper()} run: autopar prices bf16 and float8 linears only"
     return ""
 
 

@@ -20,8 +20,8 @@ The measured step time is derived from the published metric (``ModernRun.measure
 ``device`` is the autopar catalog name (cost_models/hardware.py). ``device_variant`` is set where the
 GPUs differ from the catalog part of that name (torchtitan's Grand Teton H100s: 96 GB HBM2e, 2.4 TB/s,
 500 W instead of the SXM5 part's 80 GB HBM3, 3.35 TB/s, 700 W); such rows are priced on the catalog
-constants with the published capacity, and reported apart. FP8 rows are recorded for completeness and
-never priced (autopar prices BF16). MoE rows (``experts``, ``top_k``) count a token's ``top_k`` experts
+constants with the published capacity, and reported apart. FP8 rows are priced with autopar's float8 linears
+(``--fix fp8=tensorwise``, the current scaling their frameworks ran). MoE rows (``experts``, ``top_k``) count a token's ``top_k`` experts
 and the router in N (the FLOPs a token meets), and are priced with autopar's MoE family at capacity
 factor 1 (``cost_model_validation.moe_overrides``).
 """
@@ -211,6 +211,13 @@ GPT_OSS_RECIPES = ("NVIDIA-NeMo/Megatron-Bridge@00b7660be0254ac6f95f44164ddd0c3e
                    "use_distributed_optimizer=True) and scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py "
                    "(set_gpt_oss_common_configs: grad_reduce_in_fp32 = False for mixed_precision and ddp, i.e. "
                    "gradients reduced in bf16; moe_router_force_load_balancing=True)")
+LLAMA_RECIPES = ("NVIDIA-NeMo/Megatron-Bridge, as stored at later commits than the table's: "
+                 "src/megatron/bridge/recipes/llama/llama3.py@0d5f5558 (llama3_8b_pretrain_config and "
+                 "llama31_405b_pretrain_config: use_distributed_optimizer = True, recompute_granularity = None) and "
+                 "scripts/performance/configs/llama/llama3_llm_pretrain.py@2a0d46e2 (set_llama3_common_configs: "
+                 "grad_reduce_in_fp32 = False for mixed_precision and ddp); the B200 FP8-CS presets set only the "
+                 "degrees, batch sizes and CUDA graphs (scripts/performance/configs/llama/"
+                 "llama3_workload_base_configs.py, llama31_workload_base_configs.py)")
 GPT_OSS_120B = dict(model="GPT-OSS 120B (MoE)", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
                     ffn_hidden=2880, vocab=201088, mlp="swiglu", norm="rmsnorm", experts=128, top_k=4)
 
@@ -352,7 +359,7 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               source=LLAMA3_PAPER + ", row 16,384 GPUs (TP 8, CP 16, PP 16, DP 8, seq 131072, 16M tokens/batch)",
               notes="long-context stage; global batch = 16M tokens / 131072; the paper's context parallelism "
                     "all-gathers the keys and values (§3.3.2)", schedule="interleaved"),
-    # ---- MoE runs (priced) and FP8 runs (recorded, not priced) ------------------------------------------
+    # ---- MoE runs and FP8 runs (float8 linears, fp8=tensorwise) ---------------------------------------------
     ModernRun(name="gpt-oss-120b/64xH100", **GPT_OSS_120B, seq=4096, global_batch=512, micro_batch=4, gpus=64,
               device="H100", tp=1, pp=4, vp=1, cp=1, ep=8, data_parallel="distributed-optimizer", recompute="",
               recompute_as_published="not stated", precision="bf16", metric="tokens_per_s_per_gpu", published=5630,
@@ -378,13 +385,17 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
                     "(EP 64 inside one NVLink domain, GBS 1280, MBS 1, seq 8192: 15,876 tokens/s/GPU), not "
                     "catalogued since GB200 is no catalog device"),
     ModernRun(name="llama3-8b-fp8/8xB200", **LLAMA3_8B, seq=8192, global_batch=128, micro_batch=2, gpus=8,
-              device="B200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="ddp", recompute="",
-              recompute_as_published="not stated", precision="fp8", metric="tokens_per_s_per_gpu", published=30624,
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'LLAMA3_8B' (FP8-CS)"),
+              device="B200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="distributed-optimizer", recompute="none",
+              recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
+              metric="tokens_per_s_per_gpu", published=30624, reduce_dtype="bf16",
+              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'LLAMA3_8B' (FP8-CS)",
+              notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}"),
     ModernRun(name="llama3.1-405b-fp8/128xB200", **LLAMA3_405B, seq=8192, global_batch=64, micro_batch=1, gpus=128,
-              device="B200", tp=4, pp=8, vp=8, cp=2, ep=1, data_parallel="ddp", recompute="",
-              recompute_as_published="not stated", precision="fp8", metric="tokens_per_s_per_gpu", published=661,
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'LLAMA3.1_405B' (FP8-CS)"),
+              device="B200", tp=4, pp=8, vp=8, cp=2, ep=1, data_parallel="distributed-optimizer", recompute="none",
+              recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
+              metric="tokens_per_s_per_gpu", published=661, reduce_dtype="bf16",
+              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'LLAMA3.1_405B' (FP8-CS)",
+              notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}"),
     ModernRun(name="torchtitan-llama3.1-8b-fp8/32xH200", **LLAMA3_8B, seq=8192, global_batch=64, micro_batch=2,
               gpus=32, device="H200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="",
               recompute_as_published="not stated (llama3_8b.toml default)", precision="fp8",

@@ -119,7 +119,8 @@ class DeviceSpec:
     name: str
     """Canonical name, e.g. "H100"."""
     peak_flops: Mapping[str, float] = field(repr=False)
-    """Dense FLOP/s by dtype key: "fp32", "tf32", "bf16", "fp16"."""
+    """Dense FLOP/s by dtype key: "fp32", "tf32", "bf16", "fp16", and "fp8" on parts with FP8 tensor cores
+    (Hopper, Blackwell), the rate float8 linears run at (``autopar/ir/float8.py``)."""
     hbm_bytes: int
     """Memory capacity of one device."""
     hbm_bw: float
@@ -304,11 +305,12 @@ TENSOR_CORE_ALIGNMENT_BYTES = 16
 
 def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int, hbm_bw: float,
             nvlink_bw: float, net_bw: float, matmul_efficiency: float = MATMUL_MAX_EFFICIENCY,
-            attention_efficiency: tuple[float, float] | None = None) -> DeviceSpec:
-    """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; NCCL latencies."""
+            attention_efficiency: tuple[float, float] | None = None, fp8: float | None = None) -> DeviceSpec:
+    """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; ``fp8`` where the part has
+    FP8 tensor cores; NCCL latencies."""
     return DeviceSpec(
         name=name,
-        peak_flops={"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16},
+        peak_flops={"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16, **({"fp8": fp8} if fp8 else {})},
         hbm_bytes=hbm_bytes, hbm_bw=hbm_bw, nvlink_bw=nvlink_bw, net_bw=net_bw,
         intra_latency_s=NVLINK_STEP_LATENCY_S, inter_latency_s=NET_STEP_LATENCY_S,
         base_latency_s=NCCL_BASE_LATENCY_S, kernel_launch_s=GPU_KERNEL_LAUNCH_S,
@@ -328,11 +330,15 @@ A100_80GB = _nvidia("A100-80GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
 # cuDNN, which NeMo and Megatron-Core run through Transformer Engine). FlashAttention-2 reaches only
 # 0.35 there (the same paper).
 HOPPER_ATTENTION_EFFICIENCY = (0.61, 0.53)
-H100 = _nvidia("H100", fp32=67e12, tf32=494.5e12, bf16=989e12,
+# FP8 tensor cores run twice the 16-bit rate on Hopper and Blackwell: H100 SXM5 and H200 1,979 dense TFLOP/s
+# FP8 against 989 BF16 (NVIDIA H100 and H200 datasheets, "FP8 Tensor Core 3,958 teraFLOPS" with sparsity),
+# B200 4.5 dense PFLOP/s (NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs, with sparsity).
+# A100 has none: a float8 plan for it is refused.
+H100 = _nvidia("H100", fp32=67e12, tf32=494.5e12, bf16=989e12, fp8=1979e12,
                hbm_bytes=80 * GB, hbm_bw=3350e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
                attention_efficiency=HOPPER_ATTENTION_EFFICIENCY)
 # H200: H100 silicon with more and faster HBM3e; same NVLink 4, so the H100 ring figure is assumed.
-H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12,
+H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12, fp8=1979e12,
                hbm_bytes=141 * GB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
                attention_efficiency=HOPPER_ATTENTION_EFFICIENCY)
 # B200: NVLink 5 doubles H100's per-GPU NVLink (1.8 vs 0.9 TB/s both directions); with no published
@@ -342,17 +348,18 @@ H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12,
 # output, 2025-06-23) ran 4096^3 at 1.41 PFLOP/s (0.627 of peak), 6144^3 at 1.45 (0.646), 8192^3 at
 # 1.42 (0.631); 8192^3 (1.1e12 FLOPs, 99% up the ramp of compute.py) gives the plateau, 0.631 / 0.99.
 B200_MATMUL_EFFICIENCY = 0.64
-B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12,
+B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12, fp8=4500e12,
                hbm_bytes=180 * GB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW,
                matmul_efficiency=B200_MATMUL_EFFICIENCY)
 
 # Placeholder CPU "device" for gloo runs; `autopar calibrate` measures the real figures of a machine.
 # Roughly: a few cores of fp32 GEMM (~100 GFLOP/s), DRAM ~20 GB/s, gloo over shared memory
 # ~5 GB/s with ~50 us per step, 10 GbE (1.25 GB/s) between hosts. The host runs the kernels; its
-# per-op dispatch cost is left unpriced here (host_op_s 0) and measured by calibration.
+# per-op dispatch cost is left unpriced here (host_op_s 0) and measured by calibration. Its float8 matmuls
+# (``torch._scaled_mm`` on the CPU, for gloo tests) are emulated in wider arithmetic: the bf16 figure.
 CPU = DeviceSpec(
     name="cpu",
-    peak_flops={"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 50e9},
+    peak_flops={"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 50e9, "fp8": 50e9},
     hbm_bytes=16 * GIB, hbm_bw=20e9, nvlink_bw=5e9, net_bw=1.25e9,
     intra_latency_s=50e-6, inter_latency_s=100e-6, base_latency_s=20e-6, kernel_launch_s=10e-6,
     host_runs_kernels=True,

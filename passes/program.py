@@ -26,10 +26,12 @@ from autopar.core.placement import strs_to_placements
 from autopar.core.plan import Plan
 from autopar.ir.bind import bind_ops
 from autopar.ir.capture import VIEWS, CapturedGraph
+from autopar.ir.float8 import float8_linears
 
 from .checkpoint import checkpoint_layers
 from .dropout_mode import follow_mode
 from .dtensor_backward import keep_derivatives
+from .float8 import run_in_float8
 from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
@@ -72,6 +74,8 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     balance_sequence(program, plan, produced, parameter_values(captured))
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
+    if plan.precision.fp8 is not None:
+        run_in_float8(program, float8_linears(captured))
     dropping = follow_mode(program)  # before run_locally, which keeps the arguments it rewrites
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)

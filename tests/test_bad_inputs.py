@@ -102,6 +102,12 @@ CASES = [
     Case("plan tiny-gpt --cluster 8x8xcpu --global-batch 16 --fix dp=1", 2,
          "no mesh of the 64 devices of 8x8xcpu has dp=1: the other degrees (pp x tp) must make up the rest",
          in_capture=True),
+    Case("plan mlp --cluster 1x2xcpu --fix fp8=delayed", 2, "constraint fp8 must be one of tensorwise"),
+    Case("plan tiny-llama --cluster 1x8xA100-80GB --fix fp8=tensorwise", 2,
+         "fp8=tensorwise: device A100-80GB has no FP8 tensor cores", in_capture=True),
+    Case("plan tiny-gpt --cluster 1x2xcpu --set hidden=24,heads=2 --fix fp8=tensorwise", 2,
+         "this model has no linear layer float8 can run",
+         in_capture=True),
     Case("reprice plan.json --problem problem.json --cluster 1x4xcpu", 2, "the plan runs on 2 devices"),
     Case("demo --world 0", 2, "--world and --steps must be positive"),
     # no plan fits

@@ -29,6 +29,7 @@ GOOD = [  # key, value as given, field, value as held
     ("reduce_dtype", "bf16", "reduce_dtype", "bf16"), ("reduce_dtype", "FP32", "reduce_dtype", "fp32"),
     ("master_dtype", "FP32", "master_dtype", "fp32"),  # bf16 pins dtype too: tests/test_optimizer_dtype.py
     ("runtime", "Lowered", "runtime", "lowered"), ("runtime", "dtensor", "runtime", "dtensor"),
+    ("fp8", "TensorWise", "fp8", "tensorwise"),
 ]
 
 
@@ -64,6 +65,7 @@ def test_good_value_is_held_typed(key, given, name, held):
     ({"checkpointing": "some"}, "constraint checkpointing must be one of none, core_attention, selective, "
                                 "save_dot_except_mlpwi, full, got 'some'"),
     ({"dtype": "int8"}, "constraint dtype must be one of fp32, bf16, fp16, got 'int8'"),
+    ({"fp8": "delayed"}, "constraint fp8 must be one of tensorwise, got 'delayed'"),
     ({"memory_gb": "lots"}, "constraint memory_gb must be a positive number, got 'lots'"),
     ({"memory_gb": 0}, "constraint memory_gb must be a positive number, got 0"),
     ({"memory_gb": "nan"}, "got 'nan'"),

@@ -21,8 +21,8 @@ from numbers import Integral
 from typing import Any, Callable, Mapping
 
 from autopar.core.errors import BadInputError
-from autopar.core.plan import (CHECKPOINTING, CP_ATTENTIONS, DTYPES, LOWERED, MULTI_CHUNK_SCHEDULES, RING, RUNTIMES,
-                               SCHEDULES, master_refusal)
+from autopar.core.plan import (CHECKPOINTING, CP_ATTENTIONS, DTYPES, FP8_RECIPES, LOWERED, MULTI_CHUNK_SCHEDULES,
+                               RING, RUNTIMES, SCHEDULES, master_refusal)
 
 ZERO_STAGES = (0, 1, 2, 3)
 MASTER_DTYPES = ("fp32", "bf16")
@@ -170,6 +170,13 @@ class Constraints:
     NeMo's ``optim.dtype: bf16``): under AdamW and DDP 8 bytes per parameter instead of 18 (12 with fp32
     gradient reductions, whose bucket holds a widened copy), under ZeRO-1 2 + 2 + 6/dp. bf16 masters need
     bf16 compute (the program reads them): ``dtype`` free becomes bf16, ``dtype`` fp32 or fp16 is refused."""
+    fp8: str | None = _pinned(_one_of(FP8_RECIPES))
+    """Float8 linear layers: tensorwise runs each linear layer of the repeated layers (both weight dims
+    multiples of 16) as a float8 matmul, its operands scaled by their absolute maximum at every use: e4m3
+    forward, the output's gradient in e5m2 (torchao's "tensorwise" float8 training, Transformer Engine's
+    current scaling). The maximum is the whole tensor's however the plan splits it (an all_reduce of one
+    number where it is split), so a plan trains as one process would. Free: none (the planner never
+    changes the numerics); needs a device with FP8 tensor cores (H100, H200, B200)."""
     runtime: str | None = _pinned(_one_of(RUNTIMES))
     """The runtime the plan will run on, which the price assumes (``predicted.runtime``): dtensor
     (``autoparallelize(..., lowered=False)``, collectives where each op needs them) or lowered

@@ -233,6 +233,10 @@ class Pipeline(_Section):
 
 DTYPES = ("fp32", "bf16", "fp16")
 """Floating-point formats a plan computes, keeps master weights and reduces gradients in."""
+FP8_RECIPES = ("tensorwise",)
+"""How a plan's float8 linears scale their operands (``precision.fp8``, ``autopar/ir/float8.py``): tensorwise,
+one scale per tensor from its absolute maximum, taken at every use (torchao's "tensorwise" recipe, NVIDIA
+Transformer Engine's current scaling)."""
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -248,11 +252,15 @@ class Precision(_Section):
     dtype of the gradient reductions outside the program (data parallelism's all_reduce, ZeRO-1/2's
     reduce_scatter, a tied weight's sum across stages); FSDP's reduce_scatter is the backward of its
     gather inside the program and runs in ``compute``. Plans written before this section existed read
-    as ``compute`` = ``model.dtype``, fp32 masters and fp32 reductions."""
+    as ``compute`` = ``model.dtype``, fp32 masters and fp32 reductions. ``fp8`` (absent: none) runs the
+    linear layers of the repeated layers as float8 matmuls scaled as it names (``FP8_RECIPES``;
+    ``autopar/ir/float8.py`` says which, ``passes/float8.py`` runs them); everything else computes in
+    ``compute``."""
 
     compute: str
     master: str
     reduce: str
+    fp8: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     json_name: ClassVar[str] = "precision"
     _required: ClassVar[tuple[str, ...]] = ("compute", "master", "reduce")
@@ -265,6 +273,8 @@ class Precision(_Section):
         refusal = master_refusal(self.master, self.compute)
         if refusal:
             raise PlanFormatError(f"{source}: precision: {refusal}")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise PlanFormatError(f"{source}: precision.fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
 
     @property
     def mixed(self) -> bool:
@@ -272,10 +282,11 @@ class Precision(_Section):
         return self.compute != self.master
 
     @classmethod
-    def of(cls, compute: str, reduce: str | None = None, master: str | None = None) -> Precision:
+    def of(cls, compute: str, reduce: str | None = None, master: str | None = None,
+           fp8: str | None = None) -> Precision:
         """The precision of a plan computing in ``compute``: masters in ``master`` and reductions in
-        ``reduce`` (each free: fp32)."""
-        return cls(compute=compute, master=master or "fp32", reduce=reduce or "fp32")
+        ``reduce`` (each free: fp32), float8 linears scaled as ``fp8`` names (None: none)."""
+        return cls(compute=compute, master=master or "fp32", reduce=reduce or "fp32", fp8=fp8)
 
 
 def master_refusal(master: str, compute: str) -> str | None:

@@ -391,6 +391,11 @@ def _plan_notes(plan: Plan, placed: _Placed) -> list[str]:
     for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
         if degrees.get(key, 1) > 1:
             notes.append(f"{what} ({key}={degrees[key]}) is not exported")
+    if plan.precision.fp8 is not None:
+        notes.append(f"float8 linears ({plan.precision.fp8} scaling) are not exported: native PyTorch has no float8 "
+                     "training of its own; torchao's convert_to_float8_training runs the same recipe on the layers' "
+                     "nn.Linear modules, with each rank's own amax of a split activation where autopar takes the "
+                     "whole tensor's")
     if degrees.get("sp", 1) > 1:
         notes.append(f"sequence parallelism (sp={degrees['sp']}: norms and residuals split on the sequence) is "
                      "not exported: they run replicated on tp (SequenceParallel() would need matching layouts)")

@@ -86,14 +86,16 @@ def checkpointing_text(plan: Plan) -> str:
 
 
 def precision_text(plan: Plan) -> str:
-    """Compute, master-weight and gradient-reduction dtypes in words."""
+    """Compute, master-weight and gradient-reduction dtypes in words, and float8 linears where the plan has them."""
     pr = plan.precision
     if pr.mixed:
         compute = f"{pr.compute} compute, {pr.master} master weights"
     else:
         compute = f"{pr.compute} throughout" + (f" (master weights and optimizer state in {pr.master})"
                                                  if pr.master != "fp32" else "")
-    return f"{compute}, gradients reduced in {pr.reduce}"
+    float8 = (f"; the repeated layers' linear layers in float8 ({pr.fp8} scaling: e4m3 forward, e5m2 gradients)"
+              if pr.fp8 else "")
+    return f"{compute}, gradients reduced in {pr.reduce}{float8}"
 
 
 def routing_lines(moe: Mapping[str, Any] | None) -> list[str]:
@@ -209,7 +211,8 @@ def compare_plans(plans: Sequence[Plan]) -> str:
     rows: list[tuple[str, list[str]]] = [
         ("mesh", [str(dict(zip(p.mesh.dim_names, p.mesh.shape))) for p in plans]),
         ("degrees", [" ".join(f"{k}={v}" for k, v in p.degrees.items() if v != 1) or "single device" for p in plans]),
-        ("precision", [f"{p.precision.compute}/{p.precision.master}/reduce {p.precision.reduce}" for p in plans]),
+        ("precision", [f"{p.precision.compute}/{p.precision.master}/reduce {p.precision.reduce}"
+                       + (f", fp8 {p.precision.fp8}" if p.precision.fp8 else "") for p in plans]),
         ("step time", [fmt_seconds(p.predicted["step_time_s"]) for p in plans]),
         ("compute", [fmt_seconds(p.predicted["compute_s"]) for p in plans]),
     ]
@@ -221,7 +224,7 @@ def compare_plans(plans: Sequence[Plan]) -> str:
     if any(p.predicted.get("bubble_s") for p in plans):
         rows.append(("pipeline bubble", [fmt_seconds(p.predicted.get("bubble_s", 0.0)) for p in plans]))
     rows.append(("memory/device", [fmt_bytes(p.predicted["peak_memory_bytes"]) for p in plans]))
-    width = max(len(n) for n in names) + 2
+    width = max(len(text) for text in [*names, *(v for _, vals in rows for v in vals)]) + 2
     out = ["".ljust(16) + "".join(n.ljust(width) for n in names)]
     out += [label.ljust(16) + "".join(v.ljust(width) for v in vals) for label, vals in rows]
     out += _differing_placements(plans)

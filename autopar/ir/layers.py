@@ -21,11 +21,12 @@ from autopar.ir.capture import CapturedGraph, layer_of, layer_of_path, repetitio
 
 _aten = torch.ops.aten
 KEPT_UNDER_SELECTIVE = frozenset(getattr(_aten, name) for name in (
-    "mm", "addmm", "convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "mm", "addmm", "_scaled_mm", "convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
 """Op packets whose outputs selective checkpointing keeps: the pricer's and the runtime's one list
-(``passes/checkpoint.py``'s policy sees the ops as dispatched, the pricer as captured; both are aten)."""
+(``passes/checkpoint.py``'s policy sees the ops as dispatched, the pricer as captured; both are aten; a
+float8 linear, captured as ``mm``, dispatches ``_scaled_mm``, ``passes/float8.py``)."""
 
 
 def kept_under_selective(target: object) -> bool:

@@ -162,7 +162,7 @@ def to_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dtype: s
         model={"name": model_name, "params": captured.num_params(), "layers": len(layer_names(captured)),
                "flops_per_step": model_flops(captured), "graph_fingerprint": fingerprint(captured),
                "dtype": dtype},
-        precision=Precision.of(dtype, pricer.reduce_dtype, pricer.master_dtype),
+        precision=Precision.of(dtype, pricer.reduce_dtype, pricer.master_dtype, pricer.fp8),
         cluster={**cluster.to_dict(), "spec": cluster.spec, "devices": cluster.world_size},
         mesh=mesh.to_dict(),
         degrees=_degrees(mesh, captured, by_node, pricer.zero_stage),

@@ -68,6 +68,14 @@ default) with ZeRO's mixed-precision accounting of 16 bytes per parameter (2 par
 AdamW: fp32 master, momentum, variance; Rajbhandari et al., SC20); on ``cpu`` everything is fp32. With
 bf16 masters (``precision.master``, ``master_dtype``) the optimizer state is priced in bf16
 (``Pricer.parameter_memory``).
+
+Float8 linears (``precision.fp8``; which ops: ``ir/float8.float8_linears``; how they run:
+``passes/float8.py``): the matmul and its two backward products run at the device's FP8 peak on operands of
+one byte; around them, each step of each microbatch, the scaling kernels, bandwidth-bound: forward an amax
+(one read) and a cast (a read, a one-byte write) per operand, backward an amax and a cast of the output's
+gradient and a cast of each operand again (``Float8Work``); and an all_reduce of one fp32 amax over each
+mesh dim an operand (forward) or the output's gradient (backward) is split on, redone every microbatch
+(``Cost.repeated_comm_s``).
 """
 
 from __future__ import annotations
@@ -87,7 +95,7 @@ from autopar.cost_models.memory import master_dtype_of
 from autopar.core.placement import Placements, optimizer_shard_dim
 from autopar.core.plan import DTENSOR, LOWERED
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
-from autopar.ir.capture import FUSED_ATTENTION
+from autopar.ir.capture import FUSED_ATTENTION, WEIGHT_KINDS
 from autopar.planning.strategies import Strategy, rings
 from autopar.ir.layers import output_vals, tensor_inputs
 
@@ -95,6 +103,8 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention
 _SDPA_IS_CAUSAL_ARG = 5  # query, key, value, attn_mask, dropout_p, is_causal
 _MATMUL_PACKETS = set(flop_registry) | {_SDPA}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+AMAX_BYTES = 4
+"""A float8 scale's absolute maximum, reduced across the ranks a tensor is split over: one fp32 number."""
 MATMUL_BACKWARD_RATIO = 2.0
 """Backward FLOPs over forward FLOPs of a matmul: the input's and the weight's gradient, one product each."""
 _MATMUL_OPERANDS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.bmm: (0, 1), torch.ops.aten.addmm: (1, 2),
@@ -105,6 +115,15 @@ _GRADED_KINDS = ("param", "activation")
 _R = TypeVar("_R")
 
 
+class Float8Work(NamedTuple):
+    """What a float8 linear scales on one rank (elements, the whole batch): its activation operand and
+    output shrink with microbatches, its weight does not."""
+
+    activation: float
+    weight: float
+    output: float
+
+
 class Kernel(NamedTuple):
     """One op's forward kernel on the whole batch, and how much more work its backward does."""
 
@@ -112,6 +131,7 @@ class Kernel(NamedTuple):
     moved: float  # HBM bytes
     kind: str  # ``cost_models.compute`` op kind
     backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs
+    float8: Float8Work | None = None  # a float8 linear's scaled operands: its products run at the FP8 rate
 
 
 @dataclass
@@ -132,6 +152,9 @@ class Cost:
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
     forward_comm_s: dict[str, float] = field(default_factory=dict)  # the part of comm_s run in forward
     accumulate_s: float = 0.0  # host seconds repeated by each further microbatch (gradient accumulation)
+    repeated_comm_s: float = 0.0  # all_reduce seconds (in comm_s) of one size whatever the microbatch, rerun by
+    # each (float8's amax all_reduces)
+    repeated_forward_comm_s: float = 0.0  # the part of repeated_comm_s run in forward
 
     def add_comm(self, kind: str, seconds: float) -> None:
         """Add ``seconds`` of critical-path collective ``kind``."""
@@ -169,7 +192,7 @@ def _varies_with_microbatches(cost: Cost) -> bool:
     the whole batch, or work repeated per microbatch. A resharding of an activation moves the same bytes
     in ``m`` pieces: its price stays."""
     return (cost.kernel is not None or cost.batch_memory or cost.repeats_per_microbatch
-            or bool(cost.accumulate_s) or bool(cost.grad_sync_per_microbatch_s))
+            or bool(cost.accumulate_s) or bool(cost.grad_sync_per_microbatch_s) or bool(cost.repeated_comm_s))
 
 
 def weighted_cost(weighted: Sequence[tuple[float, Cost]]) -> Cost:
@@ -203,8 +226,11 @@ class Pricer:
 
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
                  zero_stage: int = 0, zero_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
-                 runtime: str = DTENSOR, master_dtype: str = "fp32"):
+                 runtime: str = DTENSOR, master_dtype: str = "fp32", fp8: str | None = None,
+                 float8: frozenset[str] = frozenset()):
         self.cluster = dispatched_by(cluster, runtime)
+        self.fp8 = fp8  # the float8 recipe (core.plan.Precision.fp8), None without
+        self.float8 = float8  # under it, the float8 linears' node names (``ir/float8.float8_linears``)
         self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
@@ -252,6 +278,11 @@ class Pricer:
         if cost.repeats_per_microbatch:
             out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
             out.forward_comm_s = {k: v * m for k, v in cost.forward_comm_s.items()}
+        elif cost.repeated_comm_s:
+            out.add_comm("all_reduce", (m - 1) * cost.repeated_comm_s)
+            if cost.repeated_forward_comm_s:
+                out.forward_comm_s["all_reduce"] = (out.forward_comm_s.get("all_reduce", 0.0)
+                                                    + (m - 1) * cost.repeated_forward_comm_s)
         return out
 
     def _kernel_times(self, kernel: Kernel, m: int) -> tuple[float, float]:
@@ -260,17 +291,35 @@ class Pricer:
         return forward + backward, backward
 
     def forward_time(self, kernel: Kernel, m: int = 1) -> float:
-        """Forward seconds of a kernel (priced on the whole batch) run once per microbatch, m times."""
-        return self._runs_time(kernel, m, kernel.kind)
+        """Forward seconds of a kernel (priced on the whole batch) run once per microbatch, m times; a float8
+        linear's with its scaling kernels (``_scaling_time``)."""
+        return self._runs_time(kernel, m, kernel.kind) + self._scaling_time(kernel, m, forward=True)
 
     def backward_time(self, kernel: Kernel, m: int = 1) -> float:
         """Backward seconds of a kernel run once per microbatch, m times: ``backward_ratio`` (2 for a
         matmul) times its forward kernel, priced as its backward runs (``cost_models.backward_kind``:
         fused attention's backward kernel at its own efficiency)."""
-        return kernel.backward_ratio * self._runs_time(kernel, m, backward_kind(kernel.kind))
+        return (kernel.backward_ratio * self._runs_time(kernel, m, backward_kind(kernel.kind))
+                + self._scaling_time(kernel, m, forward=False))
 
     def _runs_time(self, kernel: Kernel, m: int, kind: str) -> float:
-        return m * compute_time(kernel.flops / m, kernel.moved / m, self.cluster.device, self.dtype, kind)
+        dtype = "fp8" if kernel.float8 is not None else self.dtype
+        return m * compute_time(kernel.flops / m, kernel.moved / m, self.cluster.device, dtype, kind)
+
+    def _scaling_time(self, kernel: Kernel, m: int, forward: bool) -> float:
+        """Seconds of a float8 linear's scaling kernels (the module doc) over ``m`` microbatches; 0 for
+        other kernels and for a backward that computes no gradient."""
+        work = kernel.float8
+        if work is None or (not forward and not kernel.backward_ratio):
+            return 0.0
+        wide = _DTYPE_BYTES[self.dtype]
+        activation, output = work.activation / m, work.output / m
+        if forward:  # an amax and a cast of each operand
+            passes = [(activation, wide), (activation, wide + 1), (work.weight, wide), (work.weight, wide + 1)]
+        else:  # an amax and a cast of the output's gradient, each operand cast again with its forward scale
+            passes = [(output, wide), (output, wide + 1), (activation, wide + 1), (work.weight, wide + 1)]
+        device = self.cluster.device
+        return m * sum(compute_time(0.0, n * nbytes, device, self.dtype, "elementwise") for n, nbytes in passes)
 
     # ---- sizes -------------------------------------------------------------------------------
     def element_bytes(self, val: torch.Tensor) -> int:
@@ -313,8 +362,10 @@ class Pricer:
             return cost
         split = self._work_divisor(strategy)
         flops = kernel_flops(node) / split
-        moved = self._bytes_moved(node, strategy)
-        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy), backward_ratio(node, grad_kinds))
+        float8 = self._float8_work(node, strategy, grad_kinds)
+        moved = self._bytes_moved(node, strategy, float8)
+        cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy, float8 is not None),
+                             backward_ratio(node, grad_kinds), float8)
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -324,7 +375,36 @@ class Pricer:
         self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds, views=views), cost)
         if node.target is FUSED_ATTENTION:
             self._charge_context_parallel_attention(node, strategy, saved, cost)
+        if float8 is not None:
+            self._charge_amax_reductions(node, strategy, cost)
         return cost
+
+    # ---- float8 linears ---------------------------------------------------------------------------------
+    def _float8_work(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str]) -> Float8Work | None:
+        """What ``node`` scales per rank, if it is a float8 linear (``float8``), else None."""
+        if node.name not in self.float8:
+            return None
+        slots = _MATMUL_OPERANDS[node.target.overloadpacket]
+        inputs = tensor_inputs(node)
+        numel = {kind in WEIGHT_KINDS: self.local_numel(inputs[i].meta["val"], strategy.inputs[i])
+                 for i, kind in zip(slots, (grad_kinds[i] for i in slots))}
+        return Float8Work(numel[False], numel[True], self.local_numel(node.meta["val"], strategy.outputs[0]))
+
+    def _charge_amax_reductions(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:
+        """A float8 linear's amax all_reduces (one fp32 number each): in forward one per operand and mesh
+        dim it is split on, in backward one per mesh dim the output (so its gradient) is split on."""
+        slots = _MATMUL_OPERANDS[node.target.overloadpacket]
+        forward = sum(self._amax_reduction_s(strategy.inputs[i]) for i in slots)
+        backward = self._amax_reduction_s(strategy.outputs[0])
+        cost.add_comm("all_reduce", forward + backward)
+        if forward:
+            cost.forward_comm_s["all_reduce"] = cost.forward_comm_s.get("all_reduce", 0.0) + forward
+        cost.repeated_comm_s, cost.repeated_forward_comm_s = forward + backward, forward
+
+    def _amax_reduction_s(self, placements: Placements | None) -> float:
+        redistribute_s = self.cluster.device.redistribute_s
+        return sum(in_step_collective_time("all_reduce", AMAX_BYTES, self.groups[dim], redistribute_s)
+                   for dim, p in enumerate(placements or ()) if p.is_shard())
 
     # ---- context-parallel attention: the keys and values all-gathered, or passed around a ring -----------
     def _charge_context_parallel_attention(self, node: fx.Node, strategy: Strategy, saved: Sequence[float],
@@ -382,16 +462,17 @@ class Pricer:
         backward = (size - 1) * max(0.0, 2 * send - backward_block_s) + send
         return forward, backward
 
-    def _kernel_kind(self, node: fx.Node, strategy: Strategy) -> str:
+    def _kernel_kind(self, node: fx.Node, strategy: Strategy, float8: bool = False) -> str:
         """``elementwise``; ``attention`` for fused attention (flash attention's own efficiency); or a GEMM's
-        kind by the matrix dimensions of its local operands (the last two of each input of two or more)."""
+        kind by the matrix dimensions of its local operands (the last two of each input of two or more), in
+        fp8 for a float8 linear."""
         if not is_matmul(node):
             return "elementwise"
         if getattr(node.target, "overloadpacket", None) is _SDPA:
             return "attention"
         dims = [d for arg, p in zip(tensor_inputs(node), strategy.inputs) if arg.meta["val"].ndim >= 2
                 for d in self.local_shape(arg.meta["val"], p)[-2:]]
-        return matmul_kind(dims, self.cluster.device, self.dtype)
+        return matmul_kind(dims, self.cluster.device, "fp8" if float8 else self.dtype)
 
     def _work_divisor(self, strategy: Strategy) -> int:
         """How many ways the op's work is split: by each mesh dim on which some input or output is
@@ -404,7 +485,10 @@ class Pricer:
                 divisor *= size
         return divisor
 
-    def _bytes_moved(self, node: fx.Node, strategy: Strategy) -> float:
+    def _bytes_moved(self, node: fx.Node, strategy: Strategy, float8: Float8Work | None = None) -> float:
+        """Bytes the kernel reads and writes on one rank; a float8 linear reads its operands in one byte each."""
+        if float8 is not None:
+            return float8.activation + float8.weight + float8.output * _DTYPE_BYTES[self.dtype]
         ins = sum(self.local_bytes(a.meta["val"], p) for a, p in zip(tensor_inputs(node), strategy.inputs))
         outs = sum(
             self.local_bytes(v, p) for v, p in zip(output_vals(node), strategy.outputs)
@@ -710,7 +794,7 @@ class Pricer:
         self._edge_cache = prices.cache
 
     def _edge_signature(self) -> tuple:
-        return (id(self.cluster), self.mesh_shape, self.stages, self.dtype, self.runtime)
+        return (id(self.cluster), self.mesh_shape, self.stages, self.dtype, self.runtime, self.fp8)
 
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
              grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0,

@@ -38,6 +38,7 @@ from autopar.ir.capture import (ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, WEI
                                  view_root)
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, batch_inputs, global_batch, microbatch_counts
+from autopar.ir.float8 import float8_linears
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import (ALLOW_ANY, PricedAlike, Problem, Roles, Rule, build_problem,
                                       placeholder_candidates, source_of)
@@ -58,14 +59,19 @@ OVERLAP_FRACTION = 0.8
 the first layers' gradients cannot overlap; PyTorch DDP, Li et al., VLDB 2020)."""
 
 
-def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Constraints) -> Pricer:
+def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Constraints,
+               captured: CapturedGraph | None = None) -> Pricer:
     """The pricer of one stage of ``mesh`` for the runtime that runs it (``priced_runtime``); ``fsdp`` 1 or 2
-    pins ZeRO-1/2 optimizer (and gradient) sharding."""
+    pins ZeRO-1/2 optimizer (and gradient) sharding; ``fp8`` prices ``captured``'s float8 linears so (it
+    needs ``captured``)."""
+    if constraints.fp8 is not None and captured is None:
+        raise ValueError("a float8 pricer needs the captured step whose float8 linears it prices")
     zero = constraints.zero_stage if constraints.zero_stage in (1, 2) else 0
     runtime = priced_runtime(mesh, constraints)
     return Pricer(cluster, mesh.shape, dtype, stages=mesh.stages, zero_stage=zero,
                   zero_dims=mesh.dims_of(*ZERO_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
-                  runtime=runtime, master_dtype=constraints.master_dtype or "fp32")
+                  runtime=runtime, master_dtype=constraints.master_dtype or "fp32", fp8=constraints.fp8,
+                  float8=float8_linears(captured) if constraints.fp8 else frozenset())
 
 
 def priced_runtime(mesh: MeshChoice, constraints: Constraints) -> str:

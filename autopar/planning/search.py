@@ -54,6 +54,7 @@ from autopar.core.axes import ZERO_AXES, MeshAxis
 from autopar.core.collector import collector_paused
 from autopar.core.constraints import Constraints
 from autopar.ir.layers import layer_count, unalike_layers
+from autopar.ir.float8 import float8_linears
 from autopar.ir.capture import CapturedGraph
 from autopar.cost_models import Cluster, usable_bytes
 from autopar.cost_models.pipeline import SIMULATED, schedule_available
@@ -91,6 +92,7 @@ def make_plan(
     search = _MeshSearch(captured, cluster, dtype, capacity, batch_size, constraints, progress)
     shortfall = _Shortfalls()
     _refuse_stages_of_unalike_layers(captured, constraints)
+    _refuse_float8_without_fp8_cores(captured, cluster, constraints)
     meshes = _sequence_splits(captured, constraints, mesh_candidates(cluster, constraints, batch_size,
                                                                      layer_count(captured), expert_count(captured)))
     progress.candidates = len(meshes)
@@ -276,6 +278,21 @@ def _refuse_stages_of_unalike_layers(captured: CapturedGraph, constraints: Const
                             "it without pp")
 
 
+def _refuse_float8_without_fp8_cores(captured: CapturedGraph, cluster: Cluster, constraints: Constraints) -> None:
+    """A pinned ``fp8`` refused on a device without FP8 tensor cores (no ``fp8`` peak), or for a model none of
+    whose ops the float8 rule takes (``ir/float8.py``), rather than planned as if it did nothing."""
+    if constraints.fp8 is None:
+        return
+    if "fp8" not in cluster.device.peak_flops:
+        raise BadInputError(f"fp8={constraints.fp8}: device {cluster.device.name} has no FP8 tensor cores (its peak "
+                            f"FLOP/s are for {', '.join(cluster.device.peak_flops)}); float8 linears need H100, H200, "
+                            "B200, or a device profile stating an fp8 peak")
+    if not float8_linears(captured):
+        raise BadInputError(f"fp8={constraints.fp8}: this model has no linear layer float8 can run: float8 takes the "
+                            "mm/addmm of a weight both of whose dims are multiples of 16, inside the model's repeated "
+                            "layers (autopar/ir/float8.py)")
+
+
 def _sequence_splits(captured: CapturedGraph, constraints: Constraints, meshes: list[MeshChoice]
                      ) -> list[MeshChoice]:
     """The meshes constraint ``sp=1`` can run on: those whose tp degree splits every norm's sequence dim
@@ -361,7 +378,7 @@ class _MeshSearch:
         time, usually the better one there, is the cutoff that prunes the other search's configurations
         at their ILPs' roots; on Llama 3 70B's pipeline meshes those are its slowest ILPs (FSDP's
         placements under a tight memory row: 0.5-1.6 s each, where a root takes 0.06 s)."""
-        pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints)
+        pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints, self.captured)
         replicated = tuple(Replicate() for _ in mesh.shape)
         frozen = self.captured.frozen_parameters()
         state = sum(self.captured.weight(name) * sum(pricer.parameter_memory(self.captured.node(name).meta["val"],
@@ -413,7 +430,7 @@ class _MeshSearch:
         ZeRO stage while ``mesh`` is searched (``fewest_count_refused`` and ``run`` read the same one)."""
         key = (mesh, constraints.zero_stage)
         if key not in self._decided_problems:
-            pricer = pricer_for(self.cluster, mesh, self.dtype, constraints)
+            pricer = pricer_for(self.cluster, mesh, self.dtype, constraints, self.captured)
             with self.progress.phase("build"):
                 decided = problem_for(self.captured, mesh, pricer, self.capacity, constraints,
                                       self._shared_with_earlier_search(mesh, pricer, constraints), edges=False)

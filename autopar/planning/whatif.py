@@ -154,13 +154,13 @@ def _pricing_constraints(plan: Plan) -> Constraints:
     without it)."""
     zero = plan.degrees.zero or 0
     return Constraints(zero_stage=zero if zero in (1, 2) else None, reduce_dtype=plan.precision.reduce,
-                       master_dtype=plan.precision.master, runtime=plan.predicted.get("runtime"))
+                       master_dtype=plan.precision.master, runtime=plan.predicted.get("runtime"), fp8=plan.precision.fp8)
 
 
 def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, staging: Staging, dtype: str,
                      microbatches: int, constraints: Constraints) -> Problem:
     """The problem the planner solves for ``mesh`` and ``staging`` on ``cluster``, priced for ``microbatches``."""
-    pricer = pricer_for(cluster, mesh, dtype, constraints)
+    pricer = pricer_for(cluster, mesh, dtype, constraints, captured)
     whole = problem_for(captured, mesh, pricer, usable_bytes(cluster.device), constraints)
     return stage_problem(whole.with_microbatches(microbatches, pricer), captured, staging)
 
@@ -169,6 +169,6 @@ def _planner_plan(captured: CapturedGraph, cluster: Cluster, model_name: str, dt
                   staging: Staging, problem: Problem, solution: Solution, wall_s: float,
                   constraints: Constraints) -> Plan:
     """The planner's Plan of this one priced candidate (with its pipeline bubble and transfers)."""
-    pricer = pricer_for(cluster, mesh, dtype, constraints)
+    pricer = pricer_for(cluster, mesh, dtype, constraints, captured)
     best = with_pipeline_time(captured, mesh, staging, problem, solution, pricer)
     return to_plan(captured, cluster, model_name, dtype, best, [best], [], wall_s)

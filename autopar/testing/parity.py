@@ -28,7 +28,10 @@ from torch.distributed.tensor import DTensor
 from autopar.api import autoparallelize
 from autopar.core.batch import microbatch_pieces
 from autopar.core.plan import Plan
+from autopar.ir.capture import capture
+from autopar.ir.float8 import float8_weights
 from autopar.models import ModelBundle, build_model
+from autopar.passes.float8 import float8_eager
 from autopar.testing.counters import CollectiveCounter, planned_for_dtensor
 from autopar.testing.launch import run_on_ranks
 
@@ -241,7 +244,7 @@ def build(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq
 def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: int, seq: int | None,
                  steps: int, seed: int = 0, optimizer: OptimizerFactory = sgd, dtype: str | None = None,
                  clip: tuple[float, float] | None = None, autocast: torch.dtype | None = None,
-                 microbatches: int = 1) -> TrainResult:
+                 microbatches: int = 1, fp8: str | None = None) -> TrainResult:
     """The reference: ``steps`` steps of single-process autograd (``optimizer``: parity's SGD unless a
     test of something else, such as the example script, trains with another). With ``dtype`` (bf16,
     fp16), mixed precision done by hand: the optimizer steps the model's fp32 parameters, each step
@@ -250,9 +253,13 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     ``autocast``, each forward and loss runs under eager ``torch.autocast`` on the CPU in that dtype. With
     ``microbatches`` m, eager gradient accumulation: each batch cut into m pieces (the inputs that carry it, on
     dim 0), run one after the other (a model that normalizes over its batch, BatchNorm, sees each piece's
-    statistics), each piece's loss weighted 1/m (a mean loss over pieces of equal counts)."""
+    statistics), each piece's loss weighted 1/m (a mean loss over pieces of equal counts). With ``fp8`` (a
+    ``core.plan.FP8_RECIPES`` name), the linear layers a float8 plan runs in float8 (``ir/float8.py``) run so
+    in eager PyTorch too (``passes.float8.float8_eager``)."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
+    if fp8 is not None:
+        float8_eager(model, float8_weights(capture(model, bundle.example_inputs, bundle.example_targets, loss_fn)))
     opt = optimizer(model.parameters())
     losses, grads = [], {}
     for i, batch in enumerate(batches(bundle, steps, seed)):

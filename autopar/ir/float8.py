@@ -1,0 +1,68 @@
+"""Which ops of a captured step a float8 plan runs as float8 matmuls (``precision.fp8``).
+
+One rule for the pricer (``planning/pricing.py``, which prices them at the device's FP8 rate with their
+scaling kernels) and the runtime (``passes/float8.py``, which runs them so), read off the captured graph:
+a **float8 linear** is an ``mm`` or ``addmm`` (its bias added as is) inside a layer of the model's
+layer stack (``capture.layer_of``) that multiplies activations by a weight, a parameter or a view of one
+(its transpose, a cast), whose two dims are multiples of 16.
+
+Where this follows torchao's float8 training (``torchao.float8.convert_to_float8_training``) and
+Transformer Engine: only linear layers, never attention's products or a mixture-of-experts layer's
+batched expert matmuls (``bmm``); dims of 16 (FP8 tensor cores read 16-byte rows, and
+``torch._scaled_mm`` refuses others on CUDA). Where it diverges: torchao converts every ``nn.Linear`` a
+filter passes, torchtitan's default filter leaves the output head out, NeMo runs FP8 in its transformer
+layers; autopar takes the layers of the stack only, so embeddings, the head and a pooler keep the compute
+dtype, where a large vocabulary's logits lose most to float8's three mantissa bits.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import fx
+
+from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph, layer_of, view_root
+
+_aten = torch.ops.aten
+LINEAR_OPS = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2)}
+"""The ops a linear layer is captured as, and the slots of their two matrix operands."""
+FP8_ALIGNMENT = 16
+"""What each dim of a float8 linear's weight must be a multiple of."""
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def float8_linears(captured: CapturedGraph) -> frozenset[str]:
+    """The names of ``captured``'s nodes a float8 plan runs as float8 matmuls (the module doc's rule)."""
+    found = _FOUND.get(captured.graph)
+    if found is None:
+        kinds = captured.gradient_kinds()
+        found = frozenset(node.name for node in captured.graph.nodes if _is_float8_linear(node, kinds))
+        _FOUND[captured.graph] = found
+    return found
+
+
+def float8_weights(captured: CapturedGraph) -> frozenset[str]:
+    """The model's parameters (fully qualified, every layer of a traced stack's) that float8 linears read."""
+    kinds = captured.gradient_kinds()
+    roots = {view_root(arg).name for name in float8_linears(captured)
+             for arg in captured.node(name).all_input_nodes if kinds.get(arg.name) in WEIGHT_KINDS}
+    return frozenset(real for root in roots for real in captured.real_fqns(captured.params[root]))
+
+
+def _is_float8_linear(node: fx.Node, kinds: dict[str, str]) -> bool:
+    slots = LINEAR_OPS.get(node.target) if node.op == "call_function" else None
+    if slots is None or layer_of(node) is None or not _plain_addmm(node):
+        return False
+    operands = [node.args[i] for i in slots]
+    weights = [a for a in operands if isinstance(a, fx.Node) and kinds.get(a.name) in WEIGHT_KINDS]
+    if len(weights) != 1:
+        return False
+    shape = weights[0].meta["val"].shape
+    return len(shape) == 2 and all(size % FP8_ALIGNMENT == 0 for size in shape)
+
+
+def _plain_addmm(node: fx.Node) -> bool:
+    """An ``addmm`` adding its bias once to the whole product (``beta = alpha = 1``, a linear layer's)."""
+    return node.target is not _aten.addmm.default or (node.kwargs.get("beta", 1) == 1
+                                                      and node.kwargs.get("alpha", 1) == 1)

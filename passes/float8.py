@@ -1,0 +1,131 @@
+"""Float8 linears: the matmuls ``autopar/ir/float8.py`` names run as float8 matmuls (``precision.fp8``).
+
+``run_in_float8`` rewrites each such ``mm``/``addmm`` of the program into ``float8_mm``/``float8_addmm``,
+whose ``Float8Matmul`` does, with tensorwise scaling (``core.plan.FP8_RECIPES``; Micikevicius et al., "FP8
+Formats for Deep Learning", 2022):
+
+* **forward**: each operand scaled by ``max(e4m3) / amax`` (its absolute maximum), cast to e4m3, and
+  multiplied by ``torch._scaled_mm`` with the inverse scales, into the compute dtype;
+* **backward**: the output's gradient scaled likewise into e5m2 (five exponent bits: gradients span more
+  range than they need precision); the operands cast again to e4m3 with their forward scales; the input's
+  gradient ``g @ b^T`` and the weight's ``a^T @ g`` as two more float8 matmuls.
+
+The saved tensors are the operands in the compute dtype, as a plain matmul saves them, so activation
+memory and checkpointing are what the pricer holds; backward casts them again (one read and one write each,
+priced). Where we diverge from torchao's ``Float8Linear``: its amax is each rank's own, so under data
+parallelism its numerics depend on the batch split; here ``amax`` runs on the program's DTensors, whose
+maximum over a split tensor is a ``Partial("max")`` reduced to every rank (an all_reduce of one number per
+mesh dim the operand is split on, priced), so a plan computes what one process does, which the parity tests
+check. ``scaled_mm`` wants its second operand column-major on CUDA: ``_column_major``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.ir.float8 import LINEAR_OPS
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+AMAX_FLOOR = 1e-12
+"""The least absolute maximum a scale is taken from: an all-zero tensor scales by a finite number."""
+
+
+def run_in_float8(program: fx.GraphModule, linears: Collection[str]) -> int:
+    """Rewrite the program's ``linears`` (node names, ``ir/float8.float8_linears``) into float8 matmuls;
+    returns how many."""
+    rewritten = 0
+    for node in program.graph.nodes:
+        if node.name in linears and node.target in LINEAR_OPS:
+            node.target = float8_addmm if node.target is torch.ops.aten.addmm.default else float8_mm
+            node.kwargs = {}
+            rewritten += 1
+    if rewritten:
+        program.recompile()
+    return rewritten
+
+
+def float8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as a float8 matmul (the module doc), in ``a``'s dtype."""
+    return Float8Matmul.apply(a, b)
+
+
+def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``bias + a @ b``, the product a float8 matmul: a linear layer with its bias."""
+    return Float8Matmul.apply(a, b) + bias
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` as a float8 matmul: rows ``x.reshape(-1, in)`` times ``weight^T``,
+    what the captured step of an ``nn.Linear`` multiplies (``float8_eager`` runs a model so)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = float8_mm(rows, weight.t()) if bias is None else float8_addmm(bias, rows, weight.t())
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Float8Matmul(torch.autograd.Function):
+    """``a @ b`` with both operands in e4m3, the output's gradient in e5m2, each scaled tensorwise."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        scale_a, scale_b = tensorwise_scale(a, E4M3), tensorwise_scale(b, E4M3)
+        ctx.save_for_backward(a, b, scale_a, scale_b)
+        return scaled_matmul(as_float8(a, scale_a, E4M3), scale_a, as_float8(b, scale_b, E4M3), scale_b, a.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        a, b, scale_a, scale_b = ctx.saved_tensors
+        scale_g = tensorwise_scale(grad, E5M2)
+        grad8 = as_float8(grad, scale_g, E5M2)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = scaled_matmul(grad8, scale_g, as_float8(b, scale_b, E4M3).t(), scale_b, a.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = scaled_matmul(as_float8(a, scale_a, E4M3).t(), scale_a, grad8, scale_g, b.dtype)
+        return grad_a, grad_b
+
+
+def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``max(dtype) / amax(|x|)`` in fp32, over the whole tensor: a DTensor's maximum is reduced over every
+    mesh dim it is split on (``Partial("max")`` to ``Replicate``), so each rank scales by the same number."""
+    amax = x.detach().abs().amax().to(torch.float32)
+    if isinstance(amax, DTensor):
+        amax = amax.redistribute(amax.device_mesh, [Replicate()] * amax.device_mesh.ndim)
+    return torch.finfo(dtype).max / amax.clamp(min=AMAX_FLOOR)
+
+
+def as_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` saturated to ``dtype``'s range and cast to it."""
+    top = torch.finfo(dtype).max
+    return (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
+
+
+def scaled_matmul(a8: torch.Tensor, scale_a: torch.Tensor, b8: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a8 / scale_a) @ (b8 / scale_b)`` by ``torch._scaled_mm``, in ``out_dtype``."""
+    return torch._scaled_mm(a8.contiguous(), _column_major(b8), scale_a=scale_a.reciprocal(),
+                            scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t()
+
+
+def float8_eager(model: nn.Module, weights: Collection[str]) -> list[str]:
+    """Make ``model``'s ``nn.Linear`` layers whose weight is named in ``weights`` run as float8 matmuls
+    (``float8_linear``), in place, for eager PyTorch: the single-process reference the parity tests hold a
+    float8 plan to. Returns the modules' names."""
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and f"{name}.weight" in weights:
+            module.forward = _float8_forward(module)
+            changed.append(name)
+    return changed
+
+
+def _float8_forward(module: nn.Linear):
+    return lambda x: float8_linear(x, module.weight, module.bias)

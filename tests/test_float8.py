@@ -1,0 +1,187 @@
+"""Float8 linears (``--fix fp8=tensorwise``): which ops run in float8 (``ir/float8.py``), how they compute
+(``passes/float8.py``), how they are priced (``planning/pricing.py``), shown and refused, and that a float8
+plan trains on gloo as one process running the same float8 linears does."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+
+from cli_runner import run_cli
+import autopar
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.core.axes import MeshAxis
+from autopar.core.constraints import Constraints
+from autopar.core.errors import BadInputError, PlanFormatError
+from autopar.core.plan import Plan
+from autopar.cost_models import parse_cluster
+from autopar.ir.capture import capture, module_path
+from autopar.ir.float8 import float8_linears, float8_weights
+from autopar.models import build_model
+from autopar.passes import float8 as f8
+from autopar.planning.meshes import MeshChoice
+from autopar.planning.roles import pricer_for
+from autopar.planning.strategies import Strategy
+from autopar.testing.parity import BF16, build, train_parallel_many, train_single
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _by_hand(x: torch.Tensor, top: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` at the tensorwise scale ``top / amax``, and scaled back."""
+    scale = top / x.abs().max()
+    return (x * scale).clamp(-top, top).to(dtype).to(torch.float32) / scale
+
+
+def test_a_float8_matmul_multiplies_e4m3_operands_and_takes_its_gradients_from_an_e5m2_one() -> None:
+    torch.manual_seed(0)
+    a, b, grad = torch.randn(32, 48, requires_grad=True), torch.randn(48, 16, requires_grad=True), torch.randn(32, 16)
+    out = f8.float8_mm(a, b)
+    out.backward(grad)
+    qa, qb = _by_hand(a.detach(), E4M3_MAX, torch.float8_e4m3fn), _by_hand(b.detach(), E4M3_MAX, torch.float8_e4m3fn)
+    qg = _by_hand(grad, E5M2_MAX, torch.float8_e5m2)
+    torch.testing.assert_close(out, qa @ qb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.grad, qg @ qb.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, qa.t() @ qg, rtol=1e-5, atol=1e-5)
+    assert (out - a.detach() @ b.detach()).abs().max() > 1e-3  # it did round: three mantissa bits
+
+
+def test_an_all_zero_operand_scales_by_a_finite_number() -> None:
+    out = f8.float8_mm(torch.zeros(16, 16), torch.randn(16, 16))
+    assert torch.equal(out, torch.zeros(16, 16))
+
+
+def _captured(name: str, **overrides):
+    bundle = build(name, overrides or None, 8, None, 0)
+    return capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+
+
+def test_float8_takes_the_layers_linears_and_leaves_the_head_and_a_narrow_router() -> None:
+    captured = _captured("tiny-moe")
+    paths = {module_path(captured.node(name)).split(".", 2)[-1] for name in float8_linears(captured)}
+    assert paths == {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj"}  # the experts are bmm
+    left = {module_path(n) for n in captured.graph.nodes if n.op == "call_function" and "mm" in n.name
+            and n.name not in float8_linears(captured)}
+    assert {"lm_head", "blocks.0.moe.router"} <= left  # outside the layers; 4 experts wide
+    assert float8_weights(captured) == {f"blocks.{i}.attn.{p}.weight" for i in range(2)
+                                        for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+def _plan(args: str) -> dict:
+    result = run_cli("plan", *args.split(), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_float8_plan_prices_the_linears_at_the_fp8_rate_and_says_so(tmp_path) -> None:
+    common = "llama3-8b --cluster 1x8xH100 --global-batch 16 --seq 4096 --fix dp=8,fsdp=3,microbatches=2"
+    plain, fp8 = _plan(common), _plan(common + ",fp8=tensorwise")
+    assert plain["degrees"] == fp8["degrees"] and "fp8" not in plain["precision"]
+    assert fp8["precision"] == {"compute": "bf16", "master": "fp32", "reduce": "fp32", "fp8": "tensorwise"}
+    assert 0.7 * plain["predicted"]["compute_s"] < fp8["predicted"]["compute_s"] < 0.9 * plain["predicted"]["compute_s"]
+    assert fp8["predicted"]["comm_s"]["all_reduce"] > plain["predicted"]["comm_s"]["all_reduce"]  # the amaxes
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(fp8))
+    assert Plan.load(path).precision.fp8 == "tensorwise"
+    shown = run_cli("show", str(path)).stdout
+    assert "linear layers in float8 (tensorwise scaling: e4m3 forward, e5m2 gradients)" in shown
+
+
+def test_a_float8_linear_reduces_the_amax_of_each_split_operand_once_a_microbatch() -> None:
+    """A query projection under data parallelism over one node of 8: the activation and the output split
+    on the batch, the weight whole, so one all_reduce of an fp32 amax forward (the activation's) and one
+    backward (the output gradient's), each ``base + 14 alpha`` on the NVLink ring, four times with four
+    microbatches; a plain pricer charges none."""
+    captured = _captured("tiny-llama")
+    node = next(captured.node(n) for n in sorted(float8_linears(captured)) if "q_proj" in module_path(captured.node(n)))
+    kinds = [captured.gradient_kinds()[a.name] for a in node.all_input_nodes]
+    split = Strategy(inputs=((Shard(0),), (Replicate(),)), outputs=((Shard(0),),))
+    mesh, cluster = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1), parse_cluster("1x8xH100")
+    fp8 = pricer_for(cluster, mesh, "bf16", Constraints.parse("fp8=tensorwise"), captured)
+    plain = pricer_for(cluster, mesh, "bf16", Constraints())
+    cost, plain_cost = fp8.node(node, split, kinds, [1.0]), plain.node(node, split, kinds, [1.0])
+    group = fp8.groups[0]
+    one = group.base_latency_s + 14 * group.intra_latency_s + 14 / 8 * 4 / group.intra_bw
+    assert cost.comm_s["all_reduce"] == pytest.approx(2 * one, rel=1e-9) and "all_reduce" not in plain_cost.comm_s
+    assert cost.forward_comm_s["all_reduce"] == pytest.approx(one, rel=1e-9)
+    assert fp8.for_microbatches(cost, 4).comm_s["all_reduce"] == pytest.approx(8 * one, rel=1e-9)
+    assert cost.kernel.float8 is not None and plain_cost.kernel.float8 is None
+
+
+def test_fp8_is_refused_for_a_model_it_cannot_take_and_in_a_bad_plan_file(tmp_path) -> None:
+    """The command line's refusals (a device without FP8 tensor cores, a recipe it does not know) are in
+    tests/test_bad_inputs.py; here the API's and a plan file's."""
+    bundle = build_model("tiny-gpt", overrides={"hidden": 24, "heads": 2})
+    with pytest.raises(BadInputError, match="this model has no linear layer float8 can run"):
+        autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"fp8": "tensorwise"},
+                     example_targets=bundle.example_targets)
+    plan = _plan("tiny-llama --cluster 1x8xH100 --global-batch 8 --fix fp8=tensorwise,dp=8")
+    plan["precision"]["fp8"] = "delayed"
+    (tmp_path / "bad.json").write_text(json.dumps(plan))
+    with pytest.raises(PlanFormatError, match="precision.fp8 must be one of tensorwise, got 'delayed'"):
+        Plan.load(tmp_path / "bad.json")
+
+
+@contextmanager
+def scaled_float8_gradients(factor: float = 1.25) -> Iterator[None]:
+    """Every float8 linear's input gradient ``factor`` times too large: what a wrong scale would do."""
+    backward = f8.Float8Matmul.backward
+
+    def scaled(ctx, grad):
+        grad_a, grad_b = backward(ctx, grad)
+        return (None if grad_a is None else grad_a * factor), grad_b
+
+    f8.Float8Matmul.backward = staticmethod(scaled)
+    try:
+        yield
+    finally:
+        f8.Float8Matmul.backward = staticmethod(backward)
+
+
+RUNS = [({"dp": 2}, True, 3), ({"dp": 2, "fsdp": 3, "checkpointing": "selective"}, False, 3),
+        ({"tp": 2}, True, 1), ({"pp": 2}, False, 2)]
+"""(constraints, lowered, steps): DDP and tensor parallelism lowered, FSDP with selective recomputation and a
+pipeline on DTensor. Tensor parallelism sums a row-split product in another order, which moves a later step's
+weights by an ulp of fp32 and can round one of their float8 copies to the next value: its run is one step,
+whose gradients and update are compared."""
+
+
+def _run(constraints: dict, lowered: bool, steps: int, **extra) -> dict:
+    return dict(name="tiny-llama", overrides=None, global_batch=8, seq=32, steps=steps, plan=None,
+                constraints={**constraints, "fp8": "tensorwise"}, lowered=lowered, **extra)
+
+
+@pytest.fixture(scope="module")
+def float8_runs():
+    return train_parallel_many(2, [_run(*run) for run in RUNS] + [_run({"dp": 2}, True, 1,
+                                                                       under=scaled_float8_gradients)])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_float8_plans_train_as_one_process_running_the_same_float8_linears(float8_runs) -> None:
+    references = {steps: train_single("tiny-llama", None, 8, 32, steps, fp8="tensorwise") for steps in (1, 3)}
+    references[2] = train_single("tiny-llama", None, 8, 32, 2, fp8="tensorwise", microbatches=2)
+    plain = train_single("tiny-llama", None, 8, 32, 3)
+    assert max((references[3].grads[k] - plain.grads[k]).abs().max() for k in plain.grads) > 1e-4  # float8 ran
+    for result, (constraints, lowered, steps) in zip(float8_runs, RUNS):
+        assert result.plan["precision"]["fp8"] == "tensorwise"
+        assert not result.lowered.get("fallbacks")
+        result.assert_matches(references[steps], f"float8 under {constraints}")
+    scaled = float8_runs[-1]
+    assert any("gradients after the first backward" in m for m in scaled.mismatches(references[1]))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_bf16_float8_plan_trains_as_one_process_in_bf16_with_the_same_float8_linears() -> None:
+    [result] = train_parallel_many(2, [_run({"dp": 2, "dtype": "bf16"}, True, 2)])
+    reference = train_single("tiny-llama", None, 8, 32, 2, dtype="bf16", fp8="tensorwise")
+    assert result.plan["precision"] == {"compute": "bf16", "master": "fp32", "reduce": "fp32", "fp8": "tensorwise"}
+    assert not result.mismatches(reference, BF16)
