@@ -14,7 +14,7 @@ from autopar.core.collector import collector_paused
 
 with collector_paused():  # torch, DTensor and autopar load a million objects that live as long as the process
     from autopar import inspect as _inspect  # noqa: F401  (registers Plan.summary and Plan.explain)
-    from autopar.api import autoparallelize, compare, plan, reprice
+    from autopar.api import autoparallelize, compare, float8_eager, plan, reprice
     from autopar.core.errors import (AutoparError, BadInputError, NoFeasiblePlanError, PlanFormatError,
                                      UnsupportedModelError)
     from autopar.core.plan import Plan
@@ -36,8 +36,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AutoparError", "BadInputError", "NoFeasiblePlanError", "ParallelModule", "Plan", "PlanFormatError",
-    "SavedProblem", "UnsupportedModelError", "autoparallelize", "checkpoint_path", "compare", "latest_checkpoint",
-    "load_checkpoint", "load_full_state_dict", "load_problem", "optimizer_state_dict", "plan", "reprice",
-    "save_checkpoint", "save_full_state_dict",
+    "SavedProblem", "UnsupportedModelError", "autoparallelize", "checkpoint_path", "compare", "float8_eager",
+    "latest_checkpoint", "load_checkpoint", "load_full_state_dict", "load_problem", "optimizer_state_dict", "plan",
+    "reprice", "save_checkpoint", "save_full_state_dict",
 ]
 __version__ = "0.1.0"

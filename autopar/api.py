@@ -194,6 +194,11 @@ def autoparallelize(
                            loss_fn, dtype=dtype)
     if lowered is None:
         lowered = lowered_by_default(the_plan)
+    if compile and the_plan.precision.fp8 is not None:
+        warnings.warn("autopar: compile=True is ignored for a float8 plan: inductor's compiled float8 backward does "
+                      "not compute the gradients the eager one does (on gloo, the embedding's 15% off); the program "
+                      "runs lowered, uncompiled", stacklevel=2)
+        compile, lowered = False, True
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 
@@ -227,6 +232,21 @@ def shards_parameters_over_data(plan: Plan) -> bool:
     zero_axes = {axis.value for axis in ZERO_AXES}
     dims = [i for i, name in enumerate(plan.mesh.dim_names) if name in zero_axes]
     return any(str_to_placement(placements[i]).is_shard() for placements in plan.placements.values() for i in dims)
+
+
+def float8_eager(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *,
+                 example_targets: torch.Tensor | None = None) -> list[str]:
+    """Make ``model``'s linear layers that a float8 plan (``fp8=tensorwise``) runs in float8 run so in eager
+    PyTorch too, in place: one process training as the plan's ranks do together (the parity tests'
+    reference), or a float8 model to try before planning. The layers are those the planner takes in the step
+    ``loss_fn(model(*example_inputs), example_targets)`` (``autopar/ir/float8.py``); their ``forward``
+    becomes ``passes.float8.float8_linear``. Returns their module names."""
+    from autopar.ir.float8 import float8_weights
+    from autopar.passes.float8 import float8_eager as run_linears_in_float8
+
+    captured = capture(model, _as_tuple(example_inputs), example_targets, loss_fn)
+    return run_linears_in_float8(model, float8_weights(captured))
 
 
 def compare(*plans: Plan) -> str:

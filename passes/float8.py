@@ -7,27 +7,30 @@ Formats for Deep Learning", 2022):
 * **forward**: each operand scaled by ``max(e4m3) / amax`` (its absolute maximum), cast to e4m3, and
   multiplied by ``torch._scaled_mm`` with the inverse scales, into the compute dtype;
 * **backward**: the output's gradient scaled likewise into e5m2 (five exponent bits: gradients span more
-  range than they need precision); the operands cast again to e4m3 with their forward scales; the input's
-  gradient ``g @ b^T`` and the weight's ``a^T @ g`` as two more float8 matmuls.
+  range than they need precision); the input's gradient ``g @ w^T`` and the weight's ``x^T @ g`` as two more
+  float8 matmuls.
 
-The saved tensors are the operands in the compute dtype, as a plain matmul saves them, so activation
-memory and checkpointing are what the pricer holds; backward casts them again (one read and one write each,
-priced). Where we diverge from torchao's ``Float8Linear``: its amax is each rank's own, so under data
-parallelism its numerics depend on the batch split; here ``amax`` runs on the program's DTensors, whose
-maximum over a split tensor is a ``Partial("max")`` reduced to every rank (an all_reduce of one number per
-mesh dim the operand is split on, priced), so a plan computes what one process does, which the parity tests
-check. ``scaled_mm`` wants its second operand column-major on CUDA: ``_column_major``.
+What a linear keeps for backward is what Transformer Engine and torchao keep: its input as the e4m3 copy the
+forward multiplied (one byte a value, where a plain matmul keeps two in bf16) and its weight as it reads it,
+cast again in backward with its forward scale (under FSDP the weight is gathered again for backward, so a kept
+float8 copy would hold the whole weight from forward to backward). The pricer charges the same
+(``planning/pricing.py``, ``ir/saved_tensors.py``). Where we diverge from torchao's ``Float8Linear``: its amax
+is each rank's own, so under data parallelism its numerics depend on the batch split; here ``amax`` runs on
+the program's DTensors, whose maximum over a split tensor is a ``Partial("max")`` reduced to every rank (an
+all_reduce of one number per mesh dim the operand is split on, priced), so a plan computes what one process
+does, which the parity tests check (Megatron-Core also reduces its amaxes across ranks, over its amax group).
+``scaled_mm`` wants its second operand column-major on CUDA: ``_column_major``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.ir.float8 import LINEAR_OPS
+from autopar.ir.float8 import LINEAR_OPS, weight_slot
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -35,28 +38,32 @@ AMAX_FLOOR = 1e-12
 """The least absolute maximum a scale is taken from: an all-zero tensor scales by a finite number."""
 
 
-def run_in_float8(program: fx.GraphModule, linears: Collection[str]) -> int:
-    """Rewrite the program's ``linears`` (node names, ``ir/float8.float8_linears``) into float8 matmuls;
+def run_in_float8(program: fx.GraphModule, linears: Collection[str], kinds: Mapping[str, str]) -> int:
+    """Rewrite the program's ``linears`` (node names, ``ir/float8.float8_linears``) into float8 matmuls, each
+    told which operand is its weight (``ir/float8.weight_slot`` by ``kinds``, ``CapturedGraph.gradient_kinds``);
     returns how many."""
     rewritten = 0
     for node in program.graph.nodes:
         if node.name in linears and node.target in LINEAR_OPS:
+            slot = weight_slot(node, kinds)
+            weight_first = slot == LINEAR_OPS[node.target][0]
             node.target = float8_addmm if node.target is torch.ops.aten.addmm.default else float8_mm
-            node.kwargs = {}
+            node.kwargs = {"weight_first": weight_first}
             rewritten += 1
     if rewritten:
         program.recompile()
     return rewritten
 
 
-def float8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as a float8 matmul (the module doc), in ``a``'s dtype."""
-    return Float8Matmul.apply(a, b)
+def float8_mm(a: torch.Tensor, b: torch.Tensor, weight_first: bool = False) -> torch.Tensor:
+    """``a @ b`` as a float8 matmul (the module doc), in ``a``'s dtype; the weight is ``b`` (``a`` with
+    ``weight_first``)."""
+    return Float8Matmul.apply(a, b, weight_first)
 
 
-def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_first: bool = False) -> torch.Tensor:
     """``bias + a @ b``, the product a float8 matmul: a linear layer with its bias."""
-    return Float8Matmul.apply(a, b) + bias
+    return Float8Matmul.apply(a, b, weight_first) + bias
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,25 +75,32 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class Float8Matmul(torch.autograd.Function):
-    """``a @ b`` with both operands in e4m3, the output's gradient in e5m2, each scaled tensorwise."""
+    """``a @ b`` with both operands in e4m3, the output's gradient in e5m2, each scaled tensorwise; one
+    operand is a weight (``b``, or ``a`` with ``weight_first``), kept as it is read, the other kept in e4m3."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, weight_first: bool) -> torch.Tensor:
         scale_a, scale_b = tensorwise_scale(a, E4M3), tensorwise_scale(b, E4M3)
-        ctx.save_for_backward(a, b, scale_a, scale_b)
-        return scaled_matmul(as_float8(a, scale_a, E4M3), scale_a, as_float8(b, scale_b, E4M3), scale_b, a.dtype)
+        a8, b8 = as_float8(a, scale_a, E4M3), as_float8(b, scale_b, E4M3)
+        weight, activation8 = (a, b8) if weight_first else (b, a8)
+        weight_needs_grad = ctx.needs_input_grad[0 if weight_first else 1]
+        ctx.weight_first, ctx.out_dtypes = weight_first, (a.dtype, b.dtype)
+        ctx.save_for_backward(weight, activation8 if weight_needs_grad else None, scale_a, scale_b)
+        return scaled_matmul(a8, scale_a, b8, scale_b, a.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        a, b, scale_a, scale_b = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        weight, activation8, scale_a, scale_b = ctx.saved_tensors
+        weight8 = as_float8(weight, scale_a if ctx.weight_first else scale_b, E4M3)
+        a8, b8 = (weight8, activation8) if ctx.weight_first else (activation8, weight8)
         scale_g = tensorwise_scale(grad, E5M2)
         grad8 = as_float8(grad, scale_g, E5M2)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = scaled_matmul(grad8, scale_g, as_float8(b, scale_b, E4M3).t(), scale_b, a.dtype)
+            grad_a = scaled_matmul(grad8, scale_g, b8.t(), scale_b, ctx.out_dtypes[0])
         if ctx.needs_input_grad[1]:
-            grad_b = scaled_matmul(as_float8(a, scale_a, E4M3).t(), scale_a, grad8, scale_g, b.dtype)
-        return grad_a, grad_b
+            grad_b = scaled_matmul(a8.t(), scale_a, grad8, scale_g, ctx.out_dtypes[1])
+        return grad_a, grad_b, None
 
 
 def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

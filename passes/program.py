@@ -75,7 +75,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
     if plan.precision.fp8 is not None:
-        run_in_float8(program, float8_linears(captured))
+        run_in_float8(program, float8_linears(captured), captured.gradient_kinds())
     dropping = follow_mode(program)  # before run_locally, which keeps the arguments it rewrites
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)

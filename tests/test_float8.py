@@ -20,7 +20,7 @@ from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import Plan
 from autopar.cost_models import parse_cluster
-from autopar.ir.capture import capture, module_path
+from autopar.ir.capture import capture, module_path, view_root
 from autopar.ir.float8 import float8_linears, float8_weights
 from autopar.models import build_model
 from autopar.passes import float8 as f8
@@ -70,6 +70,10 @@ def test_float8_takes_the_layers_linears_and_leaves_the_head_and_a_narrow_router
     assert {"lm_head", "blocks.0.moe.router"} <= left  # outside the layers; 4 experts wide
     assert float8_weights(captured) == {f"blocks.{i}.attn.{p}.weight" for i in range(2)
                                         for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    bundle = build("tiny-moe", None, 8, None, 0)
+    made = autopar.float8_eager(bundle.model, bundle.example_inputs, bundle.loss_fn,
+                                example_targets=bundle.example_targets)
+    assert {f"{name}.weight" for name in made} == float8_weights(captured)
 
 
 def _plan(args: str) -> dict:
@@ -113,18 +117,21 @@ def test_a_float8_linear_reduces_the_amax_of_each_split_operand_once_a_microbatc
     assert cost.kernel.float8 is not None and plain_cost.kernel.float8 is None
 
 
-def test_fp8_is_refused_for_a_model_it_cannot_take_and_in_a_bad_plan_file(tmp_path) -> None:
-    """The command line's refusals (a device without FP8 tensor cores, a recipe it does not know) are in
-    tests/test_bad_inputs.py; here the API's and a plan file's."""
-    bundle = build_model("tiny-gpt", overrides={"hidden": 24, "heads": 2})
-    with pytest.raises(BadInputError, match="this model has no linear layer float8 can run"):
-        autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"fp8": "tensorwise"},
-                     example_targets=bundle.example_targets)
-    plan = _plan("tiny-llama --cluster 1x8xH100 --global-batch 8 --fix fp8=tensorwise,dp=8")
-    plan["precision"]["fp8"] = "delayed"
-    (tmp_path / "bad.json").write_text(json.dumps(plan))
-    with pytest.raises(PlanFormatError, match="precision.fp8 must be one of tensorwise, got 'delayed'"):
-        Plan.load(tmp_path / "bad.json")
+def test_a_float8_linear_keeps_its_input_as_its_float8_copy_not_as_the_value_it_read() -> None:
+    """The MLP's down projection alone reads the gated product: a plain matmul keeps that product for its
+    weight's gradient, a float8 linear a one-byte e4m3 copy of it, charged to the product's producer as one copy;
+    the weight is kept by both."""
+    captured = _captured("tiny-llama")
+    down = next(captured.node(n) for n in float8_linears(captured) if "w2" in module_path(captured.node(n)))
+    product, weight = view_root(down.args[0]), view_root(down.args[1])
+    plain, fp8 = captured.saved_for_backward(), captured.saved_for_backward(float8_linears(captured))
+    assert plain.of(product)[0] == 1.0 and fp8.of(product)[0] == 0.0
+    assert plain.copies_of(product)[0] == 0.0 and fp8.copies_of(product)[0] == 1.0
+    norm = view_root(next(captured.node(n) for n in float8_linears(captured)
+                          if "q_proj" in module_path(captured.node(n))).args[0])
+    assert fp8.copies_of(norm)[0] == 3.0  # q, k and v each keep their own
+    assert weight.name in captured.params
+    assert (down.name, weight.name) in plain.parameters_kept and (down.name, weight.name) in fp8.parameters_kept
 
 
 @contextmanager
@@ -133,8 +140,8 @@ def scaled_float8_gradients(factor: float = 1.25) -> Iterator[None]:
     backward = f8.Float8Matmul.backward
 
     def scaled(ctx, grad):
-        grad_a, grad_b = backward(ctx, grad)
-        return (None if grad_a is None else grad_a * factor), grad_b
+        grad_a, grad_b, _ = backward(ctx, grad)
+        return (None if grad_a is None else grad_a * factor), grad_b, None
 
     f8.Float8Matmul.backward = staticmethod(scaled)
     try:
@@ -185,3 +192,12 @@ def test_a_bf16_float8_plan_trains_as_one_process_in_bf16_with_the_same_float8_l
     reference = train_single("tiny-llama", None, 8, 32, 2, dtype="bf16", fp8="tensorwise")
     assert result.plan["precision"] == {"compute": "bf16", "master": "fp32", "reduce": "fp32", "fp8": "tensorwise"}
     assert not result.mismatches(reference, BF16)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.extended
+def test_compile_is_set_aside_for_a_float8_plan_which_runs_lowered() -> None:
+    [result] = train_parallel_many(2, [_run({"dp": 2}, True, 1, compile=True)])
+    assert result.lowered["programs"] == 1 and result.lowered["compiled"] == 0
+    assert not result.mismatches(train_single("tiny-llama", None, 8, 32, 1, fp8="tensorwise"))

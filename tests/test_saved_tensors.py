@@ -216,7 +216,7 @@ def test_op_without_meta_kernel_is_charged_its_graded_inputs_and_outputs():
 
 
 # ---- the planner ------------------------------------------------------------------------------------------
-def _everything_saved(captured: CapturedGraph) -> SavedTensors:
+def _everything_saved(captured: CapturedGraph, float8: frozenset[str] = frozenset()) -> SavedTensors:
     """The rule before saved tensors: every op output counts as activation memory."""
     ops = [n for n in captured.graph.nodes if n.op == "call_function"]
     return SavedTensors({n.name: tuple(1.0 for _ in output_vals(n)) for n in ops})

@@ -196,11 +196,14 @@ class CapturedGraph:
                                              if self.tie_keys.get(name, name) not in trainable_keys)
         return self._frozen_planned
 
-    def saved_for_backward(self) -> SavedTensors:
-        """What autograd keeps for backward, per node (``saved_tensors.py``; one meta run, cached)."""
+    def saved_for_backward(self, float8: frozenset[str] = frozenset()) -> SavedTensors:
+        """What autograd keeps for backward, per node, with ``float8`` (node names) run as float8 linears
+        (``saved_tensors.py``; one meta run each, cached)."""
         if not hasattr(self, "_saved"):
-            self._saved = find_saved_tensors(self)
-        return self._saved
+            self._saved: dict[frozenset[str], SavedTensors] = {}
+        if float8 not in self._saved:
+            self._saved[float8] = find_saved_tensors(self, float8)
+        return self._saved[float8]
 
     def keeps_parameter(self, consumer: fx.Node, arg: fx.Node) -> bool:
         """Whether ``consumer`` saves for its backward the parameter that its input ``arg`` carries (the

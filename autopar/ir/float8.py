@@ -45,20 +45,25 @@ def float8_linears(captured: CapturedGraph) -> frozenset[str]:
 def float8_weights(captured: CapturedGraph) -> frozenset[str]:
     """The model's parameters (fully qualified, every layer of a traced stack's) that float8 linears read."""
     kinds = captured.gradient_kinds()
-    roots = {view_root(arg).name for name in float8_linears(captured)
-             for arg in captured.node(name).all_input_nodes if kinds.get(arg.name) in WEIGHT_KINDS}
+    roots = {view_root(captured.node(name).args[weight_slot(captured.node(name), kinds)]).name
+             for name in float8_linears(captured)}
     return frozenset(real for root in roots for real in captured.real_fqns(captured.params[root]))
 
 
-def _is_float8_linear(node: fx.Node, kinds: dict[str, str]) -> bool:
+def weight_slot(node: fx.Node, kinds: dict[str, str]) -> int | None:
+    """The ``node.args`` index of a linear op's one weight operand (``CapturedGraph.gradient_kinds``'
+    ``WEIGHT_KINDS``), None where it is not one of ``LINEAR_OPS`` reading exactly one weight."""
     slots = LINEAR_OPS.get(node.target) if node.op == "call_function" else None
-    if slots is None or layer_of(node) is None or not _plain_addmm(node):
+    weights = [i for i in slots or () if isinstance(node.args[i], fx.Node) and kinds.get(node.args[i].name)
+               in WEIGHT_KINDS]
+    return weights[0] if len(weights) == 1 else None
+
+
+def _is_float8_linear(node: fx.Node, kinds: dict[str, str]) -> bool:
+    slot = weight_slot(node, kinds)
+    if slot is None or layer_of(node) is None or not _plain_addmm(node):
         return False
-    operands = [node.args[i] for i in slots]
-    weights = [a for a in operands if isinstance(a, fx.Node) and kinds.get(a.name) in WEIGHT_KINDS]
-    if len(weights) != 1:
-        return False
-    shape = weights[0].meta["val"].shape
+    shape = node.args[slot].meta["val"].shape
     return len(shape) == 2 and all(size % FP8_ALIGNMENT == 0 for size in shape)
 
 

@@ -22,6 +22,12 @@ log-sum-exp. This is the ``5as/h`` term of Korthikanti et al. 2022 ("Reducing Ac
 Recomputation in Large Transformer Models", §4.1: ``sbh(34 + 5as/h)`` bytes per layer) disappearing,
 as that paper notes it does with fused attention.
 
+Float8 linears (``float8``, under a float8 plan; ``ir/float8.py``) keep their weight as they read it and
+their input as a one-byte float8 copy they make (``passes/float8.Float8Matmul``): the recorder runs them as a
+matmul that saves its weight alone (``_KeepsWeightOnly``) and counts the copy against the node whose output
+the input is (``float8_copies``, in copies of that output: each reader makes its own), which the pricer
+charges at one byte a value in that output's placement, as the saved outputs above are charged in theirs.
+
 An op that cannot run on the meta device (no meta kernel, data-dependent output) is assumed to save
 its outputs and its inputs that need a gradient, and the walk goes on with outputs of its recorded
 shapes, so one opaque op costs a conservative guess at its own memory, not the whole analysis.
@@ -55,19 +61,26 @@ class SavedTensors:
     # (a view of) the parameter for its backward, so a gathered copy of it would be held until then
     savers: Mapping[str, frozenset[str]] = field(default_factory=dict)  # op node -> the ops whose backward
     # saves (a view of) one of its outputs: a recomputed op's output stays held while a saver is not recomputed
+    float8_copies: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # op node -> per output, the
+    # one-byte float8 copies of it float8 linears keep (in the output's numel: q, k and v reading one, 3)
 
     def of(self, node: fx.Node) -> tuple[float, ...]:
         """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
         return self.fractions.get(node.name, (0.0,) * len(_outputs(node.meta.get("val"))))
+
+    def copies_of(self, node: fx.Node) -> tuple[float, ...]:
+        """Per output of ``node``, how many one-byte float8 copies of it float8 linears keep (``float8_copies``)."""
+        return self.float8_copies.get(node.name, (0.0,) * len(_outputs(node.meta.get("val"))))
 
     def saved_nodes(self) -> frozenset[str]:
         """Op nodes some of whose output bytes are saved."""
         return frozenset(name for name, fs in self.fractions.items() if any(f > 0 for f in fs))
 
 
-def find_saved_tensors(captured: "CapturedGraph") -> SavedTensors:
-    """Run ``captured``'s forward+loss once on meta tensors and record what autograd saves."""
-    recorder = _SavedTensorRecorder(captured.graph_module)
+def find_saved_tensors(captured: "CapturedGraph", float8: frozenset[str] = frozenset()) -> SavedTensors:
+    """Run ``captured``'s forward+loss once on meta tensors and record what autograd saves; the ``float8``
+    linears (node names) keep their weights alone (the module doc)."""
+    recorder = _SavedTensorRecorder(captured.graph_module, float8, captured.gradient_kinds())
     args = [_placeholder_value(node, captured) for node in captured.graph.nodes if node.op == "placeholder"]
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
         recorder.run(*args)
@@ -87,20 +100,24 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 class _SavedTensorRecorder(fx.Interpreter):
     """Runs a graph and remembers, per storage, the node that produced it, and what autograd packs."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, float8: frozenset[str] = frozenset(),
+                 kinds: Mapping[str, str] | None = None):
         super().__init__(gm)
+        self.float8, self.kinds = float8, kinds or {}
         self.producer: dict[StorageWeakRef, tuple[str, int]] = {}
         self.alive: list[torch.Tensor] = []  # every value stays referenced: no storage address is reused
         self.packed: list[tuple[torch.Tensor, str]] = []  # (saved tensor, node running when it was saved)
         self.opaque: list[str] = []
         self.running = ""
+        self.current: fx.Node | None = None
+        self.copied: list[torch.Tensor] = []  # the inputs float8 linears keep a float8 copy of
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.packed.append((tensor, self.running))
         return tensor
 
     def run_node(self, n: fx.Node) -> Any:
-        self.running = n.name
+        self.running, self.current = n.name, n
         try:
             out = super().run_node(n)
         except (NotImplementedError, RuntimeError):
@@ -114,6 +131,8 @@ class _SavedTensorRecorder(fx.Interpreter):
         return out
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.running in self.float8:
+            return self._float8_linear(target, args)
         if target is _SDPA:
             return self._flash_attention(*args, **kwargs)
         if "device" in kwargs:  # a factory op (an attention mask's ``full``, ``arange``): made on meta like the rest
@@ -129,6 +148,18 @@ class _SavedTensorRecorder(fx.Interpreter):
             key, value = (self._repeat_heads(t, query.shape[-3]) for t in (key, value))
         out, _logsumexp = _FLASH(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
         return out
+
+    def _float8_linear(self, target: Any, args: tuple) -> torch.Tensor:
+        """A float8 linear's product, autograd keeping its weight alone (its input's copy is the pricer's)."""
+        from autopar.ir.float8 import LINEAR_OPS, weight_slot  # it reads CapturedGraph, whose module imports this
+
+        slots = LINEAR_OPS[target]
+        weight_first = weight_slot(self.current, self.kinds) == slots[0]
+        weight, activation = (args[slots[0]], args[slots[1]]) if weight_first else (args[slots[1]], args[slots[0]])
+        if weight.requires_grad:  # the weight's gradient reads the input's copy
+            self.copied.append(activation)
+        product = _KeepsWeightOnly.apply(args[slots[0]], args[slots[1]], weight_first)
+        return product + args[0] if target is torch.ops.aten.addmm.default else product
 
     def _repeat_heads(self, tensor: torch.Tensor, heads: int) -> torch.Tensor:
         repeated = tensor.repeat_interleave(heads // tensor.shape[-3], dim=-3)
@@ -178,7 +209,37 @@ class _SavedTensorRecorder(fx.Interpreter):
             if node.name in saved or node.name in extra:
                 fractions[node.name] = _fractions(node, saved[node.name], extra[node.name])
         return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque), frozenset(parameters_kept),
-                            {name: frozenset(nodes) for name, nodes in savers.items()})
+                            {name: frozenset(nodes) for name, nodes in savers.items()},
+                            self._float8_copies(captured, placeholders))
+
+    def _float8_copies(self, captured: "CapturedGraph", placeholders: set[str]) -> dict[str, tuple[float, ...]]:
+        """``SavedTensors.float8_copies``: each copied input counted against its storage's producer, as the share
+        of that output it spans (a view of part of it, less than one copy); none for placeholders (inputs)."""
+        counts: dict[tuple[str, int], float] = defaultdict(float)
+        for tensor in self.copied:
+            owner = self.producer.get(_storage(tensor))
+            if owner is not None and owner[0] not in placeholders:
+                whole = _outputs(captured.node(owner[0]).meta.get("val"))[owner[1]]
+                counts[owner] += tensor.numel() / max(whole.numel(), 1)
+        copies: dict[str, list[float]] = {}
+        for (name, index), count in counts.items():
+            shares = copies.setdefault(name, [0.0] * len(_outputs(captured.node(name).meta.get("val"))))
+            shares[index] += count
+        return {name: tuple(shares) for name, shares in copies.items()}
+
+
+class _KeepsWeightOnly(torch.autograd.Function):
+    """``a @ b`` keeping only its weight operand for backward (``b``, or ``a`` with ``weight_first``): what a
+    float8 linear keeps of its operands as they were read (its input's float8 copy is no node's output)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, weight_first: bool) -> torch.Tensor:
+        ctx.save_for_backward(a if weight_first else b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        raise NotImplementedError("the saved-tensor recorder runs forward only")
 
 
 def _fractions(node: fx.Node, saved: set[int], extra_bytes: float) -> tuple[float, ...]:

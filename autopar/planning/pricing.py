@@ -73,9 +73,10 @@ Float8 linears (``precision.fp8``; which ops: ``ir/float8.float8_linears``; how 
 ``passes/float8.py``): the matmul and its two backward products run at the device's FP8 peak on operands of
 one byte; around them, each step of each microbatch, the scaling kernels, bandwidth-bound: forward an amax
 (one read) and a cast (a read, a one-byte write) per operand, backward an amax and a cast of the output's
-gradient and a cast of each operand again (``Float8Work``); and an all_reduce of one fp32 amax over each
-mesh dim an operand (forward) or the output's gradient (backward) is split on, redone every microbatch
-(``Cost.repeated_comm_s``).
+gradient and a cast of the weight again (``Float8Work``); an all_reduce of one fp32 amax over each mesh dim an
+operand (forward) or the output's gradient (backward) is split on, redone every microbatch
+(``Cost.repeated_comm_s``). What a float8 linear keeps for backward, its input's e4m3 copy instead of the input,
+is charged to the input's producer, one byte a value (``ir/saved_tensors.py``'s ``float8_copies``).
 """
 
 from __future__ import annotations
@@ -316,8 +317,8 @@ class Pricer:
         activation, output = work.activation / m, work.output / m
         if forward:  # an amax and a cast of each operand
             passes = [(activation, wide), (activation, wide + 1), (work.weight, wide), (work.weight, wide + 1)]
-        else:  # an amax and a cast of the output's gradient, each operand cast again with its forward scale
-            passes = [(output, wide), (output, wide + 1), (activation, wide + 1), (work.weight, wide + 1)]
+        else:  # an amax and a cast of the output's gradient, the weight cast again with its forward scale
+            passes = [(output, wide), (output, wide + 1), (work.weight, wide + 1)]
         device = self.cluster.device
         return m * sum(compute_time(0.0, n * nbytes, device, self.dtype, "elementwise") for n, nbytes in passes)
 
@@ -348,12 +349,13 @@ class Pricer:
 
     # ---- nodes -------------------------------------------------------------------------------
     def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], saved: Sequence[float],
-             views: Sequence[float | None] = ()) -> Cost:
+             views: Sequence[float | None] = (), float8_copies: Sequence[float] = ()) -> Cost:
         """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``);
         ``saved``: per output, the share of its bytes autograd keeps for backward (``SavedTensors.of``),
         which is the activation memory the op holds until its backward runs; ``views``: per tensor
         input, for an activation read through a view, its share of the partial-gradient reduction
-        (``gradient_collectives``), else None."""
+        (``gradient_collectives``), else None; ``float8_copies``: per output, the one-byte copies of it float8
+        linears keep (``SavedTensors.copies_of``), held as long."""
         cost = Cost()
         if getattr(node.target, "is_view", False):
             # a view moves no data and its memory is its base's, but the runtime dispatches it
@@ -369,7 +371,9 @@ class Pricer:
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
-        cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs)
+        cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs) + sum(
+            self.local_numel(v, p) * copies for v, p, copies in zip(output_vals(node), strategy.outputs, float8_copies)
+            if isinstance(v, torch.Tensor) and p is not None)
         cost.output_bytes = sum(nbytes for nbytes, _ in outputs)
         cost.batch_memory = True
         self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds, views=views), cost)
@@ -386,8 +390,8 @@ class Pricer:
             return None
         slots = _MATMUL_OPERANDS[node.target.overloadpacket]
         inputs = tensor_inputs(node)
-        numel = {kind in WEIGHT_KINDS: self.local_numel(inputs[i].meta["val"], strategy.inputs[i])
-                 for i, kind in zip(slots, (grad_kinds[i] for i in slots))}
+        numel = {grad_kinds[i] in WEIGHT_KINDS: self.local_numel(inputs[i].meta["val"], strategy.inputs[i])
+                 for i in slots}
         return Float8Work(numel[False], numel[True], self.local_numel(node.meta["val"], strategy.outputs[0]))
 
     def _charge_amax_reductions(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:

@@ -594,9 +594,10 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     grad_kinds = [kinds[a.name] for a in tensor_inputs(node)]
     strategies = finder.for_node(node)
     allowed = roles.allowed(node, strategies)
-    saved = captured.saved_for_backward().of(node)
+    kept = captured.saved_for_backward(pricer.float8)
+    saved, copies = kept.of(node), kept.copies_of(node)
     views = read_through_views(node, grad_kinds)
-    return [Option(s, pricer.node(node, s, grad_kinds, saved, views),
+    return [Option(s, pricer.node(node, s, grad_kinds, saved, views, copies),
                    pricer.grad_partial_dims(node, s, grad_kinds, views)) for s in allowed]
 
 

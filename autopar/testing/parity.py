@@ -25,13 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.api import autoparallelize
+from autopar.api import autoparallelize, float8_eager
 from autopar.core.batch import microbatch_pieces
 from autopar.core.plan import Plan
-from autopar.ir.capture import capture
-from autopar.ir.float8 import float8_weights
 from autopar.models import ModelBundle, build_model
-from autopar.passes.float8 import float8_eager
 from autopar.testing.counters import CollectiveCounter, planned_for_dtensor
 from autopar.testing.launch import run_on_ranks
 
@@ -255,11 +252,11 @@ def train_single(name: str, overrides: Mapping[str, Any] | None, global_batch: i
     dim 0), run one after the other (a model that normalizes over its batch, BatchNorm, sees each piece's
     statistics), each piece's loss weighted 1/m (a mean loss over pieces of equal counts). With ``fp8`` (a
     ``core.plan.FP8_RECIPES`` name), the linear layers a float8 plan runs in float8 (``ir/float8.py``) run so
-    in eager PyTorch too (``passes.float8.float8_eager``)."""
+    in eager PyTorch too (``autopar.api.float8_eager``)."""
     bundle = build(name, overrides, global_batch, seq, seed)
     model, loss_fn = bundle.model, bundle.loss_fn
     if fp8 is not None:
-        float8_eager(model, float8_weights(capture(model, bundle.example_inputs, bundle.example_targets, loss_fn)))
+        float8_eager(model, bundle.example_inputs, loss_fn, example_targets=bundle.example_targets)
     opt = optimizer(model.parameters())
     losses, grads = [], {}
     for i, batch in enumerate(batches(bundle, steps, seed)):
