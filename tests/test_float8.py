@@ -134,6 +134,20 @@ def test_a_float8_linear_keeps_its_input_as_its_float8_copy_not_as_the_value_it_
     assert (down.name, weight.name) in plain.parameters_kept and (down.name, weight.name) in fp8.parameters_kept
 
 
+def test_fp8_is_refused_for_a_model_it_cannot_take_and_in_a_bad_plan_file(tmp_path) -> None:
+    """The command line's refusals (a device without FP8 tensor cores, a recipe it does not know) are in
+    tests/test_bad_inputs.py; here the API's and a plan file's."""
+    bundle = build_model("tiny-gpt", overrides={"hidden": 24, "heads": 2})
+    with pytest.raises(BadInputError, match="this model has no linear layer float8 can run"):
+        autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"fp8": "tensorwise"},
+                     example_targets=bundle.example_targets)
+    plan = _plan("tiny-llama --cluster 1x8xH100 --global-batch 8 --fix fp8=tensorwise,dp=8")
+    plan["precision"]["fp8"] = "delayed"
+    (tmp_path / "bad.json").write_text(json.dumps(plan))
+    with pytest.raises(PlanFormatError, match="precision.fp8 must be one of tensorwise, got 'delayed'"):
+        Plan.load(tmp_path / "bad.json")
+
+
 @contextmanager
 def scaled_float8_gradients(factor: float = 1.25) -> Iterator[None]:
     """Every float8 linear's input gradient ``factor`` times too large: what a wrong scale would do."""
