@@ -27,7 +27,7 @@ from autopar.passes import float8 as f8
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for
 from autopar.planning.strategies import Strategy
-from autopar.testing.parity import BF16, build, train_parallel_many, train_single
+from autopar.testing.parity import FP8, build, train_parallel_many, train_single
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -167,20 +167,20 @@ def scaled_float8_gradients(factor: float = 1.25) -> Iterator[None]:
 RUNS = [({"dp": 2}, True, 3), ({"dp": 2, "fsdp": 3, "checkpointing": "selective"}, False, 3),
         ({"tp": 2}, True, 1), ({"pp": 2}, False, 2)]
 """(constraints, lowered, steps): DDP and tensor parallelism lowered, FSDP with selective recomputation and a
-pipeline on DTensor. Tensor parallelism sums a row-split product in another order, which moves a later step's
-weights by an ulp of fp32 and can round one of their float8 copies to the next value: its run is one step,
-whose gradients and update are compared."""
+pipeline on DTensor, held to ``testing.parity.FP8``. Tensor parallelism sums a row-split product in another
+order, which moves the next step's weights by an ulp of fp32 and can round their float8 copies to the
+neighbouring value: its run is one step, whose gradients and update are compared."""
 
 
-def _run(constraints: dict, lowered: bool, steps: int, **extra) -> dict:
-    return dict(name="tiny-llama", overrides=None, global_batch=8, seq=32, steps=steps, plan=None,
+def _run(constraints: dict, lowered: bool, steps: int, model: str = "tiny-llama", **extra) -> dict:
+    return dict(name=model, overrides=None, global_batch=8, seq=32, steps=steps, plan=None,
                 constraints={**constraints, "fp8": "tensorwise"}, lowered=lowered, **extra)
 
 
 @pytest.fixture(scope="module")
 def float8_runs():
-    return train_parallel_many(2, [_run(*run) for run in RUNS] + [_run({"dp": 2}, True, 1,
-                                                                       under=scaled_float8_gradients)])
+    return train_parallel_many(2, [_run(*run) for run in RUNS] + [_run({"dp": 2}, True, 2, "tiny-gpt"),
+                                                                   _run({"dp": 2}, True, 1, under=scaled_float8_gradients)])
 
 
 @pytest.mark.dist
@@ -191,11 +191,13 @@ def test_float8_plans_train_as_one_process_running_the_same_float8_linears(float
     plain = train_single("tiny-llama", None, 8, 32, 3)
     assert max((references[3].grads[k] - plain.grads[k]).abs().max() for k in plain.grads) > 1e-4  # float8 ran
     for result, (constraints, lowered, steps) in zip(float8_runs, RUNS):
-        assert result.plan["precision"]["fp8"] == "tensorwise"
+        assert result.plan["precision"]["fp8"] == "tensorwise" and result.tolerances == FP8
         assert not result.lowered.get("fallbacks")
         result.assert_matches(references[steps], f"float8 under {constraints}")
+    linears_with_bias = float8_runs[-2]  # GPT's: addmm
+    linears_with_bias.assert_matches(train_single("tiny-gpt", None, 8, 32, 2, fp8="tensorwise"), "GPT under dp=2")
     scaled = float8_runs[-1]
-    assert any("gradients after the first backward" in m for m in scaled.mismatches(references[1]))
+    assert any("gradients after the first backward" in m for m in scaled.mismatches(references[1], FP8))
 
 
 @pytest.mark.dist
@@ -205,7 +207,8 @@ def test_a_bf16_float8_plan_trains_as_one_process_in_bf16_with_the_same_float8_l
     [result] = train_parallel_many(2, [_run({"dp": 2, "dtype": "bf16"}, True, 2)])
     reference = train_single("tiny-llama", None, 8, 32, 2, dtype="bf16", fp8="tensorwise")
     assert result.plan["precision"] == {"compute": "bf16", "master": "fp32", "reduce": "fp32", "fp8": "tensorwise"}
-    assert not result.mismatches(reference, BF16)
+    assert result.tolerances == FP8
+    result.assert_matches(reference)
 
 
 @pytest.mark.dist
@@ -214,4 +217,4 @@ def test_a_bf16_float8_plan_trains_as_one_process_in_bf16_with_the_same_float8_l
 def test_compile_is_set_aside_for_a_float8_plan_which_runs_lowered() -> None:
     [result] = train_parallel_many(2, [_run({"dp": 2}, True, 1, compile=True)])
     assert result.lowered["programs"] == 1 and result.lowered["compiled"] == 0
-    assert not result.mismatches(train_single("tiny-llama", None, 8, 32, 1, fp8="tensorwise"))
+    result.assert_matches(train_single("tiny-llama", None, 8, 32, 1, fp8="tensorwise"))
