@@ -194,11 +194,6 @@ def autoparallelize(
                            loss_fn, dtype=dtype)
     if lowered is None:
         lowered = lowered_by_default(the_plan)
-    if compile and the_plan.precision.fp8 is not None:
-        warnings.warn("autopar: compile=True is ignored for a float8 plan: inductor's compiled float8 backward does "
-                      "not compute the gradients the eager one does (on gloo, the embedding's 15% off); the program "
-                      "runs lowered, uncompiled", stacklevel=2)
-        compile, lowered = False, True
     if the_plan.degrees.pp > 1:
         from autopar.runtime.pipeline import PipelineParallelModule
 

@@ -214,7 +214,9 @@ def test_a_bf16_float8_plan_trains_as_one_process_in_bf16_with_the_same_float8_l
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.extended
-def test_compile_is_set_aside_for_a_float8_plan_which_runs_lowered() -> None:
-    [result] = train_parallel_many(2, [_run({"dp": 2}, True, 1, compile=True)])
-    assert result.lowered["programs"] == 1 and result.lowered["compiled"] == 0
-    result.assert_matches(train_single("tiny-llama", None, 8, 32, 1, fp8="tensorwise"))
+def test_a_compiled_float8_plan_trains_within_float8s_rounding_of_one_process() -> None:
+    """Inductor's fused kernels round some fp32 values otherwise, and a value an fp32 unit apart may cast to the
+    neighbouring e4m3 value: a compiled float8 plan matches within ``FP8``, not bit for bit."""
+    [result] = train_parallel_many(2, [_run({"dp": 2}, True, 2, compile=True)])
+    assert result.lowered["programs"] == 1 and result.lowered["compiled"] == 1
+    result.assert_matches(train_single("tiny-llama", None, 8, 32, 2, fp8="tensorwise"))
