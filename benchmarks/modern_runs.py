@@ -21,9 +21,9 @@ The measured step time is derived from the published metric (``ModernRun.measure
 GPUs differ from the catalog part of that name (torchtitan's Grand Teton H100s: 96 GB HBM2e, 2.4 TB/s,
 500 W instead of the SXM5 part's 80 GB HBM3, 3.35 TB/s, 700 W); such rows are priced on the catalog
 constants with the published capacity, and reported apart. FP8 rows are priced with autopar's float8 linears
-(``--fix fp8=tensorwise``, the current scaling their frameworks ran). MoE rows (``experts``, ``top_k``) count a token's ``top_k`` experts
-and the router in N (the FLOPs a token meets), and are priced with autopar's MoE family at capacity
-factor 1 (``cost_model_validation.moe_overrides``).
+(``--fix fp8=tensorwise``, the current scaling their frameworks ran). MoE rows (``experts``, ``top_k``) count a
+token's ``top_k`` experts and the router in N (the FLOPs a token meets), and are priced with autopar's MoE family
+at capacity factor 1 (``cost_model_validation.moe_overrides``).
 """
 
 from __future__ import annotations
@@ -401,7 +401,8 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
               recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
               metric="tokens_per_s_per_gpu", published=14451, reduce_dtype="bf16",
               source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-H100', row 'LLAMA3_8B' (FP8-CS)",
-              notes=f"the table's FSDP = 1 (Megatron FSDP); bf16 gradient reductions, no recomputation: {LLAMA_RECIPES}"),
+              notes=f"the table's FSDP = 1 (Megatron FSDP); bf16 gradient reductions, no recomputation: "
+                    f"{LLAMA_RECIPES}"),
     ModernRun(name="llama3-70b-fp8/64xH100", **LLAMA3_70B, seq=8192, global_batch=128, micro_batch=1, gpus=64,
               device="H100", tp=4, pp=8, vp=5, cp=1, ep=1, data_parallel="distributed-optimizer", recompute="none",
               recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",

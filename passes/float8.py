@@ -24,7 +24,7 @@ does, which the parity tests check (Megatron-Core also reduces its amaxes across
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 from torch import fx, nn
@@ -141,5 +141,5 @@ def float8_eager(model: nn.Module, weights: Collection[str]) -> list[str]:
     return changed
 
 
-def _float8_forward(module: nn.Linear):
+def _float8_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: float8_linear(x, module.weight, module.bias)

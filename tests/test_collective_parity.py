@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import pytest
 
 from autopar.inspect.collectives import KINDS, predicted_collectives
-from autopar.testing.counters import counted_step
+from autopar.testing.counters import as_run_on_gloo, counted_step
 from autopar.testing.launch import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.heavy]
@@ -90,15 +90,6 @@ def test_forward_runs_exactly_the_predicted_collectives(counted, index: int) -> 
     step = results[0]["step"]
     assert set(step) <= set(KINDS), f"collectives no plan predicts: {sorted(set(step) - set(KINDS))}"
     assert results[0]["forward"] == as_run_on_gloo(predicted_collectives(results[0]["plan"], ["forward"]))
-
-
-def as_run_on_gloo(counts: Mapping[str, int]) -> dict[str, int]:
-    """DTensor's S(i) -> S(j) all_to_all (``shard_dim_alltoall``) runs as an all_gather and a local
-    chunk on CPU/gloo, which has no all_to_all of the kind it needs: count it as one."""
-    out = {k: v for k, v in counts.items() if k != "all_to_all"}
-    if counts.get("all_to_all"):
-        out["all_gather"] = out.get("all_gather", 0) + counts["all_to_all"]
-    return out
 
 
 @pytest.mark.parametrize("index", [i for i, (_, c) in enumerate(CONFIGS) if c == {"dp": 4}])

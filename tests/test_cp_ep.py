@@ -26,7 +26,7 @@ from autopar.models import build_model
 from autopar.testing.counters import counted_step
 from autopar.testing.launch import run_on_ranks
 from autopar.testing.parity import train_parallel_many, train_single
-from test_collective_parity import as_run_on_gloo
+from autopar.testing.counters import as_run_on_gloo
 
 BATCH = 8
 STEPS = 3

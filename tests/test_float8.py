@@ -27,7 +27,11 @@ from autopar.passes import float8 as f8
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for
 from autopar.planning.strategies import Strategy
+from autopar.inspect.collectives import predicted_collectives
+from autopar.testing.counters import as_run_on_gloo, counted_step
+from autopar.testing.launch import run_on_ranks
 from autopar.testing.parity import FP8, build, train_parallel_many, train_single
+
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -179,8 +183,8 @@ def _run(constraints: dict, lowered: bool, steps: int, model: str = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def float8_runs():
-    return train_parallel_many(2, [_run(*run) for run in RUNS] + [_run({"dp": 2}, True, 2, "tiny-gpt"),
-                                                                   _run({"dp": 2}, True, 1, under=scaled_float8_gradients)])
+    extra = [_run({"dp": 2}, True, 2, "tiny-gpt"), _run({"dp": 2}, True, 1, under=scaled_float8_gradients)]
+    return train_parallel_many(2, [_run(*run) for run in RUNS] + extra)
 
 
 @pytest.mark.dist
@@ -220,3 +224,26 @@ def test_a_compiled_float8_plan_trains_within_float8s_rounding_of_one_process() 
     [result] = train_parallel_many(2, [_run({"dp": 2}, True, 2, compile=True)])
     assert result.lowered["programs"] == 1 and result.lowered["compiled"] == 1
     result.assert_matches(train_single("tiny-llama", None, 8, 32, 2, fp8="tensorwise"))
+
+
+def _counted_float8_steps(rank: int, world: int) -> list[dict]:
+    return [counted_step("tiny-llama", None, 8, {**constraints, "fp8": "tensorwise"}) for constraints in COUNTED]
+
+
+COUNTED = [{"dp": 2}, {"tp": 2}]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_float8_step_runs_the_amax_all_reduces_the_plan_predicts() -> None:
+    """On DTensor, whose collectives are the plan's one by one: the forward runs exactly the predicted
+    collectives, the float8 amaxes among them, and the whole step the predicted all_reduces but for the
+    data-parallel lazy reductions ``tests/test_collective_parity.py`` lists (none for tiny Llama)."""
+    for result, constraints in zip(run_on_ranks(_counted_float8_steps, 2)[0], COUNTED):
+        amaxes = [t for op in result["plan"]["ops"].values() for t in op.get("collectives", [])
+                  if t["why"].startswith("float8 amax")]
+        assert amaxes, constraints
+        assert result["forward"] == as_run_on_gloo(predicted_collectives(result["plan"], ["forward"])), constraints
+        predicted = predicted_collectives(result["plan"], ["forward", "backward", "grad_sync"])
+        assert result["step"].get("all_reduce") == predicted.get("all_reduce"), (constraints, result["step"], predicted)

@@ -33,7 +33,8 @@ import torch
 from autopar.inspect.collectives import predicted_collectives
 from autopar.passes.lower import COLLECTIVE_KINDS
 from autopar.testing.parity import AutoparResult, train_single
-from test_collective_parity import BACKWARD_GAPS, SHARDED_GAPS, as_run_on_gloo
+from autopar.testing.counters import as_run_on_gloo
+from test_collective_parity import BACKWARD_GAPS, SHARDED_GAPS
 
 DISTRIBUTED = [pytest.mark.dist, pytest.mark.slow]
 

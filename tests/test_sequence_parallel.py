@@ -243,7 +243,7 @@ def test_tp_sp_forward_runs_exactly_the_predicted_collectives() -> None:
     """Forward collective parity of TP+SP: the all_gathers before column-parallel matmuls and the
     reduce_scatters after row-parallel ones are the ones the plan prices (backward: see
     ``test_collective_parity``, "gathered, then partial")."""
-    from test_collective_parity import as_run_on_gloo
+    from autopar.testing.counters import as_run_on_gloo
 
     from autopar.inspect.collectives import predicted_collectives
     from autopar.testing.launch import run_on_ranks

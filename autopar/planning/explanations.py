@@ -23,7 +23,7 @@ from torch import fx
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
-from autopar.planning.pricing import Collective, Cost, Pricer, gathers
+from autopar.planning.pricing import AMAX_BYTES, Collective, Cost, Pricer, gathers
 from autopar.planning.problem import (Edge, Problem, RootSharding, SharedResharding, edge_pair, gradient_root,
                                       partial_gradient_share, read_through_views, source_of)
 from autopar.planning.strategies import Strategy
@@ -191,6 +191,10 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         term = _term(c, "ring attention: a block of keys and values in one buffer, 2 elements per key element "
                         "(backward: and of their gradients), passed to the next cp rank", args[1], captured, pricer)
         terms.append({**term, "element_bytes": 2 * term["element_bytes"]})
+    for c in pricer.amax_collectives(node, strategy):  # one fp32 number: the amax of a split operand or gradient
+        of = args[c.slot] if c.phase == "forward" else node
+        why = "float8 amax, split on this dim" if c.phase == "forward" else "float8 amax of the gradient, split on this dim"
+        terms.append({**_term(c, why, of, captured, pricer), "shape": [], "element_bytes": AMAX_BYTES})
     return terms
 
 

@@ -395,20 +395,28 @@ class Pricer:
         return Float8Work(numel[False], numel[True], self.local_numel(node.meta["val"], strategy.outputs[0]))
 
     def _charge_amax_reductions(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:
-        """A float8 linear's amax all_reduces (one fp32 number each): in forward one per operand and mesh
-        dim it is split on, in backward one per mesh dim the output (so its gradient) is split on."""
-        slots = _MATMUL_OPERANDS[node.target.overloadpacket]
-        forward = sum(self._amax_reduction_s(strategy.inputs[i]) for i in slots)
-        backward = self._amax_reduction_s(strategy.outputs[0])
-        cost.add_comm("all_reduce", forward + backward)
-        if forward:
-            cost.forward_comm_s["all_reduce"] = cost.forward_comm_s.get("all_reduce", 0.0) + forward
-        cost.repeated_comm_s, cost.repeated_forward_comm_s = forward + backward, forward
+        """A float8 linear's amax all_reduces (``amax_collectives``) on the critical path, rerun every
+        microbatch (``Cost.repeated_comm_s``: their bytes do not shrink with it)."""
+        seconds = {phase: sum(self.collective_seconds(c) for c in self.amax_collectives(node, strategy)
+                              if c.phase == phase) for phase in ("forward", "backward")}
+        cost.add_comm("all_reduce", seconds["forward"] + seconds["backward"])
+        if seconds["forward"]:
+            cost.forward_comm_s["all_reduce"] = cost.forward_comm_s.get("all_reduce", 0.0) + seconds["forward"]
+        cost.repeated_comm_s = seconds["forward"] + seconds["backward"]
+        cost.repeated_forward_comm_s = seconds["forward"]
 
-    def _amax_reduction_s(self, placements: Placements | None) -> float:
-        redistribute_s = self.cluster.device.redistribute_s
-        return sum(in_step_collective_time("all_reduce", AMAX_BYTES, self.groups[dim], redistribute_s)
-                   for dim, p in enumerate(placements or ()) if p.is_shard())
+    def amax_collectives(self, node: fx.Node, strategy: Strategy) -> list["Collective"]:
+        """A float8 linear's all_reduces of one fp32 amax (``passes/float8.tensorwise_scale``): in forward one
+        per operand and mesh dim it is split on, in backward one per mesh dim the output, so its gradient, is
+        split on (the weight is cast again with its forward scale); none for another op."""
+        if node.name not in self.float8:
+            return []
+        slots, whole = _MATMUL_OPERANDS[node.target.overloadpacket], tuple(Replicate() for _ in self.mesh_shape)
+        forward = [Collective("all_reduce", "forward", AMAX_BYTES, dim, whole, slot=i)
+                   for i in slots for dim, p in enumerate(strategy.inputs[i]) if p.is_shard()]
+        backward = [Collective("all_reduce", "backward", AMAX_BYTES, dim, whole)
+                    for dim, p in enumerate(strategy.outputs[0] or ()) if p.is_shard()]
+        return forward + backward
 
     # ---- context-parallel attention: the keys and values all-gathered, or passed around a ring -----------
     def _charge_context_parallel_attention(self, node: fx.Node, strategy: Strategy, saved: Sequence[float],

@@ -154,7 +154,8 @@ def _pricing_constraints(plan: Plan) -> Constraints:
     without it)."""
     zero = plan.degrees.zero or 0
     return Constraints(zero_stage=zero if zero in (1, 2) else None, reduce_dtype=plan.precision.reduce,
-                       master_dtype=plan.precision.master, runtime=plan.predicted.get("runtime"), fp8=plan.precision.fp8)
+                       master_dtype=plan.precision.master, runtime=plan.predicted.get("runtime"),
+                       fp8=plan.precision.fp8)
 
 
 def _planner_problem(captured: CapturedGraph, cluster: Cluster, mesh: MeshChoice, staging: Staging, dtype: str,

@@ -92,3 +92,13 @@ def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: i
             pm.step(*batch)
         counted["step"] = stepped.counts
     return counted
+
+
+def as_run_on_gloo(counts: Mapping[str, int]) -> dict[str, int]:
+    """Predicted collective counts as gloo runs them: DTensor's S(i) -> S(j) all_to_all
+    (``shard_dim_alltoall``) runs as an all_gather and a local chunk on CPU/gloo, which has no all_to_all of
+    the kind it needs: counted as one all_gather."""
+    out = {k: v for k, v in counts.items() if k != "all_to_all"}
+    if counts.get("all_to_all"):
+        out["all_gather"] = out.get("all_gather", 0) + counts["all_to_all"]
+    return out
