@@ -8,7 +8,9 @@ calls ``measure_rank`` on each).
 What is measured, on every rank at once (ranks share the host or the node, as in training):
 
 * **matmul**: seconds of ``a @ b`` for a few square and rectangular shapes, per dtype available on
-  the device (fp32 and bf16 on CPU; fp32, tf32, bf16, fp16 on CUDA);
+  the device (fp32 and bf16 on CPU; fp32, tf32, bf16, fp16 on CUDA), and of ``torch._scaled_mm`` on e4m3
+  operands into bf16 (``fp8``: what a float8 plan's linears run, ``passes/float8.py``) where the device runs
+  it (CUDA from compute capability 8.9, Ada and Hopper on; the CPU, which emulates it);
 * **memory**: seconds of ``torch.add(a, b, out=c)`` on tensors larger than the caches (3 tensors
   moved per call);
 * **op floor**: the time one small op holds the device: a tiny kernel's launch-to-launch time on a
@@ -141,8 +143,19 @@ def sizes_for(device_type: str, quick: bool) -> Sizes:
 
 
 def dtypes_for(device_type: str) -> tuple[str, ...]:
-    """Canonical dtype keys whose matmul rate is measured on ``device_type``."""
-    return ("fp32", "tf32", "bf16", "fp16") if device_type == "cuda" else ("fp32", "bf16")
+    """Canonical dtype keys whose matmul rate is measured on ``device_type`` (``fp8`` where the device runs
+    float8 matmuls, ``runs_float8_matmuls``)."""
+    return ("fp32", "tf32", "bf16", "fp16", "fp8") if device_type == "cuda" else ("fp32", "bf16", "fp8")
+
+
+FP8_CAPABILITY = (8, 9)
+"""The CUDA compute capability from which ``torch._scaled_mm`` runs float8 (Ada, Hopper and later)."""
+
+
+def runs_float8_matmuls(device: Any) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies float8 on ``device``: the CPU (emulated), or a CUDA GPU of
+    ``FP8_CAPABILITY`` or later."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,17 +373,30 @@ def measure_matmuls(device: Any, sizes: Sizes) -> list[dict[str, Any]]:
     sync = _synchronizer(device)
     samples = []
     for key in dtypes_for(device.type):
+        if key == "fp8" and not runs_float8_matmuls(device):
+            continue
         previous_tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = key == "tf32"
         try:
             for m, n, k in sizes.matmuls:
-                a = torch.randn(m, k, device=device, dtype=_torch_dtype(key))
-                b = torch.randn(k, n, device=device, dtype=_torch_dtype(key))
-                seconds = _seconds_per_call(lambda: a @ b, sync, sizes)
+                seconds = _seconds_per_call(_matmul(key, m, n, k, device), sync, sizes)
                 samples.append({"dtype": key, "m": m, "n": n, "k": k, "flops": 2 * m * n * k, "seconds": seconds})
         finally:
             torch.backends.cuda.matmul.allow_tf32 = previous_tf32
     return samples
+
+
+def _matmul(key: str, m: int, n: int, k: int, device: Any) -> Callable[[], Any]:
+    """One ``[m, k] @ [k, n]`` in dtype ``key``; ``fp8``: ``torch._scaled_mm`` of e4m3 operands (the second
+    column-major, as CUDA's kernel needs it) into bf16, with unit scales."""
+    if key != "fp8":
+        a = torch.randn(m, k, device=device, dtype=_torch_dtype(key))
+        b = torch.randn(k, n, device=device, dtype=_torch_dtype(key))
+        return lambda: a @ b
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
 def measure_memory(device: Any, sizes: Sizes) -> list[dict[str, Any]]:

@@ -425,12 +425,18 @@ def test_calibrate_on_two_gloo_ranks_writes_a_profile(tmp_path):
 @pytest.mark.slow
 def test_calibrate_on_one_rank_writes_a_profile_a_plan_accepts(tmp_path):
     """``autopar calibrate`` with no job and no --ranks measures this process alone (one GPU, or a
-    laptop): no collective, so the profile keeps the preset's links; it still plans."""
+    laptop): no collective, so the profile keeps the preset's links; it still plans, float8 linears too (it
+    measured ``torch._scaled_mm``)."""
     run = run_python("-m", "autopar", "calibrate", "--quick", "-o", "one.json", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     profile = json.loads((tmp_path / "one.json").read_text())
     assert (profile["nodes"], profile["devices_per_node"]) == (1, 1) and profile["measured"]["links"] == {}
     assert resolve_cluster(str(tmp_path / "one.json")).world_size == 1
+    assert profile["device"]["peak_flops"]["fp8"] > 0  # torch._scaled_mm, emulated on the CPU
+    planned = run_python("-m", "autopar", "plan", "tiny-llama", "--cluster", "one.json", "--global-batch", "8",
+                         "--fix", "fp8=tensorwise", "--json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["precision"]["fp8"] == "tensorwise"
 
 
 @pytest.mark.slow
