@@ -371,9 +371,11 @@ class Pricer:
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
-        cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs) + sum(
-            self.local_numel(v, p) * copies for v, p, copies in zip(output_vals(node), strategy.outputs, float8_copies)
-            if isinstance(v, torch.Tensor) and p is not None)
+        cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs)
+        if any(float8_copies):  # one byte a value each
+            cost.memory_bytes += sum(self.local_numel(v, p) * copies for v, p, copies in
+                                     zip(output_vals(node), strategy.outputs, float8_copies)
+                                     if isinstance(v, torch.Tensor) and p is not None)
         cost.output_bytes = sum(nbytes for nbytes, _ in outputs)
         cost.batch_memory = True
         self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds, views=views), cost)
