@@ -229,6 +229,18 @@ def _nemo_h100(run_name: str, dims: dict, **fields: object) -> ModernRun:
     return ModernRun(name=run_name, **dims, **{**defaults, **fields})
 
 
+def _bridge_fp8(run_name: str, dims: dict, system: str, row: str, **fields: object) -> ModernRun:
+    """A Megatron-Bridge FP8-CS run of the 25.11 performance summary on DGX-``system`` (tokens/s/GPU), ``row``
+    of its table, as the Llama recipes configure it (``LLAMA_RECIPES``): the distributed optimizer, bf16
+    gradient reductions, no recomputation."""
+    defaults = dict(device=system, seq=8192, ep=1, data_parallel="distributed-optimizer", recompute="none",
+                    recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
+                    metric="tokens_per_s_per_gpu", reduce_dtype="bf16",
+                    source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-{system}', row '{row}' (FP8-CS)",
+                    notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}")
+    return ModernRun(name=run_name, **dims, **{**defaults, **fields})
+
+
 MODERN_RUNS: tuple[ModernRun, ...] = (
     # ---- NeMo / Megatron-Core on DGX H100, BF16, seconds per step as published -----------------------
     _nemo_h100("gpt3-175b/128xH100", GPT3_175B, seq=2048, global_batch=256, micro_batch=1, gpus=128,
@@ -384,37 +396,18 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
                     "27.2 MFLOP a token against NeMo's formula's 35.9 here) and a DGX-GB200 row of the same model "
                     "(EP 64 inside one NVLink domain, GBS 1280, MBS 1, seq 8192: 15,876 tokens/s/GPU), not "
                     "catalogued since GB200 is no catalog device"),
-    ModernRun(name="llama3-8b-fp8/8xB200", **LLAMA3_8B, seq=8192, global_batch=128, micro_batch=2, gpus=8,
-              device="B200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="distributed-optimizer", recompute="none",
-              recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
-              metric="tokens_per_s_per_gpu", published=30624, reduce_dtype="bf16",
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'LLAMA3_8B' (FP8-CS)",
-              notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}"),
-    ModernRun(name="llama3.1-405b-fp8/128xB200", **LLAMA3_405B, seq=8192, global_batch=64, micro_batch=1, gpus=128,
-              device="B200", tp=4, pp=8, vp=8, cp=2, ep=1, data_parallel="distributed-optimizer", recompute="none",
-              recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
-              metric="tokens_per_s_per_gpu", published=661, reduce_dtype="bf16",
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-B200', row 'LLAMA3.1_405B' (FP8-CS)",
-              notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}"),
-    ModernRun(name="llama3-8b-fp8/8xH100", **LLAMA3_8B, seq=8192, global_batch=128, micro_batch=1, gpus=8,
-              device="H100", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="none",
-              recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
-              metric="tokens_per_s_per_gpu", published=14451, reduce_dtype="bf16",
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-H100', row 'LLAMA3_8B' (FP8-CS)",
-              notes=f"the table's FSDP = 1 (Megatron FSDP); bf16 gradient reductions, no recomputation: "
-                    f"{LLAMA_RECIPES}"),
-    ModernRun(name="llama3-70b-fp8/64xH100", **LLAMA3_70B, seq=8192, global_batch=128, micro_batch=1, gpus=64,
-              device="H100", tp=4, pp=8, vp=5, cp=1, ep=1, data_parallel="distributed-optimizer", recompute="none",
-              recompute_as_published="none (the recipe's recompute_granularity=None)", precision="fp8",
-              metric="tokens_per_s_per_gpu", published=1602, reduce_dtype="bf16",
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-H100', row 'LLAMA3_70B' (FP8-CS)",
-              notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}"),
-    ModernRun(name="llama3.1-405b-fp8/1024xH100", **LLAMA3_405B, seq=8192, global_batch=512, micro_batch=1,
-              gpus=1024, device="H100", tp=8, pp=8, vp=8, cp=2, ep=1, data_parallel="distributed-optimizer",
-              recompute="none", recompute_as_published="none (the recipe's recompute_granularity=None)",
-              precision="fp8", metric="tokens_per_s_per_gpu", published=292, reduce_dtype="bf16",
-              source=f"{MEGATRON_BRIDGE}, '25.11 NeMo Container', 'System: DGX-H100', row 'LLAMA3.1_405B' (FP8-CS)",
-              notes=f"the distributed optimizer, bf16 gradient reductions and no recomputation: {LLAMA_RECIPES}"),
+    _bridge_fp8("llama3-8b-fp8/8xB200", LLAMA3_8B, "B200", "LLAMA3_8B", global_batch=128, micro_batch=2, gpus=8,
+                tp=1, pp=1, vp=1, cp=1, published=30624),
+    _bridge_fp8("llama3.1-405b-fp8/128xB200", LLAMA3_405B, "B200", "LLAMA3.1_405B", global_batch=64, micro_batch=1,
+                gpus=128, tp=4, pp=8, vp=8, cp=2, published=661),
+    _bridge_fp8("llama3-8b-fp8/8xH100", LLAMA3_8B, "H100", "LLAMA3_8B", global_batch=128, micro_batch=1, gpus=8,
+                tp=1, pp=1, vp=1, cp=1, published=14451, data_parallel="fsdp",
+                notes=f"the table's FSDP = 1 (Megatron FSDP); bf16 gradient reductions, no recomputation: "
+                      f"{LLAMA_RECIPES}"),
+    _bridge_fp8("llama3-70b-fp8/64xH100", LLAMA3_70B, "H100", "LLAMA3_70B", global_batch=128, micro_batch=1, gpus=64,
+                tp=4, pp=8, vp=5, cp=1, published=1602),
+    _bridge_fp8("llama3.1-405b-fp8/1024xH100", LLAMA3_405B, "H100", "LLAMA3.1_405B", global_batch=512,
+                micro_batch=1, gpus=1024, tp=8, pp=8, vp=8, cp=2, published=292),
     ModernRun(name="torchtitan-llama3.1-8b-fp8/32xH200", **LLAMA3_8B, seq=8192, global_batch=64, micro_batch=2,
               gpus=32, device="H200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="",
               recompute_as_published="not stated (llama3_8b.toml default)", precision="fp8",
