@@ -142,10 +142,11 @@ def sizes_for(device_type: str, quick: bool) -> Sizes:
                  min_repeat_s=0.05, repeats=5)
 
 
-def dtypes_for(device_type: str) -> tuple[str, ...]:
-    """Canonical dtype keys whose matmul rate is measured on ``device_type`` (``fp8`` where the device runs
-    float8 matmuls, ``runs_float8_matmuls``)."""
-    return ("fp32", "tf32", "bf16", "fp16", "fp8") if device_type == "cuda" else ("fp32", "bf16", "fp8")
+def dtypes_for(device: Any) -> tuple[str, ...]:
+    """Canonical dtype keys whose matmul rate is measured on ``device``: ``fp8`` where it runs float8 matmuls
+    (``runs_float8_matmuls``)."""
+    keys = ("fp32", "tf32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
+    return keys + (("fp8",) if runs_float8_matmuls(device) else ())
 
 
 FP8_CAPABILITY = (8, 9)
@@ -372,9 +373,7 @@ def measure_matmuls(device: Any, sizes: Sizes) -> list[dict[str, Any]]:
     """Seconds of each (m, n, k) matmul for each dtype of the device."""
     sync = _synchronizer(device)
     samples = []
-    for key in dtypes_for(device.type):
-        if key == "fp8" and not runs_float8_matmuls(device):
-            continue
+    for key in dtypes_for(device):
         previous_tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = key == "tf32"
         try:

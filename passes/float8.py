@@ -30,7 +30,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.ir.float8 import LINEAR_OPS, weight_slot
+from autopar.ir.float8 import LINEAR_OPS, weight_first
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -40,15 +40,13 @@ AMAX_FLOOR = 1e-12
 
 def run_in_float8(program: fx.GraphModule, linears: Collection[str], kinds: Mapping[str, str]) -> int:
     """Rewrite the program's ``linears`` (node names, ``ir/float8.float8_linears``) into float8 matmuls, each
-    told which operand is its weight (``ir/float8.weight_slot`` by ``kinds``, ``CapturedGraph.gradient_kinds``);
+    told which operand is its weight (``ir/float8.weight_first`` by ``kinds``, ``CapturedGraph.gradient_kinds``);
     returns how many."""
     rewritten = 0
     for node in program.graph.nodes:
         if node.name in linears and node.target in LINEAR_OPS:
-            slot = weight_slot(node, kinds)
-            weight_first = slot == LINEAR_OPS[node.target][0]
+            node.kwargs = {"weight_first": weight_first(node, kinds)}
             node.target = float8_addmm if node.target is torch.ops.aten.addmm.default else float8_mm
-            node.kwargs = {"weight_first": weight_first}
             rewritten += 1
     if rewritten:
         program.recompile()

@@ -59,6 +59,11 @@ def weight_slot(node: fx.Node, kinds: dict[str, str]) -> int | None:
     return weights[0] if len(weights) == 1 else None
 
 
+def weight_first(node: fx.Node, kinds: dict[str, str]) -> bool:
+    """Whether a float8 linear's weight is its first matrix operand (``mm(w, x)``), not its second."""
+    return weight_slot(node, kinds) == LINEAR_OPS[node.target][0]
+
+
 def _is_float8_linear(node: fx.Node, kinds: dict[str, str]) -> bool:
     slot = weight_slot(node, kinds)
     if slot is None or layer_of(node) is None or not _plain_addmm(node):

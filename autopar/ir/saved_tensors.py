@@ -151,14 +151,13 @@ class _SavedTensorRecorder(fx.Interpreter):
 
     def _float8_linear(self, target: Any, args: tuple) -> torch.Tensor:
         """A float8 linear's product, autograd keeping its weight alone (its input's copy is the pricer's)."""
-        from autopar.ir.float8 import LINEAR_OPS, weight_slot  # it reads CapturedGraph, whose module imports this
+        from autopar.ir.float8 import LINEAR_OPS, weight_first  # it reads CapturedGraph, whose module imports this
 
-        slots = LINEAR_OPS[target]
-        weight_first = weight_slot(self.current, self.kinds) == slots[0]
-        weight, activation = (args[slots[0]], args[slots[1]]) if weight_first else (args[slots[1]], args[slots[0]])
+        slots, first = LINEAR_OPS[target], weight_first(self.current, self.kinds)
+        weight, activation = (args[slots[0]], args[slots[1]]) if first else (args[slots[1]], args[slots[0]])
         if weight.requires_grad:  # the weight's gradient reads the input's copy
             self.copied.append(activation)
-        product = _KeepsWeightOnly.apply(args[slots[0]], args[slots[1]], weight_first)
+        product = _KeepsWeightOnly.apply(args[slots[0]], args[slots[1]], first)
         return product + args[0] if target is torch.ops.aten.addmm.default else product
 
     def _repeat_heads(self, tensor: torch.Tensor, heads: int) -> torch.Tensor:

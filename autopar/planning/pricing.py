@@ -399,13 +399,13 @@ class Pricer:
     def _charge_amax_reductions(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:
         """A float8 linear's amax all_reduces (``amax_collectives``) on the critical path, rerun every
         microbatch (``Cost.repeated_comm_s``: their bytes do not shrink with it)."""
-        seconds = {phase: sum(self.collective_seconds(c) for c in self.amax_collectives(node, strategy)
-                              if c.phase == phase) for phase in ("forward", "backward")}
-        cost.add_comm("all_reduce", seconds["forward"] + seconds["backward"])
-        if seconds["forward"]:
-            cost.forward_comm_s["all_reduce"] = cost.forward_comm_s.get("all_reduce", 0.0) + seconds["forward"]
-        cost.repeated_comm_s = seconds["forward"] + seconds["backward"]
-        cost.repeated_forward_comm_s = seconds["forward"]
+        priced = [(c.phase, self.collective_seconds(c)) for c in self.amax_collectives(node, strategy)]
+        cost.repeated_comm_s = sum(seconds for _, seconds in priced)
+        cost.repeated_forward_comm_s = sum(seconds for phase, seconds in priced if phase == "forward")
+        cost.add_comm("all_reduce", cost.repeated_comm_s)
+        if cost.repeated_forward_comm_s:
+            cost.forward_comm_s["all_reduce"] = (cost.forward_comm_s.get("all_reduce", 0.0)
+                                                 + cost.repeated_forward_comm_s)
 
     def amax_collectives(self, node: fx.Node, strategy: Strategy) -> list["Collective"]:
         """A float8 linear's all_reduces of one fp32 amax (``passes/float8.tensorwise_scale``): in forward one
