@@ -193,7 +193,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         terms.append({**term, "element_bytes": 2 * term["element_bytes"]})
     for c in pricer.amax_collectives(node, strategy):  # one fp32 number: the amax of a split operand or gradient
         of = args[c.slot] if c.phase == "forward" else node
-        why = "float8 amax, split on this dim" if c.phase == "forward" else "float8 amax of the gradient, split on this dim"
+        why = "float8 amax" + (" of the gradient" if c.phase == "backward" else "") + ", split on this dim"
         terms.append({**_term(c, why, of, captured, pricer), "shape": [], "element_bytes": AMAX_BYTES})
     return terms
 
