@@ -20,9 +20,13 @@ list of graph passes; every runtime runs the stage programs it returns:
    backward passes DTensor cannot run are mended: reshaping views' gradients are laid out as their specs say
    (``layout.guard_view_gradients``), and ``copy`` and ``slice_scatter`` get derivatives that run there
    (``dtensor_backward``);
-5. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
+5. ``rematerialize``: the cheap pointwise values autograd would keep that ``ir/rematerialize.py`` names
+   (``SavedTensors.recomputed``: SwiGLU's, a norm's) run through ``Remembered``, made again in backward
+   rather than kept (``Rematerialized``' saved-tensor hooks around the stage program, inside
+   ``ResavedParameters``' when both run);
+6. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other
    plan's is one stage program, the whole program;
-6. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule
+7. ``checkpoint``: in each stage program, each repeated layer the plan recomputes becomes a submodule
    run under ``torch.utils.checkpoint`` (full or a selective policy, per layer), or, under core_attention,
    each of its attention cores does; when step 2
    rewrote a gather, the stage program runs under ``reshard.ResavedParameters``' saved-tensor hooks.

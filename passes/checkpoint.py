@@ -66,6 +66,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from autopar.core.plan import CHECKPOINTING, SELECTIVE_MODES
 from autopar.ir.layers import attention_cores, is_fused_attention, kept_under_selective, layer_of, widens
 
+from .rematerialize import recomputed_op
 from .run_locally import run_local_op
 
 def selective_contexts(saves: Sequence[bool]) -> Any:
@@ -189,8 +190,10 @@ def _with_inserted_inputs(core: list[fx.Node]) -> list[fx.Node]:
 
 
 def dispatched_op(node: fx.Node) -> Any:
-    """The aten op a program node dispatches: its target, or the op ``run_locally`` runs on local shards."""
-    return node.args[0] if node.target is run_local_op else node.target
+    """The aten op a program node dispatches: its target, or the op ``run_locally`` runs on local shards (or
+    ``rematerialize.Remembered`` runs)."""
+    target = recomputed_op(node)
+    return node.args[0] if target is run_local_op else target
 
 
 def program_layers(graph: fx.Graph) -> dict[fx.Node, str | None]:

@@ -44,6 +44,8 @@ Passes of the DTensor program that become graph properties here:
   every forward value computed from parameters alone (their casts, views and gathers) is tagged
   ``MUST_RECOMPUTE`` in the joint graph, so the partitioner saves the shards and gathers again in
   backward: the same collectives, one regather per gathered value backward reads.
+* values made again in backward (``rematerialize.py``): likewise, the ops ``Remembered`` marked are tagged
+  ``MUST_RECOMPUTE``, so the partitioner saves their inputs and the backward graph recomputes them.
 * ``run_locally.py``'s ``to_local``/``from_local`` trace like any op.
 * activation checkpointing (``checkpoint.py``): ``torch.utils.checkpoint`` under AOT tracing records
   the recompute in the backward graph.
@@ -104,6 +106,7 @@ from .lower_direct import DirectGraphs
 from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
 from .lower_simplify import call_through_bindings, simplify_local_ops
 from .lower_writes import writes_as_outputs
+from .rematerialize import Rematerialized, tag_recomputed
 from .reshard import ResavedParameters
 
 _c10d = torch.ops._c10d_functional
@@ -150,6 +153,8 @@ class LoweredProgram(nn.Module):
         self._gradient_specs: dict[int, DTensorSpec] = {}  # of those placements (``_hooked_spec``)
         self.regathers = isinstance(program, ResavedParameters)
         inner = program.program if self.regathers else program
+        self.recomputes = isinstance(inner, Rematerialized)  # its marked ops are tagged instead (``_partition``)
+        inner = inner.program if self.recomputes else inner
         # traced with its buffer writes as outputs, which ``_written`` writes (``lower_writes.py``)
         self.program, self.writes = writes_as_outputs(inner) if isinstance(inner, fx.GraphModule) else (inner, [])
         self.dtensor_program = program
@@ -466,7 +471,7 @@ class LoweredProgram(nn.Module):
 
     def _partition(self, parameter_primals: Sequence[int]) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
         """AOT autograd's default partition, parameter values recomputed in backward when the DTensor
-        program regathers them. Where inductor compiles, its joint-graph passes run first, as
+        program regathers them, and the values it makes again in backward recomputed (``rematerialize.py``). Where inductor compiles, its joint-graph passes run first, as
         ``torch.compile``'s partition runs them: among them ``pad_mm``, which on GPUs pads a matmul whose
         dimensions break the tensor cores' alignment (GPT-2's 50,257-token head) where it measures faster."""
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -477,6 +482,8 @@ class LoweredProgram(nn.Module):
                 joint = joint_graph_passes(joint)
             if self.regathers:
                 recompute_parameter_values(joint, parameter_primals)
+            if self.recomputes:
+                tag_recomputed(joint)
             return default_partition(joint, joint_inputs, **kwargs)
         return partition
 

@@ -35,6 +35,7 @@ from .float8 import run_in_float8
 from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
+from .rematerialize import Rematerialized, recompute_in_backward
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
 from .retarget_devices import retarget_devices
 from .run_locally import run_locally
@@ -75,15 +76,16 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
     if plan.precision.fp8 is not None:
-        run_in_float8(program, float8_linears(captured), captured.gradient_kinds())
+        run_in_float8(program, _float8_nodes(plan, captured), captured.gradient_kinds())
     dropping = follow_mode(program)  # before run_locally, which keeps the arguments it rewrites
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
     keep_derivatives(program)
+    recomputed = recompute_in_backward(program, captured.saved_for_backward(_float8_nodes(plan, captured)).recomputed)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs, captured.buffers)
               if _pipelined(plan) else [whole_program(program)])
-    stages = tuple(_ready_to_run(piece, program, plan, captured.leading_layers, regathers=gathers > 0)
-                   for piece in pieces)
+    stages = tuple(_ready_to_run(piece, program, plan, captured.leading_layers, regathers=gathers > 0,
+                                 recomputes=recomputed > 0) for piece in pieces)
     return Program(stages, redistributes, gathers > 0, dropping)
 
 
@@ -107,13 +109,20 @@ def _pipelined(plan: Plan) -> bool:
     return plan.degrees.pp > 1
 
 
+def _float8_nodes(plan: Plan, captured: CapturedGraph) -> frozenset[str]:
+    """The nodes a plan runs as float8 matmuls (none without ``precision.fp8``)."""
+    return float8_linears(captured) if plan.precision.fp8 is not None else frozenset()
+
+
 def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, leading: tuple[str, ...],
-                  regathers: bool) -> Stage:
+                  regathers: bool, recomputes: bool) -> Stage:
     """``piece`` with its layers checkpointed as planned (the ``leading`` layers that do not repeat, priced
-    as the code before the layers is, never: ``ir.layers.repeating_layers``), under ``ResavedParameters``
-    when the program gathers parameters, and the placements of the values it receives and sends."""
+    as the code before the layers is, never: ``ir.layers.repeating_layers``), under ``Rematerialized`` when
+    the program makes values again in backward and ``ResavedParameters`` when it gathers parameters (outside,
+    so the first hooks hand it what they do not keep), and the placements of the values it receives and sends."""
     mode_of = lambda layer: "none" if layer in leading else plan.checkpointing_of(layer)  # noqa: E731
     module = checkpoint_layers(piece.graph_module, mode_of, lambda node: _whole_output(node, plan))
+    module = Rematerialized(module) if recomputes else module
     nodes = {node.name: node for node in program.graph.nodes}
     return Stage(piece, ResavedParameters(module) if regathers else module,
                  tuple(boundary_of(nodes[name], plan) for name in piece.inputs),

@@ -170,7 +170,7 @@ class ResavedParameters(nn.Module):
         self.last = ParameterRegather()
 
     def forward(self, *args: Any) -> Any:
-        self.last = ParameterRegather(_enclosing_hooks())
+        self.last = ParameterRegather(enclosing_hooks())
         with _recording(self.last), torch.autograd.graph.saved_tensors_hooks(self.last.pack, self.last.unpack):
             return self.program(*args)
 
@@ -204,7 +204,7 @@ def _recording(hooks: ParameterRegather) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def _enclosing_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+def enclosing_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
     """The ``saved_tensors_hooks`` the caller runs under, if any (see the module doc)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     try:

@@ -248,7 +248,8 @@ def test_core_attention_keeps_less_than_none_as_priced(model: str, request: pyte
 def test_selective_keeps_less_than_none_with_microbatches_under_tensor_and_sequence_parallelism() -> None:
     """A Llama of 4 layers on 8 H100s, tp=4 with sequence parallelism, 4 microbatches: selective's kept
     linear outputs are one microbatch's (they were priced for the whole batch, 4x: more than none), and
-    core_attention keeps at most none's."""
+    core_attention keeps at most none's. (Selective saves little here: without recomputation the norms'
+    outputs and SwiGLU's are made again in backward already, ``ir/rematerialize.py``.)"""
     bundle = build_model("llama3-8b", global_batch=32, overrides=dict(layers=4, hidden=2048, heads=16, kv_heads=8,
                                                                       ffn_hidden=5632, vocab=32000, seq=2048))
     activations = {}
@@ -258,7 +259,8 @@ def test_selective_keeps_less_than_none_with_microbatches_under_tensor_and_seque
                             constraints={"tp": 4, "dp": 2, "sp": 1, "microbatch_size": 4, "checkpointing": mode})
         assert plan.pipeline.microbatches == 4
         activations[mode] = plan.predicted["memory_bytes"]["activations"]
-    assert activations["selective"] < activations["core_attention"] <= activations["none"], activations
+    assert activations["selective"] < activations["none"], activations
+    assert activations["core_attention"] <= activations["none"], activations
 
 
 def test_inserted_nodes_join_the_layer_of_the_op_they_feed() -> None:
@@ -282,9 +284,9 @@ def _op_in(graph: fx.Graph, fn: Any, arg: fx.Node, path: str) -> fx.Node:
 
 # ---- gloo, 4 ranks ----------------------------------------------------------------------------------
 FOUR_LAYERS = {"layers": 4}
-MIXED_RUN = {"dp": 4, "fsdp": 0, "microbatches": 1, "memory_gb": 0.00489}
-"""Memory between what tiny-gpt with 4 layers needs on dp=4 with full recomputation (4.22 MB) and
-without (5.11 MB): the planner recomputes some layers only (``mixed``, selective on 3 of 4)."""
+MIXED_RUN = {"dp": 4, "fsdp": 0, "microbatches": 1, "memory_gb": 0.00475}
+"""Memory between what tiny-gpt with 4 layers needs on dp=4 with full recomputation (4.14 MB) and
+without (4.78 MB): the planner recomputes some layers only (``mixed``, selective on 3 of 4)."""
 COVERAGE = {  # each model under both modes, each mode on both meshes; two runs per spawn keeps a test short
     "tiny-gpt": [({"dp": 2, "tp": 2, "checkpointing": "full"}, None), (MIXED_RUN, FOUR_LAYERS)],
     "tiny-llama": [({"dp": 2, "tp": 2, "checkpointing": "selective"}, None), ({"dp": 4, "checkpointing": "full"}, None)],

@@ -122,14 +122,16 @@ def test_a_float8_linear_reduces_the_amax_of_each_split_operand_once_a_microbatc
 
 
 def test_a_float8_linear_keeps_its_input_as_its_float8_copy_not_as_the_value_it_read() -> None:
-    """The MLP's down projection alone reads the gated product: a plain matmul keeps that product for its
-    weight's gradient, a float8 linear a one-byte e4m3 copy of it, charged to the product's producer as one copy;
-    the weight is kept by both."""
+    """The MLP's down projection alone reads the gated product: a plain matmul keeps it for its weight's
+    gradient as the projections it is made of (made again in backward, ``ir/rematerialize.py``), a float8
+    linear a one-byte e4m3 copy of it, charged to the product's producer as one copy; the weight is kept by
+    both."""
     captured = _captured("tiny-llama")
     down = next(captured.node(n) for n in float8_linears(captured) if "w2" in module_path(captured.node(n)))
     product, weight = view_root(down.args[0]), view_root(down.args[1])
     plain, fp8 = captured.saved_for_backward(), captured.saved_for_backward(float8_linears(captured))
-    assert plain.of(product)[0] == 1.0 and fp8.of(product)[0] == 0.0
+    assert plain.of(product)[0] == fp8.of(product)[0] == 0.0
+    assert plain.recomputed[product.name] == 1 and product.name not in fp8.recomputed
     assert plain.copies_of(product)[0] == 0.0 and fp8.copies_of(product)[0] == 1.0
     norm = view_root(next(captured.node(n) for n in float8_linears(captured)
                           if "q_proj" in module_path(captured.node(n))).args[0])

@@ -76,15 +76,16 @@ S, B, H, A, KV, FFN = 128, 2, 256, 4, 2, 1024
 def test_a_layer_saves_the_closed_form() -> None:
     """Per layer, 16-bit floats: ``14 sbh`` (the two residual sums and the two LayerNorm outputs, which the
     next ops read; rotated q; the attention output and its merged copy), ``4 sb kv`` (rotated k and v, ``kv``
-    the key-value width), ``4 sbf`` (the ReLU's output and its square), the two LayerNorms' mean and rstd
-    (``4 sb`` floats) and fused attention's log-sum-exp (``a s b`` floats). SwiGLU at the same width saves
-    ``8 sbf`` in its MLP (both projections, the SiLU and the product; SiLU captured whole), 4 sbf more."""
+    the key-value width), ``2 sbf`` (the ReLU's output: its square, which the down projection reads, is made
+    again from it in backward, ``ir/rematerialize.py``), the two LayerNorms' mean and rstd (``4 sb`` floats)
+    and fused attention's log-sum-exp (``a s b`` floats). SwiGLU at the same width saves ``4 sbf`` in its MLP
+    (both projections; the SiLU, captured whole, and the product are made again), 2 sbf more."""
     dims = dict(layers=1, hidden=H, heads=A, kv_heads=KV, seq=S, ffn_hidden=FFN, vocab=256)
     sbh, kv_sb = S * B * H, S * B * (H // A) * KV
-    expected = 14 * sbh + 4 * kv_sb + 4 * S * B * FFN + 2 * 4 * S * B + 2 * A * S * B
+    expected = 14 * sbh + 4 * kv_sb + 2 * S * B * FFN + 2 * 4 * S * B + 2 * A * S * B
     assert _layer_saved_bytes(_nemotron_style(**dims)) == expected
     swiglu_layernorm = _layer_saved_bytes({**dims, "norm": "layernorm"})
-    assert swiglu_layernorm - expected == 4 * S * B * FFN
+    assert swiglu_layernorm - expected == 2 * S * B * FFN
 
 
 def _layer_saved_bytes(overrides: dict) -> float:

@@ -27,6 +27,7 @@ from autopar.passes import Program, build_program, shard_tensor
 from autopar.passes.checkpoint import CheckpointedLayer
 from autopar.passes.insert_redistributes import as_replicated, produced_placements, redistribute
 from autopar.passes.layout import gradient_in_spec_layout, in_captured_layout
+from autopar.passes.rematerialize import recomputed_op
 from autopar.passes.reshard import ResavedParameters, gather_parameter, parameter_values
 from autopar.passes.run_locally import run_local_op
 from autopar.runtime.parallel_module import mesh_for_plan
@@ -63,7 +64,7 @@ def _read_in_place_of(captured: fx.Node, rewritten: fx.Node) -> list[tuple[fx.No
     """(captured tensor input, the node the rewritten op reads in its place) for each input of an op; a view's
     layout guards (``layout.gradient_in_spec_layout``, ``in_captured_layout``, which pass values through) seen
     through."""
-    local = rewritten.target is run_local_op  # run_locally made its args (op, mesh, outputs, layouts, *args)
+    local = recomputed_op(rewritten) is run_local_op  # run_locally made its args (op, mesh, outputs, layouts, *args)
     args = rewritten.args[4:] if local else rewritten.args
     pairs = zip(tree_leaves((captured.args, captured.kwargs)), tree_leaves((args, rewritten.kwargs)))
     return [(old, _unguarded(new)) for old, new in pairs if old in tensor_inputs(captured)]

@@ -28,6 +28,11 @@ matmul that saves its weight alone (``_KeepsWeightOnly``) and counts the copy ag
 the input is (``float8_copies``, in copies of that output: each reader makes its own), which the pricer
 charges at one byte a value in that output's placement, as the saved outputs above are charged in theirs.
 
+What the runtime makes again in backward instead of keeping (cheap pointwise values: SwiGLU's, a norm's;
+``ir/rematerialize.py``) is recorded as it runs: such a value, where an op saves it, counts as the tensors it
+is made of (its recipe's, which their own ops keep anyway), and ``recomputed`` says how often backward makes
+each again. The rule reads the savers autograd reports without recomputation; no second run is needed.
+
 An op that cannot run on the meta device (no meta kernel, data-dependent output) is assumed to save
 its outputs and its inputs that need a gradient, and the walk goes on with outputs of its recorded
 shapes, so one opaque op costs a conservative guess at its own memory, not the whole analysis.
@@ -63,6 +68,8 @@ class SavedTensors:
     # saves (a view of) one of its outputs: a recomputed op's output stays held while a saver is not recomputed
     float8_copies: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # op node -> per output, the
     # one-byte float8 copies of it float8 linears keep (in the output's numel: q, k and v reading one, 3)
+    recomputed: Mapping[str, int] = field(default_factory=dict)  # op node -> how often backward makes its
+    # output again rather than keep it (``ir/rematerialize.py``; views included): reads of it, direct or not
 
     def of(self, node: fx.Node) -> tuple[float, ...]:
         """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
@@ -111,6 +118,8 @@ class _SavedTensorRecorder(fx.Interpreter):
         self.running = ""
         self.current: fx.Node | None = None
         self.copied: list[torch.Tensor] = []  # the inputs float8 linears keep a float8 copy of
+        self.made: dict[int, str] = {}  # id of a node's one tensor output -> the node (``alive`` keeps ids unique)
+        self.inputs_of: dict[str, list[torch.Tensor]] = {}  # such a node -> its tensor inputs' values
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.packed.append((tensor, self.running))
@@ -128,6 +137,10 @@ class _SavedTensorRecorder(fx.Interpreter):
             if isinstance(value, torch.Tensor):
                 self.producer.setdefault(_storage(value), (n.name, index))
                 self.alive.append(value)
+        if isinstance(out, torch.Tensor):
+            self.made[id(out)] = n.name
+            self.inputs_of[n.name] = [v for v in self.map_nodes_to_values(n.all_input_nodes, n)
+                                      if isinstance(v, torch.Tensor)]
         return out
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -180,20 +193,22 @@ class _SavedTensorRecorder(fx.Interpreter):
         return out
 
     def result(self, captured: "CapturedGraph") -> SavedTensors:
+        from autopar.ir.rematerialize import recomputable_values  # it reads capture, whose module imports this
+
         saved: dict[str, set[int]] = defaultdict(set)
         extra: dict[str, float] = defaultdict(float)
         inputs: set[str] = set()
         parameters_kept: set[tuple[str, str]] = set()
         placeholders = {n.name for n in captured.graph.nodes if n.op == "placeholder"}
-        savers: dict[str, set[str]] = defaultdict(set)
+        recomputable = recomputable_values(captured.graph, self._savers(self.packed, placeholders))
+        packed, recomputed = self._rematerialized(recomputable)
+        savers = self._savers(packed, placeholders)
         seen: set[StorageWeakRef] = set()
-        for tensor, running in self.packed:
+        for tensor, running in packed:
             ref = _storage(tensor)
             owner = self.producer.get(ref)
             if owner is not None and owner[0] in captured.params:  # every op that keeps it, not only the first
                 parameters_kept.add((running, owner[0]))
-            if owner is not None and owner[0] not in placeholders:
-                savers[owner[0]].add(running)
             if ref in seen:
                 continue
             seen.add(ref)
@@ -208,8 +223,32 @@ class _SavedTensorRecorder(fx.Interpreter):
             if node.name in saved or node.name in extra:
                 fractions[node.name] = _fractions(node, saved[node.name], extra[node.name])
         return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque), frozenset(parameters_kept),
-                            {name: frozenset(nodes) for name, nodes in savers.items()},
-                            self._float8_copies(captured, placeholders))
+                            savers, self._float8_copies(captured, placeholders), recomputed)
+
+    def _savers(self, packed: list[tuple[torch.Tensor, str]], placeholders: set[str]) -> dict[str, frozenset[str]]:
+        """``SavedTensors.savers`` of the tensors ``packed`` (saved tensor, node that saved it)."""
+        savers: dict[str, set[str]] = defaultdict(set)
+        for tensor, running in packed:
+            owner = self.producer.get(_storage(tensor))
+            if owner is not None and owner[0] not in placeholders:
+                savers[owner[0]].add(running)
+        return {name: frozenset(nodes) for name, nodes in savers.items()}
+
+    def _rematerialized(self, recomputable: frozenset[str]) -> tuple[list[tuple[torch.Tensor, str]], dict[str, int]]:
+        """What autograd keeps with the ``recomputable`` values (``ir/rematerialize.py``) made again in
+        backward: each saved one replaced by the values it is made of, and how often each such op reruns."""
+        recomputed: dict[str, int] = defaultdict(int)
+        packed = [(leaf, running) for tensor, running in self.packed
+                  for leaf in self._made_of(tensor, recomputable, recomputed)]
+        return packed, dict(recomputed)
+
+    def _made_of(self, tensor: torch.Tensor, recomputable: frozenset[str], recomputed: dict[str, int]
+                 ) -> list[torch.Tensor]:
+        name = self.made.get(id(tensor))
+        if name not in recomputable:
+            return [tensor]
+        recomputed[name] += 1
+        return [leaf for value in self.inputs_of[name] for leaf in self._made_of(value, recomputable, recomputed)]
 
     def _float8_copies(self, captured: "CapturedGraph", placeholders: set[str]) -> dict[str, tuple[float, ...]]:
         """``SavedTensors.float8_copies``: each copied input counted against its storage's producer, as the share

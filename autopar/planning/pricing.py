@@ -131,7 +131,8 @@ class Kernel(NamedTuple):
     flops: float
     moved: float  # HBM bytes
     kind: str  # ``cost_models.compute`` op kind
-    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs
+    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs (with the forward run again
+    # where backward makes its output again: ``SavedTensors.recomputed``)
     float8: Float8Work | None = None  # a float8 linear's scaled operands: its products run at the FP8 rate
 
 
@@ -349,13 +350,14 @@ class Pricer:
 
     # ---- nodes -------------------------------------------------------------------------------
     def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], saved: Sequence[float],
-             views: Sequence[float | None] = (), float8_copies: Sequence[float] = ()) -> Cost:
+             views: Sequence[float | None] = (), float8_copies: Sequence[float] = (), recomputed: int = 0) -> Cost:
         """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``);
         ``saved``: per output, the share of its bytes autograd keeps for backward (``SavedTensors.of``),
         which is the activation memory the op holds until its backward runs; ``views``: per tensor
         input, for an activation read through a view, its share of the partial-gradient reduction
         (``gradient_collectives``), else None; ``float8_copies``: per output, the one-byte copies of it float8
-        linears keep (``SavedTensors.copies_of``), held as long."""
+        linears keep (``SavedTensors.copies_of``), held as long; ``recomputed``: how often backward runs its
+        forward kernel again to make its output rather than keep it (``SavedTensors.recomputed``)."""
         cost = Cost()
         if getattr(node.target, "is_view", False):
             # a view moves no data and its memory is its base's, but the runtime dispatches it
@@ -367,7 +369,7 @@ class Pricer:
         float8 = self._float8_work(node, strategy, grad_kinds)
         moved = self._bytes_moved(node, strategy, float8)
         cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy, float8 is not None),
-                             backward_ratio(node, grad_kinds), float8)
+                             backward_ratio(node, grad_kinds) + recomputed, float8)
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]

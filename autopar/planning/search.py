@@ -24,10 +24,12 @@ batch and sequence dims and the resharding prices of the first (``_shared_with_e
 ZeRO does not change.
 Where the parameters' state replicated over dp cannot fit a device at all (``must_shard_parameters``), or
 memory refuses the fewest microbatch count without recomputation (``fewest_count_refused``), ZeRO-1 is
-searched first and the search without it second, against ZeRO-1's step time: a mesh whose search without
-ZeRO the cutoff prunes is then not left untried under ZeRO-1. (Where memory is not that tight, a mesh
-pruned without ZeRO is still not tried under it: trying every such mesh costs 1.7 times the search time,
-48 s against 28 in one process for Llama 3 70B on 1,024 GPUs, to the same plan.)
+searched first and the search without it second, against ZeRO-1's step time. Elsewhere a mesh whose search
+without ZeRO the cutoff prunes is searched under ZeRO-1 as well, against the same cutoff: the bound that
+pruned it holds for plans without ZeRO only, and ZeRO-1's own bound prunes it again where it cannot win
+either. (Llama 3 405B on 16,384 H100s: pp 16 x dp 128 x tp 8 fits its fewest count without ZeRO, is
+pruned there, and under ZeRO-1 runs 5.60 s a step, where the search without this retry chose pp 8 x dp 256
+x tp 8 at 6.03 s; planning took 6.5 s against 7.4, the better cutoff pruning more.)
 Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fit, or it recomputes),
 the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
 splitting every sequence divides the activations, for the gathers of keys and values.
@@ -241,12 +243,11 @@ def _distributed_optimizer_may_help(search: "_MeshSearch", mesh: MeshChoice,
     microbatches run, or more model chunks a device, without sharding parameters. (Mixtral 8x7B on 64 H100s: pp4
     x dp2 x ep4 x tp2 ran 32 microbatches of 1 sample, 2 chunks a device, 3,575 ms, without ZeRO; under ZeRO-1
     16 of 2, 4 chunks, 3,407 ms, the search's winner, where pp4 x dp8 x tp2 had won at 3,504 ms. Llama 3 8B, 70B
-    and 405B keep their plans.) A mesh pruned by the cutoff is not retried, though its bound holds for the plans
-    without ZeRO only (ZeRO-1 frees memory): the gap the module docstring states, closed where memory is tight
-    by searching ZeRO-1 first (``must_shard_parameters``, ``fewest_count_refused``)."""
-    if not _zero_one_applies(search, mesh) or isinstance(found, MeshChoice):
+    and 405B keep their plans.) Or the cutoff pruned it: its bound holds for the plans without ZeRO only
+    (ZeRO-1 frees memory), so ZeRO-1 is tried against the same cutoff (the module doc)."""
+    if not _zero_one_applies(search, mesh):
         return False
-    return (isinstance(found, str) or found.checkpointing != "none" or search.microbatches_raised
+    return (isinstance(found, (str, MeshChoice)) or found.checkpointing != "none" or search.microbatches_raised
             or search.shards_parameters_over_data_dims(found))
 
 

@@ -1,0 +1,177 @@
+"""Recompute in backward the cheap pointwise values ``autopar/ir/rematerialize.py`` names, rather than keep them.
+
+Which values: ``SavedTensors.recomputed`` (the rule and why are in ``ir/rematerialize.py``: SwiGLU's
+``silu(gate)`` and its product with ``up``, a norm's normalized input, their views), the memory the
+planner priced. How, in the two runtimes:
+
+* **DTensor program** (eager autograd): each such node runs through ``Remembered``, which records its
+  output with the op and arguments that made it; ``Rematerialized`` runs the program under
+  ``torch.autograd.graph.saved_tensors_hooks``: when autograd saves a recorded output (the tensor itself,
+  as the op returned it), pack keeps its recipe instead, the arguments packed in turn (a recorded one as its
+  own recipe, any other as the enclosing hooks pack it: a gathered parameter as its shard, ``reshard.py``),
+  and unpack, in backward, runs the op again. Inside a layer that activation checkpointing recomputes,
+  ``torch.utils.checkpoint``'s hooks take precedence (autograd uses the innermost), and the layer's own
+  recomputation makes the value again, as the pricer assumes for such layers.
+* **Lowered program** (AOT autograd's joint graph, ``lower.py``): hooks cannot run in a trace, so
+  ``Remembered`` marks the ops it traces (``torch.fx.traceback.annotate``); the partition tags the marked
+  forward ops ``MUST_RECOMPUTE`` (``tag_recomputed``), and AOT autograd's partitioner saves their inputs and
+  recomputes them in the backward graph.
+
+Where we diverge from ``torch.utils.checkpoint`` (which would also recompute): it keeps a region's inputs and
+reruns the whole region once per backward; a region here would be each saved value's own chain of one to
+``MAX_CHAIN`` ops, recorded as they run, with no region boundaries to draw in the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator
+
+import torch
+from torch import fx, nn
+from torch.fx import traceback as fx_traceback
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils._pytree import tree_map
+
+from autopar.ir.capture import is_view
+
+from .reshard import enclosing_hooks
+
+RECOMPUTED = "autopar_recomputed"
+"""The ``torch.fx.traceback.annotate`` key ``Remembered`` marks a traced op with (``tag_recomputed`` reads it)."""
+_ACTIVE: list["RecomputedValues"] = []
+"""The hooks of the program running forward now (innermost last); ``Remembered`` records there."""
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A tensor argument of a recipe, as the hooks packed it."""
+
+    saved: Any
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How to make a value again: its op, and its arguments as packed (``RecomputedValues.pack``)."""
+
+    op: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class RecomputedValues:
+    """Pack and unpack hooks that keep a recorded value as its recipe and make it again in backward."""
+
+    def __init__(self, outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+                 ) -> None:
+        self._made: dict[int, tuple[weakref.ref, Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = {}
+        self._outer = outer  # the enclosing (pack, unpack) hooks, for every other saved tensor
+        self.recomputed = 0  # ops run again in backward (for tests and reports)
+
+    def remember(self, value: torch.Tensor, op: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        key = id(value)
+        self._made[key] = (weakref.ref(value, lambda _: self._made.pop(key, None)), op, args, kwargs)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        entry = self._made.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return self._outer[0](tensor) if self._outer else tensor
+        _, op, args, kwargs = entry
+        return _Recipe(op, tree_map(self._pack_argument, args), tree_map(self._pack_argument, kwargs))
+
+    def _pack_argument(self, value: Any) -> Any:
+        return _Packed(self.pack(value)) if isinstance(value, torch.Tensor) else value
+
+    def unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _Recipe):
+            return self._outer[1](saved) if self._outer else saved
+        args, kwargs = tree_map(self._unpack_argument, saved.args), tree_map(self._unpack_argument, saved.kwargs)
+        with torch.no_grad():
+            value = saved.op(*args, **kwargs)
+        self.recomputed += 1
+        return value
+
+    def _unpack_argument(self, value: Any) -> Any:
+        return self.unpack(value.saved) if isinstance(value, _Packed) else value
+
+    @classmethod
+    def active(cls) -> "RecomputedValues | None":
+        return _ACTIVE[-1] if _ACTIVE else None
+
+
+class Remembered:
+    """A program node's target ``op``, its output recorded with how it was made for the hooks running the
+    program (the module doc) and its traced ops marked for the lowered program's partition."""
+
+    def __init__(self, op: Callable[..., Any]):
+        self.op = op
+        self.__name__ = f"remembered_{getattr(op, '__name__', type(op).__name__)}".replace(".", "_")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with fx_traceback.annotate({RECOMPUTED: True}):
+            value = self.op(*args, **kwargs)
+        hooks = RecomputedValues.active()
+        if hooks is not None and isinstance(value, torch.Tensor):
+            hooks.remember(value, self.op, args, kwargs)
+        return value
+
+
+def recompute_in_backward(gm: fx.GraphModule, names: Collection[str]) -> int:
+    """Make ``gm``'s nodes named in ``names`` (``SavedTensors.recomputed``) run through ``Remembered``, in
+    place; returns how many. Run the result under ``Rematerialized``."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.name in names:
+            node.target = Remembered(node.target)
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def recomputed_op(node: fx.Node) -> Any:
+    """The callable a program node runs, through ``Remembered``."""
+    return node.target.op if isinstance(node.target, Remembered) else node.target
+
+
+class Rematerialized(nn.Module):
+    """A program whose recorded values are made again in backward rather than kept (the module doc)."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.program = program
+        self.last = RecomputedValues()
+
+    def forward(self, *args: Any) -> Any:
+        self.last = RecomputedValues(enclosing_hooks())
+        with _recording(self.last), torch.autograd.graph.saved_tensors_hooks(self.last.pack, self.last.unpack):
+            return self.program(*args)
+
+
+def tag_recomputed(joint: fx.GraphModule) -> int:
+    """Tag the forward ops of AOT autograd's ``joint`` graph that ``Remembered`` marked ``MUST_RECOMPUTE``
+    (the lowered program's partition), and the views of their outputs (the trace views a DTensor's local
+    tensor as it wraps it, outside the marked op); returns how many. Backward ops traced from a marked op
+    carry the mark too: only ops no tangent reaches are forward ones."""
+    backward = {node for node in joint.graph.nodes if node.op == "placeholder" and node.name.startswith("tangents")}
+    tagged: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        if any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+        elif node.op == "call_function" and (node.meta.get("custom", {}).get(RECOMPUTED)
+                                             or (is_view(node) and node.all_input_nodes[0] in tagged)):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged.add(node)
+    return len(tagged)
+
+
+@contextlib.contextmanager
+def _recording(hooks: RecomputedValues) -> Iterator[None]:
+    _ACTIVE.append(hooks)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
