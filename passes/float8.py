@@ -24,18 +24,21 @@ does, which the parity tests check (Megatron-Core also reduces its amaxes across
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Collection, Mapping
 
 import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.ir.float8 import LINEAR_OPS, weight_first
+from autopar.ir.float8 import LINEAR_OPS, activation_key, weight_first
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 AMAX_FLOOR = 1e-12
 """The least absolute maximum a scale is taken from: an all-zero tensor scales by a finite number."""
+_CASTS: dict[int, tuple[weakref.ref, tuple[torch.Tensor, torch.Tensor]]] = {}
+"""id of an activation -> (a weak reference to it, its ``cast_e4m3``), while it lives (``cast_once``)."""
 
 
 def run_in_float8(program: fx.GraphModule, linears: Collection[str], kinds: Mapping[str, str]) -> int:
@@ -43,14 +46,31 @@ def run_in_float8(program: fx.GraphModule, linears: Collection[str], kinds: Mapp
     told which operand is its weight (``ir/float8.weight_first`` by ``kinds``, ``CapturedGraph.gradient_kinds``);
     returns how many."""
     rewritten = 0
+    readers: dict[tuple[object, ...], fx.Node] = {}  # activation_key -> the node the first such linear reads
     for node in program.graph.nodes:
         if node.name in linears and node.target in LINEAR_OPS:
-            node.kwargs = {"weight_first": weight_first(node, kinds)}
+            first = weight_first(node, kinds)
+            _read_as_before(node, readers.setdefault(activation_key(node, first), _activation(node, first)), first)
+            node.kwargs = {"weight_first": first}
             node.target = float8_addmm if node.target is torch.ops.aten.addmm.default else float8_mm
             rewritten += 1
     if rewritten:
         program.recompile()
     return rewritten
+
+
+def _activation(node: fx.Node, first: bool) -> fx.Node:
+    return node.args[LINEAR_OPS[node.target][1 if first else 0]]
+
+
+def _read_as_before(node: fx.Node, earlier: fx.Node, first: bool) -> None:
+    """Make ``node`` read its activation as ``earlier`` (the same view of the same value an earlier float8
+    linear reads), so one tensor reaches both and ``cast_once`` casts it once."""
+    mine = _activation(node, first)
+    if mine is not earlier:
+        node.replace_input_with(mine, earlier)
+        if not mine.users:
+            node.graph.erase_node(mine)
 
 
 def float8_mm(a: torch.Tensor, b: torch.Tensor, weight_first: bool = False) -> torch.Tensor:
@@ -78,8 +98,7 @@ class Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, weight_first: bool) -> torch.Tensor:
-        scale_a, scale_b = tensorwise_scale(a, E4M3), tensorwise_scale(b, E4M3)
-        a8, b8 = as_float8(a, scale_a, E4M3), as_float8(b, scale_b, E4M3)
+        (scale_a, a8), (scale_b, b8) = (cast_e4m3(a), cast_once(b)) if weight_first else (cast_once(a), cast_e4m3(b))
         weight, activation8 = (a, b8) if weight_first else (b, a8)
         weight_needs_grad = ctx.needs_input_grad[0 if weight_first else 1]
         ctx.weight_first, ctx.out_dtypes = weight_first, (a.dtype, b.dtype)
@@ -99,6 +118,25 @@ class Float8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_b = scaled_matmul(a8.t(), scale_a, grad8, scale_g, ctx.out_dtypes[1])
         return grad_a, grad_b, None
+
+
+def cast_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, e4m3 copy) of ``x``, scaled tensorwise."""
+    scale = tensorwise_scale(x, E4M3)
+    return scale, as_float8(x, scale, E4M3)
+
+
+def cast_once(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cast_e4m3`` of a float8 linear's activation, made once for every float8 linear reading the same
+    tensor while it lives (q, k and v, which ``run_in_float8`` makes read one view): one amax, one cast, one
+    e4m3 copy kept for their backward (the same one, so no more memory than one linear's)."""
+    key = id(x)
+    entry = _CASTS.get(key)
+    if entry is not None and entry[0]() is x:
+        return entry[1]
+    made = cast_e4m3(x)
+    _CASTS[key] = (weakref.ref(x, lambda _: _CASTS.pop(key, None)), made)
+    return made
 
 
 def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

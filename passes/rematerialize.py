@@ -52,13 +52,26 @@ class _Packed:
     saved: Any
 
 
-@dataclass(frozen=True)
 class _Recipe:
-    """How to make a value again: its op, and its arguments as packed (``RecomputedValues.pack``)."""
+    """How to make a value again: its op, and its arguments as packed (``RecomputedValues.pack``). One for all
+    the saved references to the value: made once, at the first of them backward reads, and kept until the last
+    (``pending``) has been read (q, k and v's matmuls keep one normed input)."""
 
+    def __init__(self, op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.op, self.args, self.kwargs = op, args, kwargs
+        self.pending = 0  # saved references not yet read by backward
+        self.value: Any = None  # made and not yet read by every reference
+
+
+@dataclass
+class _Made:
+    """A recorded value (weakly, to tell a reused id apart), what made it, and its recipe once saved."""
+
+    value: "weakref.ref[torch.Tensor]"
     op: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    recipe: _Recipe | None = None
 
 
 class RecomputedValues:
@@ -66,21 +79,24 @@ class RecomputedValues:
 
     def __init__(self, outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
                  ) -> None:
-        self._made: dict[int, tuple[weakref.ref, Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = {}
+        self._made: dict[int, _Made] = {}
         self._outer = outer  # the enclosing (pack, unpack) hooks, for every other saved tensor
         self.recomputed = 0  # ops run again in backward (for tests and reports)
 
     def remember(self, value: torch.Tensor, op: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
         key = id(value)
-        self._made[key] = (weakref.ref(value, lambda _: self._made.pop(key, None)), op, args, kwargs)
+        self._made[key] = _Made(weakref.ref(value, lambda _: self._made.pop(key, None)), op, args, kwargs)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        entry = self._made.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
+        made = self._made.get(id(tensor))
+        if made is None or made.value() is not tensor:
             return self._outer[0](tensor) if self._outer else tensor
-        _, op, args, kwargs = entry
-        return _Recipe(op, tree_map(self._pack_argument, args), tree_map(self._pack_argument, kwargs))
+        if made.recipe is None:
+            made.recipe = _Recipe(made.op, tree_map(self._pack_argument, made.args),
+                                  tree_map(self._pack_argument, made.kwargs))
+        made.recipe.pending += 1
+        return made.recipe
 
     def _pack_argument(self, value: Any) -> Any:
         return _Packed(self.pack(value)) if isinstance(value, torch.Tensor) else value
@@ -88,10 +104,14 @@ class RecomputedValues:
     def unpack(self, saved: Any) -> Any:
         if not isinstance(saved, _Recipe):
             return self._outer[1](saved) if self._outer else saved
-        args, kwargs = tree_map(self._unpack_argument, saved.args), tree_map(self._unpack_argument, saved.kwargs)
-        with torch.no_grad():
-            value = saved.op(*args, **kwargs)
-        self.recomputed += 1
+        if saved.value is None:
+            args, kwargs = tree_map(self._unpack_argument, saved.args), tree_map(self._unpack_argument, saved.kwargs)
+            with torch.no_grad():
+                saved.value = saved.op(*args, **kwargs)
+            self.recomputed += 1
+        value, saved.pending = saved.value, saved.pending - 1
+        if saved.pending <= 0:
+            saved.value = None
         return value
 
     def _unpack_argument(self, value: Any) -> Any:

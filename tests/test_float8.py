@@ -10,6 +10,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from torch import fx
 
 from cli_runner import run_cli
 import autopar
@@ -21,9 +22,10 @@ from autopar.core.errors import BadInputError, PlanFormatError
 from autopar.core.plan import Plan
 from autopar.cost_models import parse_cluster
 from autopar.ir.capture import capture, module_path, view_root
-from autopar.ir.float8 import float8_linears, float8_weights
+from autopar.ir.float8 import float8_linears, float8_weights, reused_casts
 from autopar.models import build_model
 from autopar.passes import float8 as f8
+from autopar.passes.program import copy_graph
 from autopar.planning.meshes import MeshChoice
 from autopar.planning.roles import pricer_for
 from autopar.planning.strategies import Strategy
@@ -121,6 +123,32 @@ def test_a_float8_linear_reduces_the_amax_of_each_split_operand_once_a_microbatc
     assert cost.kernel.float8 is not None and plain_cost.kernel.float8 is None
 
 
+def test_linears_reading_one_input_cast_it_once_and_are_priced_so() -> None:
+    """q, k and v read one normed input, w1 and w3 another, each through its own view: the program makes them
+    read one view, the first casts it (one amax, one e4m3 copy) and the others read that cast; the pricer
+    charges the others no activation amax, cast or all_reduce (a query, key or value projection under
+    data parallelism over 8: the key's forward all_reduce is its weight's alone, which is whole: none)."""
+    captured = _captured("tiny-llama")
+    reused = reused_casts(captured)
+    projections = {module_path(captured.node(n)).rsplit(".", 1)[-1] for n in reused}
+    assert projections == {"k_proj", "v_proj", "w3"} and len(reused) == 3 * 2  # two layers
+    key = next(captured.node(n) for n in sorted(reused) if "k_proj" in module_path(captured.node(n)))
+    kinds = [captured.gradient_kinds()[a.name] for a in key.all_input_nodes]
+    split = Strategy(inputs=((Shard(0),), (Replicate(),)), outputs=((Shard(0),),))
+    mesh, cluster = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1), parse_cluster("1x8xH100")
+    fp8 = pricer_for(cluster, mesh, "bf16", Constraints.parse("fp8=tensorwise"), captured)
+    assert [c.phase for c in fp8.amax_collectives(key, split)] == ["backward"]
+    cost = fp8.node(key, split, kinds, [1.0])
+    assert not cost.kernel.float8.casts_activation and cost.forward_comm_s.get("all_reduce", 0.0) == 0.0
+    program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
+    assert f8.run_in_float8(program, float8_linears(captured), captured.gradient_kinds()) == len(float8_linears(captured))
+    nodes = {n.name: n for n in program.graph.nodes}
+    attention = [nodes[n] for n in sorted(float8_linears(captured))
+                 if module_path(captured.node(n)).startswith("blocks.0.attn.") and "o_proj" not in
+                 module_path(captured.node(n))]
+    assert len(attention) == 3 and len({n.args[0] for n in attention}) == 1  # one view of the normed input
+
+
 def test_a_float8_linear_keeps_its_input_as_its_float8_copy_not_as_the_value_it_read() -> None:
     """The MLP's down projection alone reads the gated product: a plain matmul keeps it for its weight's
     gradient as the projections it is made of (made again in backward, ``ir/rematerialize.py``), a float8
@@ -131,11 +159,11 @@ def test_a_float8_linear_keeps_its_input_as_its_float8_copy_not_as_the_value_it_
     product, weight = view_root(down.args[0]), view_root(down.args[1])
     plain, fp8 = captured.saved_for_backward(), captured.saved_for_backward(float8_linears(captured))
     assert plain.of(product)[0] == fp8.of(product)[0] == 0.0
-    assert plain.recomputed[product.name] == 1 and product.name not in fp8.recomputed
+    assert product.name in plain.recomputed and product.name not in fp8.recomputed
     assert plain.copies_of(product)[0] == 0.0 and fp8.copies_of(product)[0] == 1.0
     norm = view_root(next(captured.node(n) for n in float8_linears(captured)
                           if "q_proj" in module_path(captured.node(n))).args[0])
-    assert fp8.copies_of(norm)[0] == 3.0  # q, k and v each keep their own
+    assert fp8.copies_of(norm)[0] == 1.0  # q, k and v keep one (``passes/float8.cast_once``)
     assert weight.name in captured.params
     assert (down.name, weight.name) in plain.parameters_kept and (down.name, weight.name) in fp8.parameters_kept
 

@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import fx
 
-from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph, layer_of, view_root
+from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph, is_view, layer_of, view_root
 
 _aten = torch.ops.aten
 LINEAR_OPS = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2)}
@@ -62,6 +62,35 @@ def weight_slot(node: fx.Node, kinds: dict[str, str]) -> int | None:
 def weight_first(node: fx.Node, kinds: dict[str, str]) -> bool:
     """Whether a float8 linear's weight is its first matrix operand (``mm(w, x)``), not its second."""
     return weight_slot(node, kinds) == LINEAR_OPS[node.target][0]
+
+
+def activation_key(node: fx.Node, weight_first: bool) -> tuple[object, ...]:
+    """The tensor a float8 linear's activation operand is (its weight first or not): a view as its op, the
+    value it views and its arguments, anything else by name. Linears with one key read one tensor (q, k and
+    v one normed input, each through its own ``view``), which the runtime casts to e4m3 once for all of them
+    (``passes/float8.py``), as Transformer Engine's fused QKV projection does."""
+    arg = node.args[LINEAR_OPS[node.target][1 if weight_first else 0]]
+    if isinstance(arg, fx.Node) and is_view(arg):
+        return (arg.target, repr(arg.args), repr(arg.kwargs))
+    return (arg.name if isinstance(arg, fx.Node) else repr(arg),)
+
+
+def reused_casts(captured: CapturedGraph) -> dict[str, int]:
+    """The float8 linears whose activation an earlier one (in graph order) reads too (``activation_key``),
+    each with the ``args`` slot of that operand: the earlier linear casts it, its amax and its e4m3 copy, and
+    these read that copy, so they are priced neither (``planning/pricing.py``) nor keep one of their own
+    (``ir/saved_tensors.py``)."""
+    kinds, linears = captured.gradient_kinds(), float8_linears(captured)
+    seen: set[tuple[object, ...]] = set()
+    reused: dict[str, int] = {}
+    for node in captured.graph.nodes:
+        if node.name in linears:
+            first = weight_first(node, kinds)
+            key = activation_key(node, first)
+            if key in seen:
+                reused[node.name] = LINEAR_OPS[node.target][1 if first else 0]
+            seen.add(key)
+    return reused
 
 
 def _is_float8_linear(node: fx.Node, kinds: dict[str, str]) -> bool:

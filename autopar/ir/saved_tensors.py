@@ -25,13 +25,14 @@ as that paper notes it does with fused attention.
 Float8 linears (``float8``, under a float8 plan; ``ir/float8.py``) keep their weight as they read it and
 their input as a one-byte float8 copy they make (``passes/float8.Float8Matmul``): the recorder runs them as a
 matmul that saves its weight alone (``_KeepsWeightOnly``) and counts the copy against the node whose output
-the input is (``float8_copies``, in copies of that output: each reader makes its own), which the pricer
+the input is (``float8_copies``, in copies of that output: one for all the readers of one tensor, q, k and v
+of one normed input, ``ir/float8.activation_key``), which the pricer
 charges at one byte a value in that output's placement, as the saved outputs above are charged in theirs.
 
 What the runtime makes again in backward instead of keeping (cheap pointwise values: SwiGLU's, a norm's;
 ``ir/rematerialize.py``) is recorded as it runs: such a value, where an op saves it, counts as the tensors it
 is made of (its recipe's, which their own ops keep anyway), and ``recomputed`` says how often backward makes
-each again. The rule reads the savers autograd reports without recomputation; no second run is needed.
+each again (once: its readers share what is made, ``passes/rematerialize.py``). The rule reads the savers autograd reports without recomputation; no second run is needed.
 
 An op that cannot run on the meta device (no meta kernel, data-dependent output) is assumed to save
 its outputs and its inputs that need a gradient, and the walk goes on with outputs of its recorded
@@ -68,8 +69,8 @@ class SavedTensors:
     # saves (a view of) one of its outputs: a recomputed op's output stays held while a saver is not recomputed
     float8_copies: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # op node -> per output, the
     # one-byte float8 copies of it float8 linears keep (in the output's numel: q, k and v reading one, 3)
-    recomputed: Mapping[str, int] = field(default_factory=dict)  # op node -> how often backward makes its
-    # output again rather than keep it (``ir/rematerialize.py``; views included): reads of it, direct or not
+    recomputed: frozenset[str] = frozenset()  # op nodes whose output backward makes again rather than keep it
+    # (``ir/rematerialize.py``; views included), once for all its readers
 
     def of(self, node: fx.Node) -> tuple[float, ...]:
         """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
@@ -118,6 +119,7 @@ class _SavedTensorRecorder(fx.Interpreter):
         self.running = ""
         self.current: fx.Node | None = None
         self.copied: list[torch.Tensor] = []  # the inputs float8 linears keep a float8 copy of
+        self.cast: set[tuple[object, ...]] = set()  # their ``ir/float8.activation_key``s
         self.made: dict[int, str] = {}  # id of a node's one tensor output -> the node (``alive`` keeps ids unique)
         self.inputs_of: dict[str, list[torch.Tensor]] = {}  # such a node -> its tensor inputs' values
 
@@ -164,11 +166,14 @@ class _SavedTensorRecorder(fx.Interpreter):
 
     def _float8_linear(self, target: Any, args: tuple) -> torch.Tensor:
         """A float8 linear's product, autograd keeping its weight alone (its input's copy is the pricer's)."""
-        from autopar.ir.float8 import LINEAR_OPS, weight_first  # it reads CapturedGraph, whose module imports this
+        from autopar.ir.float8 import LINEAR_OPS, activation_key, weight_first  # they read CapturedGraph, whose
+        # module imports this
 
         slots, first = LINEAR_OPS[target], weight_first(self.current, self.kinds)
         weight, activation = (args[slots[0]], args[slots[1]]) if first else (args[slots[1]], args[slots[0]])
-        if weight.requires_grad:  # the weight's gradient reads the input's copy
+        key = activation_key(self.current, first)
+        if weight.requires_grad and key not in self.cast:  # the weight's gradient reads the input's copy, one for
+            self.cast.add(key)  # every linear reading the same tensor (``passes/float8.cast_once``)
             self.copied.append(activation)
         product = _KeepsWeightOnly.apply(args[slots[0]], args[slots[1]], first)
         return product + args[0] if target is torch.ops.aten.addmm.default else product
@@ -234,20 +239,20 @@ class _SavedTensorRecorder(fx.Interpreter):
                 savers[owner[0]].add(running)
         return {name: frozenset(nodes) for name, nodes in savers.items()}
 
-    def _rematerialized(self, recomputable: frozenset[str]) -> tuple[list[tuple[torch.Tensor, str]], dict[str, int]]:
+    def _rematerialized(self, recomputable: frozenset[str]) -> tuple[list[tuple[torch.Tensor, str]], frozenset[str]]:
         """What autograd keeps with the ``recomputable`` values (``ir/rematerialize.py``) made again in
-        backward: each saved one replaced by the values it is made of, and how often each such op reruns."""
-        recomputed: dict[str, int] = defaultdict(int)
+        backward: each saved one replaced by the values it is made of, and the ops that run again."""
+        recomputed: set[str] = set()
         packed = [(leaf, running) for tensor, running in self.packed
                   for leaf in self._made_of(tensor, recomputable, recomputed)]
-        return packed, dict(recomputed)
+        return packed, frozenset(recomputed)
 
-    def _made_of(self, tensor: torch.Tensor, recomputable: frozenset[str], recomputed: dict[str, int]
+    def _made_of(self, tensor: torch.Tensor, recomputable: frozenset[str], recomputed: set[str]
                  ) -> list[torch.Tensor]:
         name = self.made.get(id(tensor))
         if name not in recomputable:
             return [tensor]
-        recomputed[name] += 1
+        recomputed.add(name)
         return [leaf for value in self.inputs_of[name] for leaf in self._made_of(value, recomputable, recomputed)]
 
     def _float8_copies(self, captured: "CapturedGraph", placeholders: set[str]) -> dict[str, tuple[float, ...]]:

@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, NamedTuple, Sequence, TypeVar
+from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import fx
@@ -123,6 +123,7 @@ class Float8Work(NamedTuple):
     activation: float
     weight: float
     output: float
+    casts_activation: bool = True  # False where an earlier float8 linear cast the same tensor (``ir/float8.reused_casts``)
 
 
 class Kernel(NamedTuple):
@@ -229,10 +230,12 @@ class Pricer:
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
                  zero_stage: int = 0, zero_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
                  runtime: str = DTENSOR, master_dtype: str = "fp32", fp8: str | None = None,
-                 float8: frozenset[str] = frozenset()):
+                 float8: frozenset[str] = frozenset(), float8_reused: Mapping[str, int] | None = None):
         self.cluster = dispatched_by(cluster, runtime)
         self.fp8 = fp8  # the float8 recipe (core.plan.Precision.fp8), None without
         self.float8 = float8  # under it, the float8 linears' node names (``ir/float8.float8_linears``)
+        self.float8_reused = float8_reused or {}  # those reading an earlier one's cast, by the activation's slot
+        # (``ir/float8.reused_casts``)
         self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
@@ -316,8 +319,9 @@ class Pricer:
             return 0.0
         wide = _DTYPE_BYTES[self.dtype]
         activation, output = work.activation / m, work.output / m
-        if forward:  # an amax and a cast of each operand
-            passes = [(activation, wide), (activation, wide + 1), (work.weight, wide), (work.weight, wide + 1)]
+        if forward:  # an amax and a cast of each operand (of the activation, once for the linears reading it)
+            passes = [(work.weight, wide), (work.weight, wide + 1)]
+            passes += [(activation, wide), (activation, wide + 1)] if work.casts_activation else []
         else:  # an amax and a cast of the output's gradient, the weight cast again with its forward scale
             passes = [(output, wide), (output, wide + 1), (work.weight, wide + 1)]
         device = self.cluster.device
@@ -350,14 +354,14 @@ class Pricer:
 
     # ---- nodes -------------------------------------------------------------------------------
     def node(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], saved: Sequence[float],
-             views: Sequence[float | None] = (), float8_copies: Sequence[float] = (), recomputed: int = 0) -> Cost:
+             views: Sequence[float | None] = (), float8_copies: Sequence[float] = (), recomputed: bool = False) -> Cost:
         """``grad_kinds``: per tensor input, ``param``/``activation``/``none`` (``CapturedGraph.gradient_kinds``);
         ``saved``: per output, the share of its bytes autograd keeps for backward (``SavedTensors.of``),
         which is the activation memory the op holds until its backward runs; ``views``: per tensor
         input, for an activation read through a view, its share of the partial-gradient reduction
         (``gradient_collectives``), else None; ``float8_copies``: per output, the one-byte copies of it float8
-        linears keep (``SavedTensors.copies_of``), held as long; ``recomputed``: how often backward runs its
-        forward kernel again to make its output rather than keep it (``SavedTensors.recomputed``)."""
+        linears keep (``SavedTensors.copies_of``), held as long; ``recomputed``: backward runs its forward kernel
+        again, once, to make its output rather than keep it (``SavedTensors.recomputed``)."""
         cost = Cost()
         if getattr(node.target, "is_view", False):
             # a view moves no data and its memory is its base's, but the runtime dispatches it
@@ -369,7 +373,7 @@ class Pricer:
         float8 = self._float8_work(node, strategy, grad_kinds)
         moved = self._bytes_moved(node, strategy, float8)
         cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy, float8 is not None),
-                             backward_ratio(node, grad_kinds) + recomputed, float8)
+                             backward_ratio(node, grad_kinds) + int(recomputed), float8)
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
@@ -396,7 +400,8 @@ class Pricer:
         inputs = tensor_inputs(node)
         numel = {grad_kinds[i] in WEIGHT_KINDS: self.local_numel(inputs[i].meta["val"], strategy.inputs[i])
                  for i in slots}
-        return Float8Work(numel[False], numel[True], self.local_numel(node.meta["val"], strategy.outputs[0]))
+        return Float8Work(numel[False], numel[True], self.local_numel(node.meta["val"], strategy.outputs[0]),
+                          node.name not in self.float8_reused)
 
     def _charge_amax_reductions(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:
         """A float8 linear's amax all_reduces (``amax_collectives``) on the critical path, rerun every
@@ -416,8 +421,9 @@ class Pricer:
         if node.name not in self.float8:
             return []
         slots, whole = _MATMUL_OPERANDS[node.target.overloadpacket], tuple(Replicate() for _ in self.mesh_shape)
+        scaled = [i for i in slots if i != self.float8_reused.get(node.name)]  # an activation cast before: not again
         forward = [Collective("all_reduce", "forward", AMAX_BYTES, dim, whole, slot=i)
-                   for i in slots for dim, p in enumerate(strategy.inputs[i]) if p.is_shard()]
+                   for i in scaled for dim, p in enumerate(strategy.inputs[i]) if p.is_shard()]
         backward = [Collective("all_reduce", "backward", AMAX_BYTES, dim, whole)
                     for dim, p in enumerate(strategy.outputs[0] or ()) if p.is_shard()]
         return forward + backward

@@ -597,7 +597,7 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
     kept = captured.saved_for_backward(pricer.float8)
     saved, copies = kept.of(node), kept.copies_of(node)
     views = read_through_views(node, grad_kinds)
-    recomputed = kept.recomputed.get(node.name, 0)
+    recomputed = node.name in kept.recomputed
     return [Option(s, pricer.node(node, s, grad_kinds, saved, views, copies, recomputed),
                    pricer.grad_partial_dims(node, s, grad_kinds, views)) for s in allowed]
 
