@@ -132,9 +132,10 @@ class Kernel(NamedTuple):
     flops: float
     moved: float  # HBM bytes
     kind: str  # ``cost_models.compute`` op kind
-    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs (with the forward run again
-    # where backward makes its output again: ``SavedTensors.recomputed``)
+    backward_ratio: float = MATMUL_BACKWARD_RATIO  # backward FLOPs / forward FLOPs
     float8: Float8Work | None = None  # a float8 linear's scaled operands: its products run at the FP8 rate
+    remade: bool = False  # backward runs the forward once more, to make the output it did not keep
+    # (``SavedTensors.recomputed``)
 
 
 @dataclass
@@ -303,8 +304,10 @@ class Pricer:
     def backward_time(self, kernel: Kernel, m: int = 1) -> float:
         """Backward seconds of a kernel run once per microbatch, m times: ``backward_ratio`` (2 for a
         matmul) times its forward kernel, priced as its backward runs (``cost_models.backward_kind``:
-        fused attention's backward kernel at its own efficiency)."""
+        fused attention's backward kernel at its own efficiency), and the forward again where backward makes
+        the output it did not keep (``Kernel.remade``)."""
         return (kernel.backward_ratio * self._runs_time(kernel, m, backward_kind(kernel.kind))
+                + (self._runs_time(kernel, m, kernel.kind) if kernel.remade else 0.0)
                 + self._scaling_time(kernel, m, forward=False))
 
     def _runs_time(self, kernel: Kernel, m: int, kind: str) -> float:
@@ -373,7 +376,7 @@ class Pricer:
         float8 = self._float8_work(node, strategy, grad_kinds)
         moved = self._bytes_moved(node, strategy, float8)
         cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy, float8 is not None),
-                             backward_ratio(node, grad_kinds) + int(recomputed), float8)
+                             backward_ratio(node, grad_kinds), float8, recomputed)
         cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]

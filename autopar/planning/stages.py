@@ -471,8 +471,9 @@ def _priced_in_mode(cost: Cost, recomputed: bool, kept_whole: bool, held_anyway:
     core_attention)."""
     if not cost.batch_memory:
         return cost, None
-    if recomputed:
-        forward = cost.compute_s / 3  # compute_s is forward + backward (2x forward), over all microbatches
+    if recomputed:  # compute_s is forward + backward (2x forward), over all microbatches; an output backward makes
+        # again anyway (``Kernel.remade``) is made by the layer's recomputation instead: no more time
+        forward = 0.0 if cost.kernel is not None and cost.kernel.remade else cost.compute_s / 3
         memory = _held(cost, in_flight).memory_bytes if held_anyway else 0.0
         priced = with_fields(cost, compute_s=cost.compute_s + forward, memory_bytes=memory,
                              backward_compute_s=cost.backward_compute_s + forward / microbatches)
