@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.ir.capture import is_view
 
+from .layout import gradient_in_spec_layout, in_captured_layout
 from .reshard import enclosing_hooks
 
 RECOMPUTED = "autopar_recomputed"
@@ -134,22 +135,29 @@ class Remembered:
         with fx_traceback.annotate({RECOMPUTED: True}):
             value = self.op(*args, **kwargs)
         hooks = RecomputedValues.active()
-        if hooks is not None and isinstance(value, torch.Tensor):
-            hooks.remember(value, self.op, args, kwargs)
+        if hooks is not None and isinstance(value, torch.Tensor) and not any(value is a for a in args):
+            hooks.remember(value, self.op, args, kwargs)  # (a guard handing its input on as it is: that one's)
         return value
 
 
+PASSED_THROUGH = (gradient_in_spec_layout, in_captured_layout)
+"""Functions earlier passes put around a program's views that pass a value on as it is (``layout.py``): a
+reader of a recomputed view reads it through them, so they are made again with it."""
+
+
 def recompute_in_backward(gm: fx.GraphModule, names: Collection[str]) -> int:
-    """Make ``gm``'s nodes named in ``names`` (``SavedTensors.recomputed``) run through ``Remembered``, in
-    place; returns how many. Run the result under ``Rematerialized``."""
-    changed = 0
+    """Make ``gm``'s nodes named in ``names`` (``SavedTensors.recomputed``), and the layout guards that pass
+    one of them on (``PASSED_THROUGH``), run through ``Remembered``, in place; returns how many. Run the
+    result under ``Rematerialized``."""
+    remembered: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.name in names:
+        if node.op == "call_function" and (node.name in names or node.target in PASSED_THROUGH
+                                           and node.args[0] in remembered):
             node.target = Remembered(node.target)
-            changed += 1
-    if changed:
+            remembered.add(node)
+    if remembered:
         gm.recompile()
-    return changed
+    return len(remembered)
 
 
 def recomputed_op(node: fx.Node) -> Any:

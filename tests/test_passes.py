@@ -73,7 +73,7 @@ def _read_in_place_of(captured: fx.Node, rewritten: fx.Node) -> list[tuple[fx.No
 def _unguarded(node: fx.Node) -> fx.Node:
     """The value ``node`` passes on: the guarded value for a layout guard (a view's gradient guard, a view's
     input laid out as traced), else ``node``."""
-    while node.target in (gradient_in_spec_layout, in_captured_layout):
+    while recomputed_op(node) in (gradient_in_spec_layout, in_captured_layout):  # made again in backward or not
         node = node.args[0]
     return node
 

@@ -682,15 +682,17 @@ def gathered_units(captured: CapturedGraph, decisions: dict[str, Decision], pric
 
 
 def _working_set_bytes(node: fx.Node, captured: CapturedGraph, pricer: Pricer, strategy: Strategy | None) -> float:
-    """Bytes of ``node``'s outputs and non-parameter inputs, local under ``strategy`` (None: whole)."""
+    """Bytes of ``node``'s outputs and non-parameter inputs, local under ``strategy`` (None: whole), the
+    inputs backward makes again (``SavedTensors.recomputed``) twice: made beside their gradients."""
     kinds = captured.gradient_kinds()
+    remade = captured.saved_for_backward(pricer.float8).recomputed
     outs, ins = output_vals(node), tensor_inputs(node)
     whole = tuple(Replicate() for _ in pricer.mesh_shape)
     out_places = strategy.outputs if strategy else [whole] * len(outs)
     in_places = strategy.inputs if strategy else [whole] * len(ins)
     total = sum(pricer.local_bytes(v, p) for v, p in zip(outs, out_places)
                 if isinstance(v, torch.Tensor) and p is not None)
-    total += sum(pricer.local_bytes(a.meta["val"], p) for a, p in zip(ins, in_places)
+    total += sum(pricer.local_bytes(a.meta["val"], p) * (2 if a.name in remade else 1) for a, p in zip(ins, in_places)
                  if kinds[a.name] not in WEIGHT_KINDS)
     return total
 
