@@ -431,8 +431,8 @@ def test_a_mesh_whose_fewest_count_does_not_fit_is_searched_under_zero_one_first
     """With nothing to beat yet, a mesh whose fewest microbatch count does not fit without ZeRO
     (``_MeshSearch.fewest_count_refused``) is searched under ZeRO-1 first: both searches run in either
     order, so the plan's step time is the one the other order finds. (Which order solves fewer ILPs
-    depends on which search wins: here both orders solve 15; on Llama 3 70B,
-    ``test_a_pinned_pipeline_searched_under_zero_one_first_solves_fewer_ilps``, far fewer.)"""
+    depends on which search wins: here both orders solve 15; on a pinned Llama 3 70B pipeline 9 and 8,
+    ``test_a_pinned_pipeline_searched_under_zero_one_first_reaches_the_other_orders_plan``.)"""
     from autopar.planning import search
 
     refused: list[bool] = []
@@ -481,7 +481,7 @@ def test_microbatch_counts_a_staging_cannot_win_with_are_pruned_by_one_relaxatio
 
 @pytest.mark.extended
 def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch):
-    """tiny-llama at 4,096 tokens in 20 MB a device: the best plan without cp recomputes, so cp meshes are
+    """tiny-llama at 4,096 tokens in 16 MB a device: the best plan without cp recomputes, so cp meshes are
     searched. At cp=1 activations fit with no recomputation at tp=2 and tp=4 (those meshes lost on time),
     so of cp=2 only tp=1 is built; there they fit whole, so cp=4 and cp=8 (the same tokens a device, more
     keys and values gathered) are listed as pruned, never built, and the plan is the one a search of every
@@ -494,7 +494,7 @@ def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch
     monkeypatch.setattr(search, "problem_for", lambda captured, mesh, *a, **k: (built.append(mesh.describe()),
                                                                               build(captured, mesh, *a, **k))[1])
     bundle = build_model("tiny-llama", overrides={"seq": 4096}, global_batch=8)
-    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"memory_gb": 0.02},
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn, {"memory_gb": 0.016},
                         example_targets=bundle.example_targets)
     assert plan.checkpointing != "none" and plan.degrees.cp == 1
     assert {tuple(m.items()) for m in built if m.get("cp")} == {(("dp", 4), ("cp", 2))}  # with and without ZeRO-1
@@ -503,7 +503,7 @@ def test_larger_cp_degrees_are_not_solved_once_activations_fit_whole(monkeypatch
     assert {"dp": 2, "cp": 4} in plan.solver["pruned_meshes"] and {"cp": 8} in plan.solver["pruned_meshes"]
     monkeypatch.setattr(search, "_dominated_by_less_cp", lambda mesh, fit_whole: False)
     every_degree = autopar.plan(bundle.model, bundle.example_inputs, "1x8xH100", bundle.loss_fn,
-                                {"memory_gb": 0.02}, example_targets=bundle.example_targets)
+                                {"memory_gb": 0.016}, example_targets=bundle.example_targets)
     assert any(m.get("cp") == 8 for m in built)
     assert _without_timings(every_degree) == _without_timings(plan)
 
@@ -546,16 +546,17 @@ def test_other_schedules_reuse_the_solution_of_the_counts_1f1b_solved(monkeypatc
 
 
 @pytest.mark.extended
-def test_a_pinned_pipeline_searched_under_zero_one_first_solves_fewer_ilps(monkeypatch):
+def test_a_pinned_pipeline_searched_under_zero_one_first_reaches_the_other_orders_plan(monkeypatch):
     """The pinned 70B pipeline's fewest counts do not fit without ZeRO, and ZeRO-1's plan wins: searched
-    first, its step prunes the other search's ILPs at their roots (``fewest_count_refused``). Fewer ILPs,
-    to the step time of the other order."""
+    first (``fewest_count_refused``), or second, the plan and its step time are the same. (ZeRO-1 first solved
+    fewer ILPs while a mesh the cutoff pruned without ZeRO was not searched under it; now that it is, the
+    order solves 9 ILPs here against 8.)"""
     from autopar.planning import search
 
     plan, zero_one_first = _pinned_70b_solves(monkeypatch)
     monkeypatch.setattr(search._MeshSearch, "fewest_count_refused", lambda self, mesh: False)
     other, plain_first = _pinned_70b_solves(monkeypatch)
-    assert plan.degrees.zero == 1 and len(zero_one_first) < len(plain_first)
+    assert plan.degrees.zero == 1 and zero_one_first and plain_first
     assert (plan.degrees, plan.pipeline) == (other.degrees, other.pipeline)
     assert plan.predicted["step_time_s"] == pytest.approx(other.predicted["step_time_s"], rel=1e-12)
 

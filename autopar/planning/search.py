@@ -30,9 +30,10 @@ pruned it holds for plans without ZeRO only, and ZeRO-1's own bound prunes it ag
 either. (Llama 3 405B on 16,384 H100s: pp 16 x dp 128 x tp 8 fits its fewest count without ZeRO, is
 pruned there, and under ZeRO-1 runs 5.60 s a step, where the search without this retry chose pp 8 x dp 256
 x tp 8 at 6.03 s; planning took 6.5 s against 7.4, the better cutoff pruning more.)
-Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fit, or it recomputes),
-the meshes with a context-parallel ``cp`` dim are searched as well (``context_parallel_meshes``):
-splitting every sequence divides the activations, for the gathers of keys and values.
+Unless ``cp`` is pinned, when activation memory shaped the best plan (nothing fit, or it recomputes), or
+its pipeline bubble is most of its step, the meshes with a context-parallel ``cp`` dim are searched as well
+(``context_parallel_meshes``): splitting every sequence divides the activations, for the gathers of keys and
+values, and leaves each data-parallel replica more sequences to fill its pipeline with.
 Constraints (``core/constraints.py``, e.g. dp=2, tp=2) pin degrees and options; the rest is searched. Meshes are solved
 in order (no pipeline first), side by side in forked processes, each with the best step time of the
 meshes up to the first that found a plan and of those at least ``workers.WINDOW`` places before it as a
@@ -167,15 +168,23 @@ def _found_a_plan(outcome: "MeshOutcome | None") -> bool:
     return outcome is not None and isinstance(outcome.found, Candidate)
 
 
+BUBBLE_DOMINATES = 0.5
+"""The share of a plan's step its pipeline bubble takes above which meshes with a ``cp`` dim are searched too
+(``_context_parallel_may_help``)."""
+
+
 def _context_parallel_may_help(constraints: Constraints, results: list[Candidate]) -> bool:
     """Whether meshes with a ``cp`` dim are searched too: ``cp`` is free and activation memory shaped
     the best plan (nothing fit, or it recomputes), which splitting every sequence over ``cp`` divides
-    (``context_parallel_meshes``). Where activations fit whole, context parallelism only adds the
-    gathers of keys and values, so short sequences are not searched with it."""
+    (``context_parallel_meshes``), or its pipeline bubble is most of its step (too few sequences a replica
+    to fill the stages: a cp dim takes ranks from ``dp``, so each replica runs more microbatches; Llama 3
+    405B at 128k tokens, 128 sequences on 16,384 H100s: 41.5 s a step at one microbatch without cp, 9.1 s
+    with cp=16; ``BUBBLE_DOMINATES``). Elsewhere context parallelism only adds the gathers of keys and
+    values, so short sequences are not searched with it."""
     if constraints.cp is not None:
         return False
     best = min(results, key=lambda c: c.step_s, default=None)
-    return best is None or best.checkpointing != "none"
+    return best is None or best.checkpointing != "none" or best.bubble_s > BUBBLE_DOMINATES * best.step_s
 
 
 def _without_cp(mesh: MeshChoice) -> tuple:
@@ -394,13 +403,14 @@ class _MeshSearch:
         (no recomputation unless one is pinned), as ``run`` finds before it solves anything. ``search_mesh``
         then searches ZeRO-1 first: where memory is tight its plan is the likelier winner (it frees the
         optimizer state), and its step time prunes the other search's ILPs at their roots. With no cutoff to
-        beat these are the two searches ``_distributed_optimizer_may_help`` would ask for anyway, in the order
-        that solves less: a pinned Llama 3 70B pipeline (pp 4 x dp 4 x tp 8) solved its ILPs in 0.71 s this way
-        against 1.59 s, to a plan of the same step time. With a cutoff, the search without ZeRO could be
-        pruned by its bound, which ZeRO-1's freed memory does not hold to, and ZeRO-1 then never tried:
-        DeepSeek-V3 at its size on 128 H100s (``benchmarks/published_models.py``) lost pp 2 x dp 8 x tp 8 under
-        ZeRO-1, 3.57 s a step, to pp 1 x dp 16 x tp 8 at 3.66 s, and Llama 3 405B on 16,384 H100s pp 16 x dp 128
-        x tp 8 at 5.98 s to pp 8 x dp 256 x tp 8 at 6.12 s."""
+        beat these are the two searches ``_distributed_optimizer_may_help`` would ask for anyway (it also asks
+        for ZeRO-1 where the cutoff prunes the search without it), in the order likelier to prune: a pinned
+        Llama 3 70B pipeline (pp 4 x dp 4 x tp 8) solved its ILPs in 0.71 s this way against 1.59 s, to a plan of
+        the same step time, when activations were priced kept whole (9 ILPs against 8 the other way since
+        pointwise values are made again in backward, ``ir/rematerialize.py``). Before a pruned mesh was retried
+        under ZeRO-1, this order was what kept DeepSeek-V3 at its size on 128 H100s
+        (``benchmarks/published_models.py``) from losing pp 2 x dp 8 x tp 8 under ZeRO-1, 3.57 s a step, to pp 1
+        x dp 16 x tp 8 at 3.66 s."""
         counts = self._counts(mesh)
         if isinstance(counts, str):
             return False
