@@ -24,13 +24,12 @@ reruns the whole region once per backward; a region here would be each saved val
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Collection
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils._pytree import tree_map
@@ -38,12 +37,10 @@ from torch.utils._pytree import tree_map
 from autopar.ir.capture import is_view
 
 from .layout import gradient_in_spec_layout, in_captured_layout
-from .reshard import enclosing_hooks
+from .reshard import ChainedHooks, Hooks, ProgramUnderHooks, active_hooks
 
 RECOMPUTED = "autopar_recomputed"
 """The ``torch.fx.traceback.annotate`` key ``Remembered`` marks a traced op with (``tag_recomputed`` reads it)."""
-_ACTIVE: list["RecomputedValues"] = []
-"""The hooks of the program running forward now (innermost last); ``Remembered`` records there."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +72,12 @@ class _Made:
     recipe: _Recipe | None = None
 
 
-class RecomputedValues:
+class RecomputedValues(ChainedHooks):
     """Pack and unpack hooks that keep a recorded value as its recipe and make it again in backward."""
 
-    def __init__(self, outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
-                 ) -> None:
+    def __init__(self, outer: Hooks | None = None) -> None:
+        super().__init__(outer)
         self._made: dict[int, _Made] = {}
-        self._outer = outer  # the enclosing (pack, unpack) hooks, for every other saved tensor
         self.recomputed = 0  # ops run again in backward (for tests and reports)
 
     def remember(self, value: torch.Tensor, op: Callable[..., Any], args: tuple[Any, ...],
@@ -92,7 +88,7 @@ class RecomputedValues:
     def pack(self, tensor: torch.Tensor) -> Any:
         made = self._made.get(id(tensor))
         if made is None or made.value() is not tensor:
-            return self._outer[0](tensor) if self._outer else tensor
+            return self.pack_other(tensor)
         if made.recipe is None:
             made.recipe = _Recipe(made.op, tree_map(self._pack_argument, made.args),
                                   tree_map(self._pack_argument, made.kwargs))
@@ -104,7 +100,7 @@ class RecomputedValues:
 
     def unpack(self, saved: Any) -> Any:
         if not isinstance(saved, _Recipe):
-            return self._outer[1](saved) if self._outer else saved
+            return self.unpack_other(saved)
         if saved.value is None:
             args, kwargs = tree_map(self._unpack_argument, saved.args), tree_map(self._unpack_argument, saved.kwargs)
             with torch.no_grad():
@@ -120,7 +116,7 @@ class RecomputedValues:
 
     @classmethod
     def active(cls) -> "RecomputedValues | None":
-        return _ACTIVE[-1] if _ACTIVE else None
+        return active_hooks(cls)
 
 
 class Remembered:
@@ -165,18 +161,10 @@ def recomputed_op(node: fx.Node) -> Any:
     return node.target.op if isinstance(node.target, Remembered) else node.target
 
 
-class Rematerialized(nn.Module):
+class Rematerialized(ProgramUnderHooks):
     """A program whose recorded values are made again in backward rather than kept (the module doc)."""
 
-    def __init__(self, program: nn.Module):
-        super().__init__()
-        self.program = program
-        self.last = RecomputedValues()
-
-    def forward(self, *args: Any) -> Any:
-        self.last = RecomputedValues(enclosing_hooks())
-        with _recording(self.last), torch.autograd.graph.saved_tensors_hooks(self.last.pack, self.last.unpack):
-            return self.program(*args)
+    hooks_type = RecomputedValues
 
 
 def tag_recomputed(joint: fx.GraphModule) -> int:
@@ -195,11 +183,3 @@ def tag_recomputed(joint: fx.GraphModule) -> int:
             tagged.add(node)
     return len(tagged)
 
-
-@contextlib.contextmanager
-def _recording(hooks: RecomputedValues) -> Iterator[None]:
-    _ACTIVE.append(hooks)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()

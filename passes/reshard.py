@@ -49,8 +49,9 @@ from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 
 from .insert_redistributes import redistribute
 
-_ACTIVE: list["ParameterRegather"] = []
-"""The hooks of the program running forward now (innermost last); ``gather_parameter`` records there."""
+_ACTIVE: list[Any] = []
+"""The saved-tensor hooks of the programs running forward now (innermost last: ``ProgramUnderHooks``), where
+``gather_parameter`` (and ``rematerialize.Remembered``) record what they made."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,30 @@ class _Regather:
     saved_stride: tuple[int, ...]
 
 
-class ParameterRegather:
+Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+"""A (pack, unpack) pair of ``torch.autograd.graph.saved_tensors_hooks``."""
+
+
+class ChainedHooks:
+    """Saved-tensor hooks that keep some tensors their own way and hand every other to the hooks they run
+    inside (``outer``: the caller's, or another program's, ``enclosing_hooks``)."""
+
+    def __init__(self, outer: Hooks | None = None) -> None:
+        self._outer = outer
+
+    def pack_other(self, tensor: torch.Tensor) -> Any:
+        return self._outer[0](tensor) if self._outer else tensor
+
+    def unpack_other(self, saved: Any) -> Any:
+        return self._outer[1](saved) if self._outer else saved
+
+
+class ParameterRegather(ChainedHooks):
     """Pack and unpack hooks that save a gathered parameter as its shard and gather it again in backward."""
 
-    def __init__(self, outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
-                 ) -> None:
+    def __init__(self, outer: Hooks | None = None) -> None:
+        super().__init__(outer)
         self._gathered: dict[int, _Gathered] = {}
-        self._outer = outer  # the enclosing (pack, unpack) hooks, for every other saved tensor
         self.regathered = 0  # gathers run again in backward (for tests and reports)
 
     def remember(self, gathered: DTensor, source: DTensor, placements: tuple[str, ...]) -> None:
@@ -99,7 +117,7 @@ class ParameterRegather:
         local = _local(tensor) if isinstance(tensor, DTensor) else None
         entry = self._gathered_entry(local) if local is not None else None
         if entry is None:
-            return self._outer[0](tensor) if self._outer else tensor
+            return self.pack_other(tensor)
         return _Regather(entry.source, entry.placements, entry.dtype,
                          (local.size(), local.stride(), local.storage_offset()),
                          tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
@@ -112,7 +130,7 @@ class ParameterRegather:
 
     def unpack(self, saved: Any) -> Any:
         if not isinstance(saved, _Regather):
-            return self._outer[1](saved) if self._outer else saved
+            return self.unpack_other(saved)
         with torch.no_grad():
             whole = _local(redistribute(saved.source.to(saved.dtype), saved.placements))
         self.regathered += 1
@@ -122,7 +140,7 @@ class ParameterRegather:
 
     @classmethod
     def active(cls) -> "ParameterRegather | None":
-        return _ACTIVE[-1] if _ACTIVE else None
+        return active_hooks(cls)
 
 
 def gather_parameter(x: DTensor, placements: tuple[str, ...], compute_dtype: torch.dtype | None = None,
@@ -161,18 +179,33 @@ class _CastThenMove(torch.autograd.Function):
         return moved.to(ctx.source_dtype), None, None, None
 
 
-class ResavedParameters(nn.Module):
-    """A program whose gathered parameters are not kept for backward (see the module doc)."""
+class ProgramUnderHooks(nn.Module):
+    """A program run under saved-tensor hooks of ``hooks_type`` (``pack``, ``unpack``), new for each forward
+    (``last``), handed the caller's hooks for what they do not keep, and active while it runs
+    (``active_hooks``)."""
+
+    hooks_type: Callable[..., Any]
 
     def __init__(self, program: nn.Module):
         super().__init__()
         self.program = program
-        self.last = ParameterRegather()
+        self.last = self.hooks_type()
 
     def forward(self, *args: Any) -> Any:
-        self.last = ParameterRegather(enclosing_hooks())
+        self.last = self.hooks_type(enclosing_hooks())
         with _recording(self.last), torch.autograd.graph.saved_tensors_hooks(self.last.pack, self.last.unpack):
             return self.program(*args)
+
+
+def active_hooks(kind: type) -> Any:
+    """The innermost hooks of ``kind`` a program running forward now is under, if any."""
+    return next((hooks for hooks in reversed(_ACTIVE) if isinstance(hooks, kind)), None)
+
+
+class ResavedParameters(ProgramUnderHooks):
+    """A program whose gathered parameters are not kept for backward (see the module doc)."""
+
+    hooks_type = ParameterRegather
 
 
 def reshard_after_forward(gm: fx.GraphModule, parameter_values: set[str]) -> int:
@@ -196,7 +229,7 @@ def parameter_values(captured: CapturedGraph) -> set[str]:
 
 
 @contextlib.contextmanager
-def _recording(hooks: ParameterRegather) -> Iterator[None]:
+def _recording(hooks: Any) -> Iterator[None]:
     _ACTIVE.append(hooks)
     try:
         yield
@@ -204,7 +237,7 @@ def _recording(hooks: ParameterRegather) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def enclosing_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+def enclosing_hooks() -> Hooks | None:
     """The ``saved_tensors_hooks`` the caller runs under, if any (see the module doc)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     try:
