@@ -470,10 +470,11 @@ class LoweredProgram(nn.Module):
         return {kind: counts for kind, counts in made.items() if counts}
 
     def _partition(self, parameter_primals: Sequence[int]) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
-        """AOT autograd's default partition, parameter values recomputed in backward when the DTensor
-        program regathers them, and the values it makes again in backward recomputed (``rematerialize.py``). Where inductor compiles, its joint-graph passes run first, as
-        ``torch.compile``'s partition runs them: among them ``pad_mm``, which on GPUs pads a matmul whose
-        dimensions break the tensor cores' alignment (GPT-2's 50,257-token head) where it measures faster."""
+        """AOT autograd's default partition, parameter values recomputed in backward when the DTensor program
+        regathers them, and the values it makes again in backward recomputed (``rematerialize.py``). Where
+        inductor compiles, its joint-graph passes run first, as ``torch.compile``'s partition runs them: among
+        them ``pad_mm``, which on GPUs pads a matmul whose dimensions break the tensor cores' alignment (GPT-2's
+        50,257-token head) where it measures faster."""
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             drop_checkpoint_tags(joint)
             if self.compile:

@@ -141,7 +141,8 @@ def test_linears_reading_one_input_cast_it_once_and_are_priced_so() -> None:
     cost = fp8.node(key, split, kinds, [1.0])
     assert not cost.kernel.float8.casts_activation and cost.forward_comm_s.get("all_reduce", 0.0) == 0.0
     program = fx.GraphModule(captured.graph_module, copy_graph(captured.graph))
-    assert f8.run_in_float8(program, float8_linears(captured), captured.gradient_kinds()) == len(float8_linears(captured))
+    linears = float8_linears(captured)
+    assert f8.run_in_float8(program, linears, captured.gradient_kinds()) == len(linears)
     nodes = {n.name: n for n in program.graph.nodes}
     attention = [nodes[n] for n in sorted(float8_linears(captured))
                  if module_path(captured.node(n)).startswith("blocks.0.attn.") and "o_proj" not in

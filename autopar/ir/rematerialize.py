@@ -11,10 +11,11 @@ input, not its output; Transformer Engine's fused norms keep the input and the i
 inductor's min-cut partitioner makes it when it compiles a training step (``torch.compile``). autopar's
 program runs aten ops one at a time, so it makes the trade itself, on a rule read off the graph:
 
-a value is **recomputable** when its op is one of ``POINTWISE`` (deterministic, elementwise) or a view of
-a recomputable value (free: a matmul keeps its input's view), at most ``MAX_CHAIN`` pointwise ops from the values it is made of, and each of its
-tensor inputs is a placeholder (a parameter, buffer or user input: held by the step anyway), a value its
-own op keeps for backward (``silu`` keeps ``gate``, ``mul`` keeps both factors), or itself recomputable.
+a value is **recomputable** when its op is one of ``POINTWISE`` (deterministic, elementwise) or a view of a
+recomputable value (free: a matmul keeps its input's view), at most ``MAX_CHAIN`` pointwise ops from the
+values it is made of, and each of its tensor inputs is a placeholder (a parameter, buffer or user input:
+held by the step anyway), a value its own op keeps for backward (``silu`` keeps ``gate``, ``mul`` keeps both
+factors), or itself recomputable.
 
 What is recomputed is a recomputable value some op keeps for backward: the runtime keeps, in its place,
 the values it is made of (``passes/rematerialize.py``; its own op still keeps them, so they cost nothing

@@ -30,9 +30,10 @@ of one normed input, ``ir/float8.activation_key``), which the pricer
 charges at one byte a value in that output's placement, as the saved outputs above are charged in theirs.
 
 What the runtime makes again in backward instead of keeping (cheap pointwise values: SwiGLU's, a norm's;
-``ir/rematerialize.py``) is recorded as it runs: such a value, where an op saves it, counts as the tensors it
-is made of (its recipe's, which their own ops keep anyway), and ``recomputed`` says how often backward makes
-each again (once: its readers share what is made, ``passes/rematerialize.py``). The rule reads the savers autograd reports without recomputation; no second run is needed.
+``ir/rematerialize.py``) is recorded as it runs: such a value, where an op saves it, counts as the tensors
+it is made of (its recipe's, which their own ops keep anyway), and ``recomputed`` says how often backward
+makes each again (once: its readers share what is made, ``passes/rematerialize.py``). The rule reads the
+savers autograd reports without recomputation; no second run is needed.
 
 An op that cannot run on the meta device (no meta kernel, data-dependent output) is assumed to save
 its outputs and its inputs that need a gradient, and the walk goes on with outputs of its recorded

@@ -123,7 +123,8 @@ class Float8Work(NamedTuple):
     activation: float
     weight: float
     output: float
-    casts_activation: bool = True  # False where an earlier float8 linear cast the same tensor (``ir/float8.reused_casts``)
+    casts_activation: bool = True  # False where an earlier float8 linear cast the same tensor
+    # (``ir/float8.reused_casts``)
 
 
 class Kernel(NamedTuple):
