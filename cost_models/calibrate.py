@@ -82,6 +82,7 @@ import platform
 import socket
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from itertools import combinations
 from typing import Any, Callable, Mapping, Sequence
@@ -222,7 +223,9 @@ class RateFit:
 def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
     """Least-squares (non-negative) intercept and rate of ``seconds`` against ``work`` (FLOPs or bytes).
     Timings of one size alone cannot tell a fixed cost from a rate: they give the rate through the
-    origin (no intercept) rather than a fit that puts all the time in the intercept."""
+    origin (no intercept) rather than a fit that puts all the time in the intercept. Timings that do not
+    grow with the work (a small size on another kernel path, or a disturbed repeat) give the largest size's
+    rate through the origin, with a warning: a rate the device reached, where the fit has none."""
     if len(work) != len(seconds) or not work:
         raise ValueError(f"fit_rate needs as many timings as work sizes (at least one), got "
                          f"{len(work)} and {len(seconds)}")
@@ -230,8 +233,10 @@ def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
         return RateFit(intercept_s=0.0, rate=work[0] * len(seconds) / sum(seconds))
     intercept, inverse_rate = nonnegative_least_squares([[1.0, float(w)] for w in work], seconds)
     if inverse_rate <= 0:
-        raise ValueError(f"timings {list(seconds)} do not grow with work {list(work)}: no rate to fit; "
-                         "measure larger sizes")
+        largest = max(range(len(work)), key=lambda i: work[i])
+        warnings.warn(f"autopar calibrate: timings {list(seconds)} do not grow with work {list(work)}; the largest "
+                      "size's rate is used (measure larger sizes for a fit)", stacklevel=2)
+        return RateFit(intercept_s=0.0, rate=work[largest] / seconds[largest])
     return RateFit(intercept_s=intercept, rate=1.0 / inverse_rate)
 
 

@@ -101,6 +101,14 @@ def test_fit_rate_of_one_size_is_the_rate_through_the_origin():
     assert fit.intercept_s == 0.0 and fit.rate == pytest.approx((1 << 27) / 50e-6)
 
 
+def test_timings_that_do_not_grow_with_work_give_the_largest_sizes_rate_with_a_warning():
+    """The smaller size ran slower (its own kernel path, or a disturbed repeat): no rate fits the two, so the
+    largest size's rate through the origin is used, and the user is told."""
+    with pytest.warns(UserWarning, match="do not grow with work"):
+        fit = fit_rate([1 << 22, 1 << 25], [62e-6, 37e-6])
+    assert fit.intercept_s == 0.0 and fit.rate == pytest.approx((1 << 25) / 37e-6)
+
+
 def test_nonnegative_least_squares_clamps_at_zero():
     # y = -1 + 2x fits best with a negative intercept; constrained, the intercept is 0
     x = nonnegative_least_squares([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [1.0, 3.0, 5.0])
