@@ -13,7 +13,9 @@ Formats for Deep Learning", 2022):
 What a linear keeps for backward is what Transformer Engine and torchao keep: its input as the e4m3 copy the
 forward multiplied (one byte a value, where a plain matmul keeps two in bf16) and its weight as it reads it,
 cast again in backward with its forward scale (under FSDP the weight is gathered again for backward, so a kept
-float8 copy would hold the whole weight from forward to backward). The pricer charges the same
+float8 copy would hold the whole weight from forward to backward). Linears reading one tensor (q, k and v
+of one normed input) read it through one view and share its cast (``cast_once``): one amax, one e4m3 copy,
+as Transformer Engine's fused QKV projection makes. The pricer charges the same
 (``planning/pricing.py``, ``ir/saved_tensors.py``). Where we diverge from torchao's ``Float8Linear``: its amax
 is each rank's own, so under data parallelism its numerics depend on the batch split; here ``amax`` runs on
 the program's DTensors, whose maximum over a split tensor is a ``Partial("max")`` reduced to every rank (an
