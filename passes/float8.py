@@ -33,7 +33,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.ir.float8 import LINEAR_OPS, activation_key, weight_first
+from autopar.ir.float8 import LINEAR_OPS, activation_key, activation_slot, weight_first
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -52,7 +52,8 @@ def run_in_float8(program: fx.GraphModule, linears: Collection[str], kinds: Mapp
     for node in program.graph.nodes:
         if node.name in linears and node.target in LINEAR_OPS:
             first = weight_first(node, kinds)
-            _read_as_before(node, readers.setdefault(activation_key(node, first), _activation(node, first)), first)
+            earlier = readers.setdefault(activation_key(node, first), node.args[activation_slot(node, first)])
+            _read_as_before(node, earlier, first)
             node.kwargs = {"weight_first": first}
             node.target = float8_addmm if node.target is torch.ops.aten.addmm.default else float8_mm
             rewritten += 1
@@ -61,14 +62,10 @@ def run_in_float8(program: fx.GraphModule, linears: Collection[str], kinds: Mapp
     return rewritten
 
 
-def _activation(node: fx.Node, first: bool) -> fx.Node:
-    return node.args[LINEAR_OPS[node.target][1 if first else 0]]
-
-
 def _read_as_before(node: fx.Node, earlier: fx.Node, first: bool) -> None:
     """Make ``node`` read its activation as ``earlier`` (the same view of the same value an earlier float8
     linear reads), so one tensor reaches both and ``cast_once`` casts it once."""
-    mine = _activation(node, first)
+    mine = node.args[activation_slot(node, first)]
     if mine is not earlier:
         node.replace_input_with(mine, earlier)
         if not mine.users:

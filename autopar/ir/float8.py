@@ -64,12 +64,17 @@ def weight_first(node: fx.Node, kinds: dict[str, str]) -> bool:
     return weight_slot(node, kinds) == LINEAR_OPS[node.target][0]
 
 
+def activation_slot(node: fx.Node, weight_first: bool) -> int:
+    """The ``node.args`` index of a float8 linear's activation operand (the one that is not its weight)."""
+    return LINEAR_OPS[node.target][1 if weight_first else 0]
+
+
 def activation_key(node: fx.Node, weight_first: bool) -> tuple[object, ...]:
     """The tensor a float8 linear's activation operand is (its weight first or not): a view as its op, the
     value it views and its arguments, anything else by name. Linears with one key read one tensor (q, k and
     v one normed input, each through its own ``view``), which the runtime casts to e4m3 once for all of them
     (``passes/float8.py``), as Transformer Engine's fused QKV projection does."""
-    arg = node.args[LINEAR_OPS[node.target][1 if weight_first else 0]]
+    arg = node.args[activation_slot(node, weight_first)]
     if isinstance(arg, fx.Node) and is_view(arg):
         return (arg.target, repr(arg.args), repr(arg.kwargs))
     return (arg.name if isinstance(arg, fx.Node) else repr(arg),)
@@ -88,7 +93,7 @@ def reused_casts(captured: CapturedGraph) -> dict[str, int]:
             first = weight_first(node, kinds)
             key = activation_key(node, first)
             if key in seen:
-                reused[node.name] = LINEAR_OPS[node.target][1 if first else 0]
+                reused[node.name] = activation_slot(node, first)
             seen.add(key)
     return reused
 

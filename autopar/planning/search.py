@@ -178,8 +178,9 @@ def _context_parallel_may_help(constraints: Constraints, results: list[Candidate
     the best plan (nothing fit, or it recomputes), which splitting every sequence over ``cp`` divides
     (``context_parallel_meshes``), or its pipeline bubble is most of its step (too few sequences a replica
     to fill the stages: a cp dim takes ranks from ``dp``, so each replica runs more microbatches; Llama 3
-    405B at 128k tokens, 128 sequences on 16,384 H100s: 41.5 s a step at one microbatch without cp, 9.1 s
-    with cp=16; ``BUBBLE_DOMINATES``). Elsewhere context parallelism only adds the gathers of keys and
+    405B at 128k tokens, 128 sequences on 16,384 H100s: 41.5 s a step at one microbatch without cp, 21.2 s
+    on the one-stage cp=16 mesh this searches, 9.1 s with pp=16 and cp=16 pinned; ``BUBBLE_DOMINATES``).
+    Elsewhere context parallelism only adds the gathers of keys and
     values, so short sequences are not searched with it."""
     if constraints.cp is not None:
         return False
