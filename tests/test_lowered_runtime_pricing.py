@@ -1,11 +1,12 @@
 """Pricing for the lowered runtime (constraint ``runtime=lowered``): an FSDP layer's gradient
 reduce_scatter, which ``passes/lower_buckets.bucket_gradient_scatters`` launches as soon as the layer's
-gradients exist and waits on when backward ends, and its parameters' backward regather, issued a layer
-ahead (``bucket_parameter_gathers``), are priced as gradient sync hidden behind backward (the ILP's
-constraint (3)); on DTensor (the default) both stay on the critical path. The forward's gathers stay
-there on either runtime."""
+gradients exist and waits on when its microbatch's backward ends, and its parameters' backward regather,
+issued a layer ahead (``bucket_parameter_gathers``), are priced as gradient sync hidden behind that
+microbatch's backward; the forward's gathers, issued a layer ahead alike, hide behind forward's compute
+(the ILP's constraint (3), ``pricing.OverlapSlack``). On DTensor all of them stay on the critical path."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -62,9 +63,10 @@ def test_lowered_fsdp_reduce_scatter_is_a_gradient_sync_of_its_formula():
     assert lowered.collective_seconds(hidden) == pytest.approx(by_hand, rel=1e-9)
 
 
-def test_lowered_regather_of_a_parameter_is_a_gradient_sync_of_its_formula():
-    """The same parameter gathered from its shard for an op that saves it: its forward all_gather stays on
-    the critical path, its backward regather (7/8 * 2 MiB in bf16 on the ring) moves to the sync."""
+def test_lowered_gathers_of_a_parameter_are_prefetched_at_their_formula():
+    """The same parameter gathered from its shard for an op that saves it (7/8 * 2 MiB in bf16 on the
+    ring): its forward all_gather is prefetched (hidden behind forward compute), its backward regather
+    moves to the sync; on DTensor both are on the critical path."""
     cluster = parse_cluster(CLUSTER)
     mesh = MeshChoice(((MeshAxis.DP_SHARD, 8),), 1)
     lowered = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=lowered"))
@@ -75,14 +77,24 @@ def test_lowered_regather_of_a_parameter_is_a_gradient_sync_of_its_formula():
     on_lowered = lowered.edge(weight, (Shard(0),), (Replicate(),), per_microbatch=True, regathered=True)
     on_dtensor = dtensor.edge(weight, (Shard(0),), (Replicate(),), per_microbatch=True, regathered=True)
     assert on_dtensor.comm_s == pytest.approx({"all_gather": 2 * gather}, rel=1e-9) and on_dtensor.grad_sync_s == 0
-    assert on_lowered.comm_s == pytest.approx({"all_gather": gather}, rel=1e-9)
+    assert on_lowered.comm_s == {} and on_lowered.prefetched_s == pytest.approx(gather, rel=1e-9)
     assert on_lowered.grad_sync_s == on_lowered.grad_sync_per_microbatch_s == pytest.approx(gather, rel=1e-9)
+    assert lowered.for_microbatches(on_lowered, 4).prefetched_s == pytest.approx(4 * gather, rel=1e-9)
     not_saved = lowered.edge(weight, (Shard(0),), (Replicate(),), per_microbatch=True)
-    assert not_saved.grad_sync_s == 0 and not_saved.comm_s == on_lowered.comm_s
+    assert not_saved.grad_sync_s == 0 and not_saved.comm_s == {}
+    assert not_saved.prefetched_s == on_lowered.prefetched_s
+    assert not_saved.forward_comm_s == {"all_gather": not_saved.prefetched_s}  # a recomputed layer's gathers again
 
 
-def test_plan_on_lowered_runtime_hides_reduce_scatters_and_regathers_behind_backward():
-    dtensor, lowered = _plan("dtensor"), _plan("lowered")
+def test_plan_on_lowered_runtime_hides_fsdp_collectives_behind_compute():
+    """The DTensor plan's own placements priced for the lowered runtime (``reprice``); the lowered runtime's
+    own plan is faster still or as fast."""
+    dtensor = _plan("dtensor")
+    bundle = build_model("tiny-llama", global_batch=8)
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    as_lowered = dataclasses.replace(dtensor, predicted={**dtensor.predicted, "runtime": "lowered"})
+    lowered = autopar.reprice(as_lowered, captured, CLUSTER)
+    assert _plan("lowered").predicted["step_time_s"] <= lowered.predicted["step_time_s"] * (1 + 1e-9)
     d, lo = dtensor.predicted, lowered.predicted
     scattered = d["comm_s"]["reduce_scatter"]
     regathered = d["comm_s"]["all_gather"] - lo["comm_s"]["all_gather"]
@@ -93,10 +105,12 @@ def test_plan_on_lowered_runtime_hides_reduce_scatters_and_regathers_behind_back
     assert lo["grad_sync_s"] == pytest.approx(d["grad_sync_s"] + scattered + regathered, rel=1e-6)
     assert lo["compute_s"] == pytest.approx(d["compute_s"], rel=1e-9)
     assert lowered.placements == dtensor.placements
-    # the step changes by the exposed communication alone: the reduce_scatters and regathers left the
-    # critical path and only the part of the sync that backward's compute cannot cover came back
+    # the step changes by the exposed communication alone: the reduce_scatters, regathers and forward
+    # gathers left the critical path and only what compute cannot cover came back
     assert lo["step_time_s"] - d["step_time_s"] == pytest.approx(lo["exposed_comm_s"] - d["exposed_comm_s"], abs=1e-12)
-    assert d["exposed_comm_s"] - scattered - regathered <= lo["exposed_comm_s"] + 1e-12
+    gathered = lo["comm_s"]["all_gather"]  # the forward's, prefetched
+    assert gathered > 0
+    assert d["exposed_comm_s"] - scattered - regathered - gathered <= lo["exposed_comm_s"] + 1e-12
     assert lo["step_time_s"] < d["step_time_s"]
     assert "priced for the lowered runtime" in lowered.summary()
     assert "priced for the lowered runtime" not in dtensor.summary()
@@ -201,3 +215,54 @@ def test_a_plan_priced_for_the_lowered_runtime_warns_when_run_on_dtensor(two_fak
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             run(plan, lowered)
+
+
+def _accumulating_problem(sync_each: float, prefetched: float, m: int = 4):
+    """Parameter ``w`` replicated (its gradient all-reduced once a step: 3 ms) or sharded (gathered for
+    ``mm`` ``prefetched`` seconds a step in forward, its gradient reduce-scattered ``sync_each`` seconds in
+    every one of ``m`` microbatches' backward), ``mm`` 4 ms forward and 8 ms backward a microbatch."""
+    from autopar.planning.pricing import Cost
+    from autopar.planning.problem import Decision, Edge, Option, Problem
+
+    r, s0 = (Replicate(),), (Shard(0),)
+    w = Decision("w", ["w"], [Option(Strategy((), (r,)), Cost(memory_bytes=4.0)),
+                              Option(Strategy((), (s0,)), Cost(memory_bytes=1.0))])
+    mm = Decision("mm", ["mm"], [Option(Strategy((r,), (s0,)), Cost(compute_s=m * 12e-3, backward_compute_s=8e-3,
+                                                                       forward_compute_s=4e-3))])
+    sharded = Cost(grad_sync_s=m * sync_each, grad_sync_per_microbatch_s=sync_each, prefetched_s=prefetched,
+                   repeats_per_microbatch=True)
+    edge = Edge("w", 0, "mm", 0, 1, {(r, (r, ())): Cost(grad_sync_s=3e-3), (s0, (r, ())): sharded})
+    return Problem((4,), {"w": w, "mm": mm}, [edge], 1e30, 0.5, microbatches=m)
+
+
+from autopar.planning.strategies import Strategy  # noqa: E402
+
+
+def test_sync_redone_every_microbatch_hides_behind_each_microbatchs_backward():
+    """Each microbatch's backward (8 ms, half of it a budget) hides its own reduce_scatter: 3 ms a
+    microbatch is hidden in all four (were only the last one's backward a budget, 4 x 3 - 4 = 8 ms would
+    show); 5 ms shows 1 ms in each. The once-a-step all_reduce (3 ms) hides behind the last one alone.
+    ILP, ``evaluate`` and the explanations agree."""
+    from autopar.planning.solver import evaluate, solve
+
+    compute = 4 * 12e-3
+    hidden = _accumulating_problem(3e-3, 0.0)
+    assert evaluate(hidden, {"w": 1, "mm": 0})[0] == pytest.approx(compute)
+    assert evaluate(hidden, {"w": 0, "mm": 0})[0] == pytest.approx(compute)
+    showing = _accumulating_problem(5e-3, 0.0)
+    assert evaluate(showing, {"w": 1, "mm": 0})[0] == pytest.approx(compute + 4 * 1e-3)
+    assert solve(showing).choice["w"] == 0
+    assert_alternatives_priced_exactly(showing, "w", {"mm": 0})
+
+
+def test_prefetched_forward_gathers_hide_behind_each_microbatchs_forward():
+    """A step's 12 ms of forward gathers over four microbatches: 3 ms each beside a 4 ms forward (2 ms of
+    budget) shows 1 ms a microbatch, 4 ms a step; 6 ms a step shows none."""
+    from autopar.planning.solver import evaluate, solve
+
+    compute = 4 * 12e-3
+    assert evaluate(_accumulating_problem(0.0, 12e-3), {"w": 1, "mm": 0})[0] == pytest.approx(compute + 4e-3)
+    assert evaluate(_accumulating_problem(0.0, 6e-3), {"w": 1, "mm": 0})[0] == pytest.approx(compute)
+    problem = _accumulating_problem(0.0, 12e-3)
+    assert solve(problem).objective_s == pytest.approx(compute)  # replicated: its all_reduce hides
+    assert_alternatives_priced_exactly(problem, "w", {"mm": 0})

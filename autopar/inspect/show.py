@@ -150,7 +150,8 @@ def summarize(plan: Plan) -> str:
     lines += _collective_count_line(plan)
     if p.get("runtime") == LOWERED:
         lines.append("  priced for the lowered runtime (autoparallelize's default): FSDP gradient "
-                     "reduce_scatters and backward regathers overlapped with backward, in the gradient sync")
+                     "reduce_scatters and backward regathers overlapped with backward, in the gradient sync; "
+                     "FSDP's forward gathers, issued a unit ahead, overlapped with forward")
     mem = p["memory_bytes"]
     cap = p.get("memory_capacity_bytes", 0)
     lines.append(f"memory/device {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}: "

@@ -323,13 +323,12 @@ def _degrees(mesh: MeshChoice, captured: CapturedGraph, by_node: dict, zero_stag
 
 def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, problem: Problem, chosen: dict,
                pricer: Pricer) -> dict[str, Any]:
-    compute = sync = hide = 0.0
+    compute = sync = prefetched = 0.0
     comm: dict[str, float] = {}
     for key, opt in chosen.items():
         d = problem.decisions[key]
         compute += d.count * opt.cost.compute_s
         sync += d.count * opt.cost.grad_sync_s
-        hide += d.count * problem.overlap_fraction * opt.cost.backward_compute_s
         for kind, s in opt.cost.comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + d.count * s
     for edge in problem.edges:
@@ -338,6 +337,7 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         for kind, s in edge.price[(p, q)].comm_s.items():
             comm[kind] = comm.get(kind, 0.0) + edge.count * s
         sync += edge.count * edge.price[(p, q)].grad_sync_s  # a regather overlapped with backward
+        prefetched += edge.count * edge.price[(p, q)].prefetched_s  # a gather overlapped with forward
     for g in problem.shared:
         carried = [problem.edges[e] for e in g.edges]
         pairs = [(chosen[e.src].strategy.outputs[e.src_out], chosen[e.dst].edge_key(e.slot)) for e in carried]
@@ -346,8 +346,9 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
                 comm[kind] = comm.get(kind, 0.0) + g.count(problem.edges) * s
     comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s
     comm["all_reduce"] = comm.get("all_reduce", 0.0) + best.tied_s
-    exposed = sum(comm.values()) + max(0.0, sync - hide)
+    exposed = sum(comm.values()) + exposed_grad_sync(problem, best.solution.choice)
     comm["all_reduce"] = comm.get("all_reduce", 0.0) + sync
+    comm["all_gather"] = comm.get("all_gather", 0.0) + prefetched
     step = best.step_s
     flops = model_flops(captured)
     peak = cluster.device.peak(pricer.dtype)

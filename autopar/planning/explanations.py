@@ -23,9 +23,10 @@ from torch import fx
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
-from autopar.planning.pricing import AMAX_BYTES, Collective, Cost, Pricer, gathers
+from autopar.planning.pricing import AMAX_BYTES, Collective, Cost, Pricer, OverlapSlack, gathers
 from autopar.planning.problem import (Edge, Problem, RootSharding, SharedResharding, edge_pair, gradient_root,
                                       partial_gradient_share, read_through_views, source_of)
+from autopar.planning.solver import overlap_slack
 from autopar.planning.strategies import Strategy
 
 TOP_K = 8
@@ -40,7 +41,7 @@ class _Solution:
     def __init__(self, problem: Problem, choice: Mapping[str, int]):
         self.problem = problem
         self.choice = choice
-        self.z_now = _exposed_sync(problem, choice)
+        self.slack = overlap_slack(problem, choice)
         self.edges_of: dict[str, list[Edge]] = {}
         for edge in problem.edges:
             for key in dict.fromkeys((edge.src, edge.dst)):
@@ -65,7 +66,7 @@ def decision_alternatives(solution: _Solution, key: str, root_terms: Sequence[Ro
         delta = decision.count * (option.cost.exposed_s - decision.options[chosen].cost.exposed_s)
         edges, edge_sync = _edge_delta(solution, trial, key)
         exposed, sync = _root_change(problem, root_terms, choice, trial)
-        delta += edges + exposed + _sync_delta(problem, decision, chosen, k, solution.z_now, sync + edge_sync)
+        delta += edges + exposed + _sync_delta(problem, decision, chosen, k, solution.slack, sync.plus(edge_sync))
         rows.append({
             "strategy": option.strategy.describe(),
             "chosen": k == chosen,
@@ -78,14 +79,15 @@ def decision_alternatives(solution: _Solution, key: str, root_terms: Sequence[Ro
     return rows[:top]
 
 
-def _edge_delta(solution: _Solution, after: Mapping[str, int], key: str) -> tuple[float, float]:
-    """(exposed, gradient sync) seconds the edges touching ``key`` change by from the solution to ``after``."""
+def _edge_delta(solution: _Solution, after: Mapping[str, int], key: str) -> tuple[float, OverlapSlack]:
+    """(exposed seconds, gradient sync slack) the edges touching ``key`` change by from the solution to
+    ``after``."""
     problem, before = solution.problem, solution.choice
-    delta = sync = 0.0
+    delta, sync = 0.0, OverlapSlack()
     for edge in solution.edges_of.get(key, ()):
         now, then = _edge_cost(problem, edge, after), _edge_cost(problem, edge, before)
         delta += edge.count * (now.exposed_s - then.exposed_s)
-        sync += edge.count * (now.grad_sync_s - then.grad_sync_s)
+        sync = sync.plus(_slack(problem, now, edge.count)).plus(_slack(problem, then, edge.count), -1.0)
     for g in solution.shared_of.get(key, ()):  # moves several edges share (``problem.SharedResharding``)
         delta += g.count(problem.edges) * (sum(c.exposed_s for c in g.taken(problem, after))
                                            - sum(c.exposed_s for c in g.taken(problem, before)))
@@ -97,36 +99,29 @@ def _edge_cost(problem: Problem, edge: Edge, choice: Mapping[str, int]) -> Cost:
 
 
 def _root_change(problem: Problem, root_terms: Sequence[RootSharding], before: Mapping[str, int],
-                 after: Mapping[str, int]) -> tuple[float, float]:
-    """(critical-path seconds, gradient sync seconds) by which the ops whose gradient reduction depends
+                 after: Mapping[str, int]) -> tuple[float, OverlapSlack]:
+    """(critical-path seconds, gradient sync slack) by which the ops whose gradient reduction depends
     on a parameter's placement (``root_terms``, ``problem.RootSharding``) change when that placement
     alone changes (the settled problem already prices the consumers' own alternatives)."""
-    exposed = sync = 0.0
+    exposed, sync = 0.0, OverlapSlack()
     for t in root_terms:
         if t.holds(after) != t.holds(before):
             weight = (1.0 if t.holds(after) else -1.0) * problem.decisions[t.consumer].count * t.share
             exposed += weight * t.delta.exposed_s
-            sync += weight * t.delta.grad_sync_s
+            sync = sync.plus(_slack(problem, t.delta, weight))
     return exposed, sync
 
 
-def _exposed_sync(problem: Problem, choice: Mapping[str, int]) -> float:
-    """sync - beta * backward over the solution (negative: gradient sync fully hidden)."""
-    total = 0.0
-    for key, d in problem.decisions.items():
-        c = d.options[choice[key]].cost
-        total += d.count * (c.grad_sync_s - problem.overlap_fraction * c.backward_compute_s)
-    return total + sum(edge.count * _edge_cost(problem, edge, choice).grad_sync_s for edge in problem.edges)
+def _slack(problem: Problem, cost: Cost, occurrences: float) -> OverlapSlack:
+    return OverlapSlack.of(cost, problem.overlap_fraction, problem.microbatches, occurrences)
 
 
-def _sync_delta(problem: Problem, decision, chosen: int, k: int, z_now: float, elsewhere: float = 0.0) -> float:
-    """Change in exposed gradient sync when ``decision`` takes option ``k`` (and the sync of other
-    decisions changes by ``elsewhere`` seconds)."""
-    def term(i: int) -> float:
-        c = decision.options[i].cost
-        return decision.count * (c.grad_sync_s - problem.overlap_fraction * c.backward_compute_s)
-
-    return max(0.0, z_now + term(k) - term(chosen) + elsewhere) - max(0.0, z_now)
+def _sync_delta(problem: Problem, decision, chosen: int, k: int, now: OverlapSlack, elsewhere: OverlapSlack) -> float:
+    """Change in exposed gradient sync when ``decision`` takes option ``k`` (and the slack of other
+    decisions changes by ``elsewhere``), from the solution's slack ``now``."""
+    option = lambda i: _slack(problem, decision.options[i].cost, decision.count)  # noqa: E731
+    after = now.plus(option(k)).plus(option(chosen), -1.0).plus(elsewhere)
+    return after.exposed_s(problem.microbatches) - now.exposed_s(problem.microbatches)
 
 
 def explanations(problem: Problem, choice: Mapping[str, int], index: Mapping[str, str]) -> dict[str, Any]:

@@ -151,7 +151,10 @@ class Cost:
     transient_bytes: float = 0.0  # the part of memory_bytes live only while the op runs on one microbatch
     # (the largest op's working set, ``problem._charge_working_set``): held once, not per microbatch in flight
     output_bytes: float = 0.0  # per device, all of an op's outputs (what selective checkpointing keeps)
-    backward_compute_s: float = 0.0  # part of compute_s that runs in backward (overlap budget)
+    backward_compute_s: float = 0.0  # part of compute_s that runs in one microbatch's backward (overlap budget)
+    forward_compute_s: float = 0.0  # part of compute_s that runs in one microbatch's forward (overlap budget)
+    prefetched_s: float = 0.0  # a parameter's forward all_gathers the lowered runtime issues a unit ahead
+    # (``Pricer._prefetched``): hidden behind forward compute, not in comm_s
     kernel: Kernel | None = None  # forward kernel on the whole batch
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
@@ -169,6 +172,45 @@ class Cost:
     @property
     def exposed_s(self) -> float:
         return self.compute_s + sum(self.comm_s.values())
+
+
+@dataclass(frozen=True)
+class OverlapSlack:
+    """Communication that runs beside compute, less the compute that hides it (``beta`` of it), in
+    seconds, split by the pass it runs in:
+
+    * ``last``: gradient sync in the last microbatch's backward (the reductions run once a step, DDP's
+      buckets and ZeRO-1's reduce_scatters, and that microbatch's share of the others);
+    * ``each``: gradient sync in one earlier microbatch's backward (what is redone in every microbatch's
+      backward: ZeRO-2's reduce_scatters, and on the lowered runtime FSDP's reduce_scatters and backward
+      regathers, each issued and waited on inside its own microbatch's backward, ``passes/lower_buckets.py``);
+    * ``forward``: in one microbatch's forward, the parameter all_gathers the lowered runtime issues a
+      unit ahead (``Pricer._prefetched``).
+
+    Negative: hidden with time to spare. The solver's constraint (3) holds one exposure variable per part."""
+
+    last: float = 0.0
+    each: float = 0.0
+    forward: float = 0.0
+
+    @classmethod
+    def of(cls, cost: "Cost", beta: float, microbatches: int, occurrences: float = 1.0) -> "OverlapSlack":
+        """``occurrences`` times ``cost``'s slack under gradient accumulation over ``microbatches`` (its
+        price already for them: ``grad_sync_s`` and ``prefetched_s`` the whole step's,
+        ``backward_compute_s`` and ``forward_compute_s`` one microbatch's)."""
+        m, each = microbatches, cost.grad_sync_per_microbatch_s
+        hide, hide_forward = beta * cost.backward_compute_s, beta * cost.forward_compute_s
+        return cls(occurrences * (cost.grad_sync_s - (m - 1) * each - hide), occurrences * (each - hide),
+                   occurrences * (cost.prefetched_s / m - hide_forward))
+
+    def plus(self, other: "OverlapSlack", weight: float = 1.0) -> "OverlapSlack":
+        return OverlapSlack(self.last + weight * other.last, self.each + weight * other.each,
+                            self.forward + weight * other.forward)
+
+    def exposed_s(self, microbatches: int) -> float:
+        """Seconds of it the step waits for: each part's excess over the compute beside it."""
+        m = microbatches
+        return max(0.0, self.last) + (m - 1) * max(0.0, self.each) + m * max(0.0, self.forward)
 
 
 def with_fields(record: _R, **changes: Any) -> _R:
@@ -276,6 +318,7 @@ class Pricer:
         if cost.kernel is not None:
             out.compute_s, last_backward = self._kernel_times(cost.kernel, m)
             out.backward_compute_s = last_backward / m
+            out.forward_compute_s = (out.compute_s - last_backward) / m
         out.compute_s += (m - 1) * cost.accumulate_s
         if cost.batch_memory:
             out.memory_bytes = cost.memory_bytes / m
@@ -284,6 +327,7 @@ class Pricer:
         out.grad_sync_s = cost.grad_sync_s + (m - 1) * cost.grad_sync_per_microbatch_s
         if cost.repeats_per_microbatch:
             out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
+            out.prefetched_s = cost.prefetched_s * m
             out.forward_comm_s = {k: v * m for k, v in cost.forward_comm_s.items()}
         elif cost.repeated_comm_s:
             out.add_comm("all_reduce", (m - 1) * cost.repeated_comm_s)
@@ -291,6 +335,11 @@ class Pricer:
                 out.forward_comm_s["all_reduce"] = (out.forward_comm_s.get("all_reduce", 0.0)
                                                     + (m - 1) * cost.repeated_forward_comm_s)
         return out
+
+    def _time_kernel(self, cost: Cost) -> None:
+        """``cost``'s compute seconds, and its forward's and backward's, from its kernel run once."""
+        cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
+        cost.forward_compute_s = cost.compute_s - cost.backward_compute_s
 
     def _kernel_times(self, kernel: Kernel, m: int) -> tuple[float, float]:
         """(forward + backward, backward) seconds of a kernel run once per microbatch."""
@@ -370,7 +419,7 @@ class Pricer:
         if getattr(node.target, "is_view", False):
             # a view moves no data and its memory is its base's, but the runtime dispatches it
             cost.kernel = Kernel(0.0, 0.0, "elementwise")
-            cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
+            self._time_kernel(cost)
             return cost
         split = self._work_divisor(strategy)
         flops = kernel_flops(node) / split
@@ -378,7 +427,7 @@ class Pricer:
         moved = self._bytes_moved(node, strategy, float8)
         cost.kernel = Kernel(flops, moved, self._kernel_kind(node, strategy, float8 is not None),
                              backward_ratio(node, grad_kinds), float8, recomputed)
-        cost.compute_s, cost.backward_compute_s = self._kernel_times(cost.kernel, 1)
+        self._time_kernel(cost)
         outputs = [(self.local_bytes(v, p), share) for v, p, share in zip(output_vals(node), strategy.outputs, saved)
                    if isinstance(v, torch.Tensor) and p is not None]
         cost.memory_bytes = sum(nbytes * share for nbytes, share in outputs)
@@ -848,8 +897,13 @@ class Pricer:
         for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared, gradient):
             seconds = self.collective_seconds(c)
             if per_microbatch and self._prefetched(c):
-                cost.grad_sync_s += seconds
-                cost.grad_sync_per_microbatch_s += seconds
+                if c.regather:  # in backward, beside backward's compute and gradient sync
+                    cost.grad_sync_s += seconds
+                    cost.grad_sync_per_microbatch_s += seconds
+                else:
+                    cost.prefetched_s += seconds
+                    if not regathered:  # a recomputed layer gathers it again on its way
+                        cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
                 continue
             cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
@@ -857,12 +911,12 @@ class Pricer:
         return cost
 
     def _prefetched(self, c: "Collective") -> bool:
-        """Whether ``c``, a move of a parameter, overlaps backward's compute where the runtime runs it: the
-        lowered program's backward regathers of an FSDP layer (``passes/lower_buckets.bucket_parameter_gathers``)
-        are one all_gather a layer, issued a layer ahead, so they share the gradient sync's budget (they
-        run on the same links while backward computes). The forward's gathers, prefetched alike, have no
-        such budget in the ILP (constraint (3) holds backward compute only) and stay on the critical path."""
-        return self.runtime == LOWERED and c.regather and c.kind == "all_gather"
+        """Whether ``c``, a move of a parameter, overlaps compute where the runtime runs it: the lowered
+        program's gathers of an FSDP unit (``passes/lower_buckets.bucket_parameter_gathers``) are one
+        all_gather a unit, issued a unit ahead. In forward they hide behind forward's compute
+        (``Cost.prefetched_s``); backward's regathers share the gradient sync's budget (they run on the
+        same links while backward computes). Both are constraint (3)'s (``OverlapSlack``)."""
+        return self.runtime == LOWERED and c.kind == "all_gather" and (c.regather or c.phase == "forward")
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
                          grad_partial: tuple[int, ...] = (), regathered: bool = False,

@@ -3,7 +3,8 @@ MathOpt (its ``pywraplp`` HiGHS interface ignores every solver parameter: gap, c
 
 Notation: decisions ``d`` (a graph node, or a group of identical nodes of repeated layers, ``n_d``
 of them), options ``k`` of a decision with per-occurrence prices compute ``c_dk``, critical-path
-communication ``m_dk``, overlappable gradient all_reduce ``g_dk``, backward compute ``b_dk`` and
+communication ``m_dk``, overlappable gradient sync ``g_dk`` (a step's, ``h_dk`` of it redone in each of
+``m`` microbatches), one microbatch's backward and forward compute ``b_dk`` and ``f_dk``, and
 memory ``M_dk``; edges ``e = (u, i) -> (v, j)`` (output ``i`` of ``u`` feeds input ``j`` of ``v``,
 ``n_e`` times) with resharding price ``r_e(p, q)`` for producer placement ``p`` and consumer
 placement ``q``.
@@ -17,7 +18,10 @@ Variables::
 
     x_dk in {0,1}          decision d takes option k                     (add_choice_variables)
     y_epq in {0,1}         edge e carries placement p into placement q   (add_edge_variables)
-    z >= 0                 gradient all_reduce time left exposed         (add_overlap_constraint)
+    z >= 0                 gradient sync left exposed in the last       (add_overlap_constraint)
+                           microbatch's backward
+    z' >= 0                ... in each earlier microbatch's (m > 1 only)
+    z_f >= 0               prefetched parameter gathers left exposed in one microbatch's forward
     n_m in {0..L}          layers that run in checkpointing mode m       (add_layer_mode_variables)
     a_m in {0,1}           some layer runs in recomputing mode m
     w_dkm >= 0             = n_m x_dk: layers of option k in mode m      (add_mode_choice_variables)
@@ -33,10 +37,19 @@ Constraints::
     (1) sum_k x_dk = 1                                          one option per decision
     (2) sum_q y_epq = sum_{k: out_i(u,k) = p} x_uk   for all p   edges agree with their producer
         sum_p y_epq = sum_{k: in_j(v,k)  = q} x_vk   for all q   ... and with their consumer
-    (3) z >= sum_dk n_d g_dk x_dk + sum_epq n_e g_e(p,q) y_epq - beta * sum_dk n_d b_dk x_dk
-                                                                gradient sync hides behind backward (g_e:
-                                                                a parameter's regather the lowered runtime
-                                                                issues ahead, ``edge_sync_terms``)
+    (3) z >= sum_dk n_d (g_dk - (m-1) h_dk) x_dk + sum_epq n_e (g_e - (m-1) h_e)(p,q) y_epq
+                  - beta * sum_dk n_d b_dk x_dk                 gradient sync hides behind backward (g_e:
+        z' >= sum_dk n_d h_dk x_dk + sum_epq n_e h_e(p,q) y_epq  a parameter's regather the lowered runtime
+                  - beta * sum_dk n_d b_dk x_dk                 issues ahead, ``edge_sync_terms``): the
+                                                                last microbatch's backward hides what runs
+                                                                once a step and its own share of what
+                                                                runs every microbatch (``h``: ZeRO-2's,
+                                                                lowered FSDP's), each earlier one its own
+                                                                share (``pricing.OverlapSlack``)
+        z_f >= sum_epq n_e a_e(p,q) y_epq / m - beta * sum_dk n_d f_dk x_dk   the parameter gathers the
+                                                                lowered runtime issues a unit ahead
+                                                                (``a_e``, a step's) hide behind forward
+                                                                compute (``f_dk``, one microbatch's)
     (4) sum_dk n_d M^s_dk x_dk <= capacity      for each row s   memory of every device (add_memory_constraint)
     (5) sum_m n_m = L;  n_m <= L a_m                            every layer has one mode
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
@@ -44,7 +57,7 @@ Constraints::
     (8) u_epqm <= L y_epq;  sum_{pq in F_e} (u_epqm - L y_epq) >= n_m - L   forward collectives run again
     (9) g_t <= X_t;  g_t <= Y_t;  g_t >= X_t + Y_t - 1           a value gathered for an op that leaves its
                                                                  gradient partial
-    (10) (1 + f) (objective - z) + z <= cutoff                 with a cutoff: only plans that beat it
+    (10) (1 + f) (objective - Z) + Z <= cutoff                 with a cutoff: only plans that beat it
                                                                  (f: the pipeline bubble's share, 0 without)
     (11) s_gpq >= sum_h y_e,p,(q,h)   for every edge e of g      a move shared by readers runs once
          u_gpqm >= n_m - L (1 - s_gpq)                          ... and once more per recomputed layer
@@ -90,14 +103,15 @@ the largest fits).
 
 Objective (predicted step time)::
 
-    min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + sum_gpq n_g T_g(p,q) s_gpq + z
+    min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + sum_gpq n_g T_g(p,q) s_gpq + Z
+    Z =  z + (m - 1) z' + m z_f                                 exposed overlapped communication
 
 Every device runs the same program (SPMD), so one memory row bounds them all; under a pipeline, two
 (``Problem.memory_rows``): the first stage's device, which holds what comes before the repeated layers
 (``M^first_dk``: 0 for the head and loss) and the most microbatches in flight, and the last stage's
 (``M^last_dk``: 0 for the embedding; a layer's activations at the last stage's microbatches in flight),
 over the same variables (``Problem.held_bytes``); the stages between hold neither end and no more
-microbatches than the first. ``y`` and ``z`` are
+microbatches than the first. ``y`` and the ``z`` are
 continuous: once ``x`` is integral, (2) fixes ``y`` to the one pair the two endpoints chose. The
 objective is scaled to microseconds and memory to GiB to keep coefficients near 1 for the LP.
 ``evaluate`` computes the same objective for a given assignment; tests check the solver against
@@ -132,6 +146,7 @@ from ortools.math_opt.python import callback, init_arguments, mathopt, model_par
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
 from autopar.planning.problem import Edge, EdgeRows, Problem, edge_pair
+from autopar.planning.pricing import OverlapSlack
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30
@@ -268,11 +283,12 @@ def build_model(problem: Problem, cutoff_s: float | None, bubble_fraction: float
     moves = add_shared_move_variables(model, problem, y, n)
     roots = add_root_sharding_variables(model, problem, x)
     terms = priced_terms(problem, x, w) + roots
-    z = add_overlap_constraint(model, terms + edge_sync_terms(problem, y), problem.overlap_fraction)
+    sync = add_overlap_constraint(model, terms + edge_sync_terms(problem, y), problem.overlap_fraction,
+                                  problem.microbatches)
     add_memory_constraint(model, problem, x, w, v, roots)
-    objective = set_objective(model, problem, terms, y, u, z, moves)
+    objective = set_objective(model, problem, terms, y, u, sync, moves)
     if cutoff_s is not None:
-        add_cutoff(model, objective, z, cutoff_s, bubble_fraction)
+        add_cutoff(model, objective, {var for var, _ in sync}, cutoff_s, bubble_fraction)
     return model, x, n
 
 
@@ -589,19 +605,30 @@ def priced_terms(problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, 
     return terms
 
 
-def add_overlap_constraint(model: Ilp, terms: list, overlap_fraction: float):
-    """z and constraint (3): z - sum(sync) + beta * sum(backward) >= 0."""
-    z = model.var(0.0, math.inf)
-    weighted = _weighted(terms, lambda c: (overlap_fraction * c.backward_compute_s - c.grad_sync_s) * _US)
-    model.row(0.0, math.inf, [(z, 1.0), *weighted])
-    return z
+def add_overlap_constraint(model: Ilp, terms: list, overlap_fraction: float, microbatches: int) -> list:
+    """``z``, ``z'``, ``z_f`` and constraint (3), one per part of ``OverlapSlack``; returns their objective
+    terms, ``z + (m - 1) z' + m z_f``. ``z'`` and ``z_f`` exist only where some option has work of
+    their part (sync redone every microbatch, gathers prefetched in forward)."""
+    m = microbatches
+    slack = {id(c): OverlapSlack.of(c, overlap_fraction, m) for _, c, _ in terms}
+    parts = [(lambda s: s.last, 1.0, True),
+             (lambda s: s.each, float(m - 1), m > 1 and any(c.grad_sync_per_microbatch_s for _, c, _ in terms)),
+             (lambda s: s.forward, float(m), any(c.prefetched_s for _, c, _ in terms))]
+    objective = []
+    for part, coefficient, present in parts:
+        if present:
+            z = model.var(0.0, math.inf)
+            model.row(0.0, math.inf, [(z, 1.0), *_weighted(terms, lambda c: -part(slack[id(c)]) * _US)])
+            objective.append((z, coefficient))
+    return objective
 
 
 def edge_sync_terms(problem: Problem, y: Mapping[int, list]) -> list:
-    """(variable, cost, occurrences) of the edge pairs that carry gradient sync for (3): a parameter's
-    backward regather the runtime overlaps with backward (``Pricer._prefetched``); none on DTensor."""
+    """(variable, cost, occurrences) of the edge pairs whose collectives run beside compute for (3): a
+    parameter's gathers the lowered runtime issues ahead, in forward and again in backward
+    (``Pricer._prefetched``); none on DTensor."""
     return [(var, cost, edge.count) for e_idx, edge in enumerate(problem.edges)
-            for var, cost in zip(y[e_idx], edge.price.values()) if cost.grad_sync_s]
+            for var, cost in zip(y[e_idx], edge.price.values()) if cost.grad_sync_s or cost.prefetched_s]
 
 
 def add_memory_constraint(model: Ilp, problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, int], dict],
@@ -653,9 +680,11 @@ def _memory_terms(problem: Problem, stage: str, x: Mapping[str, list], w: Mappin
     return terms
 
 
-def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z, moves: list[tuple[int, float]] = ()) -> list:
-    """The objective; returns its (variable, coefficient) terms (``moves``: the shared moves' variables
-    and seconds, ``add_shared_move_variables``)."""
+def set_objective(model: Ilp, problem: Problem, terms: list, y, u, sync: list,
+                  moves: list[tuple[int, float]] = ()) -> list:
+    """The objective; returns its (variable, coefficient) terms (``sync``: the exposed gradient sync's,
+    ``add_overlap_constraint``; ``moves``: the shared moves' variables and seconds,
+    ``add_shared_move_variables``)."""
     linear = _weighted(terms, lambda c: c.exposed_s * _US)
     prices = [list(edge.price.values()) for edge in problem.edges]  # in the order of y's and u's pairs
     for e_idx, edge in enumerate(problem.edges):
@@ -666,19 +695,19 @@ def set_objective(model: Ilp, problem: Problem, terms: list, y, u, z, moves: lis
         if again:
             linear.append((var, problem.edges[e_idx].count / problem.layer_modes.layers * again * _US))
     linear.extend((var, seconds * _US) for var, seconds in moves if seconds)
-    linear.append((z, 1.0))
+    linear.extend(sync)
     for var, coef in linear:
         model.objective[var] = coef
     return linear
 
 
-def add_cutoff(model: Ilp, objective: list, z, cutoff_s: float, bubble_fraction: float) -> None:
-    """(10) only plans faster than the best found elsewhere: ``(1 + f) (objective - z) + z <= cutoff``,
+def add_cutoff(model: Ilp, objective: list, sync: set, cutoff_s: float, bubble_fraction: float) -> None:
+    """(10) only plans faster than the best found elsewhere: ``(1 + f) (objective - Z) + Z <= cutoff``,
     a lower bound of the step time under a pipeline bubble of ``f`` of the work (every microbatch's
-    work but the exposed gradient sync ``z`` is stretched; stage transfers only add;
-    ``assemble.with_pipeline_time``). HiGHS's own ``objective_bound`` option proved unreliable through
-    MathOpt: it returned plans above it."""
-    stretched = [(var, coef if var == z else (1.0 + bubble_fraction) * coef) for var, coef in objective]
+    work but the exposed overlapped communication ``Z``, whose variables ``sync`` holds, is
+    stretched; stage transfers only add; ``assemble.with_pipeline_time``). HiGHS's own
+    ``objective_bound`` option proved unreliable through MathOpt: it returned plans above it."""
+    stretched = [(var, coef if var in sync else (1.0 + bubble_fraction) * coef) for var, coef in objective]
     model.row(-math.inf, cutoff_s * _US, stretched)
 
 
@@ -708,15 +737,19 @@ def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[s
 
 
 def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
-    """``z`` of constraint (3) at an assignment: gradient sync left over after hiding behind backward."""
-    problem = problem.settled(choice)
-    sync = hide = 0.0
+    """``Z`` of constraint (3) at an assignment: gradient sync and prefetched gathers left over after
+    hiding behind compute."""
+    return overlap_slack(problem.settled(choice), choice).exposed_s(problem.microbatches)
+
+
+def overlap_slack(problem: Problem, choice: Mapping[str, int]) -> OverlapSlack:
+    """The ``OverlapSlack`` of a settled ``problem`` at an assignment: its decisions' and its edges'."""
+    m, beta, slack = problem.microbatches, problem.overlap_fraction, OverlapSlack()
     for key, d in problem.decisions.items():
-        c = d.options[choice[key]].cost
-        sync += d.count * c.grad_sync_s
-        hide += d.count * problem.overlap_fraction * c.backward_compute_s
-    sync += sum(edge.count * edge.price[edge_pair(problem, edge, choice)].grad_sync_s for edge in problem.edges)
-    return max(0.0, sync - hide)
+        slack = slack.plus(OverlapSlack.of(d.options[choice[key]].cost, beta, m, d.count))
+    for edge in problem.edges:
+        slack = slack.plus(OverlapSlack.of(edge.price[edge_pair(problem, edge, choice)], beta, m, edge.count))
+    return slack
 
 
 class Best(NamedTuple):
