@@ -166,6 +166,11 @@ class DeviceSpec:
     """(forward, backward) fraction of ``peak_flops`` fused attention kernels (flash attention) reach on
     this device at long sequences: the plateaus of ``compute.py``'s ``attention`` kind. None: priced as a
     GEMM (``matmul_efficiency`` both ways), where the catalog has no measured figure."""
+    overlap_slowdown: float = 0.0
+    """How much longer compute takes while a collective runs beside it (0.189: 18.9% longer), its kernels
+    sharing the device's SMs and memory with the collective's (on a CPU, its cores): what overlapping
+    communication with compute costs (``planning/pricing.OverlapSlack``). 0: none (profiles calibrated
+    before it was a field)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -190,6 +195,8 @@ class DeviceSpec:
             raise ValueError(f"device {self.name}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}")
         if self.attention_efficiency is not None:
             object.__setattr__(self, "attention_efficiency", _efficiency_pair(self.name, self.attention_efficiency))
+        if not _is_number(self.overlap_slowdown) or not 0 <= self.overlap_slowdown <= 1:
+            raise ValueError(f"device {self.name}: overlap_slowdown must be in [0, 1], got {self.overlap_slowdown!r}")
         if not isinstance(self.host_runs_kernels, bool):
             raise ValueError(f"device {self.name}: host_runs_kernels must be true or false, "
                              f"got {self.host_runs_kernels!r}")
@@ -298,6 +305,13 @@ HDR_NIC_BW = 24e9   # 200 Gb/s HDR InfiniBand, one NIC per GPU (DGX A100)
 NDR_NIC_BW = 46e9   # 400 Gb/s NDR InfiniBand / ConnectX-7, one NIC per GPU
 
 
+# Compute beside a collective: Lee et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated
+# Distributed Deep Learning: Performance and Power Implications", arXiv 2507.03114 (2025), measure GPT and
+# Llama training's kernels on 4 A100s, H100s, MI250s and MI210s running beside their NCCL/RCCL
+# collectives 18.9% slower on average (40.0% at most) than alone. The average stands for every NVIDIA
+# preset (H200 and B200 unmeasured there).
+GPU_OVERLAP_SLOWDOWN = 0.189
+
 #: cuBLAS's tensor-core kernels need every matrix dimension to span a multiple of 16 bytes
 #: (NVIDIA, "Matrix Multiplication Background User's Guide", Tensor Core Requirements).
 TENSOR_CORE_ALIGNMENT_BYTES = 16
@@ -307,7 +321,7 @@ def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int,
             nvlink_bw: float, net_bw: float, matmul_efficiency: float = MATMUL_MAX_EFFICIENCY,
             attention_efficiency: tuple[float, float] | None = None, fp8: float | None = None) -> DeviceSpec:
     """An NVIDIA GPU preset: fp16 peak equals bf16 peak on every catalogued part; ``fp8`` where the part has
-    FP8 tensor cores; NCCL latencies."""
+    FP8 tensor cores; NCCL latencies; compute slowed by overlapped collectives as measured on A100 and H100."""
     return DeviceSpec(
         name=name,
         peak_flops={"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16, **({"fp8": fp8} if fp8 else {})},
@@ -315,7 +329,7 @@ def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int,
         intra_latency_s=NVLINK_STEP_LATENCY_S, inter_latency_s=NET_STEP_LATENCY_S,
         base_latency_s=NCCL_BASE_LATENCY_S, kernel_launch_s=GPU_KERNEL_LAUNCH_S,
         gemm_alignment_bytes=TENSOR_CORE_ALIGNMENT_BYTES, matmul_efficiency=matmul_efficiency,
-        attention_efficiency=attention_efficiency,
+        attention_efficiency=attention_efficiency, overlap_slowdown=GPU_OVERLAP_SLOWDOWN,
     )
 
 
@@ -356,13 +370,15 @@ B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12, fp8=4500e12,
 # Roughly: a few cores of fp32 GEMM (~100 GFLOP/s), DRAM ~20 GB/s, gloo over shared memory
 # ~5 GB/s with ~50 us per step, 10 GbE (1.25 GB/s) between hosts. The host runs the kernels; its
 # per-op dispatch cost is left unpriced here (host_op_s 0) and measured by calibration. Its float8 matmuls
-# (``torch._scaled_mm`` on the CPU, for gloo tests) are emulated in wider arithmetic: the bf16 figure.
+# (``torch._scaled_mm`` on the CPU, for gloo tests) are emulated in wider arithmetic: the bf16 figure. A
+# collective beside compute runs on the same cores (gloo's threads copy and add): on two cores, compute
+# beside it runs at half speed (overlap_slowdown 1.0).
 CPU = DeviceSpec(
     name="cpu",
     peak_flops={"fp32": 100e9, "tf32": 100e9, "bf16": 50e9, "fp16": 50e9, "fp8": 50e9},
     hbm_bytes=16 * GIB, hbm_bw=20e9, nvlink_bw=5e9, net_bw=1.25e9,
     intra_latency_s=50e-6, inter_latency_s=100e-6, base_latency_s=20e-6, kernel_launch_s=10e-6,
-    host_runs_kernels=True,
+    host_runs_kernels=True, overlap_slowdown=1.0,
 )
 
 #: Presets by canonical name.

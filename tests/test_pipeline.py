@@ -287,12 +287,14 @@ def test_pinned_pipeline_degree(pp2):
 
 def test_pipeline_step_time_is_microbatches_plus_bubble(pp2):
     """step = (work per microbatch) x (m + p - 1) + exposed gradient sync: the bubble is (p - 1) / m
-    of the pipelined work, and stage-to-stage transfers are priced as p2p."""
+    of the pipelined work less the exposed sync (at most the whole sync, and the compute it slows), and
+    stage-to-stage transfers are priced as p2p."""
     p = pp2.predicted
     m, stages = 8, 2
     assert p["bubble_s"] > 0 and p["comm_s"]["p2p"] > 0
     pipelined = p["step_time_s"] - p["bubble_s"]  # = m x per-microbatch + exposed sync
-    assert p["bubble_s"] == pytest.approx(pipelined * (stages - 1) / m, rel=0.05)
+    assert 0 < p["grad_sync_s"] < pipelined / 10
+    assert (pipelined - p["grad_sync_s"]) * (stages - 1) / m - 1e-12 <= p["bubble_s"]
     assert p["bubble_s"] <= pipelined * (stages - 1) / m + 1e-12
 
 

@@ -207,7 +207,7 @@ def tp_plan(tmp_path_factory):
     captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
     cluster = parse_cluster("1x2xcpu")
     plan = make_plan(captured, cluster, model_name="tiny-gpt", constraints=Constraints(tp=2))
-    pricer = Pricer(cluster, plan.mesh["shape"], plan.model["dtype"])
+    pricer = Pricer(cluster, plan.mesh["shape"], plan.model["dtype"], runtime=plan.predicted["runtime"])
     strategy_of = _strategies_from(plan, captured)
     data = plan.to_dict()
     for name, op in data["ops"].items():
@@ -220,7 +220,8 @@ def tp_plan(tmp_path_factory):
 
 def test_recorded_collectives_add_up_to_the_priced_communication(tp_plan) -> None:
     """Per decision (the plan spreads a tied decision's resharding evenly over its nodes), the recorded
-    collectives' seconds are what pricing charged, by kind, and the gradient sync apart."""
+    collectives' seconds are what pricing charged, by kind, and apart the gradient sync (a prefetched
+    regather in it) and the forward gathers prefetched beside compute."""
     data, _ = tp_plan
     assert data["pipeline"]["microbatches"] == 1
     recorded: dict[str, dict[str, float]] = {}
@@ -228,9 +229,12 @@ def test_recorded_collectives_add_up_to_the_priced_communication(tp_plan) -> Non
     for op in data["ops"].values():
         mine, theirs = recorded.setdefault(op["decision"], {}), priced.setdefault(op["decision"], {})
         for t in op["collectives"]:
-            key = "grad_sync" if t["grad_sync"] else t["kind"]
+            prefetched = t.get("prefetched", False)
+            key = ("grad_sync" if t["grad_sync"] or prefetched and t["phase"] == "backward" else
+                   "prefetched" if prefetched else t["kind"])
             mine[key] = mine.get(key, 0.0) + t["seconds"]
-        for key, seconds in (*op["cost"]["comm_s"].items(), ("grad_sync", op["cost"]["grad_sync_s"])):
+        for key, seconds in (*op["cost"]["comm_s"].items(), ("grad_sync", op["cost"]["grad_sync_s"]),
+                             ("prefetched", op["cost"].get("prefetched_s", 0.0))):
             if seconds > 0:
                 theirs[key] = theirs.get(key, 0.0) + seconds
     assert any("all_reduce" in r for r in recorded.values())

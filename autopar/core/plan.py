@@ -519,14 +519,15 @@ _SECONDS_BY_KIND = _MapOf(_NUMBER)
 _COLLECTIVE = _Record(
     {"kind": _TEXT, "phase": _TEXT, "tensor": _TEXT, "mesh_dim": _INTEGER, "nbytes": _NUMBER, "seconds": _NUMBER,
      "why": _TEXT, "shape": _ListOf(_INTEGER), "element_bytes": _POSITIVE, "sharded_on": _ListOf(_INTEGER),
-     "group": _ListOf(_COUNT), "grad_sync": _FLAG, "per_microbatch": _FLAG, "share": _POSITIVE})
-"""One collective of an op (``planning/explanations.py`` writes every key): ``mesh_dim`` and ``sharded_on``
-index the mesh (``Plan.validate``), ``group`` is [ranks, ranks per node, nodes]."""
+     "group": _ListOf(_COUNT), "grad_sync": _FLAG, "per_microbatch": _FLAG, "share": _POSITIVE},
+    {"prefetched": _FLAG})
+"""One collective of an op (``planning/explanations.py`` writes every key, ``prefetched`` where it is): ``mesh_dim``
+and ``sharded_on`` index the mesh (``Plan.validate``), ``group`` is [ranks, ranks per node, nodes]."""
 _OP = _Record(
     {"op": _TEXT, "module": _TEXT, "inputs": _ListOf(_PLACEMENTS), "outputs": _ListOf(_OrNull(_PLACEMENTS))},
     {"decision": _TEXT, "collectives": _ListOf(_COLLECTIVE), "count": _NUMBER, "local": _FLAG,
      "cost": _Record({}, {"compute_s": _NUMBER, "comm_s": _SECONDS_BY_KIND, "grad_sync_s": _NUMBER,
-                          "memory_bytes": _NUMBER})})
+                          "prefetched_s": _NUMBER, "memory_bytes": _NUMBER})})
 _ALTERNATIVE = _Record({"strategy": _TEXT, "chosen": _FLAG, "delta_s": _NUMBER, "delta_memory_bytes": _NUMBER},
                        {"compute_s": _NUMBER, "comm_s": _SECONDS_BY_KIND})
 _MOE = _Record({"experts": _INTEGER, "top_k": _INTEGER, "group_tokens": _INTEGER, "slots_per_expert": _INTEGER,

@@ -88,6 +88,10 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
     if term["kind"] == "send_recv":  # ring attention's exchange (planning/pricing.py, ring_exposed_s)
         lines.append("      runs behind one block's attention: the op's p2p charge is the part its compute does "
                      "not hide")
+    elif term.get("prefetched"):
+        lines.append("      issued a unit ahead by the lowered runtime (passes/lower_buckets.py): hidden behind "
+                     + ("backward's compute, in the gradient sync" if term["phase"] == "backward" else
+                        "forward's compute"))
     elif term["grad_sync"] and term["kind"] == "all_reduce":
         lines.append(f"      bucketed with other gradients: charged its bandwidth term, {fmt_seconds(term['seconds'])}, "
                      "overlapped with backward")

@@ -11,7 +11,9 @@ per-op costs in ``plan.ops``, which are totals over the step:
   long stacks) is drawn once with ``count`` times its cost;
 * gradient sync runs once, in the last microbatch, on its own track: each op's bucketed all_reduce
   starts when that op's backward ends (or when the previous one finishes), overlapping the rest of
-  backward.
+  backward;
+* the parameter gathers the lowered runtime issues a unit ahead in forward (``cost.prefetched_s``) are
+  not drawn: they run beside forward's compute.
 
 Not for: measurements. It is a picture of the cost model, not a profile of a run. When ops x
 microbatches would pass ``MAX_EVENTS``, consecutive ops of one module are merged into one event (and,

@@ -15,7 +15,7 @@ from autopar.ir.layers import layer_count, layer_names, layer_period, output_val
 from autopar.ir.capture import FUSED_ATTENTION, CapturedGraph, module_path
 from autopar.planning.explanations import collective_terms, explanations
 from autopar.planning.meshes import MeshChoice, global_batch
-from autopar.planning.pricing import Pricer, backward_ratio, global_flops, is_matmul
+from autopar.planning.pricing import Cost, Pricer, backward_ratio, global_flops, is_matmul
 from autopar.planning.problem import Decision, Problem
 from autopar.planning.sequence_parallel import norm_sites, sequence_sharded
 from autopar.planning.solver import Solution, exposed_grad_sync
@@ -253,12 +253,15 @@ def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node:
             key, option = by_node[node.name]
             s, c = option.strategy, option.cost
             comm = dict(c.comm_s)
-            for kind, sec in reshard.get(key, {}).items():
+            incoming = reshard.get(key, Cost())
+            for kind, sec in incoming.comm_s.items():
                 comm[kind] = comm.get(kind, 0.0) + sec
             ops[node.name] = {"op": str(node.target), "module": module_path(node), "decision": key,
                               "inputs": [placements_to_strs(p) for p in s.inputs],
                               "outputs": [placements_to_strs(p) if p is not None else None for p in s.outputs],
-                              "cost": {"compute_s": c.compute_s, "comm_s": comm, "grad_sync_s": c.grad_sync_s,
+                              "cost": {"compute_s": c.compute_s, "comm_s": comm,
+                                       "grad_sync_s": c.grad_sync_s + incoming.grad_sync_s,
+                                       **({"prefetched_s": incoming.prefetched_s} if incoming.prefetched_s else {}),
                                        "memory_bytes": int(c.memory_bytes)}}
             if str(node.target) in problem.unsupported_ops or runs_locally(node, s):
                 ops[node.name]["local"] = True
@@ -270,22 +273,28 @@ def _ops(captured: CapturedGraph, problem: Problem, solution: Solution, by_node:
     return ops
 
 
-def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, dict[str, float]]:
-    """Per consumer decision, the resharding seconds of its inputs, per occurrence of the decision."""
-    out: dict[str, dict[str, float]] = {}
+def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, Cost]:
+    """Per consumer decision, what the resharding of its inputs costs per occurrence of the decision: its
+    collectives by kind, and the parameter gathers that run beside compute (the lowered runtime's
+    prefetched gathers, in the gradient sync and ``prefetched_s``)."""
+    out: dict[str, Cost] = {}
     for edge in problem.edges:
         p = problem.decisions[edge.src].options[solution.choice[edge.src]].strategy.outputs[edge.src_out]
         q = problem.decisions[edge.dst].options[solution.choice[edge.dst]].edge_key(edge.slot)
+        price, into = edge.price[(p, q)], out.setdefault(edge.dst, Cost())
         share = edge.count / problem.decisions[edge.dst].count
-        for kind, sec in edge.price[(p, q)].comm_s.items():
-            out.setdefault(edge.dst, {})[kind] = out.setdefault(edge.dst, {}).get(kind, 0.0) + share * sec
+        for kind, sec in price.comm_s.items():
+            into.comm_s[kind] = into.comm_s.get(kind, 0.0) + share * sec
+        into.grad_sync_s += share * price.grad_sync_s
+        into.prefetched_s += share * price.prefetched_s
     for g in problem.shared:  # a shared move: each of its k readers is charged 1/k, as explanations record it
         for member in g.edges:
             dst = problem.edges[member].dst
             share = g.count(problem.edges) / problem.decisions[dst].count / len(g.edges)
             for cost in g.taken(problem, solution.choice):
+                into = out.setdefault(dst, Cost())
                 for kind, sec in cost.comm_s.items():
-                    out.setdefault(dst, {})[kind] = out.setdefault(dst, {}).get(kind, 0.0) + share * sec
+                    into.comm_s[kind] = into.comm_s.get(kind, 0.0) + share * sec
     return out
 
 

@@ -121,7 +121,8 @@ def _sync_delta(problem: Problem, decision, chosen: int, k: int, now: OverlapSla
     decisions changes by ``elsewhere``), from the solution's slack ``now``."""
     option = lambda i: _slack(problem, decision.options[i].cost, decision.count)  # noqa: E731
     after = now.plus(option(k)).plus(option(chosen), -1.0).plus(elsewhere)
-    return after.exposed_s(problem.microbatches) - now.exposed_s(problem.microbatches)
+    m, slowdown = problem.microbatches, problem.overlap_slowdown
+    return after.exposed_s(m, slowdown) - now.exposed_s(m, slowdown)
 
 
 def explanations(problem: Problem, choice: Mapping[str, int], index: Mapping[str, str]) -> dict[str, Any]:
@@ -177,7 +178,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
                    + (" again in backward" if c.regather else ""))
             weight = kinds[src.name] in WEIGHT_KINDS  # a parameter or a view of one
             terms.append(_term(replace(c, share=c.share / readers) if moved else c, why, arg, captured, pricer,
-                               per_microbatch=weight))
+                               per_microbatch=weight, prefetched=weight and pricer.prefetched(c)))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
         gathered = roots[c.slot] is not None and gathers(roots[c.slot], strategy.inputs[c.slot])
         why = "partial gradient, reduced by the gather's backward" if gathered else "partial gradient"
@@ -218,7 +219,9 @@ def _root_placement(arg: fx.Node, strategy_of: Callable[[str], Strategy]) -> Pla
 
 
 def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer: Pricer,
-          per_microbatch: bool = False) -> dict[str, Any]:
+          per_microbatch: bool = False, prefetched: bool = False) -> dict[str, Any]:
+    """One collective as the plan records it; ``prefetched``: a parameter's gather the lowered runtime
+    issues a unit ahead (``Pricer.prefetched``), priced beside compute, not on the critical path."""
     val, group = arg.meta["val"], pricer.groups[c.mesh_dim]
     seconds = pricer.collective_seconds(c)
     return {"kind": c.kind, "phase": c.phase, "why": why,
@@ -226,4 +229,5 @@ def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer
             "shape": list(val.shape), "element_bytes": pricer.element_bytes(val), "mesh_dim": c.mesh_dim,
             "sharded_on": [d for d, p in enumerate(c.placements) if p.is_shard()],
             "group": [group.size, group.per_node, group.nodes], "nbytes": c.nbytes, "seconds": seconds,
-            "grad_sync": c.grad_sync, "per_microbatch": per_microbatch, "share": c.share}
+            "grad_sync": c.grad_sync, "per_microbatch": per_microbatch, "share": c.share,
+            **({"prefetched": True} if prefetched else {})}

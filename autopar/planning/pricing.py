@@ -32,11 +32,12 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
   re-gathers once, as part of its recompute).
 * on the lowered runtime (``runtime``: one-stage meshes by default, ``roles.priced_runtime``) an FSDP
-  parameter's backward regather (an all_gather, ``_prefetched``) and its gradient reduce_scatter
+  parameter's backward regather (an all_gather, ``prefetched``) and its gradient reduce_scatter
   (``_overlapped_where_lowered``) are issued ahead of their use and waited on late
-  (``passes/lower_buckets.py``): gradient sync, hidden behind backward's compute with the rest of it (the
-  ILP's constraint (3)). The forward's gathers, which that runtime issues a layer ahead too, stay on the
-  critical path: (3) holds backward compute only.
+  (``passes/lower_buckets.py``): gradient sync, hidden behind its microbatch's backward compute with the
+  rest of it; its forward all_gather, issued a unit ahead too, hides behind forward's compute
+  (``Cost.prefetched_s``). Both are the ILP's constraint (3) (``OverlapSlack``), and the compute they run
+  beside runs slower (``DeviceSpec.overlap_slowdown``).
 * a parameter sharded where it is stored and gathered to be read (FSDP) has its gradient reduced by
   the gather's backward, on the critical path (a reduce_scatter onto the shard), not by the gradient
   sync: ``Pricer.node`` prices the sync of an ungathered parameter and ``gathered_root_delta`` the
@@ -154,7 +155,7 @@ class Cost:
     backward_compute_s: float = 0.0  # part of compute_s that runs in one microbatch's backward (overlap budget)
     forward_compute_s: float = 0.0  # part of compute_s that runs in one microbatch's forward (overlap budget)
     prefetched_s: float = 0.0  # a parameter's forward all_gathers the lowered runtime issues a unit ahead
-    # (``Pricer._prefetched``): hidden behind forward compute, not in comm_s
+    # (``Pricer.prefetched``): hidden behind forward compute, not in comm_s
     kernel: Kernel | None = None  # forward kernel on the whole batch
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
@@ -185,13 +186,16 @@ class OverlapSlack:
       backward: ZeRO-2's reduce_scatters, and on the lowered runtime FSDP's reduce_scatters and backward
       regathers, each issued and waited on inside its own microbatch's backward, ``passes/lower_buckets.py``);
     * ``forward``: in one microbatch's forward, the parameter all_gathers the lowered runtime issues a
-      unit ahead (``Pricer._prefetched``).
+      unit ahead (``Pricer.prefetched``).
 
-    Negative: hidden with time to spare. The solver's constraint (3) holds one exposure variable per part."""
+    Negative: hidden with time to spare. The solver's constraint (3) holds one exposure variable per part.
+    ``overlapped``: the step's seconds of all that communication; the compute beside the part of it that
+    hides runs slower (``DeviceSpec.overlap_slowdown``), which ``exposed_s`` adds."""
 
     last: float = 0.0
     each: float = 0.0
     forward: float = 0.0
+    overlapped: float = 0.0
 
     @classmethod
     def of(cls, cost: "Cost", beta: float, microbatches: int, occurrences: float = 1.0) -> "OverlapSlack":
@@ -201,16 +205,25 @@ class OverlapSlack:
         m, each = microbatches, cost.grad_sync_per_microbatch_s
         hide, hide_forward = beta * cost.backward_compute_s, beta * cost.forward_compute_s
         return cls(occurrences * (cost.grad_sync_s - (m - 1) * each - hide), occurrences * (each - hide),
-                   occurrences * (cost.prefetched_s / m - hide_forward))
+                   occurrences * (cost.prefetched_s / m - hide_forward),
+                   occurrences * (cost.grad_sync_s + cost.prefetched_s))
 
     def plus(self, other: "OverlapSlack", weight: float = 1.0) -> "OverlapSlack":
         return OverlapSlack(self.last + weight * other.last, self.each + weight * other.each,
-                            self.forward + weight * other.forward)
+                            self.forward + weight * other.forward, self.overlapped + weight * other.overlapped)
 
-    def exposed_s(self, microbatches: int) -> float:
-        """Seconds of it the step waits for: each part's excess over the compute beside it."""
+    def exposed_s(self, microbatches: int, slowdown: float = 0.0) -> float:
+        """Seconds it adds to the step: what the step waits for (each part's excess over the compute beside
+        it) and, for the rest, which hides, the compute it slows (``contention_share``)."""
         m = microbatches
-        return max(0.0, self.last) + (m - 1) * max(0.0, self.each) + m * max(0.0, self.forward)
+        waited = max(0.0, self.last) + (m - 1) * max(0.0, self.each) + m * max(0.0, self.forward)
+        return waited + contention_share(slowdown) * (self.overlapped - waited)
+
+
+def contention_share(slowdown: float) -> float:
+    """Seconds a step gains per second of communication hidden behind compute that runs ``slowdown``
+    longer beside it: the compute such a second overlaps does ``1 / (1 + slowdown)`` of a second's work."""
+    return slowdown / (1.0 + slowdown)
 
 
 def with_fields(record: _R, **changes: Any) -> _R:
@@ -869,7 +882,7 @@ class Pricer:
         self._edge_cache = prices.cache
 
     def _edge_signature(self) -> tuple:
-        return (id(self.cluster), self.mesh_shape, self.stages, self.dtype, self.runtime, self.fp8)
+        return (self.cluster, self.mesh_shape, self.stages, self.dtype, self.runtime, self.fp8)
 
     def edge(self, val: torch.Tensor, src: Placements, dst: Placements, per_microbatch: bool = False,
              grad_partial: tuple[int, ...] = (), regathered: bool = False, partial_share: float = 1.0,
@@ -896,7 +909,7 @@ class Pricer:
         cost = Cost(repeats_per_microbatch=per_microbatch)
         for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared, gradient):
             seconds = self.collective_seconds(c)
-            if per_microbatch and self._prefetched(c):
+            if per_microbatch and self.prefetched(c):
                 if c.regather:  # in backward, beside backward's compute and gradient sync
                     cost.grad_sync_s += seconds
                     cost.grad_sync_per_microbatch_s += seconds
@@ -910,7 +923,7 @@ class Pricer:
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
         return cost
 
-    def _prefetched(self, c: "Collective") -> bool:
+    def prefetched(self, c: "Collective") -> bool:
         """Whether ``c``, a move of a parameter, overlaps compute where the runtime runs it: the lowered
         program's gathers of an FSDP unit (``passes/lower_buckets.bucket_parameter_gathers``) are one
         all_gather a unit, issued a unit ahead. In forward they hide behind forward's compute

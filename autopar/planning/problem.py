@@ -246,6 +246,7 @@ class Problem:
     overlap_fraction: float  # share of backward compute that can hide gradient all_reduce
     unsupported_ops: set[str] = field(default_factory=set)  # ops with no DTensor strategy (run replicated)
     microbatches: int = 1  # gradient accumulation steps the prices assume
+    overlap_slowdown: float = 0.0  # how much longer compute takes beside a collective (DeviceSpec's)
     layer_modes: LayerModes | None = None  # per-layer checkpointing still to choose (solver.py (5)-(8))
     root_terms: list[RootSharding] = field(default_factory=list)  # prices of two decisions together (9)
     shared: list[SharedResharding] = field(default_factory=list)  # moves several edges share (11)
@@ -514,7 +515,8 @@ def build_problem(
     _charge_working_set(captured, decisions, pricer)
     problem = Problem(tuple(pricer.mesh_shape), decisions, [], memory_capacity_bytes, overlap_fraction,
                       set(finder.unsupported), root_terms=_root_terms(captured, decisions, pricer),
-                      gathered_units=gathered_units(captured, decisions, pricer, gathered_by_parameter), edge_rows={})
+                      gathered_units=gathered_units(captured, decisions, pricer, gathered_by_parameter), edge_rows={},
+                      overlap_slowdown=pricer.cluster.device.overlap_slowdown)
     return with_edges(problem, captured, pricer, priced) if edges else problem
 
 

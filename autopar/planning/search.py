@@ -69,7 +69,7 @@ from autopar.planning.problem import Problem, with_edges
 from autopar.planning.sequence_parallel import norm_sites
 from autopar.planning.solver import (NODE_LIMIT, Pruned, Solution, cannot_beat, evaluate, infeasible_reason,
                                      least_memory, solve)
-from autopar.core.plan import CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
+from autopar.core.plan import ALLGATHER, CHECKPOINTING, MULTI_CHUNK_SCHEDULES, Plan
 from autopar.planning.stages import FewestHeld, Staging, stage_problem, staged_alike
 from autopar.planning.assemble import Candidate, least_stage_transfers, to_plan, with_pipeline_time
 from autopar.planning.meshes import MeshChoice, global_batch, mesh_candidates, microbatch_counts
@@ -267,6 +267,16 @@ def _cutoff(best_s: float | None, found: "Candidate | MeshChoice | str") -> floa
     return min(times) if times else None
 
 
+def _gathered_attention_runs_lowered(constraints: Constraints, mesh: MeshChoice) -> bool:
+    """Whether ``mesh`` is searched again with its keys and values gathered over cp (``cp_attention``
+    pinned to all-gather), priced for the lowered runtime: a one-stage mesh with a cp dim whose fused
+    attention is left open is priced for DTensor, which runs the ring (``roles.priced_runtime``), and
+    ``autoparallelize`` runs a plan of it that gathers on the lowered program, whose prices are lower
+    (the parameter gathers it prefetches beside compute)."""
+    return (mesh.stages == 1 and mesh.size(MeshAxis.CP) > 1 and constraints.cp_attention is None
+            and constraints.runtime is None)
+
+
 def _better(first: "Candidate | MeshChoice | str", second: "Candidate | MeshChoice | str"
             ) -> "Candidate | MeshChoice | str":
     """Of two searches of one mesh: the faster plan; else a pruning (the mesh cannot win) over a failure."""
@@ -349,7 +359,7 @@ class _MeshSearch:
         self._staged_problems: dict[tuple[int, tuple], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self._solved: dict[tuple[int, tuple[str, ...], int], tuple[Staging, Solution]] = {}  # ``_solved_before``
         self._traced: dict[tuple, tuple[EdgePrices, MeshTrace]] = {}  # ``_shared_with_earlier_search``
-        self._decided_problems: dict[tuple[MeshChoice, int | None], tuple[Pricer, Problem]] = {}  # ``_decided``
+        self._decided_problems: dict[tuple[MeshChoice, int | None, str | None], tuple[Pricer, Problem]] = {}  # ``_decided``
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
@@ -359,9 +369,9 @@ class _MeshSearch:
 
     def search_mesh(self, task: tuple[MeshChoice, float | None]) -> "MeshOutcome":
         """One mesh's whole search against ``cutoff_s`` (the best step time of the meshes searched before
-        it): ``run``, then again under ZeRO-1 where memory shaped the plan; under ZeRO-1 first where the
-        parameters must be sharded (``must_shard_parameters``). Runs in a forked worker or in this process
-        (``workers.py``); its shortfall and phase seconds come back with the outcome."""
+        it): ``searched``, and again with keys and values gathered over cp on the lowered runtime where the
+        mesh leaves its attention open (``_gathered_attention_runs_lowered``). Runs in a forked worker or
+        in this process (``workers.py``); its shortfall and phase seconds come back with the outcome."""
         mesh, cutoff_s = task
         in_worker = os.getpid() != self.pid
         if in_worker:  # a worker's own clock; its seconds are added to the parent's by ``make_plan``
@@ -370,21 +380,29 @@ class _MeshSearch:
         self.microbatches_raised = False
         self._traced.clear()  # one mesh's at a time
         self._decided_problems.clear()  # one mesh's at a time
-        if _zero_one_applies(self, mesh) and (self.must_shard_parameters(mesh) or self.fewest_count_refused(mesh)):
-            found = self.run(mesh, cutoff_s, zero_stage=1)
-            found = _better(found, self.run(mesh, _cutoff(cutoff_s, found)))
-        else:
-            found = self.run(mesh, cutoff_s)
-            if _distributed_optimizer_may_help(self, mesh, found):
-                found = _better(found, self.run(mesh, _cutoff(cutoff_s, found), zero_stage=1))
+        found = self.searched(mesh, cutoff_s)
+        if _gathered_attention_runs_lowered(self.constraints, mesh):
+            found = _better(found, self.searched(mesh, _cutoff(cutoff_s, found), ALLGATHER))
         return MeshOutcome(found, self.closest, self.solver_failed, self.progress.phases_s if in_worker else {},
                            self.fits_whole)
+
+    def searched(self, mesh: MeshChoice, cutoff_s: float | None, cp_attention: str | None = None
+                 ) -> "Candidate | MeshChoice | str":
+        """``run``, then again under ZeRO-1 where memory shaped the plan; under ZeRO-1 first where the
+        parameters must be sharded (``must_shard_parameters``). ``cp_attention``: as ``run``'s."""
+        if _zero_one_applies(self, mesh) and (self.must_shard_parameters(mesh) or self.fewest_count_refused(mesh)):
+            found = self.run(mesh, cutoff_s, zero_stage=1, cp_attention=cp_attention)
+            return _better(found, self.run(mesh, _cutoff(cutoff_s, found), cp_attention=cp_attention))
+        found = self.run(mesh, cutoff_s, cp_attention=cp_attention)
+        if _distributed_optimizer_may_help(self, mesh, found):
+            found = _better(found, self.run(mesh, _cutoff(cutoff_s, found), zero_stage=1, cp_attention=cp_attention))
+        return found
 
     def must_shard_parameters(self, mesh: MeshChoice) -> bool:
         """Whether every plan on ``mesh`` without ZeRO must shard parameters over its data-parallel dims
         (``ZERO_AXES``): their state (parameters, gradients, AdamW's) replicated there, split at most over
         the mesh's other dims and the largest stage holding at least ``1 / pp`` of it, needs more than a
-        device has. ``search_mesh`` then searches ZeRO-1 first: it is searched in any case
+        device has. ``searched`` then searches ZeRO-1 first: it is searched in any case
         (``_distributed_optimizer_may_help``: such a plan shards parameters, or none fits), and its step
         time, usually the better one there, is the cutoff that prunes the other search's configurations
         at their ILPs' roots; on Llama 3 70B's pipeline meshes those are its slowest ILPs (FSDP's
@@ -401,7 +419,7 @@ class _MeshSearch:
 
     def fewest_count_refused(self, mesh: MeshChoice) -> bool:
         """Whether, without ZeRO, memory refuses ``mesh``'s fewest microbatch count under its first staging
-        (no recomputation unless one is pinned), as ``run`` finds before it solves anything. ``search_mesh``
+        (no recomputation unless one is pinned), as ``run`` finds before it solves anything. ``searched``
         then searches ZeRO-1 first: where memory is tight its plan is the likelier winner (it frees the
         optimizer state), and its step time prunes the other search's ILPs at their roots. With no cutoff to
         beat these are the two searches ``_distributed_optimizer_may_help`` would ask for anyway (it also asks
@@ -440,7 +458,7 @@ class _MeshSearch:
     def _decided(self, mesh: MeshChoice, constraints: Constraints) -> tuple[Pricer, Problem]:
         """``mesh``'s pricer and problem without edges under ``constraints`` (``problem_for``), built once per
         ZeRO stage while ``mesh`` is searched (``fewest_count_refused`` and ``run`` read the same one)."""
-        key = (mesh, constraints.zero_stage)
+        key = (mesh, constraints.zero_stage, constraints.cp_attention)
         if key not in self._decided_problems:
             pricer = pricer_for(self.cluster, mesh, self.dtype, constraints, self.captured)
             with self.progress.phase("build"):
@@ -449,12 +467,12 @@ class _MeshSearch:
             self._decided_problems[key] = (pricer, decided)
         return self._decided_problems[key]
 
-    def run(self, mesh: MeshChoice, cutoff_s: float | None, zero_stage: int | None = None
-            ) -> Candidate | MeshChoice | str:
+    def run(self, mesh: MeshChoice, cutoff_s: float | None, zero_stage: int | None = None,
+            cp_attention: str | None = None) -> Candidate | MeshChoice | str:
         """The best candidate on ``mesh``, the reason nothing fit, or ``mesh`` itself when its bound
         shows it cannot beat ``cutoff_s`` (the best step time of the meshes solved before it).
-        ``zero_stage`` overrides the constraints' ZeRO stage."""
-        constraints = self._constraints(zero_stage)
+        ``zero_stage`` overrides the constraints' ZeRO stage, ``cp_attention`` their fused attention over cp."""
+        constraints = self._constraints(zero_stage, cp_attention)
         counts = self._counts(mesh)
         if isinstance(counts, str):
             return counts
@@ -529,7 +547,7 @@ class _MeshSearch:
 
     def _shared_with_earlier_search(self, mesh: MeshChoice, pricer: Pricer, constraints: Constraints) -> MeshTrace:
         """``mesh``'s ``MeshTrace``, and its resharding prices shared with ``pricer``: made by the mesh's first
-        search, kept for its second (under ZeRO-1, or without it: ``search_mesh``), which reads the same
+        search, kept for its second (under ZeRO-1, or without it: ``searched``), which reads the same
         strategies, reshardings and prices of what reads no weight (``MeshTrace.priced``); only parameter pins,
         their state and their gradient sync differ."""
         key = (mesh, pricer.runtime, mesh_cp_attention(pricer, constraints))
@@ -661,9 +679,10 @@ class _MeshSearch:
         starts at 2, ``Constraints.model_chunks``, and tries more as ``_more_chunks`` does)."""
         return self.constraints.schedule == "interleaved" and self.constraints.virtual_stages is None
 
-    def _constraints(self, zero_stage: int | None) -> Constraints:
-        """The constraints, with ``zero_stage`` (when given) as the ZeRO stage."""
-        return self.constraints if zero_stage is None else replace(self.constraints, zero_stage=zero_stage)
+    def _constraints(self, zero_stage: int | None, cp_attention: str | None = None) -> Constraints:
+        """The constraints, with ``zero_stage`` and ``cp_attention`` (each when given) in place of theirs."""
+        changes = {"zero_stage": zero_stage, "cp_attention": cp_attention}
+        return replace(self.constraints, **{key: value for key, value in changes.items() if value is not None})
 
     def shards_parameters_over_data_dims(self, candidate: Candidate) -> bool:
         """Whether ``candidate`` splits any parameter over a dim whose ranks read the same weights, ``dp`` or

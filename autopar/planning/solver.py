@@ -22,6 +22,7 @@ Variables::
                            microbatch's backward
     z' >= 0                ... in each earlier microbatch's (m > 1 only)
     z_f >= 0               prefetched parameter gathers left exposed in one microbatch's forward
+    o                      communication run beside compute (where compute slows beside it)
     n_m in {0..L}          layers that run in checkpointing mode m       (add_layer_mode_variables)
     a_m in {0,1}           some layer runs in recomputing mode m
     w_dkm >= 0             = n_m x_dk: layers of option k in mode m      (add_mode_choice_variables)
@@ -50,6 +51,7 @@ Constraints::
                                                                 lowered runtime issues a unit ahead
                                                                 (``a_e``, a step's) hide behind forward
                                                                 compute (``f_dk``, one microbatch's)
+    (3') o = sum_dk n_d g_dk x_dk + sum_epq n_e (g_e + a_e)(p,q) y_epq   the communication (3) overlaps
     (4) sum_dk n_d M^s_dk x_dk <= capacity      for each row s   memory of every device (add_memory_constraint)
     (5) sum_m n_m = L;  n_m <= L a_m                            every layer has one mode
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
@@ -104,7 +106,11 @@ the largest fits).
 Objective (predicted step time)::
 
     min  sum_dk n_d (c_dk + m_dk) x_dk + sum_epq n_e r_e(p,q) y_epq + sum_gpq n_g T_g(p,q) s_gpq + Z
-    Z =  z + (m - 1) z' + m z_f                                 exposed overlapped communication
+    Z =  (1 - a) (z + (m - 1) z' + m z_f) + a o                 overlapped communication: what the step
+                                                                waits for, and the compute slowed beside
+                                                                the rest (a = s / (1 + s), compute running
+                                                                s longer beside a collective:
+                                                                ``DeviceSpec.overlap_slowdown``)
 
 Every device runs the same program (SPMD), so one memory row bounds them all; under a pipeline, two
 (``Problem.memory_rows``): the first stage's device, which holds what comes before the repeated layers
@@ -146,7 +152,7 @@ from ortools.math_opt.python import callback, init_arguments, mathopt, model_par
 from autopar.core.errors import NoFeasiblePlanError
 from autopar.core.units import fmt_bytes
 from autopar.planning.problem import Edge, EdgeRows, Problem, edge_pair
-from autopar.planning.pricing import OverlapSlack
+from autopar.planning.pricing import OverlapSlack, contention_share
 
 _US = 1e6  # objective in microseconds keeps coefficients well scaled
 _GIB = 2.0**30
@@ -283,8 +289,7 @@ def build_model(problem: Problem, cutoff_s: float | None, bubble_fraction: float
     moves = add_shared_move_variables(model, problem, y, n)
     roots = add_root_sharding_variables(model, problem, x)
     terms = priced_terms(problem, x, w) + roots
-    sync = add_overlap_constraint(model, terms + edge_sync_terms(problem, y), problem.overlap_fraction,
-                                  problem.microbatches)
+    sync = add_overlap_constraint(model, problem, terms + edge_sync_terms(problem, y))
     add_memory_constraint(model, problem, x, w, v, roots)
     objective = set_objective(model, problem, terms, y, u, sync, moves)
     if cutoff_s is not None:
@@ -605,12 +610,14 @@ def priced_terms(problem: Problem, x: Mapping[str, list], w: Mapping[tuple[str, 
     return terms
 
 
-def add_overlap_constraint(model: Ilp, terms: list, overlap_fraction: float, microbatches: int) -> list:
-    """``z``, ``z'``, ``z_f`` and constraint (3), one per part of ``OverlapSlack``; returns their objective
-    terms, ``z + (m - 1) z' + m z_f``. ``z'`` and ``z_f`` exist only where some option has work of
-    their part (sync redone every microbatch, gathers prefetched in forward)."""
-    m = microbatches
-    slack = {id(c): OverlapSlack.of(c, overlap_fraction, m) for _, c, _ in terms}
+def add_overlap_constraint(model: Ilp, problem: Problem, terms: list) -> list:
+    """``z``, ``z'``, ``z_f`` and constraint (3), one per part of ``OverlapSlack``, and ``o``, the
+    communication they overlap (3'); returns their objective terms, ``(1 - a) (z + (m - 1) z' + m z_f) + a o``.
+    ``z'`` and ``z_f`` exist only where some option has work of their part (sync redone every microbatch,
+    gathers prefetched in forward), ``o`` where compute slows beside a collective (``a`` > 0)."""
+    m, beta = problem.microbatches, problem.overlap_fraction
+    slack = {id(c): OverlapSlack.of(c, beta, m) for _, c, _ in terms}
+    share = contention_share(problem.overlap_slowdown)
     parts = [(lambda s: s.last, 1.0, True),
              (lambda s: s.each, float(m - 1), m > 1 and any(c.grad_sync_per_microbatch_s for _, c, _ in terms)),
              (lambda s: s.forward, float(m), any(c.prefetched_s for _, c, _ in terms))]
@@ -619,14 +626,19 @@ def add_overlap_constraint(model: Ilp, terms: list, overlap_fraction: float, mic
         if present:
             z = model.var(0.0, math.inf)
             model.row(0.0, math.inf, [(z, 1.0), *_weighted(terms, lambda c: -part(slack[id(c)]) * _US)])
-            objective.append((z, coefficient))
+            objective.append((z, (1.0 - share) * coefficient))
+    overlapped = _weighted(terms, lambda c: -slack[id(c)].overlapped * _US)
+    if share and overlapped:
+        o = model.var(-math.inf, math.inf)  # free: a fractional root-sharding term may take sync below 0
+        model.row(0.0, 0.0, [(o, 1.0), *overlapped])
+        objective.append((o, share))
     return objective
 
 
 def edge_sync_terms(problem: Problem, y: Mapping[int, list]) -> list:
     """(variable, cost, occurrences) of the edge pairs whose collectives run beside compute for (3): a
     parameter's gathers the lowered runtime issues ahead, in forward and again in backward
-    (``Pricer._prefetched``); none on DTensor."""
+    (``Pricer.prefetched``); none on DTensor."""
     return [(var, cost, edge.count) for e_idx, edge in enumerate(problem.edges)
             for var, cost in zip(y[e_idx], edge.price.values()) if cost.grad_sync_s or cost.prefetched_s]
 
@@ -737,9 +749,9 @@ def evaluate(problem: Problem, choice: Mapping[str, int], layer_modes: Mapping[s
 
 
 def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
-    """``Z`` of constraint (3) at an assignment: gradient sync and prefetched gathers left over after
-    hiding behind compute."""
-    return overlap_slack(problem.settled(choice), choice).exposed_s(problem.microbatches)
+    """``Z`` of the objective at an assignment: the gradient sync and prefetched gathers left over after
+    hiding behind compute, and the compute slowed beside the rest."""
+    return overlap_slack(problem.settled(choice), choice).exposed_s(problem.microbatches, problem.overlap_slowdown)
 
 
 def overlap_slack(problem: Problem, choice: Mapping[str, int]) -> OverlapSlack:
