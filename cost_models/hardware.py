@@ -169,8 +169,8 @@ class DeviceSpec:
     overlap_slowdown: float = 0.0
     """How much longer compute takes while a collective runs beside it (0.189: 18.9% longer), its kernels
     sharing the device's SMs and memory with the collective's (on a CPU, its cores): what overlapping
-    communication with compute costs (``planning/pricing.OverlapSlack``). 0: none (profiles calibrated
-    before it was a field)."""
+    communication with compute costs (``planning/pricing.OverlapSlack``). 0: compute loses nothing (the
+    default of a device a file states whole; a calibrated profile keeps its base preset's, not measured)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

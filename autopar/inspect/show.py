@@ -146,7 +146,8 @@ def summarize(plan: Plan) -> str:
     if p.get("bubble_s"):
         lines.append(f"  pipeline bubble  {fmt_seconds(p['bubble_s'])}")
     lines.append(f"  exposed comm     {fmt_seconds(p['exposed_comm_s'])}"
-                 f"   (gradient sync {fmt_seconds(p.get('grad_sync_s', 0.0))}, overlapped with backward)")
+                 f"   (gradient sync {fmt_seconds(p.get('grad_sync_s', 0.0))}, overlapped with backward; what "
+                 "compute does not hide, and the compute slowed beside what it does)")
     lines += _collective_count_line(plan)
     if p.get("runtime") == LOWERED:
         lines.append("  priced for the lowered runtime (autoparallelize's default): FSDP gradient "
