@@ -410,13 +410,16 @@ def bucket_gradient_scatters(gm: fx.GraphModule, units: Mapping[str, str]) -> li
         if unit is not None:
             _, op, size, group = node.args
             found[(unit, op, size, group, _value(node.args[0]).dtype)].append(node)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     made = []
     for (_, op, size, group, _), members in found.items():
+        # ordered afresh: a gradient split on two mesh dims is scattered on one, then on the other, whose input
+        # an earlier bucket of the first dim may have remade
+        order = {n: i for i, n in enumerate(graph.nodes)}
         ready = max((m.args[0] for m in members), key=order.__getitem__)
         _scatter_bucket(graph, members, ready, op, size, group, output)
-        made.append((order[ready], len(members)))
-    return _bucket_sizes(gm, made)
+        made.append((ready, len(members)))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return _bucket_sizes(gm, [(order[ready], count) for ready, count in made])
 
 
 def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, op: str, size: int, group: str,
@@ -454,9 +457,12 @@ def _waited_once(collective: fx.Node) -> bool:
 
 
 def _from_one_parameter(node: fx.Node, units: Mapping[str, str]) -> tuple[fx.Node, list[fx.Node]] | None:
-    """The parameter placeholder ``node`` is computed from alone (one of ``units``), and the ops in
-    between; None when it reads anything else."""
-    found = _computed_from(node, lambda current: current.op != "call_function")
+    """The parameter placeholder ``node`` is computed from alone (one of ``units``) by local ops, and the
+    ops in between; None when it reads anything else, or another collective's result (a parameter split on
+    two mesh dims is gathered on one, then on the other: the second gather waits for the first, and the
+    first's bucket replaces its nodes)."""
+    found = _computed_from(node, lambda current: current.op != "call_function"
+                           or getattr(current.target, "namespace", None) == "_c10d_functional")
     if found is None or len(found[1]) != 1:
         return None
     chain, (placeholder,) = found

@@ -45,7 +45,7 @@ CONFIGS = {2: [("tiny-gpt", {"dp": 2}), ("tiny-gpt", {"dp": 2, "fsdp": 3}), ("ti
                ("tiny-llama", {"dp": 2, "fsdp": 2, "microbatches": 2}),
                ("tiny-gpt", {"dp": 2, "dtype": "bf16", "reduce_dtype": "bf16"})],
            4: [("tiny-gpt", {"dp": 4, "fsdp": 3}), ("tiny-llama", {"dp": 2, "tp": 2}),
-               ("tiny-gpt", {"dp": 4, "fsdp": 3, "dp_shard": 2})]}
+               ("tiny-gpt", {"dp": 4, "fsdp": 3, "dp_shard": 2}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3})]}
 STEP_GAPS: dict[str, dict[str, int]] = {
     "tiny-gpt {'dp': 2}": BACKWARD_GAPS["tiny-gpt"],
     "tiny-gpt {'dp': 2, 'dtype': 'bf16', 'reduce_dtype': 'bf16'}": BACKWARD_GAPS["tiny-gpt"],
@@ -53,10 +53,13 @@ STEP_GAPS: dict[str, dict[str, int]] = {
 }
 """A step's collectives, counted minus predicted, per kind, where they differ: the lazy reduction of the
 position embedding's gradient under data parallelism and HSDP (``tests/test_collective_parity.py``)."""
-NOT_EXACT = {"tiny-llama {'dp': 2, 'tp': 2}", "tiny-llama {'dp': 2, 'fsdp': 2, 'microbatches': 2}"}
+NOT_EXACT = {"tiny-llama {'dp': 2, 'tp': 2}", "tiny-llama {'dp': 2, 'fsdp': 2, 'microbatches': 2}",
+             "tiny-llama {'dp': 2, 'tp': 2, 'fsdp': 3}"}
 """Configurations checked for numerical parity only: a 2-D mesh, whose backward the plan does not predict
 exactly on the DTensor runtime either (DTensor's norm backward, ``tests/test_collective_parity.py``),
-and gradient accumulation (collective parity counts one microbatch's forward)."""
+and gradient accumulation (collective parity counts one microbatch's forward). The 2-D mesh with FSDP
+gathers parameters split on both dims twice, one dim after the other, and reduce-scatters their gradients so:
+until 2026-12-07 its lowering failed there and it ran on DTensor."""
 
 
 def _lowered_runs(rank: int, world: int, configs: list[tuple[str, dict]], compile: bool) -> list[dict[str, Any]]:
