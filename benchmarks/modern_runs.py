@@ -218,6 +218,12 @@ LLAMA_RECIPES = ("NVIDIA-NeMo/Megatron-Bridge, as stored at later commits than t
                  "grad_reduce_in_fp32 = False for mixed_precision and ddp); the B200 FP8-CS presets set only the "
                  "degrees, batch sizes and CUDA graphs (scripts/performance/configs/llama/"
                  "llama3_workload_base_configs.py, llama31_workload_base_configs.py)")
+TP_COMM_OVERLAP = ("Megatron-Core overlaps the tensor-parallel all_gathers and reduce_scatters with the GEMMs here "
+                   "(NVIDIA-NeMo/Megatron-Bridge, as stored: src/megatron/bridge/recipes/llama/llama3.py's "
+                   "llama3_70b_pretrain_config and llama31_405b_pretrain_config set CommOverlapConfig(tp_comm_overlap="
+                   "True) with userbuffers configs, which scripts/performance/configs/llama/llama3_llm_pretrain.py"
+                   "@2a0d46e2 keeps on H100, with the FP8 userbuffers config for FP8); autopar's runtime runs them on "
+                   "the critical path, and prices them so")
 GPT_OSS_120B = dict(model="GPT-OSS 120B (MoE)", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
                     ffn_hidden=2880, vocab=201088, mlp="swiglu", norm="rmsnorm", experts=128, top_k=4)
 
@@ -405,9 +411,13 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
                 notes=f"the table's FSDP = 1 (Megatron FSDP); bf16 gradient reductions, no recomputation: "
                       f"{LLAMA_RECIPES}"),
     _bridge_fp8("llama3-70b-fp8/64xH100", LLAMA3_70B, "H100", "LLAMA3_70B", global_batch=128, micro_batch=1, gpus=64,
-                tp=4, pp=8, vp=5, cp=1, published=1602),
+                tp=4, pp=8, vp=5, cp=1, published=1602,
+                notes=f"{TP_COMM_OVERLAP}; the distributed optimizer, bf16 gradient reductions and no recomputation: "
+                      f"{LLAMA_RECIPES}"),
     _bridge_fp8("llama3.1-405b-fp8/1024xH100", LLAMA3_405B, "H100", "LLAMA3.1_405B", global_batch=512,
-                micro_batch=1, gpus=1024, tp=8, pp=8, vp=8, cp=2, published=292),
+                micro_batch=1, gpus=1024, tp=8, pp=8, vp=8, cp=2, published=292,
+                notes=f"{TP_COMM_OVERLAP}; the distributed optimizer, bf16 gradient reductions and no recomputation: "
+                      f"{LLAMA_RECIPES}"),
     ModernRun(name="torchtitan-llama3.1-8b-fp8/32xH200", **LLAMA3_8B, seq=8192, global_batch=64, micro_batch=2,
               gpus=32, device="H200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="",
               recompute_as_published="not stated (llama3_8b.toml default)", precision="fp8",

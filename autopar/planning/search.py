@@ -359,7 +359,8 @@ class _MeshSearch:
         self._staged_problems: dict[tuple[int, tuple], tuple[Problem, Problem]] = {}  # keeps the key's problem alive
         self._solved: dict[tuple[int, tuple[str, ...], int], tuple[Staging, Solution]] = {}  # ``_solved_before``
         self._traced: dict[tuple, tuple[EdgePrices, MeshTrace]] = {}  # ``_shared_with_earlier_search``
-        self._decided_problems: dict[tuple[MeshChoice, int | None, str | None], tuple[Pricer, Problem]] = {}  # ``_decided``
+        # ``_decided``'s, by (mesh, ZeRO stage, cp attention)
+        self._decided_problems: dict[tuple[MeshChoice, int | None, str | None], tuple[Pricer, Problem]] = {}
         self.node_limit = constraints.solver_nodes if constraints.solver_nodes is not None else NODE_LIMIT
         self.closest: MemoryShortfall | None = None  # of the configurations whose least memory did not fit
         self.solver_failed = False  # a configuration whose least memory fit had no plan all the same
