@@ -37,6 +37,11 @@ UNDER_PREDICTION_UNDER_LOAD = {"fsdp, lowered": 0.12}
 lowered FSDP step's prefetched all_gathers (``passes/lower_buckets.py``) hold more gathered bytes while a wait
 is slow (rank 0 peaked at 2,644,528 B alone and at 2,939,440 B, 11% more, in a loaded test tier, 2026-12-07;
 the plan predicts 2,777,476)."""
+OVER_PREDICTION_ON_DTENSOR = {"ddp, DTensor": 0.2}
+"""A plan priced for the lowered runtime (the default) run on DTensor: since the loss's ``gather`` makes its
+gradient in its rows' placement (``passes/dtensor_backward.py``, 2026-12-07) DTensor's step no longer fills a
+buffer of the whole batch's logits, and peaks 16.5% below the prediction (2,879,396 B against 3,449,220);
+the lowered step it was priced for, 2% above (3,516,976 B)."""
 TOO_LARGE = 2**60  # bytes: more than any host has
 RUNS = (("ddp, lowered", 0, None), ("ddp, DTensor", 0, False), ("fsdp, lowered", 3, None))
 """(name, ZeRO stage, ``lowered``) of the steps measured: data parallelism on the default runtime
@@ -93,7 +98,8 @@ def test_predicted_peak_is_near_the_measured_one_and_a_plan_too_large_is_refused
     for r in run_on_ranks(_rank, 2):
         for name, (predicted, measured) in r["measured"].items():
             under = UNDER_PREDICTION_UNDER_LOAD.get(name, UNDER_PREDICTION)
-            assert predicted * (1 - OVER_PREDICTION) <= measured <= predicted * (1 + under), r
+            over = OVER_PREDICTION_ON_DTENSOR.get(name, OVER_PREDICTION)
+            assert predicted * (1 - over) <= measured <= predicted * (1 + under), r
         message = r["refused"]
         assert message is not None, "a plan predicted to need 2**60 bytes per device was built"
         assert fmt_bytes(TOO_LARGE) in message and "shared by 2 ranks on this host" in message
