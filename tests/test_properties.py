@@ -1,7 +1,8 @@
 """Property-based tests (hypothesis) that hunt for wrong results rather than check chosen cases.
 
 * The placement ILP against brute force on small problems of drawn structure: decisions, options,
-  placements, costs, edges, tied counts, memory caps and overlap. The solver's optimum is brute force's
+  placements, costs, edges, tied counts, memory caps and overlap (gradient sync once a step and every
+  microbatch, gathers prefetched beside forward, compute slowed beside them). The solver's optimum is brute force's
   (within ``RELATIVE_GAP``), its own objective is the price of its answer, and it finds no plan exactly
   when brute force finds none.
 * Training parity over drawn models (``random_models.stack``: MLP, attention and norm blocks of drawn
@@ -49,24 +50,38 @@ def problems(draw: st.DrawFn) -> Problem:
     keys = [f"d{i}" for i in range(n)]
     incoming = {k: draw(st.lists(st.sampled_from(keys[: i + 1]), max_size=min(i + 1, 2))) for i, k in enumerate(keys)}
     placement = st.sampled_from(_PLACEMENTS)
+    microbatches = draw(st.integers(1, 4))
     decisions = {}
     for k in keys:
         options = [opt(draw(placement), [draw(placement) for _ in incoming[k]], compute=draw(SECONDS),
                        comm=draw(st.dictionaries(st.sampled_from(["all_reduce", "all_gather"]), SECONDS, max_size=1)),
                        sync=draw(SECONDS), bwd=draw(SECONDS), mem=draw(MEMORY))
                    for _ in range(draw(st.integers(1, 3)))]
+        for o in options:  # a share of the sync redone in each microbatch's backward (ZeRO-2, lowered FSDP)
+            o.cost.grad_sync_per_microbatch_s = o.cost.grad_sync_s * draw(st.sampled_from([0.0, 0.5, 1.0])) / microbatches
+            o.cost.forward_compute_s = draw(SECONDS)
         decisions[k] = dec(k, options, count=draw(st.integers(1, 3)))
     edges = []
     for k in keys:
         for slot, src in enumerate(incoming[k]):
             outs = dict.fromkeys(o.strategy.outputs[0] for o in decisions[src].options)
             ins = dict.fromkeys(o.edge_key(slot) for o in decisions[k].options)
-            price = {(a, b): Cost(comm_s={} if a == b[0] else {"all_gather": draw(SECONDS)}) for a in outs for b in ins}
+            price = {(a, b): Cost() if a == b[0] else _move(draw) for a in outs for b in ins}
             edges.append(Edge(src, 0, k, slot, draw(st.integers(1, 3)), price))
     least = sum(d.count * min(o.cost.memory_bytes for o in d.options) for d in decisions.values())
     most = sum(d.count * max(o.cost.memory_bytes for o in d.options) for d in decisions.values())
     capacity = least + draw(st.integers(-1, 6)) * (most - least) // 5 + draw(st.sampled_from([0, -MIB, MIB]))
-    return Problem((4,), decisions, edges, capacity, draw(st.floats(0.0, 1.0)))
+    return Problem((4,), decisions, edges, capacity, draw(st.floats(0.0, 1.0)), microbatches=microbatches,
+                   overlap_slowdown=draw(st.sampled_from([0.0, 0.189, 1.0])))
+
+
+def _move(draw: st.DrawFn) -> Cost:
+    """An edge's resharding: an all_gather on the critical path, or a parameter's gathers prefetched beside
+    forward (and again beside backward, in the sync every microbatch), as the lowered runtime runs FSDP's."""
+    if not draw(st.booleans()):
+        return Cost(comm_s={"all_gather": draw(SECONDS)})
+    seconds = draw(SECONDS)
+    return Cost(prefetched_s=seconds, grad_sync_s=seconds, grad_sync_per_microbatch_s=seconds)
 
 
 def check_solver_matches_brute_force(p: Problem) -> None:
