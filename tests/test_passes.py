@@ -253,3 +253,44 @@ def test_copy_and_slice_scatter_replacements_compute_the_ops_values_and_derivati
     (theirs * weight.flatten()[:16].view(2, 8)).sum().backward()
     torch.testing.assert_close(mine, theirs)
     torch.testing.assert_close(grads, (base.grad, part.grad))
+
+
+def test_a_losss_gather_makes_its_gradient_in_its_rows_placement(two_fake_ranks: None) -> None:
+    """``passes/dtensor_backward.gather_with_placed_gradient``: a loss picks each row's target with ``gather``
+    from log-probabilities split on the batch (dp), and its gradient, the mean's replicated scalar expanded,
+    comes back to each rank as its own rows: no buffer of the whole batch's (8 rows, where a rank holds 4) is
+    made, as ``aten.gather``'s own derivative makes on DTensor, and the rows' gradient is single-process
+    training's (the mean over all 8 rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.passes.dtensor_backward import gather_with_placed_gradient
+
+    class Made(TorchDispatchMode):  # the shapes of the real (local) tensors the ops make
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not isinstance(out, torch._subclasses.FakeTensor):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    rows, targets = torch.randn(4, 8), torch.randint(0, 8, (4, 1))  # this rank's half of 8 rows
+    logits = DTensor.from_local(rows.clone(), mesh, [Shard(0)]).requires_grad_()
+    picked_by = DTensor.from_local(targets, mesh, [Shard(0)])
+    made = Made()
+    with made:
+        loss = -gather_with_placed_gradient(torch.log_softmax(logits, -1), 1, picked_by).mean()
+        loss.backward()
+    assert logits.grad.placements == (Shard(0),) and logits.grad.to_local().shape == (4, 8)
+    assert (8, 8) not in made.shapes, made.shapes
+    reference = rows.clone().requires_grad_()
+    (-torch.gather(torch.log_softmax(reference, -1), 1, targets).sum() / 8).backward()
+    torch.testing.assert_close(logits.grad.to_local(), reference.grad)
