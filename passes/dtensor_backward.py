@@ -108,10 +108,11 @@ def _zeros_placed_like(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     if not isinstance(t, DTensor):
         shape, dtype, device = t.shape, t.dtype, t.device
         return lambda: torch.zeros(shape, dtype=dtype, device=device)
+    from .lower_eager import from_local  # imported here: lower_eager imports this module
+
     spec, local = t._spec, t._local_tensor
     shape, dtype, device = local.shape, local.dtype, local.device
-    return lambda: DTensor.from_local(torch.zeros(shape, dtype=dtype, device=device), spec.mesh, spec.placements,
-                                      run_check=False, shape=spec.shape, stride=spec.stride)
+    return lambda: from_local(torch.zeros(shape, dtype=dtype, device=device), spec.mesh, spec)
 
 
 def _summed_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -17,17 +17,24 @@ import autopar
 from autopar.core.constraints import Constraints
 from autopar.core.errors import BadInputError
 from autopar.cost_models import parse_cluster
-from autopar.ir.capture import capture
+from autopar.ir.capture import CapturedGraph, capture
 from autopar.models import build_model
 from autopar.planning.meshes import MeshAxis, MeshChoice
 from autopar.planning.pricing import Collective
 from autopar.planning.roles import pricer_for
+from autopar.planning.strategies import Strategy
 from contracts import assert_alternatives_priced_exactly
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 CLUSTER = "1x8xH100"
 FSDP_ON_8 = {"dp": 8, "tp": 1, "fsdp": 3, "microbatches": 1, "checkpointing": "none"}
+
+
+def _captured() -> CapturedGraph:
+    """The step ``_plan`` plans, captured (what ``reprice`` prices a plan's placements on)."""
+    bundle = build_model("tiny-llama", global_batch=8)
+    return capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
 
 
 def _plan(runtime: str | None, **more) -> autopar.Plan:
@@ -90,8 +97,7 @@ def test_plan_on_lowered_runtime_hides_fsdp_collectives_behind_compute():
     """The DTensor plan's own placements priced for the lowered runtime (``reprice``); the lowered runtime's
     own plan is faster still or as fast."""
     dtensor = _plan("dtensor")
-    bundle = build_model("tiny-llama", global_batch=8)
-    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    captured = _captured()
     as_lowered = dataclasses.replace(dtensor, predicted={**dtensor.predicted, "runtime": "lowered"})
     lowered = autopar.reprice(as_lowered, captured, CLUSTER)
     assert _plan("lowered").predicted["step_time_s"] <= lowered.predicted["step_time_s"] * (1 + 1e-9)
@@ -118,8 +124,7 @@ def test_plan_on_lowered_runtime_hides_fsdp_collectives_behind_compute():
 
 
 def test_reprice_keeps_the_runtime_the_plan_was_priced_for():
-    bundle = build_model("tiny-llama", global_batch=8)
-    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    captured = _captured()
     lowered = _plan("lowered")
     again = autopar.reprice(lowered, captured, CLUSTER)
     assert again.predicted["runtime"] == "lowered"
@@ -235,8 +240,6 @@ def _accumulating_problem(sync_each: float, prefetched: float, m: int = 4, slowd
     return Problem((4,), {"w": w, "mm": mm}, [edge], 1e30, 0.5, microbatches=m, overlap_slowdown=slowdown)
 
 
-from autopar.planning.strategies import Strategy  # noqa: E402
-
 
 def test_sync_redone_every_microbatch_hides_behind_each_microbatchs_backward():
     """Each microbatch's backward (8 ms, half of it a budget) hides its own reduce_scatter: 3 ms a
@@ -302,8 +305,7 @@ def test_gpu_presets_slow_compute_beside_collectives_and_plans_pay_for_it(tmp_pa
     unhindered = tmp_path / "h100-unhindered.json"
     unhindered.write_text(json.dumps({"nodes": 1, "devices_per_node": 8,
                                       "device": {"base": "H100", "overlap_slowdown": 0.0}}))
-    bundle = build_model("tiny-llama", global_batch=8)
-    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    captured = _captured()
     free = autopar.reprice(lowered, captured, str(unhindered)).predicted
     p = lowered.predicted
     overlapped = p["grad_sync_s"] + p["comm_s"]["all_gather"]  # the reduce_scatters and regathers, the gathers

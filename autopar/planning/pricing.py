@@ -909,16 +909,15 @@ class Pricer:
         cost = Cost(repeats_per_microbatch=per_microbatch)
         for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared, gradient):
             seconds = self.collective_seconds(c)
-            if per_microbatch and self.prefetched(c):
-                if c.regather:  # in backward, beside backward's compute and gradient sync
-                    cost.grad_sync_s += seconds
-                    cost.grad_sync_per_microbatch_s += seconds
-                else:
-                    cost.prefetched_s += seconds
-                    if not regathered:  # a recomputed layer gathers it again on its way
-                        cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
+            prefetched = per_microbatch and self.prefetched(c)
+            if prefetched and c.regather:  # in backward, beside backward's compute and gradient sync
+                cost.grad_sync_s += seconds
+                cost.grad_sync_per_microbatch_s += seconds
                 continue
-            cost.add_comm(c.kind, seconds)
+            if prefetched:  # in forward, beside forward's compute
+                cost.prefetched_s += seconds
+            else:
+                cost.add_comm(c.kind, seconds)
             if c.phase == "forward" and seconds > 0 and not regathered:  # else already run again in backward
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
         return cost
