@@ -42,9 +42,11 @@ outside layers its module, as ``fully_shard`` wraps each block and the root):
 elements (the loss's global mean gathers its per-token losses and its mask of counted targets so) is
 replaced by the all_reduce of the local value's sum: one number per rank instead of every token's.
 
-**Early launch** (``launch_from_inputs_first``): a collective whose input is computed from graph inputs
-alone, none a parameter (the forward's all_gather of the loss's mask of counted targets), is launched at
-the graph's start, its wait left where it was, so no rank waits on it there.
+**Early launch** (``launch_from_inputs_first``): a collective of the forward graph whose input is computed
+from graph inputs alone, none a parameter (the all_gather of the loss's mask of counted targets), is
+launched at the graph's start, its wait left where it was, so no rank waits on it there. Not in backward,
+whose inputs are the saved activations: sequence parallelism's gathers of them would all be in flight,
+every layer's gathered copy alive, from backward's first op.
 
 **Deferred loss** (``defer_output_waits``): the ops only the loss reads, from the wait on its
 all-reduced sum on, move out of the forward graph into a graph of their own, run after backward, so
@@ -426,11 +428,15 @@ def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node,
                     output: fx.Node) -> None:
     """One unit's reduce_scatters as one: each input's rank-major rows concatenated right after
     ``ready``, reduce-scattered; waited on before ``output``, each member's shard cut out, what read
-    the members' waits moved after. (Filled as each input is produced instead, as ``_reduce_bucket``
-    fills its buffer, each unit's buffer is held from its first input on: measured, tiny-gpt's FSDP step
-    on 2 ranks then peaked at 3.54 MB where this concatenation peaks at 2.91 MB, benchmarks/README.md.)"""
+    the members' waits moved after. A gradient handed out as a view of the result holds all of it, so
+    where some members are read on (a gradient split on two mesh dims, reduce-scattered on the other
+    next), the others' shards are copied out and the result dies once those reads are done. (Filled as
+    each input is produced instead, as ``_reduce_bucket`` fills its buffer, each unit's buffer is held
+    from its first input on: measured, tiny-gpt's FSDP step on 2 ranks then peaked at 3.54 MB where this
+    concatenation peaks at 2.91 MB, benchmarks/README.md.)"""
     waits = [next(iter(m.users)) for m in members]
     users = _users_before(waits, output)
+    handed_out = [_only_viewed_out(w) for w in waits]
     inputs = [m.args[0] for m in members]
     with graph.inserting_before(ready.next):
         rows = [graph.call_function(_aten.reshape.default, (x, [size, -1])) for x in inputs]
@@ -442,6 +448,8 @@ def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node,
         pieces = graph.call_function(_aten.split_with_sizes.default, (wait, [_value(w).numel() for w in waits]))
         for i, (old, shape) in enumerate(zip(waits, shapes)):
             piece = graph.call_function(operator.getitem, (pieces, i))
+            if handed_out[i] and not all(handed_out):  # a view would hold the whole bucket with the gradient
+                piece = graph.call_function(_aten.clone.default, (piece,))
             old.replace_all_uses_with(graph.call_function(_aten.view.default, (piece, shape)))
     for old, member in zip(waits, members):
         graph.erase_node(old)

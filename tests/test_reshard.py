@@ -4,13 +4,15 @@ bring the gathered parameters' gradients back to their shards."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models import parse_cluster
 from autopar.testing.launch import run_on_ranks
-from autopar.planning.pricing import Pricer
+from autopar.planning.pricing import Pricer, redistribute_steps
 
 
 def test_a_regathered_parameter_edge_runs_its_gather_again_in_backward_and_not_again_under_recompute():
@@ -23,6 +25,53 @@ def test_a_regathered_parameter_edge_runs_its_gather_again_in_backward_and_not_a
     assert held.forward_comm_s and not regathered.forward_comm_s  # a recompute adds no third gather
     kinds = [(c.kind, c.phase, c.regather) for c in pricer.edge_collectives(weight, sharded, whole, (), True)]
     assert kinds == [("all_gather", "forward", False), ("all_gather", "backward", True)]
+
+
+def _dtensor_plan(src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> list[tuple]:
+    """DTensor's own moves for ``src -> dst`` (its greedy planner, on a mesh with no process group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    world = 1
+    for size in mesh_shape:
+        world *= size
+    mesh = DeviceMesh("cpu", torch.arange(world).view(*mesh_shape), _init_backend=False, _rank=0)
+    meta = TensorMeta(torch.Size([16, 16]), (16, 1), torch.float32)
+    infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, src, tensor_meta=meta),
+                                            DTensorSpec(mesh, dst, tensor_meta=meta), False)
+    return [(i.mesh_dim, *i.src_dst_placements) for i in infos]
+
+
+def test_redistribute_steps_are_dtensors_own_moves_on_a_two_dim_mesh():
+    pytest.importorskip("torch.distributed.tensor._redistribute")
+    options = (Replicate(), Shard(0), Shard(1), Partial())
+    compared = 0
+    for src, dst in itertools.product(itertools.product(options, repeat=2), itertools.product(options[:3], repeat=2)):
+        ours = [(dim, a, b) for dim, a, b, _ in redistribute_steps(src, dst, (2, 4))]
+        assert ours == _dtensor_plan(src, dst, (2, 4)), (src, dst)
+        compared += 1
+    assert compared == 144
+
+
+def test_fsdp_outside_tp_on_one_tensor_dim_is_priced_as_dtensor_gathers_it():
+    """(S(1), S(1)) read as (R, S(1)) (FSDP's shard outside row-parallel TP's): DTensor gathers the tp shard,
+    then the whole tensor over dp, and slices: tp's all_gather of 1/dp and dp's of all of it, where
+    (S(0), S(1)) is gathered on dp alone, 1/tp of it. The gradient, partial over dp, goes back the same
+    way: gathered on tp, the whole of it reduce-scattered over dp."""
+    pricer = Pricer(parse_cluster("1x8xH100"), (2, 4), "bf16")
+    weight = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
+    whole = 4096 * 4096 * 2
+    read = (Replicate(), Shard(1))
+    nested = [(c.kind, c.phase, c.mesh_dim, c.nbytes) for c in
+              pricer.edge_collectives(weight, (Shard(1), Shard(1)), read, grad_partial=(0,))]
+    assert sorted(nested) == sorted([("reduce_scatter", "backward", 0, whole), ("all_gather", "forward", 1, whole / 2),
+                                     ("all_gather", "forward", 0, whole), ("all_gather", "backward", 1, whole)])
+    apart = [(c.kind, c.phase, c.mesh_dim, c.nbytes) for c in
+             pricer.edge_collectives(weight, (Shard(0), Shard(1)), read, grad_partial=(0,))]
+    assert sorted(apart) == sorted([("reduce_scatter", "backward", 0, whole / 4), ("all_gather", "forward", 0, whole / 4)])
+    assert (pricer.edge(weight, (Shard(1), Shard(1)), read, grad_partial=(0,)).comm_s["all_gather"]
+            > 4 * pricer.edge(weight, (Shard(0), Shard(1)), read, grad_partial=(0,)).comm_s["all_gather"])
 
 
 def _fsdp_step(rank: int, world: int) -> dict:

@@ -59,6 +59,10 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   P->S reduce_scatter -> all_gather; R->S (local slice) -> all_gather; S(i)->S(j) all_to_all ->
   all_to_all. A partial gradient never needs the backward of R->P, and a value without a gradient
   (inputs, buffers and what is made of them alone: a rotary table's slice) has no backward at all.
+  The moves are DTensor's, one mesh dim at a time in its order (``redistribute_steps``), each sized by
+  what the dims before it left: a shard nested inside another out of order (FSDP's ``S(1)`` outside
+  TP's, read ``(R, S(1))``) is gathered on the inner dim first, so the outer gather and the gradient's
+  reduce_scatter move the whole tensor; the planner sees that price and shards another tensor dim.
 * fused attention over a sequence split on cp (``_charge_context_parallel_attention``): with its keys and
   values gathered (their edges' all_gather and reduce_scatter), it keeps the gathered copies for
   backward; as ring attention it keeps its own block and pays the part of its point-to-point exchanges
@@ -88,7 +92,7 @@ from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Partial, Placement, Replicate
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from autopar.cost_models import (Cluster, adamw_state_bytes, backward_kind, collective_time,
@@ -718,8 +722,28 @@ class Pricer:
         nbytes = self.local_bytes(val, placements) if nbytes is None else nbytes
         if redistributed_from is None:
             return [Collective("all_reduce", "backward", nbytes, d, placements, slot=slot, share=share) for d in dims]
-        return [Collective("reduce_scatter" if redistributed_from[d].is_shard() else "all_reduce", "backward",
-                           nbytes, d, placements, slot=slot, share=share) for d in dims]
+        reductions = self._backward_reductions(placements, dims, redistributed_from)
+        found = []
+        for d in dims:
+            kind, seen = reductions.get(d, ("all_reduce", placements))
+            scale = self.local_numel(val, seen) / max(self.local_numel(val, placements), 1.0)
+            found.append(Collective(kind, "backward", nbytes * scale, d, seen, slot=slot, share=share))
+        return found
+
+    def _backward_reductions(self, placements: Placements, dims: Sequence[int], redistributed_from: Placements
+                             ) -> dict[int, tuple[str, Placements]]:
+        """Per mesh dim of ``dims``: how the backward of a redistribute from ``redistributed_from`` to
+        ``placements`` reduces a gradient left partial there, and the tensor as that collective's group sees
+        it. DTensor's ``Redistribute`` backward moves the gradient back to the source placement (a source
+        ``Partial`` the gradient is not becomes ``Replicate``) by ``redistribute_steps``: where the source
+        nests a shard the gradient does not (FSDP x TP on one tensor dim), it reduces the tensor gathered
+        on the inner dim first, so the reduction moves that dim's size times more."""
+        gradient = tuple(Partial() if d in dims else p for d, p in enumerate(placements))
+        source = tuple(Replicate() if p.is_partial() and not g.is_partial() else p
+                       for p, g in zip(redistributed_from, gradient))
+        return {dim: ("reduce_scatter" if b.is_shard() else "all_reduce", _seen_by_group(a, b, after, dim))
+                for dim, a, b, after in redistribute_steps(gradient, source, self.mesh_shape)
+                if a.is_partial() and dim in dims}
 
     def _partial_dims(self, val: torch.Tensor, placements: Placements, out: Placements) -> tuple[int, ...]:
         if not val.dtype.is_floating_point:
@@ -947,11 +971,10 @@ class Pricer:
         table's slice) has no backward: its moves list no dual."""
         found = self.partial_reduction(val, dst, grad_partial, partial_share, src if src != dst else None)
         moves = []
-        for dim, group in enumerate(self.groups):
-            a, b = src[dim], dst[dim]
-            if a == b or group.size == 1:
+        for dim, a, b, after in redistribute_steps(src, dst, self.mesh_shape):
+            if self.groups[dim].size == 1:
                 continue
-            seen = _seen_by_group(a, b, dst, dim)
+            seen = _seen_by_group(a, b, after, dim)
             for phase, kinds in zip(("forward", "backward")[:1 + gradient], _transition(a, b)):
                 moves += [Collective(kind, phase, self.local_bytes(val, seen), dim, seen) for kind in kinds]
         if not shared:
@@ -1016,6 +1039,39 @@ def gathers(root: Placements, placements: Placements) -> bool:
     """Whether a tensor placed ``root`` is gathered on some mesh dim to be read at ``placements``
     (sharded there, replicated here; a view may move the sharded tensor dim, not unshard it)."""
     return any(r.is_shard() and p.is_replicate() for r, p in zip(root, placements))
+
+
+def redistribute_steps(src: Placements, dst: Placements, mesh_shape: Sequence[int]
+                       ) -> list[tuple[int, Placement, Placement, Placements]]:
+    """The one-mesh-dim moves DTensor makes to redistribute ``src`` to ``dst``, in order: (mesh dim, from,
+    to, the placements after the move). This is DTensor's default (greedy) planner, torch
+    ``distributed/tensor/_redistribute.py``'s ``generate_greedy_transform_infos``, restated so that
+    pricing needs no device mesh: where the source has shards, the mesh dims are visited inner to
+    outer, and a dim whose target shards a tensor dim that outer dims shard differently now and in the
+    target (a nested shard out of order: FSDP's ``S(1)`` outside TP's ``S(1)``, read as ``(R, S(1))``) is
+    first made ``Replicate``, all-gathered; then every dim still off its target is moved, outer to
+    inner. So ``(S(1), S(1)) -> (R, S(1))`` is an all_gather on the inner dim, one of the whole tensor on
+    the outer, and a local slice, not one all_gather of the inner shard (``tests/test_reshard.py`` holds
+    this against DTensor's own plan)."""
+    current = list(src)
+    steps: list[tuple[int, Placement, Placement, Placements]] = []
+
+    def move(dim: int, to: Placement) -> None:
+        steps.append((dim, current[dim], to, tuple(current[:dim]) + (to,) + tuple(current[dim + 1:])))
+        current[dim] = to
+
+    if any(p.is_shard() and size > 1 for p, size in zip(src, mesh_shape)):
+        for dim in reversed(range(len(current))):
+            target = dst[dim]
+            if target.is_shard() and ([i for i in range(dim) if current[i].is_shard(target.dim)]
+                                      != [i for i in range(dim) if dst[i].is_shard(target.dim)]):
+                target = Replicate()
+            if current[dim] != target:
+                move(dim, target)
+    for dim, target in enumerate(dst):
+        if current[dim] != target:
+            move(dim, target)
+    return steps
 
 
 def _unsharded_on(placements: Placements, dim: int) -> Placements:
