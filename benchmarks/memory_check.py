@@ -1,7 +1,9 @@
 """Predicted against measured memory per rank: a plan's ``peak_memory_bytes`` beside a real step on gloo.
 
 For each row (a built-in model under pinned constraints on W local gloo ranks) every rank builds the
-model, plans it for this machine (``autoparallelize``, cluster ``1xWxcpu``) and trains: a warm-up step,
+model, plans it for this machine (``autoparallelize``, cluster ``1xWxcpu``) for the DTensor runtime, or
+for the lowered one where the row's constraints say ``runtime: lowered`` (FSDP's buckets and prefetch,
+``passes/lower_buckets.py``), and trains: a warm-up step,
 then one measured step, first with SGD (no momentum: no optimizer state) and then with Adam (a warm-up
 step creates its state, then one measured step). A measured step is ``zero_grad(set_to_none=True)``,
 ``pm.step`` (forward, loss, backward, gradient sync) and ``opt.step()``, run inside
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 
 from autopar.api import autoparallelize
-from autopar.core.plan import MEMORY_PARTS
+from autopar.core.plan import DTENSOR, LOWERED, MEMORY_PARTS
 from autopar.testing.launch import run_on_ranks
 from autopar.testing.memory import measure_step
 from autopar.testing.parity import batches, build
@@ -55,17 +57,20 @@ ROWS: dict[int, list[tuple[str, dict[str, Any]]]] = {  # world size -> (model, c
         ("tiny-gpt", {"tp": 2}), ("tiny-gpt", {"dp": 2, "fsdp": 3}),
         ("tiny-gpt", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}),
         ("tiny-llama", {"dp": 2, "fsdp": 0}), ("tiny-llama", {"tp": 2, "checkpointing": "selective"}),
-        ("tiny-llama", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"})],
-    4: [("tiny-gpt", {"dp": 2, "tp": 2}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3})],
+        ("tiny-llama", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"}),
+        ("tiny-llama", {"dp": 2, "fsdp": 3, "runtime": "lowered"})],
+    4: [("tiny-gpt", {"dp": 2, "tp": 2}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3}),
+        ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3, "runtime": "lowered"})],
 }
 QUICK = {2: [row for row in ROWS[2] if row[0] == "tiny-gpt"]}
 
 
 def _row_on_rank(name: str, constraints: dict[str, Any]) -> dict[str, Any]:
     bundle = build(name, None, BATCH, None, seed=0)
+    lowered = constraints.get("runtime") == LOWERED  # else DTensor's, planned for it
     pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                         example_targets=bundle.example_targets, constraints={"runtime": "dtensor", **constraints},
-                         lowered=False)  # the runtime results/memory_check.json was measured on, planned for it
+                         example_targets=bundle.example_targets, constraints={"runtime": DTENSOR, **constraints},
+                         lowered=lowered)
     warmup, batch = batches(bundle, 2, seed=0)
     sgd = measure_step(pm, lambda ps: torch.optim.SGD(ps, lr=0.01), warmup, batch)
     adam = measure_step(pm, lambda ps: torch.optim.Adam(ps, lr=1e-3), warmup, batch)
@@ -104,6 +109,7 @@ def _table(records: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         plan = ", ".join(f"{k}={v}" for k, v in r["degrees"].items())
+        plan += ", lowered" if r["constraints"].get("runtime") == LOWERED else ""
         extra = [f"m={r['microbatches']}"] if r["microbatches"] > 1 else []
         extra += [r["checkpointing"]] if r["checkpointing"] != "none" else []
         p, a, s = r["predicted"], r["adam"], r["sgd"]

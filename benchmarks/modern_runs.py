@@ -87,8 +87,9 @@ class ModernRun:
     (parameters, gradients and optimizer state sharded over the whole data-parallel group)."""
     recompute: str
     """An autopar checkpointing mode (``plan.CHECKPOINTING``: NeMo's and Megatron-LM's "selective" is
-    ``core_attention``, torchtitan's ``selective``, MaxText's ``save_dot_except_mlpwi``), or "" where the
-    source does not say; ``recompute_as_published`` quotes it."""
+    ``core_attention``, MaxText's ``save_dot_except_mlpwi``; torchtitan's per-op "selective" is priced as
+    ``selective``, which keeps every linear layer's output where torchtitan's keeps every other ``mm``), or ""
+    where the source does not say; ``recompute_as_published`` quotes it."""
     recompute_as_published: str
     precision: str
     """"bf16" or "fp8"."""
@@ -419,9 +420,14 @@ MODERN_RUNS: tuple[ModernRun, ...] = (
                 notes=f"{TP_COMM_OVERLAP}; the distributed optimizer, bf16 gradient reductions and no recomputation: "
                       f"{LLAMA_RECIPES}"),
     ModernRun(name="torchtitan-llama3.1-8b-fp8/32xH200", **LLAMA3_8B, seq=8192, global_batch=64, micro_batch=2,
-              gpus=32, device="H200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="",
-              recompute_as_published="not stated (llama3_8b.toml default)", precision="fp8",
+              gpus=32, device="H200", tp=1, pp=1, vp=1, cp=1, ep=1, data_parallel="fsdp", recompute="selective",
+              recompute_as_published="not in the command; the config it names, llama3_8b.toml at torchtitan "
+                                      "e7c0cae: activation_checkpoint mode 'selective', selective_ac_option 'op'",
+              precision="fp8",
               metric="tokens_per_s_per_gpu", published=10938, sequence_parallel=False,
               source=f"{TORCHTITAN_H200}, results table, row NUM_NODES 4",
-              notes="Float8 linears with float8 FSDP all-gather, torch.compile"),
+              notes="Float8 linears with float8 FSDP all-gather, torch.compile; the op policy's save list "
+                    "(parallelize_llama.py at e7c0cae) holds aten.mm, not the float8 linears' _scaled_mm, so every "
+                    "linear layer's forward runs again in backward, which autopar's selective (keeping them) does "
+                    "not price"),
 )

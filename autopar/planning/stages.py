@@ -50,7 +50,9 @@ Activation checkpointing (Chen et al. 2016; Korthikanti et al. MLSys 2023), per 
   outside it saves, as the output projection of the built-in models saves fused attention's, stays
   held: ``LayerRoles.saved_outside_core``); no collective runs again unless the plan moves a value
   inside the core;
-* ``selective`` (PyTorch's selective activation checkpointing, as torchtitan's op policy): the layer's
+* ``selective`` (PyTorch's selective activation checkpointing with a policy that keeps every linear
+  layer; torchtitan's "op" policy keeps every other ``mm`` and recomputes the rest, float8 ``_scaled_mm``
+  included: a mode between this one and ``full`` that autopar neither runs nor prices): the layer's
   cheap ops are recomputed in backward; the outputs of its linear layers
   (matmuls against weights: ``mm``/``addmm``) and of fused attention kernels, whose recomputation is
   expensive and whose outputs are small, stay saved (``KEPT_UNDER_SELECTIVE``). Batched matmuls of
