@@ -92,7 +92,7 @@ from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Partial, Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from autopar.cost_models import (Cluster, adamw_state_bytes, backward_kind, collective_time,
@@ -722,28 +722,23 @@ class Pricer:
         nbytes = self.local_bytes(val, placements) if nbytes is None else nbytes
         if redistributed_from is None:
             return [Collective("all_reduce", "backward", nbytes, d, placements, slot=slot, share=share) for d in dims]
-        reductions = self._backward_reductions(placements, dims, redistributed_from)
-        found = []
-        for d in dims:
-            kind, seen = reductions.get(d, ("all_reduce", placements))
-            scale = self.local_numel(val, seen) / max(self.local_numel(val, placements), 1.0)
-            found.append(Collective(kind, "backward", nbytes * scale, d, seen, slot=slot, share=share))
-        return found
+        return [Collective("reduce_scatter" if redistributed_from[d].is_shard() else "all_reduce", "backward",
+                           nbytes * self._regathered_first(redistributed_from, placements, d), d, placements,
+                           slot=slot, share=share) for d in dims]
 
-    def _backward_reductions(self, placements: Placements, dims: Sequence[int], redistributed_from: Placements
-                             ) -> dict[int, tuple[str, Placements]]:
-        """Per mesh dim of ``dims``: how the backward of a redistribute from ``redistributed_from`` to
-        ``placements`` reduces a gradient left partial there, and the tensor as that collective's group sees
-        it. DTensor's ``Redistribute`` backward moves the gradient back to the source placement (a source
-        ``Partial`` the gradient is not becomes ``Replicate``) by ``redistribute_steps``: where the source
-        nests a shard the gradient does not (FSDP x TP on one tensor dim), it reduces the tensor gathered
-        on the inner dim first, so the reduction moves that dim's size times more."""
-        gradient = tuple(Partial() if d in dims else p for d, p in enumerate(placements))
-        source = tuple(Replicate() if p.is_partial() and not g.is_partial() else p
-                       for p, g in zip(redistributed_from, gradient))
-        return {dim: ("reduce_scatter" if b.is_shard() else "all_reduce", _seen_by_group(a, b, after, dim))
-                for dim, a, b, after in redistribute_steps(gradient, source, self.mesh_shape)
-                if a.is_partial() and dim in dims}
+    def _regathered_first(self, source: Placements, read: Placements, dim: int) -> int:
+        """How many times more than the gradient read at ``read`` the reduce_scatter onto ``source``'s shard
+        on ``dim`` moves. DTensor's redistribute backward moves the gradient back one mesh dim at a time,
+        inner dims first (``redistribute_steps``): an inner dim that shards the same tensor dim as ``dim`` in
+        ``source`` holds its shard nested inside ``dim``'s, which the gradient, partial on ``dim``, does not
+        have, so where the reader holds that inner dim sharded it is all-gathered first (that all_gather is
+        the dual of the forward's re-slice, ``edge_collectives``) and the reduce_scatter moves its size times
+        more. Asked of ``source``'s tensor dims and of ``read``'s mesh dims only: a view between them may
+        renumber the tensor's dims."""
+        if not source[dim].is_shard():
+            return 1
+        return self._ranks([j for j in range(dim + 1, len(source))
+                            if source[j].is_shard(source[dim].dim) and read[j].is_shard()])
 
     def _partial_dims(self, val: torch.Tensor, placements: Placements, out: Placements) -> tuple[int, ...]:
         if not val.dtype.is_floating_point:
