@@ -185,6 +185,17 @@ class _Reduction:
             if reduce_op == "avg":
                 self.flat /= self.mesh.size(dim)
         pieces = torch.split(self.flat, [t.numel() for t in self.locals])
+        # a gradient left a view of the bucket holds all of it: where some gradients are cut to their
+        # parameter's shard, the bucket is not the views' alone, so they are copied out
+        resliced = any(spec.placements != p.placements for p, spec in zip(self.params, self.specs))
         for p, t, spec, piece in zip(self.params, self.locals, self.specs, pieces):
             grad = DTensor(piece.view(t.shape).to(t.dtype), spec, requires_grad=False)
-            p.grad = grad if spec.placements == p.placements else grad.redistribute(self.mesh, p.placements)
+            if spec.placements != p.placements:
+                grad = grad.redistribute(self.mesh, p.placements)
+            if resliced and _shares_storage(grad._local_tensor, self.flat):
+                grad = DTensor(grad._local_tensor.clone(), grad._spec, requires_grad=False)
+            p.grad = grad
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

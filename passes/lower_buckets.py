@@ -170,7 +170,7 @@ def _reduce_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, 
     does not count), the first dim's all_reduce launched on the buffer in place after the last
     (``ready``); waited on (and reduced over any further dim, divided) before ``output``, cut into the
     members' slices viewed in their shapes and cast back, which the marks' users (moved after) read
-    instead.
+    instead (copied out where some of them are read on: ``_copied_out``).
 
     One copy a gradient, where a ``cat`` of the flattened gradients, the functional ``all_reduce``
     (which clones its input) and an out-of-place division write three. Row-major is the parameters'
@@ -180,6 +180,7 @@ def _reduce_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, 
     reads what the copies before it wrote."""
     grads = [n.args[0] for n in members]  # in graph order: ``ready`` last
     users = _users_before(members, output)
+    copied_out = _copied_out([_only_viewed_out(n) for n in members])
     with graph.inserting_before(grads[0].next):
         bucket = graph.call_function(_aten.empty.memory_format, ([sum(_value(g).numel() for g in grads)],),
                                      {"dtype": reduce_dtype, "device": _value(ready).device})
@@ -197,7 +198,9 @@ def _reduce_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node, 
             value = graph.call_function(_c10d.wait_tensor.default, (value,))
             if divisor != 1:
                 value = graph.call_function(_aten.div_.Scalar, (value, divisor))
-        for node, grad, piece in zip(members, grads, _slices(graph, value, grads)):
+        for node, grad, piece, copy in zip(members, grads, _slices(graph, value, grads), copied_out):
+            if copy and _value(grad).dtype == reduce_dtype:  # else the cast back copies it
+                piece = graph.call_function(_aten.clone.default, (piece,))
             node.replace_all_uses_with(_cast(graph, piece, _value(grad).dtype, reduce_dtype))
     for node in members:
         graph.erase_node(node)
@@ -428,15 +431,14 @@ def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node,
                     output: fx.Node) -> None:
     """One unit's reduce_scatters as one: each input's rank-major rows concatenated right after
     ``ready``, reduce-scattered; waited on before ``output``, each member's shard cut out, what read
-    the members' waits moved after. A gradient handed out as a view of the result holds all of it, so
-    where some members are read on (a gradient split on two mesh dims, reduce-scattered on the other
-    next), the others' shards are copied out and the result dies once those reads are done. (Filled as
+    the members' waits moved after; where some members are read on (a gradient split on two mesh dims,
+    reduce-scattered on the other next), the others' shards are copied out (``_copied_out``). (Filled as
     each input is produced instead, as ``_reduce_bucket`` fills its buffer, each unit's buffer is held
     from its first input on: measured, tiny-gpt's FSDP step on 2 ranks then peaked at 3.54 MB where this
     concatenation peaks at 2.91 MB, benchmarks/README.md.)"""
     waits = [next(iter(m.users)) for m in members]
     users = _users_before(waits, output)
-    handed_out = [_only_viewed_out(w) for w in waits]
+    copied_out = _copied_out([_only_viewed_out(w) for w in waits])
     inputs = [m.args[0] for m in members]
     with graph.inserting_before(ready.next):
         rows = [graph.call_function(_aten.reshape.default, (x, [size, -1])) for x in inputs]
@@ -448,7 +450,7 @@ def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node,
         pieces = graph.call_function(_aten.split_with_sizes.default, (wait, [_value(w).numel() for w in waits]))
         for i, (old, shape) in enumerate(zip(waits, shapes)):
             piece = graph.call_function(operator.getitem, (pieces, i))
-            if handed_out[i] and not all(handed_out):  # a view would hold the whole bucket with the gradient
+            if copied_out[i]:
                 piece = graph.call_function(_aten.clone.default, (piece,))
             old.replace_all_uses_with(graph.call_function(_aten.view.default, (piece, shape)))
     for old, member in zip(waits, members):
@@ -456,6 +458,14 @@ def _scatter_bucket(graph: fx.Graph, members: Sequence[fx.Node], ready: fx.Node,
         graph.erase_node(member)
     for node in users:
         output.prepend(node)
+
+
+def _copied_out(handed_out: Sequence[bool]) -> list[bool]:
+    """Per member of a bucket, whether its slice leaves the graph as a copy: a gradient handed out as a view
+    of the bucket (``handed_out``) holds all of it, so where other members are read on (cut to a shard,
+    reduced again on another dim) the handed-out slices are copied and the bucket dies once those reads
+    are done; where every member is handed out, the views together are the bucket, as DDP's are."""
+    return [out and not all(handed_out) for out in handed_out]
 
 
 def _waited_once(collective: fx.Node) -> bool:
