@@ -43,6 +43,10 @@ OVER_PREDICTION_ON_DTENSOR = {"ddp, DTensor": 0.2}
 gradient in its rows' placement (``passes/dtensor_backward.py``, 2026-12-07) DTensor's step no longer fills a
 buffer of the whole batch's logits, and peaks 16.5% below the prediction (2,879,396 B against 3,449,220);
 the lowered step it was priced for, 2% above (3,516,976 B)."""
+TWO_DIM_FSDP_UNDER_PREDICTION = 0.2
+"""The lowered dp x tp FSDP step's SGD peak above its prediction: +9% measured alone (2026-12-07,
+``benchmarks/memory_check.py``), more where gloo completes the prefetched gathers late (as
+``UNDER_PREDICTION_UNDER_LOAD``); +27% with every saved activation's gather launched at backward's start."""
 TOO_LARGE = 2**60  # bytes: more than any host has
 RUNS = (("ddp, lowered", 0, None), ("ddp, DTensor", 0, False), ("fsdp, lowered", 3, None))
 """(name, ZeRO stage, ``lowered``) of the steps measured: data parallelism on the default runtime
@@ -132,7 +136,7 @@ def test_lowered_fsdp_over_tensor_parallel_shards_keeps_gradients_and_gathers_as
     for r in run_on_ranks(_two_dim_fsdp_rank, 4):
         assert r["lowered"], r
         assert r["grads"] == r["params"], r
-        assert r["peak"] <= r["predicted"] * (1 + 2 * UNDER_PREDICTION), r
+        assert r["peak"] <= r["predicted"] * (1 + TWO_DIM_FSDP_UNDER_PREDICTION), r
 
 
 def _tensor_parallel_gradients(rank: int, world: int) -> dict[str, tuple[int, int]]:
