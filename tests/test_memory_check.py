@@ -120,7 +120,8 @@ def _two_dim_fsdp_rank(rank: int, world: int) -> dict[str, Any]:
     step = measure_step(pm, lambda ps: torch.optim.SGD(ps, lr=0.01), warmup, batch)
     predicted = pm.plan.predicted
     program = pm.program
-    return {"lowered": isinstance(program, LoweredProgram) and program.fallback is None, "params": step.params, "grads": step.grads, "peak": step.peak,
+    return {"lowered": isinstance(program, LoweredProgram) and program.fallback is None, "params": step.params,
+            "grads": step.grads, "peak": step.peak,
             "predicted": predicted["peak_memory_bytes"] - predicted["memory_bytes"]["optimizer"]}
 
 
@@ -144,7 +145,8 @@ def _tensor_parallel_gradients(rank: int, world: int) -> dict[str, tuple[int, in
     found = {}
     for runtime, lowered in (("lowered", True), ("dtensor", False)):
         pm = autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
-                             example_targets=bundle.example_targets, constraints={"tp": world, "checkpointing": "selective", "runtime": runtime},
+                             example_targets=bundle.example_targets,
+                             constraints={"tp": world, "checkpointing": "selective", "runtime": runtime},
                              lowered=lowered)
         warmup, batch = batches(bundle, 2, seed=0)
         step = measure_step(pm, lambda ps: torch.optim.SGD(ps, lr=0.01), warmup, batch)
@@ -155,11 +157,11 @@ def _tensor_parallel_gradients(rank: int, world: int) -> dict[str, tuple[int, in
 @pytest.mark.dist
 @pytest.mark.slow
 def test_gradients_of_a_mixed_reduction_bucket_are_no_larger_than_their_parameters() -> None:
-    """tiny-llama, tp=2, selective checkpointing: the norm weights' gradients, partial on tp, share an all_reduce bucket with gradients
-    that are cut to their parameter's shard after the reduction. Handed out as views, the
-    norms' gradients held the whole bucket (on both runtimes, 2026-12-07: 305 KiB of gradients for 209 KiB
-    of parameters); the gradient sync (``passes/gradient_sync.py``) and the lowered program's bucket
-    (``lower_buckets._copied_out``) now copy them out where a member is cut."""
+    """tiny-llama, tp=2, selective checkpointing: the norm weights' gradients, partial on tp, share an
+    all_reduce bucket with gradients that are cut to their parameter's shard after the reduction. Handed
+    out as views, the norms' gradients held the whole bucket (on both runtimes, 2026-12-07: 305 KiB of
+    gradients for 209 KiB of parameters); the gradient sync (``passes/gradient_sync.py``) and the lowered
+    program's bucket (``lower_buckets._copied_out``) now copy them out where a member is cut."""
     for r in run_on_ranks(_tensor_parallel_gradients, 2):
         for runtime, (params, grads) in r.items():
             assert grads == params, (runtime, r)

@@ -69,7 +69,8 @@ def test_fsdp_outside_tp_on_one_tensor_dim_is_priced_as_dtensor_gathers_it():
                                      ("all_gather", "forward", 0, whole), ("all_gather", "backward", 1, whole)])
     apart = [(c.kind, c.phase, c.mesh_dim, c.nbytes) for c in
              pricer.edge_collectives(weight, (Shard(0), Shard(1)), read, grad_partial=(0,))]
-    assert sorted(apart) == sorted([("reduce_scatter", "backward", 0, whole / 4), ("all_gather", "forward", 0, whole / 4)])
+    assert sorted(apart) == sorted([("reduce_scatter", "backward", 0, whole / 4),
+                                    ("all_gather", "forward", 0, whole / 4)])
     assert (pricer.edge(weight, (Shard(1), Shard(1)), read, grad_partial=(0,)).comm_s["all_gather"]
             > 4 * pricer.edge(weight, (Shard(0), Shard(1)), read, grad_partial=(0,)).comm_s["all_gather"])
 
