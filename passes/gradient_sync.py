@@ -187,10 +187,11 @@ class _Reduction:
         pieces = torch.split(self.flat, [t.numel() for t in self.locals])
         # a gradient left a view of the bucket holds all of it: where some gradients are cut to their
         # parameter's shard, the bucket is not the views' alone, so they are copied out
-        resliced = any(spec.placements != p.placements for p, spec in zip(self.params, self.specs))
-        for p, t, spec, piece in zip(self.params, self.locals, self.specs, pieces):
+        cut = [spec.placements != p.placements for p, spec in zip(self.params, self.specs)]
+        resliced = any(cut)
+        for p, t, spec, piece, to_shard in zip(self.params, self.locals, self.specs, pieces, cut):
             grad = DTensor(piece.view(t.shape).to(t.dtype), spec, requires_grad=False)
-            if spec.placements != p.placements:
+            if to_shard:
                 grad = grad.redistribute(self.mesh, p.placements)
             if resliced and _shares_storage(grad._local_tensor, self.flat):
                 grad = DTensor(grad._local_tensor.clone(), grad._spec, requires_grad=False)

@@ -465,8 +465,10 @@ class LoweredProgram(nn.Module):
             if self.grad_sync is not None:
                 made["all_reduce"] = bucket_gradient_reductions(gm, self.grad_sync.bucket_bytes)
         made["summed_gather"] = [1] * reduce_gathered_sums(gm)
-        if name == "forward":  # in backward the inputs are the saved activations: launched together at its
-            launch_from_inputs_first(gm, units)  # start, every layer's gathered copy would be alive at once
+        # not in backward, whose inputs are the saved activations: launched together at its start, every
+        # layer's gathered copy would be alive at once
+        if name == "forward":
+            launch_from_inputs_first(gm, units)
         simplify_local_ops(gm)
         return {kind: counts for kind, counts in made.items() if counts}
 

@@ -1052,8 +1052,8 @@ def redistribute_steps(src: Placements, dst: Placements, mesh_shape: Sequence[in
     steps: list[tuple[int, Placement, Placement, Placements]] = []
 
     def move(dim: int, to: Placement) -> None:
-        steps.append((dim, current[dim], to, tuple(current[:dim]) + (to,) + tuple(current[dim + 1:])))
-        current[dim] = to
+        was, current[dim] = current[dim], to
+        steps.append((dim, was, to, tuple(current)))
 
     if any(p.is_shard() and size > 1 for p, size in zip(src, mesh_shape)):
         for dim in reversed(range(len(current))):
