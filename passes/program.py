@@ -35,7 +35,7 @@ from .float8 import run_in_float8
 from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
-from .rematerialize import Rematerialized, recompute_in_backward
+from .rematerialize import Rematerialized, recompute_in_backward, regathered_moves
 from .reshard import ResavedParameters, parameter_values, reshard_after_forward
 from .retarget_devices import retarget_devices
 from .run_locally import run_locally
@@ -73,6 +73,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     produced = produced_placements(captured, plan)
     redistributes = insert_redistributes(program, plan.ops, produced, mesh)
     balance_sequence(program, plan, produced, parameter_values(captured))
+    regathered = regathered_moves(program, produced, parameter_values(captured), tuple(mesh.shape))
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
     if plan.precision.fp8 is not None:
@@ -81,7 +82,8 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
     keep_derivatives(program)
-    recomputed = recompute_in_backward(program, captured.saved_for_backward(_float8_nodes(plan, captured)).recomputed)
+    remade = captured.saved_for_backward(_float8_nodes(plan, captured)).recomputed
+    recomputed = recompute_in_backward(program, remade | regathered)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs, captured.buffers)
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, captured.leading_layers, regathers=gathers > 0,

@@ -2,7 +2,13 @@
 
 Which values: ``SavedTensors.recomputed`` (the rule and why are in ``ir/rematerialize.py``: SwiGLU's
 ``silu(gate)`` and its product with ``up``, a norm's normalized input, their views), the memory the
-planner priced. How, in the two runtimes:
+planner priced; and the moves of activations that make them larger on each rank (``regathered_moves``):
+sequence parallelism's all_gather of a norm's output, whose copy the projections reading it would keep
+whole until their weight gradients, and context parallelism's gather of keys and values. Such a move is
+made again in backward from the shard, as Megatron-LM's sequence-parallel linear layers gather their
+input again for the weight gradient (Korthikanti et al. 2022, §4.2.2) and torch's context parallelism
+gathers keys and values again, so the step keeps the shard the memory model charges (in its producer's
+placement); ``planning/pricing.moved_again`` charges the second collective. How, in the two runtimes:
 
 * **DTensor program** (eager autograd): each such node runs through ``Remembered``, which records its
   output with the op and arguments that made it; ``Rematerialized`` runs the program under
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -34,10 +40,13 @@ from torch.fx import traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils._pytree import tree_map
 
+from autopar.core.placement import grows_locally, strs_to_placements
 from autopar.ir.capture import is_view
 
+from .insert_redistributes import redistribute, value_name
 from .layout import gradient_in_spec_layout, in_captured_layout
 from .reshard import ChainedHooks, Hooks, ProgramUnderHooks, active_hooks
+from .sequence_layout import reorder
 
 RECOMPUTED = "autopar_recomputed"
 """The ``torch.fx.traceback.annotate`` key ``Remembered`` marks a traced op with (``tag_recomputed`` reads it)."""
@@ -159,6 +168,23 @@ def recompute_in_backward(gm: fx.GraphModule, names: Collection[str]) -> int:
 def recomputed_op(node: fx.Node) -> Any:
     """The callable a program node runs, through ``Remembered``."""
     return node.target.op if isinstance(node.target, Remembered) else node.target
+
+
+def regathered_moves(gm: fx.GraphModule, produced: Mapping[str, Sequence[str]], parameters: Collection[str],
+                     mesh_shape: Sequence[int]) -> set[str]:
+    """The names of ``gm``'s redistributes of activations (not of ``parameters``, which ``reshard.py``
+    gathers again) whose move makes the value larger on each rank (``grows_locally``, from the
+    ``produced`` placements), with the load-balanced layout's reorders after them (``sequence_layout.py``):
+    values for ``recompute_in_backward`` to make again from the shard where an op keeps them."""
+    moves: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not redistribute or node.args[0].name in parameters:
+            continue
+        source = produced.get(value_name(node.args[0]))
+        if source is not None and grows_locally(strs_to_placements(source), strs_to_placements(node.args[1]),
+                                                mesh_shape):
+            moves |= {node.name} | {user.name for user in node.users if user.target is reorder}
+    return moves
 
 
 class Rematerialized(ProgramUnderHooks):

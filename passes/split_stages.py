@@ -46,6 +46,7 @@ from autopar.ir.layers import layer_of
 from .insert_redistributes import PLACED_AS_INPUT, as_replicated, redistribute
 from .lower_writes import written_value
 from .reshard import gather_parameter
+from .rematerialize import recomputed_op
 
 
 @dataclass
@@ -275,7 +276,7 @@ def boundary_of(node: fx.Node, plan: Plan) -> Boundary:
 
 
 def _planned(node: fx.Node, plan: Plan) -> Sequence[str]:
-    if node.target in (redistribute, gather_parameter):
+    if recomputed_op(node) in (redistribute, gather_parameter):
         return node.args[1]
     if node.target is as_replicated:
         return ["R"] * plan.mesh.ndim

@@ -111,7 +111,7 @@ def test_redistributes_move_exactly_the_inputs_whose_placement_changes(fsdp) -> 
             if _reads_unmoved(old, new):
                 assert tuple(produced[_value_name(old)]) == tuple(wanted), f"{node.name} reads {old.name} unmoved"
                 continue
-            moves = new.target in MOVES and _unguarded(new.args[0]).name == old.name
+            moves = recomputed_op(new) in MOVES and _unguarded(new.args[0]).name == old.name
             assert moves, f"{node.name}: {new.name} is not a move"
             assert tuple(new.args[1]) == tuple(wanted) != tuple(produced[_value_name(old)])
             moved += 1
@@ -121,7 +121,7 @@ def test_redistributes_move_exactly_the_inputs_whose_placement_changes(fsdp) -> 
 def test_parameter_moves_become_gathers_made_again_in_backward_around_checkpointed_layers(fsdp) -> None:
     plan, captured, program = fsdp
     params = parameter_values(captured)
-    moves = [n for n in program.stages[0].program.graph_module.graph.nodes if n.target in MOVES]
+    moves = [n for n in program.stages[0].program.graph_module.graph.nodes if recomputed_op(n) in MOVES]
     gathers = [n for n in moves if n.target is gather_parameter]
     assert gathers and all(n.args[0].name in params for n in gathers)
     assert not [n for n in moves if n.target is redistribute and n.args[0].name in params]

@@ -68,3 +68,18 @@ def optimizer_shard_dim(shape: Sequence[int], placements: Sequence[Placement], w
         if dim not in taken and size >= ways:
             return dim
     return None
+
+
+def grows_locally(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """Whether moving a tensor from ``src`` to ``dst`` (one placement per dim of a mesh of ``mesh_shape``)
+    leaves each rank a larger local tensor: it is gathered on more ranks than any new split divides it
+    again. A runtime that saves such a move's result for backward holds more than its source; autopar's
+    makes it again in backward instead (``passes/rematerialize.py``), which ``planning/pricing.py`` charges."""
+    return _split_ways(src, mesh_shape) > _split_ways(dst, mesh_shape)
+
+
+def _split_ways(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    ways = 1
+    for placement, size in zip(placements, mesh_shape):
+        ways *= size if placement.is_shard() else 1
+    return ways

@@ -205,16 +205,21 @@ class CapturedGraph:
             self._saved[float8] = find_saved_tensors(self, float8)
         return self._saved[float8]
 
-    def keeps_parameter(self, consumer: fx.Node, arg: fx.Node) -> bool:
-        """Whether ``consumer`` saves for its backward the parameter that its input ``arg`` carries (the
-        parameter itself or a view of it), or is a view whose readers do (``t`` of a weight that ``mm``
-        keeps): a copy gathered for ``consumer`` would then be held from forward to backward, which the
-        runtime avoids by gathering it again in backward (``passes/reshard.py``)."""
+    def keeps_what_it_reads(self, consumer: fx.Node, arg: fx.Node, float8: frozenset[str] = frozenset()) -> bool:
+        """Whether ``consumer`` saves for its backward the value its input ``arg`` carries (the value itself
+        or a view of it), or is a view whose readers do (``t`` of a weight that ``mm`` keeps), with ``float8``
+        (node names) run as float8 linears (which keep a float8 copy of their input instead): a copy moved to
+        a larger placement for ``consumer`` (a parameter gathered under FSDP, an activation gathered under
+        sequence parallelism) would then be held from forward to backward, which the runtime avoids by
+        moving it again in backward (``passes/reshard.py``, ``passes/rematerialize.py``)."""
         root = view_root(arg)
-        if root.name not in self.params:
-            return False
-        kept = self.saved_for_backward().parameters_kept
-        return any((reader.name, root.name) in kept for reader in through_views(consumer))
+        saved = self.saved_for_backward(float8)
+        readers = through_views(consumer)
+        if root.name in self.params:
+            return any((reader.name, root.name) in saved.parameters_kept for reader in readers)
+        producer = root.args[0] if root.op == "call_function" and root.target is operator.getitem else root
+        keepers = saved.read_savers.get(producer.name, frozenset())
+        return any(reader.name in keepers for reader in readers)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ class SavedTensors:
     # one-byte float8 copies of it float8 linears keep (in the output's numel: q, k and v reading one, 3)
     recomputed: frozenset[str] = frozenset()  # op nodes whose output backward makes again rather than keep it
     # (``ir/rematerialize.py``; views included), once for all its readers
+    read_savers: Mapping[str, frozenset[str]] = field(default_factory=dict)  # ``savers`` as the ops read the
+    # values, before a recomputed one is replaced by what it is made of: the ops that keep what they read
 
     def of(self, node: fx.Node) -> tuple[float, ...]:
         """Per output of ``node``, the share of its bytes saved for backward (0 when none is)."""
@@ -206,7 +208,8 @@ class _SavedTensorRecorder(fx.Interpreter):
         inputs: set[str] = set()
         parameters_kept: set[tuple[str, str]] = set()
         placeholders = {n.name for n in captured.graph.nodes if n.op == "placeholder"}
-        recomputable = recomputable_values(captured.graph, self._savers(self.packed, placeholders))
+        read_savers = self._savers(self.packed, placeholders)
+        recomputable = recomputable_values(captured.graph, read_savers)
         packed, recomputed = self._rematerialized(recomputable)
         savers = self._savers(packed, placeholders)
         seen: set[StorageWeakRef] = set()
@@ -229,7 +232,7 @@ class _SavedTensorRecorder(fx.Interpreter):
             if node.name in saved or node.name in extra:
                 fractions[node.name] = _fractions(node, saved[node.name], extra[node.name])
         return SavedTensors(fractions, frozenset(inputs), frozenset(self.opaque), frozenset(parameters_kept),
-                            savers, self._float8_copies(captured, placeholders), recomputed)
+                            savers, self._float8_copies(captured, placeholders), recomputed, read_savers)
 
     def _savers(self, packed: list[tuple[torch.Tensor, str]], placeholders: set[str]) -> dict[str, frozenset[str]]:
         """``SavedTensors.savers`` of the tensors ``packed`` (saved tensor, node that saved it)."""

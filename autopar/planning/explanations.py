@@ -23,7 +23,7 @@ from torch import fx
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
-from autopar.planning.pricing import AMAX_BYTES, Collective, Cost, Pricer, OverlapSlack, gathers
+from autopar.planning.pricing import AMAX_BYTES, Collective, Cost, Pricer, OverlapSlack, gathers, moved_again
 from autopar.planning.problem import (Edge, Problem, RootSharding, SharedResharding, edge_pair, gradient_root,
                                       partial_gradient_share, read_through_views, source_of)
 from autopar.planning.solver import overlap_slack
@@ -167,8 +167,13 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         have = strategy_of(src.name).outputs[out]
         if have is None or (have == wanted and not grad_partial):
             continue
-        regathered = captured.keeps_parameter(node, arg)
+        weight = kinds[src.name] in WEIGHT_KINDS  # a parameter or a view of one
+        regathered = moved_again(captured.keeps_what_it_reads(node, arg, pricer.float8), weight, have, wanted,
+                                 pricer.mesh_shape)
         readers = _readers_of_move(arg, node, wanted, captured.graph, strategy_of)
+        # an activation's move is made again once for the readers of its redistribute that keep it
+        keepers = _readers_of_move(arg, node, wanted, captured.graph, strategy_of, captured.keeps_what_it_reads,
+                                   pricer.float8) if regathered and not weight else 1
         for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered,
                                                       partial_gradient_share(arg), gradient=kinds[src.name] != "none")):
             # edge_collectives lists the partial gradient's reductions first, one per dim
@@ -176,9 +181,9 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
             why = ("partial gradient" if i < len(grad_partial) else
                    f"resharding {placement_to_str(have[c.mesh_dim])} -> {placement_to_str(wanted[c.mesh_dim])}"
                    + (" again in backward" if c.regather else ""))
-            weight = kinds[src.name] in WEIGHT_KINDS  # a parameter or a view of one
-            terms.append(_term(replace(c, share=c.share / readers) if moved else c, why, arg, captured, pricer,
-                               per_microbatch=weight, prefetched=weight and pricer.prefetched(c)))
+            shared_by = readers if moved else keepers if c.regather else 1
+            terms.append(_term(replace(c, share=c.share / shared_by) if shared_by > 1 else c, why, arg, captured,
+                               pricer, per_microbatch=weight, prefetched=weight and pricer.prefetched(c)))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
         gathered = roots[c.slot] is not None and gathers(roots[c.slot], strategy.inputs[c.slot])
         why = "partial gradient, reduced by the gather's backward" if gathered else "partial gradient"
@@ -195,12 +200,15 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
 
 
 def _readers_of_move(arg: fx.Node, node: fx.Node, wanted: Placements, graph: fx.Graph,
-                     strategy_of: Callable[[str], Strategy]) -> int:
+                     strategy_of: Callable[[str], Strategy],
+                     keeps: Callable[[fx.Node, fx.Node, frozenset[str]], bool] | None = None,
+                     float8: frozenset[str] = frozenset()) -> int:
     """How many inputs of ops in ``node``'s region read ``arg`` at ``wanted``: the readers of its one
-    redistribute there."""
+    redistribute there; with ``keeps`` (``CapturedGraph.keeps_what_it_reads``), those of them that keep it."""
     regions = _regions(graph)
     return sum(1 for user in arg.users if regions.get(user) == regions[node]
-               for a, q in zip(tensor_inputs(user), strategy_of(user.name).inputs) if a is arg and q == wanted)
+               for a, q in zip(tensor_inputs(user), strategy_of(user.name).inputs)
+               if a is arg and q == wanted and (keeps is None or keeps(user, arg, float8)))
 
 
 _REGIONS: "weakref.WeakKeyDictionary[fx.Graph, dict[fx.Node, str]]" = weakref.WeakKeyDictionary()

@@ -30,7 +30,9 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   again in backward: the runtime does not hold the gathered copy from forward to backward
   (``passes/reshard.py``, FSDP's reshard-after-forward), so such an edge's forward collectives run
   again in backward, on the critical path, whatever the layer's checkpointing (a recomputed layer
-  re-gathers once, as part of its recompute).
+  re-gathers once, as part of its recompute). So is an activation gathered for ops that keep it
+  (sequence parallelism's norm output, read whole by the projections whose weight gradients need it:
+  ``passes/rematerialize.py``), once for the readers that share its move (``moved_again``).
 * on the lowered runtime (``runtime``: one-stage meshes by default, ``roles.priced_runtime``) an FSDP
   parameter's backward regather (an all_gather, ``prefetched``) and its gradient reduce_scatter
   (``_overlapped_where_lowered``) are issued ahead of their use and waited on late
@@ -98,7 +100,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from autopar.cost_models import (Cluster, adamw_state_bytes, backward_kind, collective_time,
                           compute_time, matmul_kind)
 from autopar.cost_models.memory import master_dtype_of
-from autopar.core.placement import Placements, optimizer_shard_dim
+from autopar.core.placement import Placements, grows_locally, optimizer_shard_dim
 from autopar.core.plan import DTENSOR, LOWERED
 from autopar.ir.capture import ATTENTION_QUERY_DIM as QUERY_DIM
 from autopar.ir.capture import FUSED_ATTENTION, WEIGHT_KINDS
@@ -909,8 +911,8 @@ class Pricer:
         """Resharding ``val`` from ``src`` to ``dst``, and reducing its gradient where the consumer
         leaves it partial (``grad_partial``: mesh dims; this edge's ``partial_share`` of that
         reduction); ``per_microbatch``: the tensor is the same for every microbatch (a parameter), so
-        under gradient accumulation its collectives repeat; ``regathered``: a parameter the consumer
-        saves for backward, moved again in backward; ``shared``: the move itself (its forward
+        under gradient accumulation its collectives repeat; ``regathered``: a value the consumer saves
+        for backward, moved again in backward (``moved_again``); ``shared``: the move itself (its forward
         collectives and their duals) is charged once to the readers that share it
         (``problem.SharedResharding``), not here; ``gradient``: whether ``val`` gets one (else the moves
         have no backward)."""
@@ -999,7 +1001,7 @@ class Collective:
     grad_sync: bool = False  # a parameter's gradient sync (overlapped with backward)
     slot: int | None = None  # for an input gradient: which tensor input of the node
     per_microbatch: bool = False  # a gradient sync redone after every microbatch (ZeRO-2's reduce_scatter)
-    regather: bool = False  # a parameter's forward collective run again in backward (reshard after forward)
+    regather: bool = False  # a forward collective run again in backward (``moved_again``)
     share: float = 1.0  # the part of it charged here (a gradient several readers leave partial is reduced once)
 
 
@@ -1028,6 +1030,16 @@ def in_step_collective_time(kind: str, nbytes: float, group, redistribute_s: flo
     collective that moves nothing (a group of one)."""
     seconds = collective_time(kind, nbytes, group)
     return seconds + redistribute_s if seconds > 0 else 0.0
+
+
+def moved_again(kept: bool, parameter: bool, src: Placements, dst: Placements, mesh_shape: Sequence[int]) -> bool:
+    """Whether the runtime moves a value from ``src`` to ``dst`` again in backward, rather than hold the moved
+    copy its reader keeps for backward (``kept``): every move of a parameter (``passes/reshard.py``, FSDP's
+    reshard after forward), a move of an activation that makes it larger on each rank (sequence
+    parallelism's gather of a norm's output for the projections that keep it, context parallelism's of keys
+    and values: ``passes/rematerialize.py``, Megatron-LM's sequence-parallel linear layers). The memory
+    model charges what is kept in its producer's placement, which these runtimes then hold."""
+    return kept and (parameter or grows_locally(src, dst, mesh_shape))
 
 
 def gathers(root: Placements, placements: Placements) -> bool:

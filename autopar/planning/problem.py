@@ -45,7 +45,7 @@ from torch.distributed.tensor import Placement, Replicate
 from autopar.core.placement import Placements
 from autopar.core.plan import MEMORY_STAGES
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph, is_view, through_views, view_root
-from autopar.planning.pricing import Cost, Pricer, weighted_cost, with_fields
+from autopar.planning.pricing import Cost, Pricer, moved_again, weighted_cost, with_fields
 from autopar.planning.strategies import Strategy, StrategyFinder, candidate_placements
 from autopar.ir.layers import gather_unit, is_getitem, output_vals, reader_regions, tensor_inputs
 
@@ -788,8 +788,11 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     weights = {keys[name] for name, kind in kinds.items() if kind in WEIGHT_KINDS}
     sharing = _sharing_readers(readings.values(), grouped)
     shares = {ekey for group in sharing for ekey in group}
-    regathered = {ekey: node.op != "output" and captured.keeps_parameter(node, arg)  # the consumer keeps the parameter
-                  for ekey, (node, arg) in first.items()}
+    kept = {ekey: node.op != "output" and captured.keeps_what_it_reads(node, arg, pricer.float8)
+            for ekey, (node, arg) in first.items()}
+    # a parameter is gathered again by each reader that keeps it; an activation's move, once for the readers
+    # sharing it (one recipe, ``passes/rematerialize.py``): on the shared move, not on their edges
+    regathered = {ekey: keeps and (ekey[0] in weights or ekey not in shares) for ekey, keeps in kept.items()}
     for ekey, edge in grouped.items():
         if priced is not None and edge.src not in weights and ekey in priced.edges:
             edge.price = priced.edges[ekey]
@@ -802,7 +805,7 @@ def _edges(captured: CapturedGraph, decisions: dict[str, Decision], pricer: Pric
     index = {ekey: i for i, ekey in enumerate(grouped)}
     shared = [SharedResharding(tuple(index[k] for k in group), occurrences / grouped[group[0]].count,
                                _shared_prices([grouped[k] for k in group], decisions, first[group[0]][1].meta["val"],
-                                              pricer, group[0][0] in weights, any(regathered[k] for k in group),
+                                              pricer, group[0][0] in weights, any(kept[k] for k in group),
                                               kinds[source_of(first[group[0]][1])[0].name] != "none"))
               for group, occurrences in sharing.items()]
     return list(grouped.values()), [g for g in shared if g.price]
@@ -832,20 +835,23 @@ def _sharing_readers(readings: Iterable[list[tuple[tuple, float]]], edges: Mappi
 
 
 def _shared_prices(edges: Sequence[Edge], decisions: dict[str, Decision], val: torch.Tensor, pricer: Pricer,
-                   from_param: bool, regathered: bool, gradient: bool) -> dict[tuple[Placements, Placements], Cost]:
+                   from_param: bool, kept: bool, gradient: bool) -> dict[tuple[Placements, Placements], Cost]:
     """The moves a ``SharedResharding`` prices: from each placement of the producer to each placement a
-    reader may take, where they differ and the move costs something. A parameter its readers keep is
-    gathered again in backward by each of them (on their edges), which a recomputed layer's rerun
-    replaces, so the shared move is then not priced again under recomputation (``Pricer.edge``)."""
+    reader may take, where they differ and the move costs something. A parameter its readers keep
+    (``kept``) is gathered again in backward by each of them (on their edges), which a recomputed layer's
+    rerun replaces, so the shared move is then not priced again under recomputation (``Pricer.edge``). An
+    activation its readers keep is moved again once for all of them, here (``moved_again``)."""
     srcs = dict.fromkeys(o.strategy.outputs[edges[0].src_out] for o in decisions[edges[0].src].options)
     dsts = dict.fromkeys(o.strategy.inputs[e.slot] for e in edges for o in decisions[e.dst].options)
     prices = {}
     for a in srcs:
         for b in dsts:
-            cost = (pricer.edge(val, a, b, per_microbatch=from_param, gradient=gradient)
-                    if a is not None and a != b else None)
-            if cost is not None and cost.exposed_s > 0:
-                prices[a, b] = with_fields(cost, forward_comm_s={}) if regathered else cost
+            if a is None or a == b:
+                continue
+            again = not from_param and moved_again(kept, False, a, b, pricer.mesh_shape)
+            cost = pricer.edge(val, a, b, per_microbatch=from_param, regathered=again, gradient=gradient)
+            if cost.exposed_s > 0:
+                prices[a, b] = with_fields(cost, forward_comm_s={}) if kept and from_param else cost
     return prices
 
 
@@ -873,7 +879,8 @@ def _edge_prices(edge: Edge, decisions: dict[str, Decision], val: torch.Tensor, 
     # ``Partial``, and the order of the ILP's variables picks among equally priced plans)
     srcs = dict.fromkeys(o.strategy.outputs[edge.src_out] for o in decisions[edge.src].options)
     dsts = dict.fromkeys(o.edge_key(edge.slot) for o in decisions[edge.dst].options)
-    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1], regathered=regathered,
+    return {(a, b): pricer.edge(val, a, b[0], per_microbatch=from_param, grad_partial=b[1],
+                                regathered=moved_again(regathered, from_param, a, b[0], pricer.mesh_shape),
                                 partial_share=partial_share, shared=shared, gradient=gradient)
             for a in srcs if a is not None for b in dsts}
 
