@@ -142,6 +142,13 @@ def checkpoint_layers(gm: fx.GraphModule, mode_of: Callable[[str], str],
     return split
 
 
+def recomputed_with_layer(gm: fx.GraphModule, mode_of: Callable[[str], str]) -> set[str]:
+    """The names of ``gm``'s nodes in layers whose checkpointing mode (``mode_of``) runs the whole layer
+    again in backward: what that recomputation makes again, whatever autograd saved of it."""
+    return {node.name for node, layer in program_layers(gm.graph).items()
+            if layer is not None and mode_of(layer) in WHOLE_LAYER_MODES}
+
+
 def _saved_in(mode: str, node: fx.Node, widening: set[str]) -> bool:
     """Whether selective mode ``mode`` saves the output of kept-list op ``node``: selective saves every
     one, save_dot_except_mlpwi the linear layers but an MLP's input projections (``widening``)."""

@@ -17,7 +17,9 @@ split turns one graph into several, which a ``PassManager`` of graph-to-graph pa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +30,7 @@ from autopar.ir.bind import bind_ops
 from autopar.ir.capture import VIEWS, CapturedGraph
 from autopar.ir.float8 import float8_linears
 
-from .checkpoint import checkpoint_layers
+from .checkpoint import checkpoint_layers, recomputed_with_layer
 from .dropout_mode import follow_mode
 from .dtensor_backward import keep_derivatives
 from .float8 import run_in_float8
@@ -73,21 +75,24 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
     produced = produced_placements(captured, plan)
     redistributes = insert_redistributes(program, plan.ops, produced, mesh)
     balance_sequence(program, plan, produced, parameter_values(captured))
-    regathered = regathered_moves(program, produced, parameter_values(captured), tuple(mesh.shape))
+    mode_of = _checkpointing_of(plan, captured.leading_layers)
+    float8 = _float8_nodes(plan, captured)
+    regathered = regathered_moves(program, produced, parameter_values(captured), tuple(mesh.shape),
+                                  functools.partial(_keeps, captured, float8), recomputed_with_layer(program, mode_of))
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
     if plan.precision.fp8 is not None:
-        run_in_float8(program, _float8_nodes(plan, captured), captured.gradient_kinds())
+        run_in_float8(program, float8, captured.gradient_kinds())
     dropping = follow_mode(program)  # before run_locally, which keeps the arguments it rewrites
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
     keep_derivatives(program)
-    remade = captured.saved_for_backward(_float8_nodes(plan, captured)).recomputed
+    remade = captured.saved_for_backward(float8).recomputed
     recomputed = recompute_in_backward(program, remade | regathered)
     pieces = (split_program(program, plan.pipeline.stages, captured.params, captured.user_inputs, captured.buffers)
               if _pipelined(plan) else [whole_program(program)])
-    stages = tuple(_ready_to_run(piece, program, plan, captured.leading_layers, regathers=gathers > 0,
-                                 recomputes=recomputed > 0) for piece in pieces)
+    stages = tuple(_ready_to_run(piece, program, plan, mode_of, regathers=gathers > 0, recomputes=recomputed > 0)
+                   for piece in pieces)
     return Program(stages, redistributes, gathers > 0, dropping)
 
 
@@ -111,18 +116,29 @@ def _pipelined(plan: Plan) -> bool:
     return plan.degrees.pp > 1
 
 
+def _keeps(captured: CapturedGraph, float8: frozenset[str], reader: str, value: str) -> bool:
+    """Whether the captured op ``reader`` keeps for backward the value of node ``value`` it reads (False for
+    nodes the passes inserted, which the captured step does not have)."""
+    return (captured.has_node(reader) and captured.has_node(value)
+            and captured.keeps_what_it_reads(captured.node(reader), captured.node(value), float8))
+
+
 def _float8_nodes(plan: Plan, captured: CapturedGraph) -> frozenset[str]:
     """The nodes a plan runs as float8 matmuls (none without ``precision.fp8``)."""
     return float8_linears(captured) if plan.precision.fp8 is not None else frozenset()
 
 
-def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, leading: tuple[str, ...],
+def _checkpointing_of(plan: Plan, leading: tuple[str, ...]) -> Callable[[str], str]:
+    """Each layer's activation checkpointing mode: the plan's, except for the ``leading`` layers that do not
+    repeat, priced as the code before the layers is, never (``ir.layers.repeating_layers``)."""
+    return lambda layer: "none" if layer in leading else plan.checkpointing_of(layer)
+
+
+def _ready_to_run(piece: StageProgram, program: fx.GraphModule, plan: Plan, mode_of: Callable[[str], str],
                   regathers: bool, recomputes: bool) -> Stage:
-    """``piece`` with its layers checkpointed as planned (the ``leading`` layers that do not repeat, priced
-    as the code before the layers is, never: ``ir.layers.repeating_layers``), under ``Rematerialized`` when
+    """``piece`` with its layers checkpointed as planned (``mode_of``), under ``Rematerialized`` when
     the program makes values again in backward and ``ResavedParameters`` when it gathers parameters (outside,
     so the first hooks hand it what they do not keep), and the placements of the values it receives and sends."""
-    mode_of = lambda layer: "none" if layer in leading else plan.checkpointing_of(layer)  # noqa: E731
     module = checkpoint_layers(piece.graph_module, mode_of, lambda node: _whole_output(node, plan))
     module = Rematerialized(module) if recomputes else module
     nodes = {node.name: node for node in program.graph.nodes}

@@ -36,6 +36,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx
+from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils._pytree import tree_map
@@ -45,7 +46,7 @@ from autopar.ir.capture import is_view
 
 from .insert_redistributes import redistribute, value_name
 from .layout import gradient_in_spec_layout, in_captured_layout
-from .reshard import ChainedHooks, Hooks, ProgramUnderHooks, active_hooks
+from .reshard import ChainedHooks, Hooks, ProgramUnderHooks, active_hooks, local_of, storage_address
 from .sequence_layout import reorder
 
 RECOMPUTED = "autopar_recomputed"
@@ -81,23 +82,71 @@ class _Made:
     recipe: _Recipe | None = None
 
 
+@dataclass(frozen=True)
+class _View:
+    """A saved view of a recorded DTensor: of its local tensor (what an op ``run_locally`` runs reads: context
+    parallelism's attention keeps its gathered keys' and values' local views), or a DTensor view of it (a
+    projection's ``view`` of sequence parallelism's gathered norm output, which its matmul keeps). The
+    DTensor's recipe, the local view's geometry (size, stride, storage offset), and for a DTensor view its
+    mesh, placements, shape and stride."""
+
+    recipe: _Recipe
+    geometry: tuple[torch.Size, tuple[int, ...], int]
+    spec: tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]] | None = None
+
+    def of(self, value: DTensor) -> torch.Tensor:
+        """This view of ``value`` (the recorded DTensor, made again)."""
+        local = local_of(value).as_strided(*self.geometry)
+        if self.spec is None:
+            return local
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 class RecomputedValues(ChainedHooks):
-    """Pack and unpack hooks that keep a recorded value as its recipe and make it again in backward."""
+    """Pack and unpack hooks that keep a recorded value (or a view of a recorded DTensor's local tensor) as
+    its recipe and make it again in backward."""
 
     def __init__(self, outer: Hooks | None = None) -> None:
         super().__init__(outer)
         self._made: dict[int, _Made] = {}
+        self._by_local: dict[int, int] = {}  # a recorded DTensor's local storage address -> its key in ``_made``
         self.recomputed = 0  # ops run again in backward (for tests and reports)
 
     def remember(self, value: torch.Tensor, op: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
         key = id(value)
-        self._made[key] = _Made(weakref.ref(value, lambda _: self._made.pop(key, None)), op, args, kwargs)
+        address = _new_storage(value, args)
+
+        def forget(_: Any) -> None:
+            self._made.pop(key, None)
+            if address is not None and self._by_local.get(address) == key:
+                del self._by_local[address]
+        self._made[key] = _Made(weakref.ref(value, forget), op, args, kwargs)
+        if address is not None:
+            self._by_local[address] = key
 
     def pack(self, tensor: torch.Tensor) -> Any:
         made = self._made.get(id(tensor))
-        if made is None or made.value() is not tensor:
+        if made is not None and made.value() is tensor:
+            return self._recipe(made)
+        made = self._viewed(tensor) if self._by_local else None
+        if made is None:
             return self.pack_other(tensor)
+        local = local_of(tensor) if isinstance(tensor, DTensor) else tensor
+        spec = ((tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
+                if isinstance(tensor, DTensor) else None)
+        return _View(self._recipe(made), (local.size(), local.stride(), local.storage_offset()), spec)
+
+    def _viewed(self, tensor: torch.Tensor) -> _Made | None:
+        """The record of the live DTensor ``tensor`` is a view of (a DTensor view, or a view of its local
+        tensor), if any."""
+        address = storage_address(local_of(tensor) if isinstance(tensor, DTensor) else tensor)
+        made = self._made.get(self._by_local.get(address, -1))
+        value = made.value() if made is not None else None
+        return made if value is not None and storage_address(local_of(value)) == address else None
+
+    def _recipe(self, made: _Made) -> _Recipe:
         if made.recipe is None:
             made.recipe = _Recipe(made.op, tree_map(self._pack_argument, made.args),
                                   tree_map(self._pack_argument, made.kwargs))
@@ -108,6 +157,8 @@ class RecomputedValues(ChainedHooks):
         return _Packed(self.pack(value)) if isinstance(value, torch.Tensor) else value
 
     def unpack(self, saved: Any) -> Any:
+        if isinstance(saved, _View):
+            return saved.of(self.unpack(saved.recipe))
         if not isinstance(saved, _Recipe):
             return self.unpack_other(saved)
         if saved.value is None:
@@ -126,6 +177,20 @@ class RecomputedValues(ChainedHooks):
     @classmethod
     def active(cls) -> "RecomputedValues | None":
         return active_hooks(cls)
+
+
+def _new_storage(value: torch.Tensor, args: tuple[Any, ...]) -> int | None:
+    """The address of ``value``'s local storage where ``value`` is a DTensor whose op made that storage (a
+    gather; not a view or a guard of one of its ``args``, whose views are that argument's), else None."""
+    if not isinstance(value, DTensor):
+        return None
+    local = local_of(value)
+    address = storage_address(local)
+    if not local.untyped_storage().nbytes():
+        return None
+    shared = any(storage_address(local_of(a) if isinstance(a, DTensor) else a) == address
+                 for a in args if isinstance(a, torch.Tensor))
+    return None if shared else address
 
 
 class Remembered:
@@ -171,19 +236,28 @@ def recomputed_op(node: fx.Node) -> Any:
 
 
 def regathered_moves(gm: fx.GraphModule, produced: Mapping[str, Sequence[str]], parameters: Collection[str],
-                     mesh_shape: Sequence[int]) -> set[str]:
+                     mesh_shape: Sequence[int], keeps: Callable[[str, str], bool],
+                     in_recomputed_layers: Collection[str]) -> set[str]:
     """The names of ``gm``'s redistributes of activations (not of ``parameters``, which ``reshard.py``
     gathers again) whose move makes the value larger on each rank (``grows_locally``, from the
-    ``produced`` placements), with the load-balanced layout's reorders after them (``sequence_layout.py``):
-    values for ``recompute_in_backward`` to make again from the shard where an op keeps them."""
+    ``produced`` placements) and that a reader keeps for backward (``keeps(reader, value)``, by the captured
+    names: ``CapturedGraph.keeps_what_it_reads``, what pricing reads), with the load-balanced layout's
+    reorders after them (``sequence_layout.py``): values for ``recompute_in_backward`` to make again from
+    the shard. Not the nodes ``in_recomputed_layers`` (``checkpoint.recomputed_with_layer``), whose
+    checkpointing makes them again."""
     moves: set[str] = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not redistribute or node.args[0].name in parameters:
+        if (node.op != "call_function" or node.target is not redistribute or node.args[0].name in parameters
+                or node.name in in_recomputed_layers):
             continue
         source = produced.get(value_name(node.args[0]))
-        if source is not None and grows_locally(strs_to_placements(source), strs_to_placements(node.args[1]),
-                                                mesh_shape):
-            moves |= {node.name} | {user.name for user in node.users if user.target is reorder}
+        if source is None or not grows_locally(strs_to_placements(source), strs_to_placements(node.args[1]),
+                                               mesh_shape):
+            continue
+        reorders = [user for user in node.users if user.target is reorder]
+        readers = [reader for user in node.users for reader in (user.users if user in reorders else [user])]
+        if any(keeps(reader.name, node.args[0].name) for reader in readers):
+            moves |= {node.name} | {user.name for user in reorders}
     return moves
 
 

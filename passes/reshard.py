@@ -105,8 +105,8 @@ class ParameterRegather(ChainedHooks):
         self.regathered = 0  # gathers run again in backward (for tests and reports)
 
     def remember(self, gathered: DTensor, source: DTensor, placements: tuple[str, ...]) -> None:
-        local = _local(gathered)
-        self._gathered[_address(local)] = _Gathered(weakref.ref(local), source, placements, gathered.dtype)
+        local = local_of(gathered)
+        self._gathered[storage_address(local)] = _Gathered(weakref.ref(local), source, placements, gathered.dtype)
 
     def held(self) -> int:
         """How many of the parameters gathered in this forward are still alive (0 once it has returned:
@@ -114,7 +114,7 @@ class ParameterRegather(ChainedHooks):
         return sum(entry.local() is not None for entry in self._gathered.values())
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        local = _local(tensor) if isinstance(tensor, DTensor) else None
+        local = local_of(tensor) if isinstance(tensor, DTensor) else None
         entry = self._gathered_entry(local) if local is not None else None
         if entry is None:
             return self.pack_other(tensor)
@@ -124,15 +124,15 @@ class ParameterRegather(ChainedHooks):
 
     def _gathered_entry(self, local: torch.Tensor) -> _Gathered | None:
         """The record of the gathered parameter whose local tensor ``local`` is (a view of), if any."""
-        entry = self._gathered.get(_address(local))
+        entry = self._gathered.get(storage_address(local))
         base = entry.local() if entry is not None else None
-        return entry if base is not None and _address(base) == _address(local) else None
+        return entry if base is not None and storage_address(base) == storage_address(local) else None
 
     def unpack(self, saved: Any) -> Any:
         if not isinstance(saved, _Regather):
             return self.unpack_other(saved)
         with torch.no_grad():
-            whole = _local(redistribute(saved.source.to(saved.dtype), saved.placements))
+            whole = local_of(redistribute(saved.source.to(saved.dtype), saved.placements))
         self.regathered += 1
         view = whole.as_strided(*saved.local_geometry)
         return DTensor.from_local(view, saved.mesh, saved.saved_placements, run_check=False,
@@ -246,10 +246,10 @@ def enclosing_hooks() -> Hooks | None:
         return None
 
 
-def _local(tensor: DTensor) -> torch.Tensor:
+def local_of(tensor: DTensor) -> torch.Tensor:
     with torch.no_grad():  # to_local outside autograd is the local tensor itself, no new graph node
         return tensor.to_local()
 
 
-def _address(tensor: torch.Tensor) -> int:
+def storage_address(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()

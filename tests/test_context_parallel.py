@@ -71,7 +71,9 @@ def test_pinned_cp_splits_the_sequence_and_gathers_keys_and_values() -> None:
     flattening = [op for op in plan["ops"].values() if op["op"] == "aten.view.default" and op.get("local")]
     assert flattening and all({op["inputs"][0][0], op["outputs"][0][0]} == {"S(0)", "S(1)"} for op in flattening)
     assert plan["cp_layout"] == "load_balanced" and plan["cp_attention"] == "allgather"
-    assert predicted_collectives(plan)["all_gather"] == predicted_collectives(plan, ["forward"])["all_gather"]
+    # each layer's keys and values are gathered again in backward, not held whole (``moved_again``)
+    again = predicted_collectives(plan)["all_gather"] - predicted_collectives(plan, ["forward"])["all_gather"]
+    assert again == 2 * plan["model"]["layers"]
 
 
 def _attention_compute_s(constraints: dict) -> list[float]:

@@ -385,7 +385,8 @@ def test_parameters_must_be_sharded_where_their_replicated_state_exceeds_a_devic
 def test_a_mesh_that_must_shard_is_searched_under_zero_one_first_and_keeps_its_better_plan(monkeypatch):
     """Where parameters replicated over dp cannot fit (``must_shard_parameters``), the mesh is searched
     under ZeRO-1 first and then without, against ZeRO-1's step. Llama 3 8B's dims with 16 layers on 32 H100s
-    at 14 GB: ZeRO-1 on dp=8 x tp=4. Searched the other way round, a mesh whose search without ZeRO the
+    at 14 GB: ZeRO-1 on dp=8 x tp=2 x pp=2 (dp=8 x tp=4 until sequence parallelism's gathers were priced
+    again in backward, ``pricing.moved_again``). Searched the other way round, a mesh whose search without ZeRO the
     cutoff pruned was never tried under ZeRO-1, and the search missed that plan (17% slower); now such a
     mesh is tried under ZeRO-1 too (``search._distributed_optimizer_may_help``), and either order reaches the
     same plan, solving as many ILPs (24) here."""
@@ -404,7 +405,7 @@ def test_a_mesh_that_must_shard_is_searched_under_zero_one_first_and_keeps_its_b
     monkeypatch.setattr(search._MeshSearch, "must_shard_parameters", lambda self, mesh: False)
     monkeypatch.setattr(search._MeshSearch, "fewest_count_refused", lambda self, mesh: False)  # its twin rule
     plain_first = planned()
-    assert plan.degrees.zero == 1 and (plan.degrees.dp, plan.degrees.tp) == (8, 4)
+    assert plan.degrees.zero == 1 and (plan.degrees.dp, plan.degrees.tp, plan.degrees.pp) == (8, 2, 2)
     assert (plain_first.degrees, plain_first.checkpointing) == (plan.degrees, plan.checkpointing)
     assert plain_first.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-12)
 

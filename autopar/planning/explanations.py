@@ -168,12 +168,13 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         if have is None or (have == wanted and not grad_partial):
             continue
         weight = kinds[src.name] in WEIGHT_KINDS  # a parameter or a view of one
-        regathered = moved_again(captured.keeps_what_it_reads(node, arg, pricer.float8), weight, have, wanted,
-                                 pricer.mesh_shape)
         readers = _readers_of_move(arg, node, wanted, captured.graph, strategy_of)
-        # an activation's move is made again once for the readers of its redistribute that keep it
-        keepers = _readers_of_move(arg, node, wanted, captured.graph, strategy_of, captured.keeps_what_it_reads,
-                                   pricer.float8) if regathered and not weight else 1
+        # a parameter is gathered again for each reader that keeps it; an activation's move, once for all the
+        # readers of its one redistribute where one of them keeps it (``problem._shared_prices``)
+        kept = (captured.keeps_what_it_reads(node, arg, pricer.float8) if weight else
+                _readers_of_move(arg, node, wanted, captured.graph, strategy_of, captured.keeps_what_it_reads,
+                                 pricer.float8) > 0)
+        regathered = moved_again(kept, weight, have, wanted, pricer.mesh_shape)
         for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered,
                                                       partial_gradient_share(arg), gradient=kinds[src.name] != "none")):
             # edge_collectives lists the partial gradient's reductions first, one per dim
@@ -181,7 +182,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
             why = ("partial gradient" if i < len(grad_partial) else
                    f"resharding {placement_to_str(have[c.mesh_dim])} -> {placement_to_str(wanted[c.mesh_dim])}"
                    + (" again in backward" if c.regather else ""))
-            shared_by = readers if moved else keepers if c.regather else 1
+            shared_by = readers if moved or c.regather and not weight else 1
             terms.append(_term(replace(c, share=c.share / shared_by) if shared_by > 1 else c, why, arg, captured,
                                pricer, per_microbatch=weight, prefetched=weight and pricer.prefetched(c)))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
