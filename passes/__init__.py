@@ -21,7 +21,9 @@ list of graph passes; every runtime runs the stage programs it returns:
    (``layout.guard_view_gradients``), and ``copy`` and ``slice_scatter`` get derivatives that run there
    (``dtensor_backward``);
 5. ``rematerialize``: the cheap pointwise values autograd would keep that ``ir/rematerialize.py`` names
-   (``SavedTensors.recomputed``: SwiGLU's, a norm's) run through ``Remembered``, made again in backward
+   (``SavedTensors.recomputed``: SwiGLU's, a norm's), and the moves of activations to a larger placement
+   that a reader keeps (``regathered_moves``: sequence parallelism's gathered norm outputs, context
+   parallelism's gathered keys and values), run through ``Remembered``, made again in backward
    rather than kept (``Rematerialized``' saved-tensor hooks around the stage program, inside
    ``ResavedParameters``' when both run);
 6. ``split_stages``: a pipeline plan's program is cut into its chunks' stage programs; any other

@@ -65,9 +65,10 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   what the dims before it left: a shard nested inside another out of order (FSDP's ``S(1)`` outside
   TP's, read ``(R, S(1))``) is gathered on the inner dim first, so the outer gather and the gradient's
   reduce_scatter move the whole tensor; the planner sees that price and shards another tensor dim.
-* fused attention over a sequence split on cp (``_charge_context_parallel_attention``): with its keys and
-  values gathered (their edges' all_gather and reduce_scatter), it keeps the gathered copies for
-  backward; as ring attention it keeps its own block and pays the part of its point-to-point exchanges
+* fused attention over a sequence split on cp (``_charge_ring_attention``): with its keys and values
+  gathered (their edges' all_gather and reduce_scatter), the runtime gathers them again in backward
+  rather than keep the gathered copies (``moved_again``), so what it keeps is charged split, as made; as
+  ring attention it keeps its own block and pays the part of its point-to-point exchanges
   (``ring_collectives``) that the blocks' compute does not hide (``ring_exposed_s``).
 
 Precision: on accelerators activations and parameters are priced in the compute dtype (bf16 by
@@ -458,7 +459,7 @@ class Pricer:
         cost.batch_memory = True
         self._charge_gradient_collectives(self.gradient_collectives(node, strategy, grad_kinds, views=views), cost)
         if node.target is FUSED_ATTENTION:
-            self._charge_context_parallel_attention(node, strategy, saved, cost)
+            self._charge_ring_attention(node, strategy, cost)
         if float8 is not None:
             self._charge_amax_reductions(node, strategy, cost)
         return cost
@@ -501,25 +502,17 @@ class Pricer:
         return forward + backward
 
     # ---- context-parallel attention: the keys and values all-gathered, or passed around a ring -----------
-    def _charge_context_parallel_attention(self, node: fx.Node, strategy: Strategy, saved: Sequence[float],
-                                           cost: Cost) -> None:
-        """Fused attention over a sequence split on a cp dim. All-gathered keys and values (their gather
-        and its reduce_scatter are the edge's) are what the kernel saves for backward: beyond the split
-        copies their producers are charged, each rank keeps ``1 - 1/p`` more of them, where the op's
-        output is saved (not recomputed). Ring attention keeps only its own block, and pays the part of
-        its exchanges that its blocks' compute does not hide (``ring_exposed_s``)."""
-        kv = [(a.meta["val"], p) for a, p in zip(tensor_inputs(node)[1:3], strategy.inputs[1:3])]
-        kept = 1.0 if saved and saved[0] > 0 else 0.0
+    def _charge_ring_attention(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:
+        """Fused attention over a sequence split on a cp dim as ring attention (``strategies.rings``): the
+        part of its exchanges that its blocks' compute does not hide (``ring_exposed_s``). (All-gathered keys
+        and values cost their edges' collectives, and a regather in backward, ``moved_again``.)"""
         for dim, size in enumerate(self.mesh_shape):
-            if size == 1 or not strategy.inputs[0][dim].is_shard(QUERY_DIM):
+            if size == 1 or not strategy.inputs[0][dim].is_shard(QUERY_DIM) or not rings(node, strategy, dim):
                 continue
-            if rings(node, strategy, dim):
-                forward, backward = self.ring_exposed_s(node, strategy, dim, cost.kernel)
-                cost.add_comm("p2p", forward + backward)
-                if forward > 0:
-                    cost.forward_comm_s["p2p"] = cost.forward_comm_s.get("p2p", 0.0) + forward
-            elif all(p[dim].is_replicate() for _, p in kv):
-                cost.memory_bytes += kept * (1 - 1 / size) * sum(self.local_bytes(v, p) for v, p in kv)
+            forward, backward = self.ring_exposed_s(node, strategy, dim, cost.kernel)
+            cost.add_comm("p2p", forward + backward)
+            if forward > 0:
+                cost.forward_comm_s["p2p"] = cost.forward_comm_s.get("p2p", 0.0) + forward
 
     def ring_block_bytes(self, node: fx.Node, strategy: Strategy) -> float:
         """Bytes of one rank's block of keys and values: one ring exchange's message."""
