@@ -58,7 +58,8 @@ ROWS: dict[int, list[tuple[str, dict[str, Any]]]] = {  # world size -> (model, c
         ("tiny-gpt", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}),
         ("tiny-llama", {"dp": 2, "fsdp": 0}), ("tiny-llama", {"tp": 2, "checkpointing": "selective"}),
         ("tiny-llama", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"}),
-        ("tiny-llama", {"dp": 2, "fsdp": 3, "runtime": "lowered"})],
+        ("tiny-llama", {"dp": 2, "fsdp": 3, "runtime": "lowered"}),
+        ("tiny-llama", {"tp": 2, "sp": 1}), ("tiny-llama", {"tp": 2, "sp": 1, "runtime": "lowered"})],
     4: [("tiny-gpt", {"dp": 2, "tp": 2}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3}),
         ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3, "runtime": "lowered"})],
 }
