@@ -6,7 +6,7 @@ planner priced; and the moves of activations that make them larger on each rank 
 sequence parallelism's all_gather of a norm's output, whose copy the projections reading it would keep
 whole until their weight gradients, and context parallelism's gather of keys and values. Such a move is
 made again in backward from the shard, as Megatron-LM's sequence-parallel linear layers gather their
-input again for the weight gradient (Korthikanti et al. 2022, §4.2.2) and torch's context parallelism
+input again for the weight gradient (Korthikanti et al. 2022, on sequence parallelism) and torch's context parallelism
 gathers keys and values again, so the step keeps the shard the memory model charges (in its producer's
 placement); ``planning/pricing.moved_again`` charges the second collective. How, in the two runtimes:
 
@@ -104,8 +104,8 @@ class _View:
 
 
 class RecomputedValues(ChainedHooks):
-    """Pack and unpack hooks that keep a recorded value (or a view of a recorded DTensor's local tensor) as
-    its recipe and make it again in backward."""
+    """Pack and unpack hooks that keep a recorded value (or a view of a recorded DTensor, ``_View``) as its
+    recipe and make it again in backward."""
 
     def __init__(self, outer: Hooks | None = None) -> None:
         super().__init__(outer)
@@ -185,9 +185,9 @@ def _new_storage(value: torch.Tensor, args: tuple[Any, ...]) -> int | None:
     if not isinstance(value, DTensor):
         return None
     local = local_of(value)
-    address = storage_address(local)
     if not local.untyped_storage().nbytes():
         return None
+    address = storage_address(local)
     shared = any(storage_address(local_of(a) if isinstance(a, DTensor) else a) == address
                  for a in args if isinstance(a, torch.Tensor))
     return None if shared else address
