@@ -46,7 +46,8 @@ from autopar.ir.capture import is_view
 
 from .insert_redistributes import redistribute, value_name
 from .layout import gradient_in_spec_layout, in_captured_layout
-from .reshard import ChainedHooks, Hooks, ProgramUnderHooks, active_hooks, local_of, storage_address
+from .reshard import (ChainedHooks, DTensorSpecs, Geometry, Hooks, ProgramUnderHooks, active_hooks, geometry_of,
+                      local_of, specs_of, storage_address, view_again)
 from .sequence_layout import reorder
 
 RECOMPUTED = "autopar_recomputed"
@@ -91,16 +92,8 @@ class _View:
     mesh, placements, shape and stride."""
 
     recipe: _Recipe
-    geometry: tuple[torch.Size, tuple[int, ...], int]
-    spec: tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]] | None = None
-
-    def of(self, value: DTensor) -> torch.Tensor:
-        """This view of ``value`` (the recorded DTensor, made again)."""
-        local = local_of(value).as_strided(*self.geometry)
-        if self.spec is None:
-            return local
-        mesh, placements, shape, stride = self.spec
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    geometry: Geometry
+    spec: DTensorSpecs | None = None
 
 
 class RecomputedValues(ChainedHooks):
@@ -134,9 +127,8 @@ class RecomputedValues(ChainedHooks):
         if made is None:
             return self.pack_other(tensor)
         local = local_of(tensor) if isinstance(tensor, DTensor) else tensor
-        spec = ((tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
-                if isinstance(tensor, DTensor) else None)
-        return _View(self._recipe(made), (local.size(), local.stride(), local.storage_offset()), spec)
+        spec = specs_of(tensor) if isinstance(tensor, DTensor) else None
+        return _View(self._recipe(made), geometry_of(local), spec)
 
     def _viewed(self, tensor: torch.Tensor) -> _Made | None:
         """The record of the live DTensor ``tensor`` is a view of (a DTensor view, or a view of its local
@@ -158,7 +150,7 @@ class RecomputedValues(ChainedHooks):
 
     def unpack(self, saved: Any) -> Any:
         if isinstance(saved, _View):
-            return saved.of(self.unpack(saved.recipe))
+            return view_again(local_of(self.unpack(saved.recipe)), saved.geometry, saved.spec)
         if not isinstance(saved, _Recipe):
             return self.unpack_other(saved)
         if saved.value is None:

@@ -54,6 +54,12 @@ _ACTIVE: list[Any] = []
 ``gather_parameter`` (and ``rematerialize.Remembered``) record what they made."""
 
 
+Geometry = tuple[torch.Size, tuple[int, ...], int]
+"""A view's size, stride and storage offset: what ``as_strided`` takes to make it again."""
+DTensorSpecs = tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]
+"""A DTensor view's mesh, placements, global shape and stride: what wraps its local view again."""
+
+
 @dataclass(frozen=True)
 class _Gathered:
     """A gathered parameter: its local tensor (weakly, to tell a reused address apart) and its source."""
@@ -71,11 +77,8 @@ class _Regather:
     source: DTensor
     placements: tuple[str, ...]
     dtype: torch.dtype
-    local_geometry: tuple[torch.Size, tuple[int, ...], int]  # size, stride, storage offset of the local view
-    mesh: DeviceMesh
-    saved_placements: tuple[Placement, ...]
-    saved_shape: torch.Size
-    saved_stride: tuple[int, ...]
+    local_geometry: Geometry  # of the local view
+    spec: DTensorSpecs  # of the saved DTensor
 
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -118,9 +121,7 @@ class ParameterRegather(ChainedHooks):
         entry = self._gathered_entry(local) if local is not None else None
         if entry is None:
             return self.pack_other(tensor)
-        return _Regather(entry.source, entry.placements, entry.dtype,
-                         (local.size(), local.stride(), local.storage_offset()),
-                         tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
+        return _Regather(entry.source, entry.placements, entry.dtype, geometry_of(local), specs_of(tensor))
 
     def _gathered_entry(self, local: torch.Tensor) -> _Gathered | None:
         """The record of the gathered parameter whose local tensor ``local`` is (a view of), if any."""
@@ -134,9 +135,7 @@ class ParameterRegather(ChainedHooks):
         with torch.no_grad():
             whole = local_of(redistribute(saved.source.to(saved.dtype), saved.placements))
         self.regathered += 1
-        view = whole.as_strided(*saved.local_geometry)
-        return DTensor.from_local(view, saved.mesh, saved.saved_placements, run_check=False,
-                                  shape=saved.saved_shape, stride=saved.saved_stride)
+        return view_again(whole, saved.local_geometry, saved.spec)
 
     @classmethod
     def active(cls) -> "ParameterRegather | None":
@@ -244,6 +243,24 @@ def enclosing_hooks() -> Hooks | None:
         return top(True) if top is not None else None
     except TypeError:  # another signature in another torch version: run without chaining
         return None
+
+
+def geometry_of(local: torch.Tensor) -> Geometry:
+    return local.size(), local.stride(), local.storage_offset()
+
+
+def specs_of(tensor: DTensor) -> DTensorSpecs:
+    return tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride()
+
+
+def view_again(whole: torch.Tensor, geometry: Geometry, spec: DTensorSpecs | None = None) -> torch.Tensor:
+    """A saved view made again from ``whole``, the local tensor it was a view of (gathered again): its
+    ``geometry``, wrapped as the DTensor ``spec`` describes where it was one."""
+    local = whole.as_strided(*geometry)
+    if spec is None:
+        return local
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def local_of(tensor: DTensor) -> torch.Tensor:
