@@ -27,6 +27,8 @@ step), and ``lower_buckets.py``'s passes rewrite the traced graphs' collectives:
   counted targets) becomes the all_reduce of the local sum (``reduce_gathered_sums``);
 * a collective computed from non-parameter inputs alone (the loss's count of targets) is launched at
   its graph's start;
+* an activation gathered again in backward (``rematerialize.py``: sequence parallelism's norm output) is
+  launched before the matmul ahead of its readers and waited on where it was (``launch_regathers_ahead``);
 * the loss's end, from the wait on its all-reduced sum on, leaves the forward graph
   (``defer_output_waits``): ``start`` returns the loss unfinished and ``finish`` waits and computes it,
   which ``forward`` does at once and ``ParallelModule.step`` after backward (as DDP, whose ranks meet
@@ -100,8 +102,8 @@ from autopar.ir.layers import gather_unit
 
 from .gradient_sync import GradientSync
 from .lower_buckets import (bucket_gradient_reductions, bucket_gradient_scatters, bucket_parameter_gathers,
-                            defer_bucket_waits, defer_output_waits, launch_from_inputs_first, reduce_gathered_sums,
-                            reduced_in_graph)
+                            defer_bucket_waits, defer_output_waits, launch_from_inputs_first, launch_regathers_ahead,
+                            reduce_gathered_sums, reduced_in_graph)
 from .lower_direct import DirectGraphs
 from .lower_eager import EagerForward, EagerRefused, eager_refusal, from_local as _from_local
 from .lower_simplify import call_through_bindings, simplify_local_ops
@@ -469,6 +471,8 @@ class LoweredProgram(nn.Module):
         # layer's gathered copy would be alive at once
         if name == "forward":
             launch_from_inputs_first(gm, units)
+        else:  # the saved shards' gathers again, a matmul ahead of their readers
+            launch_regathers_ahead(gm)
         simplify_local_ops(gm)
         return {kind: counts for kind, counts in made.items() if counts}
 

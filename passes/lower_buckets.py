@@ -48,6 +48,15 @@ launched at the graph's start, its wait left where it was, so no rank waits on i
 whose inputs are the saved activations: sequence parallelism's gathers of them would all be in flight,
 every layer's gathered copy alive, from backward's first op.
 
+**Regathers launched ahead** (``launch_regathers_ahead``): in backward, an activation gathered again for the
+ops that kept it (``rematerialize.py``: sequence parallelism's norm output, context parallelism's keys and
+values; AOT's partition recomputes the all_gather right before its first reader) is launched before the
+last op with FLOPs ahead of it (a matmul: ``torch.utils.flop_counter``'s registry), with the ops computing
+its input from the saved shard, and waited on where it was: the gather runs beside that op, as
+Megatron-LM's sequence-parallel linear layer issues its input's all_gather before its input-gradient GEMM.
+Not past another collective or its wait (the links carry collectives in launch order: the step's waits on
+the others would then wait for it too), nor past an op that writes in place.
+
 **Deferred loss** (``defer_output_waits``): the ops only the loss reads, from the wait on its
 all-reduced sum on, move out of the forward graph into a graph of their own, run after backward, so
 no rank waits for the others at the end of its forward.
@@ -70,6 +79,8 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
 
 from .gradient_sync import BUCKET_BYTES, buckets
 
@@ -633,6 +644,57 @@ def from_inputs_alone(collective: fx.Node, parameters: Collection[str]) -> list[
     if found is None or any(p.name in parameters for p in found[1]):
         return None
     return found[0]
+
+
+def launch_regathers_ahead(gm: fx.GraphModule) -> int:
+    """Launch each regathered activation's all_gather (one AOT's partition recomputes in backward, tagged
+    ``MUST_RECOMPUTE`` by ``rematerialize.tag_recomputed``) before the op with FLOPs ahead of it, with the ops
+    computing its input, in place; its wait stays where it was. Returns how many moved."""
+    moved = 0
+    for node in list(gm.graph.nodes):
+        if (node.target is _c10d.all_gather_into_tensor.default and _waited_once(node)
+                and node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
+            moved += _launched_before_compute(node)
+    return recompiled(gm, moved)
+
+
+def _launched_before_compute(collective: fx.Node) -> bool:
+    """Move ``collective`` and the ops computing its input that follow the op with FLOPs ahead of it
+    (``_compute_ahead``) before that op, keeping their order; False where there is none, or it is among them."""
+    anchor = _compute_ahead(collective)
+    if anchor is None:
+        return False
+    order = {n: i for i, n in enumerate(collective.graph.nodes)}
+    chain, stack = {collective}, [collective]
+    while stack:
+        for source in stack.pop().all_input_nodes:
+            if source is anchor:
+                return False
+            if order[source] > order[anchor] and source not in chain:
+                chain.add(source)
+                stack.append(source)
+    for node in sorted(chain, key=order.__getitem__):
+        anchor.prepend(node)
+    return True
+
+
+def _compute_ahead(node: fx.Node) -> fx.Node | None:
+    """The nearest op before ``node`` that has FLOPs (``torch.utils.flop_counter``'s registry: matmuls,
+    attention, convolutions), where no collective, wait or in-place write lies between them; else None."""
+    current = node.prev
+    while current.op == "call_function" and not _orders_communication(current):
+        if getattr(current.target, "overloadpacket", None) in flop_registry:
+            return current
+        current = current.prev
+    return None
+
+
+def _orders_communication(node: fx.Node) -> bool:
+    """Whether ops may not move across ``node``: a collective or its wait (``_c10d_functional``), or an op
+    that writes in place (what is moved above it would read the value before the write)."""
+    schema = getattr(node.target, "_schema", None)
+    return (getattr(node.target, "namespace", None) == "_c10d_functional"
+            or (schema is not None and schema.is_mutable))
 
 
 def defer_output_waits(gm: fx.GraphModule, slot: int = 0) -> fx.GraphModule | None:

@@ -488,6 +488,44 @@ def test_a_collective_of_inputs_alone_is_launched_first_and_waited_where_it_was(
     assert order[h] < order[collectives[1]]
 
 
+def _regather(graph: torch.fx.Graph, source: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """An all_gather of ``source`` as AOT's partition recomputes it in backward (tagged ``MUST_RECOMPUTE``), and
+    its wait."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    gather = graph.call_function(_c10d.all_gather_into_tensor.default, (source, 2, "0"))
+    gather.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return gather, graph.call_function(_c10d.wait_tensor.default, (gather,))
+
+
+def test_a_regathered_activation_is_launched_before_the_matmul_ahead_and_waited_where_it_was() -> None:
+    """A backward regather (sequence parallelism's norm output, gathered again for the weight gradient) is
+    launched, with the op computing it from the saved shard, before the matmul ahead of it (an input
+    gradient), its wait left in place; one the matmul's output feeds, one behind another collective's wait,
+    and one not tagged for recomputation (a gradient's gather, which the step needs at once) stay."""
+    from autopar.passes.lower_buckets import launch_regathers_ahead
+
+    graph = torch.fx.Graph()
+    grad, w = _placeholder(graph, "tangents_1", torch.randn(4, 4)), _placeholder(graph, "primals_1", torch.randn(4, 4))
+    shard, scale = _placeholder(graph, "mul", torch.randn(2, 4)), _placeholder(graph, "rsqrt", torch.randn(2, 1))
+    input_grad = _call(graph, _aten.mm.default, grad, w)
+    normed = _call(graph, _aten.mul.Tensor, shard, scale)
+    ahead, ahead_wait = _regather(graph, normed)
+    weight_grad = graph.call_function(_aten.mm.default, (_call(graph, _aten.t.default, grad), ahead_wait))
+    fed, fed_wait = _regather(graph, weight_grad)
+    other = _call(graph, _aten.mm.default, grad, w)
+    gradient_gather = graph.call_function(_c10d.all_gather_into_tensor.default, (grad, 2, "0"))
+    behind_wait, (behind, _) = graph.call_function(_c10d.wait_tensor.default, (gradient_gather,)), _regather(graph, shard)
+    graph.output((weight_grad, fed_wait, other, behind_wait))
+    gm = torch.fx.GraphModule({}, graph)
+
+    assert launch_regathers_ahead(gm) == 1
+    order = _index(gm)
+    assert order[normed] < order[ahead] < order[input_grad] < order[ahead_wait] < order[weight_grad]
+    assert order[weight_grad] < order[fed]
+    assert order[other] < order[gradient_gather] < order[behind_wait] < order[behind]
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_data_parallel_step_reduces_the_loss_mean_without_gathering_tokens(runs) -> None:

@@ -88,6 +88,9 @@ def _collective_text(plan_data: Mapping[str, Any], term: Mapping[str, Any]) -> l
     if term["kind"] == "send_recv":  # ring attention's exchange (planning/pricing.py, ring_exposed_s)
         lines.append("      runs behind one block's attention: the op's p2p charge is the part its compute does "
                      "not hide")
+    elif term.get("prefetched") and not term["per_microbatch"]:  # an activation's regather
+        lines.append("      launched by the lowered runtime before the matmul ahead of its readers "
+                     "(passes/lower_buckets.py): hidden behind backward's compute, in the gradient sync")
     elif term.get("prefetched"):
         lines.append("      issued a unit ahead by the lowered runtime (passes/lower_buckets.py): hidden behind "
                      + ("backward's compute, in the gradient sync" if term["phase"] == "backward" else

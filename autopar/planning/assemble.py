@@ -295,6 +295,7 @@ def _incoming_reshard(problem: Problem, solution: Solution) -> dict[str, Cost]:
                 into = out.setdefault(dst, Cost())
                 for kind, sec in cost.comm_s.items():
                     into.comm_s[kind] = into.comm_s.get(kind, 0.0) + share * sec
+                into.grad_sync_s += share * cost.grad_sync_s  # a regather launched ahead
     return out
 
 
@@ -353,6 +354,7 @@ def _predicted(captured: CapturedGraph, cluster: Cluster, best: Candidate, probl
         for cost in g.moves(pairs):
             for kind, s in cost.comm_s.items():
                 comm[kind] = comm.get(kind, 0.0) + g.count(problem.edges) * s
+            sync += g.count(problem.edges) * cost.grad_sync_s  # an activation's regather overlapped with backward
     comm["p2p"] = comm.get("p2p", 0.0) + best.p2p_s
     comm["all_reduce"] = comm.get("all_reduce", 0.0) + best.tied_s
     exposed = sum(comm.values()) + exposed_grad_sync(problem, best.solution.choice)

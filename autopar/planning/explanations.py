@@ -89,8 +89,12 @@ def _edge_delta(solution: _Solution, after: Mapping[str, int], key: str) -> tupl
         delta += edge.count * (now.exposed_s - then.exposed_s)
         sync = sync.plus(_slack(problem, now, edge.count)).plus(_slack(problem, then, edge.count), -1.0)
     for g in solution.shared_of.get(key, ()):  # moves several edges share (``problem.SharedResharding``)
-        delta += g.count(problem.edges) * (sum(c.exposed_s for c in g.taken(problem, after))
-                                           - sum(c.exposed_s for c in g.taken(problem, before)))
+        count, now, then = g.count(problem.edges), g.taken(problem, after), g.taken(problem, before)
+        delta += count * (sum(c.exposed_s for c in now) - sum(c.exposed_s for c in then))
+        for c in now:
+            sync = sync.plus(_slack(problem, c, count))
+        for c in then:
+            sync = sync.plus(_slack(problem, c, count), -1.0)
     return delta, sync
 
 
@@ -184,7 +188,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
                    + (" again in backward" if c.regather else ""))
             shared_by = readers if moved or c.regather and not weight else 1
             terms.append(_term(replace(c, share=c.share / shared_by) if shared_by > 1 else c, why, arg, captured,
-                               pricer, per_microbatch=weight, prefetched=weight and pricer.prefetched(c)))
+                               pricer, per_microbatch=weight, prefetched=pricer.prefetched(c, weight)))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
         gathered = roots[c.slot] is not None and gathers(roots[c.slot], strategy.inputs[c.slot])
         why = "partial gradient, reduced by the gather's backward" if gathered else "partial gradient"
@@ -229,8 +233,8 @@ def _root_placement(arg: fx.Node, strategy_of: Callable[[str], Strategy]) -> Pla
 
 def _term(c: Collective, why: str, arg: fx.Node, captured: CapturedGraph, pricer: Pricer,
           per_microbatch: bool = False, prefetched: bool = False) -> dict[str, Any]:
-    """One collective as the plan records it; ``prefetched``: a parameter's gather the lowered runtime
-    issues a unit ahead (``Pricer.prefetched``), priced beside compute, not on the critical path."""
+    """One collective as the plan records it; ``prefetched``: a gather the lowered runtime issues ahead of
+    its use (``Pricer.prefetched``), priced beside compute, not on the critical path."""
     val, group = arg.meta["val"], pricer.groups[c.mesh_dim]
     seconds = pricer.collective_seconds(c)
     return {"kind": c.kind, "phase": c.phase, "why": why,

@@ -37,7 +37,9 @@ Rules, per mesh dimension (we price the forward graph and derive its backward, d
   parameter's backward regather (an all_gather, ``prefetched``) and its gradient reduce_scatter
   (``_overlapped_where_lowered``) are issued ahead of their use and waited on late
   (``passes/lower_buckets.py``): gradient sync, hidden behind its microbatch's backward compute with the
-  rest of it; its forward all_gather, issued a unit ahead too, hides behind forward's compute
+  rest of it; so is an activation's backward regather, launched before the matmul ahead of its readers
+  (``Cost.split_regather_s``: its microbatches' pieces, one per backward); an FSDP parameter's forward
+  all_gather, issued a unit ahead too, hides behind forward's compute
   (``Cost.prefetched_s``). Both are the ILP's constraint (3) (``OverlapSlack``), and the compute they run
   beside runs slower (``DeviceSpec.overlap_slowdown``).
 * a parameter sharded where it is stored and gathered to be read (FSDP) has its gradient reduced by
@@ -163,6 +165,9 @@ class Cost:
     forward_compute_s: float = 0.0  # part of compute_s that runs in one microbatch's forward (overlap budget)
     prefetched_s: float = 0.0  # a parameter's forward all_gathers the lowered runtime issues a unit ahead
     # (``Pricer.prefetched``): hidden behind forward compute, not in comm_s
+    split_regather_s: float = 0.0  # the part of grad_sync_s and grad_sync_per_microbatch_s that is an
+    # activation's regather the lowered runtime launches ahead (``Pricer.prefetched``), priced for the whole batch:
+    # under m microbatches each backward moves 1/m of it (``Pricer.for_microbatches``)
     kernel: Kernel | None = None  # forward kernel on the whole batch
     batch_memory: bool = False  # memory_bytes holds activations of the whole batch (shrinks with microbatches)
     repeats_per_microbatch: bool = False  # communication redone for every microbatch (parameter gathers)
@@ -344,7 +349,9 @@ class Pricer:
             out.memory_bytes = cost.memory_bytes / m
             out.transient_bytes = cost.transient_bytes / m
             out.output_bytes = cost.output_bytes / m
-        out.grad_sync_s = cost.grad_sync_s + (m - 1) * cost.grad_sync_per_microbatch_s
+        split = cost.split_regather_s  # the whole step's, in m pieces: each microbatch's backward runs one
+        out.grad_sync_s = cost.grad_sync_s + (m - 1) * (cost.grad_sync_per_microbatch_s - split)
+        out.grad_sync_per_microbatch_s = cost.grad_sync_per_microbatch_s - split + split / m
         if cost.repeats_per_microbatch:
             out.comm_s = {k: v * m for k, v in cost.comm_s.items()}
             out.prefetched_s = cost.prefetched_s * m
@@ -923,10 +930,12 @@ class Pricer:
         cost = Cost(repeats_per_microbatch=per_microbatch)
         for c in self.edge_collectives(val, src, dst, grad_partial, regathered, partial_share, shared, gradient):
             seconds = self.collective_seconds(c)
-            prefetched = per_microbatch and self.prefetched(c)
+            prefetched = self.prefetched(c, per_microbatch)
             if prefetched and c.regather:  # in backward, beside backward's compute and gradient sync
                 cost.grad_sync_s += seconds
                 cost.grad_sync_per_microbatch_s += seconds
+                if not per_microbatch:
+                    cost.split_regather_s += seconds
                 continue
             if prefetched:  # in forward, beside forward's compute
                 cost.prefetched_s += seconds
@@ -936,13 +945,16 @@ class Pricer:
                 cost.forward_comm_s[c.kind] = cost.forward_comm_s.get(c.kind, 0.0) + seconds
         return cost
 
-    def prefetched(self, c: "Collective") -> bool:
-        """Whether ``c``, a move of a parameter, overlaps compute where the runtime runs it: the lowered
-        program's gathers of an FSDP unit (``passes/lower_buckets.bucket_parameter_gathers``) are one
-        all_gather a unit, issued a unit ahead. In forward they hide behind forward's compute
-        (``Cost.prefetched_s``); backward's regathers share the gradient sync's budget (they run on the
-        same links while backward computes). Both are constraint (3)'s (``OverlapSlack``)."""
-        return self.runtime == LOWERED and c.kind == "all_gather" and (c.regather or c.phase == "forward")
+    def prefetched(self, c: "Collective", parameter: bool) -> bool:
+        """Whether ``c``, a move of a parameter (``parameter``) or of an activation, overlaps compute where the
+        runtime runs it. The lowered program's gathers of an FSDP unit
+        (``passes/lower_buckets.bucket_parameter_gathers``) are one all_gather a unit, issued a unit ahead: in
+        forward they hide behind forward's compute (``Cost.prefetched_s``). In backward, a parameter's
+        regathers, and an activation's (``lower_buckets.launch_regathers_ahead``: launched before the matmul
+        ahead of its readers, as Megatron-LM's sequence-parallel linear layers do), share the gradient sync's
+        budget (they run on the same links while backward computes). Both are constraint (3)'s
+        (``OverlapSlack``)."""
+        return self.runtime == LOWERED and c.kind == "all_gather" and (c.regather or parameter and c.phase == "forward")
 
     def edge_collectives(self, val: torch.Tensor, src: Placements, dst: Placements,
                          grad_partial: tuple[int, ...] = (), regathered: bool = False,

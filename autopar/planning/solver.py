@@ -39,9 +39,12 @@ Constraints::
     (2) sum_q y_epq = sum_{k: out_i(u,k) = p} x_uk   for all p   edges agree with their producer
         sum_p y_epq = sum_{k: in_j(v,k)  = q} x_vk   for all q   ... and with their consumer
     (3) z >= sum_dk n_d (g_dk - (m-1) h_dk) x_dk + sum_epq n_e (g_e - (m-1) h_e)(p,q) y_epq
+                  + sum_gpq n_g (g_g - (m-1) h_g)(p,q) s_gpq
                   - beta * sum_dk n_d b_dk x_dk                 gradient sync hides behind backward (g_e:
         z' >= sum_dk n_d h_dk x_dk + sum_epq n_e h_e(p,q) y_epq  a parameter's regather the lowered runtime
-                  - beta * sum_dk n_d b_dk x_dk                 issues ahead, ``edge_sync_terms``): the
+                  + sum_gpq n_g h_g(p,q) s_gpq                  issues ahead, ``edge_sync_terms``; g_g: an
+                  - beta * sum_dk n_d b_dk x_dk                 activation's it launches ahead, on a shared
+                                                                move of (11), or on an edge's g_e): the
                                                                 last microbatch's backward hides what runs
                                                                 once a step and its own share of what
                                                                 runs every microbatch (``h``: ZeRO-2's,
@@ -51,7 +54,8 @@ Constraints::
                                                                 lowered runtime issues a unit ahead
                                                                 (``a_e``, a step's) hide behind forward
                                                                 compute (``f_dk``, one microbatch's)
-    (3') o = sum_dk n_d g_dk x_dk + sum_epq n_e (g_e + a_e)(p,q) y_epq   the communication (3) overlaps
+    (3') o = sum_dk n_d g_dk x_dk + sum_epq n_e (g_e + a_e)(p,q) y_epq + sum_gpq n_g g_g(p,q) s_gpq
+                                                                the communication (3) overlaps
     (4) sum_dk n_d M^s_dk x_dk <= capacity      for each row s   memory of every device (add_memory_constraint)
     (5) sum_m n_m = L;  n_m <= L a_m                            every layer has one mode
     (6) sum_m w_dkm = L x_dk;  sum_k w_dkm = n_m                w = n x, exact once x is integral
@@ -286,10 +290,10 @@ def build_model(problem: Problem, cutoff_s: float | None, bubble_fraction: float
     w, v = add_mode_choice_variables(model, problem, x, n, a)
     y = add_edge_variables(model, problem, x)
     u = add_recompute_edge_variables(model, problem, y, n)
-    moves = add_shared_move_variables(model, problem, y, n)
+    moves, overlapped_moves = add_shared_move_variables(model, problem, y, n)
     roots = add_root_sharding_variables(model, problem, x)
     terms = priced_terms(problem, x, w) + roots
-    sync = add_overlap_constraint(model, problem, terms + edge_sync_terms(problem, y))
+    sync = add_overlap_constraint(model, problem, terms + edge_sync_terms(problem, y) + overlapped_moves)
     add_memory_constraint(model, problem, x, w, v, roots)
     objective = set_objective(model, problem, terms, y, u, sync, moves)
     if cutoff_s is not None:
@@ -551,9 +555,11 @@ def add_recompute_edge_variables(model: Ilp, problem: Problem, y: Mapping[int, d
 
 
 def add_shared_move_variables(model: Ilp, problem: Problem, y: Mapping[int, list], n: Mapping[str, object]
-                              ) -> list[tuple[int, float]]:
-    """s_gpq, u_gpqm and constraints (11); returns their (variable, objective coefficient in seconds)."""
-    priced = []
+                              ) -> tuple[list[tuple[int, float]], list]:
+    """s_gpq, u_gpqm and constraints (11); returns their (variable, objective coefficient in seconds), and
+    (variable, cost, occurrences) of the moves that run beside compute, for (3): an activation's regather the
+    lowered runtime launches ahead (``Pricer.prefetched``)."""
+    priced, overlapped = [], []
     layers = float(problem.layer_modes.layers) if problem.layer_modes is not None else 0.0
     for g in problem.shared:
         count = g.count(problem.edges)
@@ -566,12 +572,14 @@ def add_shared_move_variables(model: Ilp, problem: Problem, y: Mapping[int, list
                     carrying = by_move[p, q]
                     model.sorted_row(0.0, math.inf, [*carrying, s], [-1.0] * len(carrying) + [1.0])
             priced.append((s, count * cost.exposed_s))
+            if cost.grad_sync_s:
+                overlapped.append((s, cost, count))
             again = sum(cost.forward_comm_s.values())
             for m in rerun if again else ():  # u - n_m - L s >= -L
                 u = model.var(0.0, layers)
                 model.row(-layers, math.inf, [(u, 1.0), (n[m], -1.0), (s, -layers)])
                 priced.append((u, count / layers * again))
-    return priced
+    return priced, overlapped
 
 
 def _by_move(edge: Edge, pairs: list) -> dict[tuple, list]:
@@ -637,8 +645,8 @@ def add_overlap_constraint(model: Ilp, problem: Problem, terms: list) -> list:
 
 def edge_sync_terms(problem: Problem, y: Mapping[int, list]) -> list:
     """(variable, cost, occurrences) of the edge pairs whose collectives run beside compute for (3): a
-    parameter's gathers the lowered runtime issues ahead, in forward and again in backward
-    (``Pricer.prefetched``); none on DTensor."""
+    parameter's gathers the lowered runtime issues ahead, in forward and again in backward, and an activation's
+    regather it launches ahead, where no other reader shares the move (``Pricer.prefetched``); none on DTensor."""
     return [(var, cost, edge.count) for e_idx, edge in enumerate(problem.edges)
             for var, cost in zip(y[e_idx], edge.price.values()) if cost.grad_sync_s or cost.prefetched_s]
 
@@ -755,12 +763,16 @@ def exposed_grad_sync(problem: Problem, choice: Mapping[str, int]) -> float:
 
 
 def overlap_slack(problem: Problem, choice: Mapping[str, int]) -> OverlapSlack:
-    """The ``OverlapSlack`` of a settled ``problem`` at an assignment: its decisions' and its edges'."""
+    """The ``OverlapSlack`` of a settled ``problem`` at an assignment: its decisions', its edges' and its shared
+    moves'."""
     m, beta, slack = problem.microbatches, problem.overlap_fraction, OverlapSlack()
     for key, d in problem.decisions.items():
         slack = slack.plus(OverlapSlack.of(d.options[choice[key]].cost, beta, m, d.count))
     for edge in problem.edges:
         slack = slack.plus(OverlapSlack.of(edge.price[edge_pair(problem, edge, choice)], beta, m, edge.count))
+    for g in problem.shared:
+        for cost in g.taken(problem, choice):
+            slack = slack.plus(OverlapSlack.of(cost, beta, m, g.count(problem.edges)))
     return slack
 
 
