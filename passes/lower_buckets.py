@@ -54,6 +54,8 @@ values; AOT's partition recomputes the all_gather right before its first reader)
 last op with FLOPs ahead of it (a matmul: ``torch.utils.flop_counter``'s registry), with the ops computing
 its input from the saved shard, and waited on where it was: the gather runs beside that op, as
 Megatron-LM's sequence-parallel linear layer issues its input's all_gather before its input-gradient GEMM.
+Where no such op is ahead of it (the head's gather, first in backward), the next op with FLOPs that does not
+read it (the input-gradient matmul) runs before its wait, Megatron-LM's order.
 Not past another collective or its wait (the links carry collectives in launch order: the step's waits on
 the others would then wait for it too), nor past an op that writes in place.
 
@@ -647,25 +649,35 @@ def from_inputs_alone(collective: fx.Node, parameters: Collection[str]) -> list[
 
 
 def launch_regathers_ahead(gm: fx.GraphModule) -> int:
-    """Launch each regathered activation's all_gather (one AOT's partition recomputes in backward, tagged
-    ``MUST_RECOMPUTE`` by ``rematerialize.tag_recomputed``) before the op with FLOPs ahead of it, with the ops
-    computing its input, in place; its wait stays where it was. Returns how many moved."""
+    """Run each regathered activation's all_gather (one AOT's partition recomputes in backward, tagged
+    ``MUST_RECOMPUTE`` by ``rematerialize.tag_recomputed``) beside an op with FLOPs, in place: launched before
+    the one ahead of it, with the ops computing its input, its wait left where it was; where there is none (the
+    head's, first in backward), the next one that does not read it runs before its wait. Returns how many."""
     moved = 0
     for node in list(gm.graph.nodes):
         if (node.target is _c10d.all_gather_into_tensor.default and _waited_once(node)
                 and node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
-            moved += _launched_before_compute(node)
+            moved += _beside_compute(node)
     return recompiled(gm, moved)
 
 
-def _launched_before_compute(collective: fx.Node) -> bool:
-    """Move ``collective`` and the ops computing its input that follow the op with FLOPs ahead of it
-    (``_compute_ahead``) before that op, keeping their order; False where there is none, or it is among them."""
+def _beside_compute(collective: fx.Node) -> bool:
+    """Launch ``collective`` before the op with FLOPs ahead of it (``_compute_ahead``), or else run the next one
+    that does not read it before its wait (``_compute_behind``: Megatron-LM's order, the input-gradient GEMM
+    between the input's gather and the weight-gradient GEMM); False where neither can move."""
     anchor = _compute_ahead(collective)
-    if anchor is None:
-        return False
-    order = {n: i for i, n in enumerate(collective.graph.nodes)}
-    chain, stack = {collective}, [collective]
+    if anchor is not None and _moved_before(collective, anchor):
+        return True
+    wait = next(iter(collective.users))
+    later = _compute_behind(wait)
+    return later is not None and _moved_before(later, wait)
+
+
+def _moved_before(node: fx.Node, anchor: fx.Node) -> bool:
+    """Move ``node`` and the ops computing its inputs that lie after ``anchor`` before ``anchor``, keeping their
+    order; False (nothing moved) where ``anchor`` is among them."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    chain, stack = {node}, [node]
     while stack:
         for source in stack.pop().all_input_nodes:
             if source is anchor:
@@ -673,9 +685,22 @@ def _launched_before_compute(collective: fx.Node) -> bool:
             if order[source] > order[anchor] and source not in chain:
                 chain.add(source)
                 stack.append(source)
-    for node in sorted(chain, key=order.__getitem__):
-        anchor.prepend(node)
+    for moved in sorted(chain, key=order.__getitem__):
+        anchor.prepend(moved)
     return True
+
+
+def _compute_behind(wait: fx.Node) -> fx.Node | None:
+    """The nearest op after ``wait`` that has FLOPs and does not read its value, directly or through other ops,
+    where no collective, wait or in-place write lies between them; else None."""
+    reading, current = {wait}, wait.next
+    while current.op == "call_function" and not _orders_communication(current):
+        if any(source in reading for source in current.all_input_nodes):
+            reading.add(current)
+        elif getattr(current.target, "overloadpacket", None) in flop_registry:
+            return current
+        current = current.next
+    return None
 
 
 def _compute_ahead(node: fx.Node) -> fx.Node | None:

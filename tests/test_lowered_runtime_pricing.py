@@ -20,7 +20,7 @@ from autopar.cost_models import parse_cluster
 from autopar.ir.capture import CapturedGraph, capture
 from autopar.models import build_model
 from autopar.planning.meshes import MeshAxis, MeshChoice
-from autopar.planning.pricing import Collective
+from autopar.planning.pricing import Collective, OverlapSlack
 from autopar.planning.roles import pricer_for
 from autopar.planning.strategies import Strategy
 from contracts import assert_alternatives_priced_exactly
@@ -91,6 +91,33 @@ def test_lowered_gathers_of_a_parameter_are_prefetched_at_their_formula():
     assert not_saved.grad_sync_s == 0 and not_saved.comm_s == {}
     assert not_saved.prefetched_s == on_lowered.prefetched_s
     assert not_saved.forward_comm_s == {"all_gather": not_saved.prefetched_s}  # a recomputed layer's gathers again
+
+
+def test_an_activation_regathered_in_backward_is_overlapped_on_the_lowered_runtime_a_piece_per_microbatch():
+    """A norm's output split on the sequence over 8 H100s and gathered for projections that keep it (sequence
+    parallelism, 7/8 * 32 MiB in bf16 on the ring): forward's all_gather stays on the critical path on both
+    runtimes; the backward regather, which the lowered runtime launches a matmul ahead
+    (``lower_buckets.launch_regathers_ahead``), moves to the gradient sync there, as the whole batch's seconds
+    of which each of m microbatches' backward moves 1/m (``OverlapSlack``'s two parts); on DTensor it is exposed."""
+    cluster = parse_cluster(CLUSTER)
+    mesh = MeshChoice(((MeshAxis.TP, 8),), 1)
+    lowered = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=lowered"))
+    dtensor = pricer_for(cluster, mesh, "bf16", Constraints.parse("runtime=dtensor"))
+    normed = torch.empty(4, 1024, 4096, device="meta")
+    group = lowered.groups[0]
+    gather = group.base_latency_s + 7 * group.intra_latency_s + 7 / 8 * normed.numel() * 2 / group.intra_bw
+    on_lowered = lowered.edge(normed, (Shard(1),), (Replicate(),), regathered=True)
+    on_dtensor = dtensor.edge(normed, (Shard(1),), (Replicate(),), regathered=True)
+    assert on_dtensor.comm_s["all_gather"] == pytest.approx(2 * gather, rel=1e-9) and on_dtensor.grad_sync_s == 0
+    assert on_lowered.comm_s == pytest.approx({"all_gather": gather}, rel=1e-9)
+    assert on_lowered.grad_sync_s == on_lowered.split_regather_s == pytest.approx(gather, rel=1e-9)
+    four = lowered.for_microbatches(on_lowered, 4)
+    assert four.grad_sync_s == pytest.approx(gather, rel=1e-9)
+    assert four.grad_sync_per_microbatch_s == pytest.approx(gather / 4, rel=1e-9)
+    assert four.comm_s == on_lowered.comm_s  # the same bytes in 4 pieces
+    slack = OverlapSlack.of(four, 0.0, 4)
+    assert slack.last == pytest.approx(gather / 4, rel=1e-9) and slack.each == pytest.approx(gather / 4, rel=1e-9)
+    assert slack.exposed_s(4) == pytest.approx(gather, rel=1e-9)  # with nothing to hide behind: all of it
 
 
 def test_plan_on_lowered_runtime_hides_fsdp_collectives_behind_compute():

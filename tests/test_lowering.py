@@ -107,6 +107,7 @@ def _lowered_run(rank: int, name: str, constraints: dict, compile: bool) -> dict
             "dtensor_parameters": pm.program.dtensor_parameters, "direct": direct is not None,
             "direct_as_aot": through_aot[0] == step_loss
             and all(torch.equal(once[k], g) for k, g in through_aot[1].items()),
+            "regathers": _regathers(pm.program),
             "parameters": len(list(pm.parameters())), "gradients_placed": all(
                 isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in pm.parameters())}
 
@@ -117,6 +118,25 @@ def _waits(program: Any) -> dict[str, int]:
     graphs = {"forward": program.graphs.get(True, {}).get("forward"), "deferred": program.deferred.get(True)}
     return {name: len(gm.graph.find_nodes(op="call_function", target=wait)) for name, gm in graphs.items()
             if gm is not None}
+
+
+def _regathers(program: Any) -> dict[str, int]:
+    """In the lowered backward graph, the all_gathers AOT's partition recomputes (activations gathered again:
+    ``passes/rematerialize.py``), and those of them a matmul runs beside, between their launch and their wait."""
+    gm = program.graphs.get(True, {}).get("backward")
+    if gm is None:
+        return {}
+    from torch.utils.checkpoint import CheckpointPolicy
+    from torch.utils.flop_counter import flop_registry
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    computes = [order[n] for n in gm.graph.nodes if getattr(n.target, "overloadpacket", n.target) in flop_registry
+                or n.target in (torch.mm, torch.addmm, torch.bmm)]  # ``call_through_bindings``' targets
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    gathers = [n for n in gm.graph.find_nodes(op="call_function", target=gather)
+               if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
+    beside = [g for g in gathers if any(order[g] < i < order[next(iter(g.users))] for i in computes)]
+    return {"recomputed": len(gathers), "beside_a_matmul": len(beside)}
 
 
 def _bucket_waits(program: Any) -> dict[str, int]:
@@ -498,11 +518,12 @@ def _regather(graph: torch.fx.Graph, source: torch.fx.Node) -> tuple[torch.fx.No
     return gather, graph.call_function(_c10d.wait_tensor.default, (gather,))
 
 
-def test_a_regathered_activation_is_launched_before_the_matmul_ahead_and_waited_where_it_was() -> None:
+def test_a_regathered_activation_runs_beside_a_matmul() -> None:
     """A backward regather (sequence parallelism's norm output, gathered again for the weight gradient) is
-    launched, with the op computing it from the saved shard, before the matmul ahead of it (an input
-    gradient), its wait left in place; one the matmul's output feeds, one behind another collective's wait,
-    and one not tagged for recomputation (a gradient's gather, which the step needs at once) stay."""
+    launched, with the op computing it from the saved shard, before the matmul ahead of it (an input gradient),
+    its wait left in place; where that matmul computes its input, the next matmul that does not read it runs
+    before its wait instead. One not tagged for recomputation (a gradient's gather, which the step needs at
+    once), and one between a wait and the graph's end, stay."""
     from autopar.passes.lower_buckets import launch_regathers_ahead
 
     graph = torch.fx.Graph()
@@ -513,17 +534,35 @@ def test_a_regathered_activation_is_launched_before_the_matmul_ahead_and_waited_
     ahead, ahead_wait = _regather(graph, normed)
     weight_grad = graph.call_function(_aten.mm.default, (_call(graph, _aten.t.default, grad), ahead_wait))
     fed, fed_wait = _regather(graph, weight_grad)
-    other = _call(graph, _aten.mm.default, grad, w)
+    independent = _call(graph, _aten.mm.default, grad, w)
+    another = _call(graph, _aten.mm.default, grad, w)
     gradient_gather = graph.call_function(_c10d.all_gather_into_tensor.default, (grad, 2, "0"))
-    behind_wait, (behind, _) = graph.call_function(_c10d.wait_tensor.default, (gradient_gather,)), _regather(graph, shard)
-    graph.output((weight_grad, fed_wait, other, behind_wait))
+    gradient_wait = graph.call_function(_c10d.wait_tensor.default, (gradient_gather,))
+    blocked, blocked_wait = _regather(graph, shard)
+    graph.output((input_grad, fed_wait, independent, another, gradient_wait, blocked_wait))
     gm = torch.fx.GraphModule({}, graph)
 
-    assert launch_regathers_ahead(gm) == 1
+    assert launch_regathers_ahead(gm) == 2
     order = _index(gm)
     assert order[normed] < order[ahead] < order[input_grad] < order[ahead_wait] < order[weight_grad]
-    assert order[weight_grad] < order[fed]
-    assert order[other] < order[gradient_gather] < order[behind_wait] < order[behind]
+    assert order[weight_grad] < order[fed] < order[independent] < order[fed_wait]
+    assert order[another] < order[gradient_gather] < order[gradient_wait] < order[blocked] < order[blocked_wait]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_sequence_parallel_backward_gathers_the_norm_outputs_again_beside_a_matmul(runs) -> None:
+    """Under sequence parallelism the lowered backward gathers each layer's two normed inputs again (for the
+    projections' and the MLP's weight gradients; ``passes/rematerialize.py``), and the final norm's output for
+    the head's, each beside a matmul (``lower_buckets.launch_regathers_ahead``), as the plan prices them:
+    beside backward's compute, in the gradient sync."""
+    name, constraints = CONFIGS[2][3]
+    assert (name, constraints) == ("tiny-gpt", {"tp": 2, "sp": 1})
+    from autopar.models import build_model
+
+    run = runs[2][3]
+    layers = build_model(name).model.config.layers
+    assert run["regathers"] == {"recomputed": 2 * layers + 1, "beside_a_matmul": 2 * layers + 1}
 
 
 @pytest.mark.dist
