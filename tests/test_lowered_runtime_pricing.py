@@ -23,6 +23,7 @@ from autopar.planning.meshes import MeshAxis, MeshChoice
 from autopar.planning.pricing import Collective, OverlapSlack
 from autopar.planning.roles import pricer_for
 from autopar.planning.strategies import Strategy
+from cli_runner import run_cli
 from contracts import assert_alternatives_priced_exactly
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -118,6 +119,34 @@ def test_an_activation_regathered_in_backward_is_overlapped_on_the_lowered_runti
     slack = OverlapSlack.of(four, 0.0, 4)
     assert slack.last == pytest.approx(gather / 4, rel=1e-9) and slack.each == pytest.approx(gather / 4, rel=1e-9)
     assert slack.exposed_s(4) == pytest.approx(gather, rel=1e-9)  # with nothing to hide behind: all of it
+
+
+def test_a_sequence_parallel_plan_hides_its_regathers_on_the_lowered_runtime_and_explain_says_so(tmp_path):
+    """tiny-llama at tp=8, sp=1: the plan's backward regathers of the gathered norm outputs are recorded as
+    launched ahead on the lowered runtime, and its placements repriced for DTensor put them back on the critical
+    path: the same seconds move from the gradient sync to the exposed all_gathers; ``autopar explain`` says
+    where they run."""
+    bundle = build_model("tiny-llama", global_batch=8)
+    lowered = autopar.plan(bundle.model, bundle.example_inputs, CLUSTER, bundle.loss_fn,
+                           example_targets=bundle.example_targets,
+                           constraints={"tp": 8, "sp": 1, "dp": 1, "microbatches": 1, "checkpointing": "none",
+                                        "runtime": "lowered"})
+    regathers = [(t, op.get("count", 1.0)) for op in lowered.ops.values() for t in op.get("collectives", [])
+                 if t["why"].endswith("again in backward")]
+    assert regathers and all(t.get("prefetched") for t, _ in regathers)
+    seconds = sum(t["seconds"] * count for t, count in regathers)  # each reader's share of its move
+    as_dtensor = dataclasses.replace(lowered, predicted={**lowered.predicted, "runtime": "dtensor"})
+    on_dtensor = autopar.reprice(as_dtensor, _captured(), CLUSTER)
+    lo, d = lowered.predicted, on_dtensor.predicted
+    assert lo["grad_sync_s"] - d["grad_sync_s"] == pytest.approx(seconds, rel=1e-6)
+    assert d["comm_s"]["all_gather"] - lo["comm_s"]["all_gather"] == pytest.approx(seconds, rel=1e-6)
+    path = tmp_path / "plan.json"
+    path.write_text(lowered.to_json())
+    reader = next(name for name, op in lowered.ops.items()
+                  if any(t["why"].endswith("again in backward") for t in op.get("collectives", [])))
+    shown = run_cli("explain", str(path), reader)
+    assert shown.returncode == 0, shown.stderr
+    assert "launched by the lowered runtime before the matmul ahead of its readers" in shown.stdout
 
 
 def test_plan_on_lowered_runtime_hides_fsdp_collectives_behind_compute():
