@@ -697,7 +697,7 @@ def _compute_behind(wait: fx.Node) -> fx.Node | None:
     while current.op == "call_function" and not _orders_communication(current):
         if any(source in reading for source in current.all_input_nodes):
             reading.add(current)
-        elif getattr(current.target, "overloadpacket", None) in flop_registry:
+        elif _has_flops(current):
             return current
         current = current.next
     return None
@@ -708,10 +708,15 @@ def _compute_ahead(node: fx.Node) -> fx.Node | None:
     attention, convolutions), where no collective, wait or in-place write lies between them; else None."""
     current = node.prev
     while current.op == "call_function" and not _orders_communication(current):
-        if getattr(current.target, "overloadpacket", None) in flop_registry:
+        if _has_flops(current):
             return current
         current = current.prev
     return None
+
+
+def _has_flops(node: fx.Node) -> bool:
+    """Whether ``node`` is an op ``torch.utils.flop_counter`` counts FLOPs of (matmuls, attention, convolutions)."""
+    return getattr(node.target, "overloadpacket", None) in flop_registry
 
 
 def _orders_communication(node: fx.Node) -> bool:
