@@ -11,9 +11,19 @@ Formats for Deep Learning", 2022):
   float8 matmuls.
 
 What a linear keeps for backward is what Transformer Engine and torchao keep: its input as the e4m3 copy the
-forward multiplied (one byte a value, where a plain matmul keeps two in bf16) and its weight as it reads it,
-cast again in backward with its forward scale (under FSDP the weight is gathered again for backward, so a kept
-float8 copy would hold the whole weight from forward to backward). Linears reading one tensor (q, k and v
+forward multiplied (one byte a value, where a plain matmul keeps two in bf16) and its weight's e4m3 copy.
+
+**A weight is cast once a step** where the program reads it as it is stored (through views and mixed
+precision's ``to_compute_dtype`` only: data, tensor, pipeline parallelism and ZeRO-1/2, whose weights the
+program reads whole): ``cast_weights_once_a_step`` takes that cast out of the program, which reads it as two
+more placeholders, and ``StepCasts`` makes it before the step's first microbatch, from the values the step
+reads, as Transformer Engine does with ``is_first_microbatch`` (the weight does not change between
+microbatches, so neither do its amax and its e4m3 copy). Every microbatch's forward and backward then read
+that one copy: one byte a weight element held through the step, where casting per microbatch would redo the
+amax, the cast and its all_reduce ``m`` times and the cast again in each backward. A weight gathered on its
+way to the linear (FSDP) is cast per microbatch as it arrives, kept as it is read (under FSDP it is gathered
+again for backward, so a kept float8 copy would hold the whole weight from forward to backward) and cast
+again in backward with its forward scale. Linears reading one tensor (q, k and v
 of one normed input) read it through one view and share its cast (``cast_once``): one amax, one e4m3 copy,
 as Transformer Engine's fused QKV projection makes. The pricer charges the same
 (``planning/pricing.py``, ``ir/saved_tensors.py``). Where we diverge from torchao's ``Float8Linear``: its amax
@@ -26,14 +36,19 @@ does, which the parity tests check (Megatron-Core also reduces its amaxes across
 
 from __future__ import annotations
 
+import operator
 import weakref
-from typing import Any, Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.ir.capture import is_view
 from autopar.ir.float8 import LINEAR_OPS, activation_key, activation_slot, weight_first
+
+from .mixed_precision import to_compute_dtype
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -72,15 +87,94 @@ def _read_as_before(node: fx.Node, earlier: fx.Node, first: bool) -> None:
             node.graph.erase_node(mine)
 
 
-def float8_mm(a: torch.Tensor, b: torch.Tensor, weight_first: bool = False) -> torch.Tensor:
+def cast_weights_once_a_step(program: fx.GraphModule, params: Collection[str]) -> "StepCasts":
+    """Take the cast of every float8 linear's weight that ``program`` reads as it is stored (``params``: the
+    parameters' placeholder names; the module doc) out of the program: the weight's (scale, e4m3 copy) become
+    two placeholders after the others, which its linears read (``weight_cast``) and the returned ``StepCasts``
+    makes each step. A weight that reaches its linear otherwise (gathered, sliced) is left to it."""
+    graph = program.graph
+    last = [node for node in graph.nodes if node.op == "placeholder"][-1]
+    made: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+    casts: dict[tuple[str, str], tuple[str, fx.GraphModule]] = {}
+    for node in list(graph.nodes):
+        first = _FLOAT8_LINEARS.get(node.target) if node.op == "call_function" else None
+        if first is None:
+            continue
+        weight = node.args[first if node.kwargs.get("weight_first") else first + 1]
+        chain = _read_as_stored(weight, params)
+        if chain is None:
+            continue
+        if weight not in made:
+            with graph.inserting_after(last):
+                scale = graph.placeholder(f"{weight.name}_float8_scale")
+            with graph.inserting_after(scale):
+                last = graph.placeholder(f"{weight.name}_float8")
+            made[weight] = (scale, last)
+            casts[scale.name, last.name] = (chain[0].name, _cast_program(chain))
+        node.kwargs = {**node.kwargs, "weight_cast": made[weight]}
+    if made:
+        graph.lint()
+        program.recompile()
+    return StepCasts(casts)
+
+
+def _read_as_stored(weight: fx.Node, params: Collection[str]) -> list[fx.Node] | None:
+    """The nodes from a parameter's placeholder to ``weight``, in order, where each is a view or mixed precision's
+    cast to the compute dtype; None where another op (a redistribute) is on the way, or no parameter."""
+    chain = [weight]
+    while chain[-1].op == "call_function" and (is_view(chain[-1]) or chain[-1].target is to_compute_dtype) \
+            and len(chain[-1].all_input_nodes) == 1:
+        chain.append(chain[-1].all_input_nodes[0])
+    if chain[-1].op != "placeholder" or chain[-1].name not in params:
+        return None
+    return chain[::-1]
+
+
+def _cast_program(chain: Sequence[fx.Node]) -> fx.GraphModule:
+    """A program from the parameter (``chain[0]``) to the (scale, e4m3 copy) of the weight ``chain[-1]`` is."""
+    graph = fx.Graph()
+    env = {chain[0]: graph.placeholder(chain[0].name)}
+    for node in chain[1:]:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    made = graph.call_function(cast_e4m3, (env[chain[-1]],))
+    graph.output((graph.call_function(operator.getitem, (made, 0)), graph.call_function(operator.getitem, (made, 1))))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+@dataclass(frozen=True)
+class StepCasts:
+    """The float8 weights a program reads cast once a step (``cast_weights_once_a_step``): per pair of its
+    placeholders (scale, e4m3 copy), the parameter's placeholder it is made from and the program that makes it."""
+
+    casts: Mapping[tuple[str, str], tuple[str, fx.GraphModule]] = field(default_factory=dict)
+
+    def made_from(self, value_of: Callable[[str], torch.Tensor], wanted: Collection[str]) -> dict[str, torch.Tensor]:
+        """This step's casts that a program reading placeholders ``wanted`` reads, by placeholder name, each
+        made from ``value_of(parameter placeholder)``, the value the step's program reads for it (call it once
+        a step, before the first microbatch, after the parameters are ready: ``ProgramParameters.begin_step``)."""
+        made: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for (scale, copy), (param, cast) in self.casts.items():
+                if scale in wanted:
+                    made[scale], made[copy] = cast(value_of(param))
+        return made
+
+
+def float8_mm(a: torch.Tensor, b: torch.Tensor, weight_first: bool = False,
+              weight_cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``a @ b`` as a float8 matmul (the module doc), in ``a``'s dtype; the weight is ``b`` (``a`` with
-    ``weight_first``)."""
-    return Float8Matmul.apply(a, b, weight_first)
+    ``weight_first``); ``weight_cast``: its (scale, e4m3 copy), made once a step (``StepCasts``)."""
+    return Float8Matmul.apply(a, b, weight_first, weight_cast)
 
 
-def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_first: bool = False) -> torch.Tensor:
+def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_first: bool = False,
+                 weight_cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``bias + a @ b``, the product a float8 matmul: a linear layer with its bias."""
-    return Float8Matmul.apply(a, b, weight_first) + bias
+    return Float8Matmul.apply(a, b, weight_first, weight_cast) + bias
+
+
+_FLOAT8_LINEARS = {float8_mm: 0, float8_addmm: 1}
+"""The float8 matmuls ``run_in_float8`` writes, and the ``args`` slot of their first matrix operand."""
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,21 +187,26 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class Float8Matmul(torch.autograd.Function):
     """``a @ b`` with both operands in e4m3, the output's gradient in e5m2, each scaled tensorwise; one
-    operand is a weight (``b``, or ``a`` with ``weight_first``), kept as it is read, the other kept in e4m3."""
+    operand is a weight (``b``, or ``a`` with ``weight_first``), the other kept in e4m3. The weight is kept as
+    its e4m3 copy where the step made it (``weight_cast``: (scale, copy), ``StepCasts``), else as it is read,
+    cast here each forward and again in backward."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, weight_first: bool) -> torch.Tensor:
-        (scale_a, a8), (scale_b, b8) = (cast_e4m3(a), cast_once(b)) if weight_first else (cast_once(a), cast_e4m3(b))
-        weight, activation8 = (a, b8) if weight_first else (b, a8)
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, weight_first: bool,
+                weight_cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        cast_weight = (lambda w: weight_cast) if weight_cast is not None else cast_e4m3
+        (scale_a, a8), (scale_b, b8) = (cast_weight(a), cast_once(b)) if weight_first else (cast_once(a), cast_weight(b))
+        weight, weight8, activation8 = (a, a8, b8) if weight_first else (b, b8, a8)
         weight_needs_grad = ctx.needs_input_grad[0 if weight_first else 1]
-        ctx.weight_first, ctx.out_dtypes = weight_first, (a.dtype, b.dtype)
-        ctx.save_for_backward(weight, activation8 if weight_needs_grad else None, scale_a, scale_b)
+        ctx.weight_first, ctx.out_dtypes, ctx.weight_cast = weight_first, (a.dtype, b.dtype), weight_cast is not None
+        ctx.save_for_backward(weight8 if weight_cast is not None else weight,
+                              activation8 if weight_needs_grad else None, scale_a, scale_b)
         return scaled_matmul(a8, scale_a, b8, scale_b, a.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         weight, activation8, scale_a, scale_b = ctx.saved_tensors
-        weight8 = as_float8(weight, scale_a if ctx.weight_first else scale_b, E4M3)
+        weight8 = weight if ctx.weight_cast else as_float8(weight, scale_a if ctx.weight_first else scale_b, E4M3)
         a8, b8 = (weight8, activation8) if ctx.weight_first else (activation8, weight8)
         scale_g = tensorwise_scale(grad, E5M2)
         grad8 = as_float8(grad, scale_g, E5M2)
@@ -116,7 +215,7 @@ class Float8Matmul(torch.autograd.Function):
             grad_a = scaled_matmul(grad8, scale_g, b8.t(), scale_b, ctx.out_dtypes[0])
         if ctx.needs_input_grad[1]:
             grad_b = scaled_matmul(a8.t(), scale_a, grad8, scale_g, ctx.out_dtypes[1])
-        return grad_a, grad_b, None
+        return grad_a, grad_b, None, None
 
 
 def cast_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from autopar.ir.float8 import float8_linears
 from .checkpoint import checkpoint_layers, recomputed_with_layer
 from .dropout_mode import follow_mode
 from .dtensor_backward import keep_derivatives
-from .float8 import run_in_float8
+from .float8 import StepCasts, cast_weights_once_a_step, run_in_float8
 from .insert_redistributes import insert_redistributes, produced_placements
 from .layout import guard_view_gradients
 from .mixed_precision import cast_parameters
@@ -64,6 +64,8 @@ class Program:
     redistributes: int  # redistribute nodes inserted (before the split)
     regathers_parameters: bool  # parameters gathered for an op are gathered again in backward
     dropout_ops: int  # ops that drop while training, off in eval mode (``dropout_mode.follow_mode``)
+    step_casts: StepCasts  # float8 weights the stages read cast once a step, made by the runtime before the first
+    # microbatch (``float8.cast_weights_once_a_step``)
 
 
 def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Program:
@@ -81,8 +83,10 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
                                   functools.partial(_keeps, captured, float8), recomputed_with_layer(program, mode_of))
     gathers = reshard_after_forward(program, parameter_values(captured))
     cast_parameters(program, parameter_values(captured), plan.precision)
+    step_casts = StepCasts()
     if plan.precision.fp8 is not None:
         run_in_float8(program, float8, captured.gradient_kinds())
+        step_casts = cast_weights_once_a_step(program, captured.params)
     dropping = follow_mode(program)  # before run_locally, which keeps the arguments it rewrites
     run_locally(program, plan.ops, mesh, plan.cp_layout)
     guard_view_gradients(program, VIEWS)
@@ -93,7 +97,7 @@ def build_program(plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> Prog
               if _pipelined(plan) else [whole_program(program)])
     stages = tuple(_ready_to_run(piece, program, plan, mode_of, regathers=gathers > 0, recomputes=recomputed > 0)
                    for piece in pieces)
-    return Program(stages, redistributes, gathers > 0, dropping)
+    return Program(stages, redistributes, gathers > 0, dropping, step_casts)
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

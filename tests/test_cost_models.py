@@ -215,7 +215,7 @@ def test_memory_override_and_several_overrides() -> None:
     assert (cluster.inter_bw, cluster.intra_bw) == (pytest.approx(25e9), pytest.approx(450e9))
     assert cluster.device.hbm_bytes == 64 * 2**30
     assert parse_cluster("1x8xH100,mem=80GB").device.hbm_bytes == 80 * 10**9
-    assert get_device("H100").hbm_bytes == 80 * 10**9  # the preset is untouched
+    assert get_device("H100").hbm_bytes == 81559 * 2**20  # the preset is untouched: what nvidia-smi reports
 
 
 @pytest.mark.parametrize("spec", [
@@ -297,7 +297,8 @@ def test_datasheet_peaks() -> None:
     assert (a100.peak("bf16"), a100.peak("tf32"), a100.peak(torch.float32)) == (312e12, 156e12, 19.5e12)
     assert (a100.hbm_bw, get_device("A100-40GB").hbm_bw) == (2039e9, 1555e9)
     assert (h100.peak(torch.bfloat16), h100.peak("float32"), h100.hbm_bw) == (989e12, 67e12, 3350e9)
-    assert (h200.hbm_bytes, h200.hbm_bw) == (141 * 10**9, 4800e9)
+    assert (h200.hbm_bytes, h200.hbm_bw) == (143771 * 2**20, 4800e9)
+    assert (get_device("B200").hbm_bytes, a100.hbm_bytes) == (183359 * 2**20, 80 * 2**30)
 
 
 def test_peak_rejects_unknown_dtype() -> None:

@@ -169,6 +169,62 @@ def test_a_float8_linear_keeps_its_input_as_its_float8_copy_not_as_the_value_it_
     assert (down.name, weight.name) in plain.parameters_kept and (down.name, weight.name) in fp8.parameters_kept
 
 
+def test_a_float8_weight_is_cast_once_a_step_and_each_microbatch_where_it_is_gathered() -> None:
+    """A query projection under data parallelism over 8 with 4 microbatches: its weight, read whole as it is
+    stored, is cast once a step (an amax and a cast forward, none in backward) and its e4m3 copy, one byte an
+    element, is the parameter's; gathered from a dp-shard (FSDP), it is cast as it arrives in every
+    microbatch's forward and again in each backward, the difference the solver adds with the placement."""
+    captured = _captured("tiny-llama")
+    node = next(captured.node(n) for n in sorted(float8_linears(captured)) if "q_proj" in module_path(captured.node(n)))
+    kinds = [captured.gradient_kinds()[a.name] for a in node.all_input_nodes]
+    split = Strategy(inputs=((Shard(0),), (Replicate(),)), outputs=((Shard(0),),))
+    fp8 = pricer_for(parse_cluster("1x8xH100"), MeshChoice(((MeshAxis.DP_SHARD, 8),), 1), "bf16",
+                     Constraints.parse("fp8=tensorwise"), captured)
+    kernel = fp8.node(node, split, kinds, [1.0]).kernel
+    forward, backward = fp8._weight_cast_time(kernel.float8)
+    weightless = kernel._replace(float8=kernel.float8._replace(weight=0.0))
+    for m in (1, 4):  # the weight's share of the scaling kernels, the same whatever the microbatches
+        weights = [fp8._scaling_time(k, m, forward=True) for k in (kernel, weightless)]
+        assert weights[0] - weights[1] == pytest.approx(forward - fp8._weight_cast_time(weightless.float8)[0])
+        assert fp8._scaling_time(kernel, m, forward=False) == fp8._scaling_time(weightless, m, forward=False)
+    assert fp8.recast_root_delta(node, split, kinds, 1, (Replicate(),)) is None  # read as stored
+    assert fp8.recast_root_delta(node, split, kinds, 0, (Shard(0),)) is None  # not the weight
+    gathered = fp8.for_microbatches(fp8.recast_root_delta(node, split, kinds, 1, (Shard(0),)), 4)
+    assert gathered.compute_s == pytest.approx(4 * backward + 3 * forward, rel=1e-12)
+    weight = view_root(node.args[1])
+    assert weight.name in fp8.float8_weights
+    val = weight.meta["val"]
+    copy = fp8.parameter_memory(val, (Replicate(),), float8=True)["params"] - fp8.parameter_memory(val, (Replicate(),))["params"]
+    assert copy == val.numel()
+
+
+@pytest.mark.parametrize("constraints, cast_once", [({"dp": 2}, True), ({"dp": 2, "fsdp": 3}, False)])
+def test_the_program_reads_each_weight_it_reads_as_stored_cast_once_a_step(two_fake_ranks, constraints, cast_once
+                                                                           ) -> None:
+    """Under data parallelism every float8 linear reads its weight's e4m3 copy and scale as two placeholders,
+    which ``StepCasts`` makes from the parameter as the linear's own cast would; under FSDP (gathered) none."""
+    from autopar.passes.program import build_program
+    from autopar.runtime.parallel_module import mesh_for_plan
+
+    bundle = build("tiny-llama", None, 8, None, 0)
+    plan = autopar.plan(bundle.model, bundle.example_inputs, "1x2xcpu", bundle.loss_fn,
+                        example_targets=bundle.example_targets, constraints={**constraints, "fp8": "tensorwise"})
+    captured = capture(bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn)
+    built = build_program(plan, captured, mesh_for_plan(plan))
+    (stage,) = built.stages
+    linears = [n for n in stage.program.graph_module.graph.nodes if n.target in (f8.float8_mm, f8.float8_addmm)]
+    read = [n.kwargs.get("weight_cast") is not None for n in linears]
+    assert len(linears) == len(float8_linears(captured)) and read == [cast_once] * len(linears)
+    assert len(built.step_casts.casts) == (len(float8_weights(captured)) if cast_once else 0)
+    if cast_once:
+        (scale, copy), (param, _) = next(iter(built.step_casts.casts.items()))
+        assert {scale, copy} <= set(stage.program.placeholders)
+        value = torch.randn(captured.node(param).meta["val"].shape)
+        made = built.step_casts.made_from({param: value}.__getitem__, {scale})
+        by_hand = f8.cast_e4m3(value.t())
+        assert torch.equal(made[scale], by_hand[0]) and torch.equal(made[copy].float(), by_hand[1].float())
+
+
 def test_fp8_is_refused_for_a_model_it_cannot_take_and_in_a_bad_plan_file(tmp_path) -> None:
     """The command line's refusals (a device without FP8 tensor cores, a recipe it does not know) are in
     tests/test_bad_inputs.py; here the API's and a plan file's."""
@@ -189,8 +245,8 @@ def scaled_float8_gradients(factor: float = 1.25) -> Iterator[None]:
     backward = f8.Float8Matmul.backward
 
     def scaled(ctx, grad):
-        grad_a, grad_b, _ = backward(ctx, grad)
-        return (None if grad_a is None else grad_a * factor), grad_b, None
+        grad_a, *others = backward(ctx, grad)
+        return (None if grad_a is None else grad_a * factor), *others
 
     f8.Float8Matmul.backward = staticmethod(scaled)
     try:
@@ -200,9 +256,10 @@ def scaled_float8_gradients(factor: float = 1.25) -> Iterator[None]:
 
 
 RUNS = [({"dp": 2}, True, 3), ({"dp": 2, "fsdp": 3, "checkpointing": "selective"}, False, 3),
-        ({"tp": 2}, True, 1), ({"pp": 2}, False, 2)]
+        ({"tp": 2}, True, 1), ({"pp": 2}, False, 2), ({"dp": 2, "microbatches": 2}, True, 2)]
 """(constraints, lowered, steps): DDP and tensor parallelism lowered, FSDP with selective recomputation and a
-pipeline on DTensor, held to ``testing.parity.FP8``. Tensor parallelism sums a row-split product in another
+pipeline on DTensor, DDP lowered over two microbatches (its weights' casts made once a step, read by both), held
+to ``testing.parity.FP8``. Tensor parallelism sums a row-split product in another
 order, which moves the next step's weights by an ulp of fp32 and can round their float8 copies to the
 neighbouring value: its run is one step, whose gradients and update are compared."""
 
@@ -278,3 +335,53 @@ def test_a_float8_step_runs_the_amax_all_reduces_the_plan_predicts() -> None:
         assert result["forward"] == as_run_on_gloo(predicted_collectives(result["plan"], ["forward"])), constraints
         predicted = predicted_collectives(result["plan"], ["forward", "backward", "grad_sync"])
         assert result["step"].get("all_reduce") == predicted.get("all_reduce"), (constraints, result["step"], predicted)
+
+
+CAST = [({"tp": 2, "microbatches": 2}, True), ({"dp": 2, "fsdp": 3, "microbatches": 2}, False)]
+"""(constraints, whether the weights are read as stored): tensor parallelism reads each weight's shard as it is
+stored, FSDP gathers each one."""
+
+
+def _weight_casts(rank: int, world: int) -> list[tuple[int, list[bool], dict]]:
+    """Per ``CAST`` plan, one step of tiny Llama on DTensor: how many times the step made its weights' casts
+    (``StepCasts.made_from``), and per float8 matmul run whether it read its weight's cast made for the step."""
+    from autopar.models import build_model
+    from autopar.testing.parity import batches
+
+    runs = []
+    for constraints, _ in CAST:
+        bundle = build_model("tiny-llama", global_batch=8, device="cpu")
+        pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                     example_targets=bundle.example_targets, lowered=False,
+                                     constraints={**constraints, "fp8": "tensorwise", "runtime": "dtensor"})
+        made, read = [0], []
+        make, forward = f8.StepCasts.made_from, f8.Float8Matmul.forward
+
+        def counted_make(self, *args):
+            made[0] += 1
+            return make(self, *args)
+
+        def recorded_forward(ctx, a, b, weight_first, weight_cast=None):
+            read.append(weight_cast is not None)
+            return forward(ctx, a, b, weight_first, weight_cast)
+
+        f8.StepCasts.made_from, f8.Float8Matmul.forward = counted_make, staticmethod(recorded_forward)
+        try:
+            pm.step(*batches(bundle, 1, seed=0)[0])
+        finally:
+            f8.StepCasts.made_from, f8.Float8Matmul.forward = make, staticmethod(forward)
+        runs.append((made[0], read, pm.plan.to_dict()))
+    return runs
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_step_casts_each_weight_read_as_stored_once_and_a_gathered_one_in_every_microbatch() -> None:
+    """Two microbatches: under tensor parallelism every float8 matmul of both reads its weight's e4m3 copy made
+    once for the step, and the plan counts those weights' amax all_reduces once; under FSDP each matmul casts the
+    weight it gathered, and the plan counts none once."""
+    linears = len(float8_linears(_captured("tiny-llama")))
+    for (made, read, plan), (constraints, as_stored) in zip(run_on_ranks(_weight_casts, 2)[0], CAST):
+        assert made == 1 and read == [as_stored] * 2 * linears, constraints
+        once = [t for op in plan["ops"].values() for t in op.get("collectives", []) if t.get("once_a_step")]
+        assert bool(once) == as_stored and all(t["why"].endswith("once a step") for t in once), constraints

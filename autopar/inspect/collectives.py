@@ -46,12 +46,12 @@ class StepCollective:
 
 
 def step_collectives(plan_data: Mapping[str, Any], bucket_bytes: float = BUCKET_BYTES) -> list[StepCollective]:
-    """Every collective one step of the plan issues: per-op ones (times the microbatch count), then
-    the bucketed gradient all_reduces."""
+    """Every collective one step of the plan issues: per-op ones (times the microbatch count, but for those
+    run ``once_a_step``: a float8 weight's amax), then the bucketed gradient all_reduces."""
     microbatches = int(plan_data.get("pipeline", {}).get("microbatches", 1))
     ops = plan_data.get("ops", {}).values()
     found = [StepCollective(t["kind"], t["phase"], t["nbytes"], t["mesh_dim"],
-                            microbatches * t.get("share", 1.0) * op.get("count", 1.0))
+                            (1 if t.get("once_a_step") else microbatches) * t.get("share", 1.0) * op.get("count", 1.0))
              for op in ops for t in op.get("collectives", []) if not t["grad_sync"]]
     syncs = [t for op in ops for t in _stood_for(op) if t["grad_sync"]]
     return (found + gradient_buckets([t for t in syncs if t["kind"] == "all_reduce"], bucket_bytes)

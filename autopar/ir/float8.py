@@ -44,10 +44,16 @@ def float8_linears(captured: CapturedGraph) -> frozenset[str]:
 
 def float8_weights(captured: CapturedGraph) -> frozenset[str]:
     """The model's parameters (fully qualified, every layer of a traced stack's) that float8 linears read."""
+    return frozenset(real for root in float8_weight_placeholders(captured)
+                     for real in captured.real_fqns(captured.params[root]))
+
+
+def float8_weight_placeholders(captured: CapturedGraph) -> frozenset[str]:
+    """The placeholders of the parameters that float8 linears read (through views): each has an e4m3 copy, cast
+    once a step where the program reads it as stored (``passes/float8.StepCasts``)."""
     kinds = captured.gradient_kinds()
-    roots = {view_root(captured.node(name).args[weight_slot(captured.node(name), kinds)]).name
-             for name in float8_linears(captured)}
-    return frozenset(real for root in roots for real in captured.real_fqns(captured.params[root]))
+    return frozenset(view_root(captured.node(name).args[weight_slot(captured.node(name), kinds)]).name
+                     for name in float8_linears(captured))
 
 
 def weight_slot(node: fx.Node, kinds: dict[str, str]) -> int | None:

@@ -420,7 +420,8 @@ def _memory_parts(captured: CapturedGraph, problem: Problem, chosen: dict, price
         first = captured.node(d.nodes[0]) if captured.has_node(d.nodes[0]) else None
         if first is not None and first.op == "placeholder" and first.name in captured.params:
             frozen = first.name in captured.frozen_parameters()
-            for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0], frozen).items():
+            float8 = first.name in pricer.float8_weights
+            for part, b in pricer.parameter_memory(first.meta["val"], opt.strategy.outputs[0], frozen, float8).items():
                 memory[part] += d.count * b
         else:
             memory["activations"] += d.count * problem.held_bytes(stage, key, opt.cost, opt.working_set_bytes)

@@ -23,7 +23,8 @@ from torch import fx
 from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
-from autopar.planning.pricing import AMAX_BYTES, Collective, Cost, Pricer, OverlapSlack, gathers, moved_again
+from autopar.planning.pricing import (AMAX_BYTES, Collective, Cost, Pricer, OverlapSlack, gathers, moved,
+                                      moved_again)
 from autopar.planning.problem import (Edge, Problem, RootSharding, SharedResharding, edge_pair, gradient_root,
                                       partial_gradient_share, read_through_views, source_of)
 from autopar.planning.solver import overlap_slack
@@ -164,7 +165,7 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
     grad_kinds = [kinds[a.name] for a in args]
     views = read_through_views(node, grad_kinds)
     partial = pricer.grad_partial_dims(node, strategy, grad_kinds, views)
-    roots = [_root_placement(a, strategy_of) if kind == "param" or shared is not None else None
+    roots = [_root_placement(a, strategy_of) if kind in WEIGHT_KINDS or shared is not None else None
              for a, kind, shared in zip(args, grad_kinds, views)]
     for arg, wanted, grad_partial in zip(args, strategy.inputs, partial):
         src, out = source_of(arg)
@@ -182,11 +183,11 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         for i, c in enumerate(pricer.edge_collectives(arg.meta["val"], have, wanted, grad_partial, regathered,
                                                       partial_gradient_share(arg), gradient=kinds[src.name] != "none")):
             # edge_collectives lists the partial gradient's reductions first, one per dim
-            moved = i >= len(grad_partial) and not c.regather
+            resharded = i >= len(grad_partial) and not c.regather
             why = ("partial gradient" if i < len(grad_partial) else
                    f"resharding {placement_to_str(have[c.mesh_dim])} -> {placement_to_str(wanted[c.mesh_dim])}"
                    + (" again in backward" if c.regather else ""))
-            shared_by = readers if moved or c.regather and not weight else 1
+            shared_by = readers if resharded or c.regather and not weight else 1
             terms.append(_term(replace(c, share=c.share / shared_by) if shared_by > 1 else c, why, arg, captured,
                                pricer, per_microbatch=weight, prefetched=pricer.prefetched(c, weight)))
     for c in pricer.gradient_collectives(node, strategy, grad_kinds, roots, views):
@@ -199,8 +200,13 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         terms.append({**term, "element_bytes": 2 * term["element_bytes"]})
     for c in pricer.amax_collectives(node, strategy):  # one fp32 number: the amax of a split operand or gradient
         of = args[c.slot] if c.phase == "forward" else node
-        why = "float8 amax" + (" of the gradient" if c.phase == "backward" else "") + ", split on this dim"
-        terms.append({**_term(c, why, of, captured, pricer), "shape": [], "element_bytes": AMAX_BYTES})
+        # a weight read as stored is cast once a step (``passes/float8.StepCasts``), its amax with it
+        once = c.phase == "forward" and kinds[args[c.slot].name] in WEIGHT_KINDS and not (
+            roots[c.slot] is not None and moved(roots[c.slot], strategy.inputs[c.slot]))
+        why = ("float8 amax" + (" of the gradient" if c.phase == "backward" else "") + ", split on this dim"
+               + (", once a step" if once else ""))
+        terms.append({**_term(c, why, of, captured, pricer), "shape": [], "element_bytes": AMAX_BYTES,
+                      **({"once_a_step": True} if once else {})})
     return terms
 
 

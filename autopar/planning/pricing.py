@@ -81,12 +81,18 @@ bf16 masters (``precision.master``, ``master_dtype``) the optimizer state is pri
 
 Float8 linears (``precision.fp8``; which ops: ``ir/float8.float8_linears``; how they run:
 ``passes/float8.py``): the matmul and its two backward products run at the device's FP8 peak on operands of
-one byte; around them, each step of each microbatch, the scaling kernels, bandwidth-bound: forward an amax
-(one read) and a cast (a read, a one-byte write) per operand, backward an amax and a cast of the output's
-gradient and a cast of the weight again (``Float8Work``); an all_reduce of one fp32 amax over each mesh dim an
-operand (forward) or the output's gradient (backward) is split on, redone every microbatch
-(``Cost.repeated_comm_s``). What a float8 linear keeps for backward, its input's e4m3 copy instead of the input,
-is charged to the input's producer, one byte a value (``ir/saved_tensors.py``'s ``float8_copies``).
+one byte; around them the scaling kernels, bandwidth-bound (``Float8Work``): each microbatch's forward an amax
+(one read) and a cast (a read, a one-byte write) of the activation, its backward an amax and a cast of the
+output's gradient; the weight's amax and cast once a step (``passes/float8.StepCasts``, Transformer Engine's
+``is_first_microbatch``), its e4m3 copy held through the step, one byte an element of the parameter as stored
+(``parameter_memory``). An all_reduce of one fp32 amax over each mesh dim an operand (forward) or the output's
+gradient (backward) is split on, redone every microbatch (``Cost.repeated_comm_s``), the weight's once a step.
+A weight moved on its way to the linear (gathered by FSDP, sliced) is cast as it arrives, every microbatch, and
+again in backward, with its amax all_reduces, where the runtime holds no copy of it: the solver adds that
+(``recast_root_delta``) where the parameter's placement and the linear's are chosen together (constraint
+(9)); the copy stays charged to the parameter (an overcount of one byte an element of its shard). What a
+float8 linear keeps for backward, its input's e4m3 copy instead of the input, is charged to the input's
+producer, one byte a value (``ir/saved_tensors.py``'s ``float8_copies``).
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class Float8Work(NamedTuple):
     output: float
     casts_activation: bool = True  # False where an earlier float8 linear cast the same tensor
     # (``ir/float8.reused_casts``)
+    weight_slot: int = 1  # the tensor input that is the weight
 
 
 class Kernel(NamedTuple):
@@ -299,12 +306,15 @@ class Pricer:
     def __init__(self, cluster: Cluster, mesh_shape: Sequence[int], dtype: str, stages: int = 1,
                  zero_stage: int = 0, zero_dims: Sequence[int] = (), reduce_dtype: str = "fp32",
                  runtime: str = DTENSOR, master_dtype: str = "fp32", fp8: str | None = None,
-                 float8: frozenset[str] = frozenset(), float8_reused: Mapping[str, int] | None = None):
+                 float8: frozenset[str] = frozenset(), float8_reused: Mapping[str, int] | None = None,
+                 float8_weights: frozenset[str] = frozenset()):
         self.cluster = dispatched_by(cluster, runtime)
         self.fp8 = fp8  # the float8 recipe (core.plan.Precision.fp8), None without
         self.float8 = float8  # under it, the float8 linears' node names (``ir/float8.float8_linears``)
         self.float8_reused = float8_reused or {}  # those reading an earlier one's cast, by the activation's slot
         # (``ir/float8.reused_casts``)
+        self.float8_weights = float8_weights  # the placeholders of the parameters they read, each with an e4m3 copy
+        # (``ir/float8.float8_weight_placeholders``)
         self.runtime = runtime  # the runtime the prices assume (core.plan.RUNTIMES)
         self.mesh_shape = tuple(mesh_shape)
         self.dtype = dtype
@@ -399,13 +409,23 @@ class Pricer:
             return 0.0
         wide = _DTYPE_BYTES[self.dtype]
         activation, output = work.activation / m, work.output / m
-        if forward:  # an amax and a cast of each operand (of the activation, once for the linears reading it)
-            passes = [(work.weight, wide), (work.weight, wide + 1)]
-            passes += [(activation, wide), (activation, wide + 1)] if work.casts_activation else []
-        else:  # an amax and a cast of the output's gradient, the weight cast again with its forward scale
-            passes = [(output, wide), (output, wide + 1), (work.weight, wide + 1)]
+        if not forward:  # an amax and a cast of the output's gradient
+            return m * self._passes_time([(output, wide), (output, wide + 1)])
+        # an amax and a cast of the activation (once for the linears reading it), of the weight once a step
+        each = [(activation, wide), (activation, wide + 1)] if work.casts_activation else []
+        return m * self._passes_time(each) + self._weight_cast_time(work)[0]
+
+    def _weight_cast_time(self, work: Float8Work) -> tuple[float, float]:
+        """(forward, backward) seconds of casting a float8 linear's weight where it arrives: an amax and a cast
+        forward, a cast with that scale in backward."""
+        wide = _DTYPE_BYTES[self.dtype]
+        return (self._passes_time([(work.weight, wide), (work.weight, wide + 1)]),
+                self._passes_time([(work.weight, wide + 1)]))
+
+    def _passes_time(self, passes: Sequence[tuple[float, float]]) -> float:
+        """Seconds of bandwidth-bound kernels, each (elements, bytes moved an element)."""
         device = self.cluster.device
-        return m * sum(compute_time(0.0, n * nbytes, device, self.dtype, "elementwise") for n, nbytes in passes)
+        return sum(compute_time(0.0, n * nbytes, device, self.dtype, "elementwise") for n, nbytes in passes)
 
     # ---- sizes -------------------------------------------------------------------------------
     def element_bytes(self, val: torch.Tensor) -> int:
@@ -480,19 +500,39 @@ class Pricer:
         inputs = tensor_inputs(node)
         numel = {grad_kinds[i] in WEIGHT_KINDS: self.local_numel(inputs[i].meta["val"], strategy.inputs[i])
                  for i in slots}
+        weight = next(i for i in slots if grad_kinds[i] in WEIGHT_KINDS)
         return Float8Work(numel[False], numel[True], self.local_numel(node.meta["val"], strategy.outputs[0]),
-                          node.name not in self.float8_reused)
+                          node.name not in self.float8_reused, weight)
 
     def _charge_amax_reductions(self, node: fx.Node, strategy: Strategy, cost: Cost) -> None:
-        """A float8 linear's amax all_reduces (``amax_collectives``) on the critical path, rerun every
-        microbatch (``Cost.repeated_comm_s``: their bytes do not shrink with it)."""
-        priced = [(c.phase, self.collective_seconds(c)) for c in self.amax_collectives(node, strategy)]
-        cost.repeated_comm_s = sum(seconds for _, seconds in priced)
-        cost.repeated_forward_comm_s = sum(seconds for phase, seconds in priced if phase == "forward")
-        cost.add_comm("all_reduce", cost.repeated_comm_s)
-        if cost.repeated_forward_comm_s:
-            cost.forward_comm_s["all_reduce"] = (cost.forward_comm_s.get("all_reduce", 0.0)
-                                                 + cost.repeated_forward_comm_s)
+        """A float8 linear's amax all_reduces (``amax_collectives``) on the critical path: the weight's once a
+        step, the others rerun every microbatch (``Cost.repeated_comm_s``: their bytes do not shrink with it)."""
+        weight = cost.kernel.float8.weight_slot
+        priced = [(c.phase, self.collective_seconds(c), c.slot == weight and c.phase == "forward")
+                  for c in self.amax_collectives(node, strategy)]
+        cost.repeated_comm_s = sum(seconds for _, seconds, once in priced if not once)
+        cost.repeated_forward_comm_s = sum(seconds for phase, seconds, once in priced if phase == "forward" and not once)
+        forward = sum(seconds for phase, seconds, _ in priced if phase == "forward")
+        cost.add_comm("all_reduce", sum(seconds for _, seconds, _ in priced))
+        if forward:
+            cost.forward_comm_s["all_reduce"] = cost.forward_comm_s.get("all_reduce", 0.0) + forward
+
+    def recast_root_delta(self, node: fx.Node, strategy: Strategy, grad_kinds: Sequence[str], slot: int,
+                          root: Placements) -> Cost | None:
+        """What a float8 linear's weight (input ``slot``) costs beyond ``Pricer.node``'s once-a-step cast where the
+        parameter it reads through views is placed ``root`` and moved on its way here (``moved``: FSDP's gather,
+        a slice): cast as it arrives in every microbatch's forward and again in its backward, its forward amax
+        all_reduces rerun every microbatch. ``None`` for another input or op, or a weight read as stored. The
+        solver adds it where both decisions are taken (``solver.py``, constraint (9))."""
+        work = self._float8_work(node, strategy, grad_kinds)
+        if work is None or slot != work.weight_slot or not moved(root, strategy.inputs[slot]):
+            return None
+        forward, backward = self._weight_cast_time(work)
+        amax = sum(self.collective_seconds(c) for c in self.amax_collectives(node, strategy)
+                   if c.slot == slot and c.phase == "forward")
+        # m microbatches: backward's cast m times, forward's m - 1 more (accumulate_s: each further one)
+        return Cost(compute_s=backward, backward_compute_s=backward, accumulate_s=forward + backward,
+                    repeated_comm_s=amax, repeated_forward_comm_s=amax)
 
     def amax_collectives(self, node: fx.Node, strategy: Strategy) -> list["Collective"]:
         """A float8 linear's all_reduces of one fp32 amax (``passes/float8.tensorwise_scale``): in forward one
@@ -839,9 +879,12 @@ class Pricer:
         dispatch = compute_time(0.0, 0.0, self.cluster.device, self.dtype, "elementwise")
         return Cost(compute_s=dispatch, backward_compute_s=dispatch, accumulate_s=dispatch)
 
-    def parameter_memory(self, val: torch.Tensor, placements: Placements, frozen: bool = False) -> dict[str, float]:
+    def parameter_memory(self, val: torch.Tensor, placements: Placements, frozen: bool = False,
+                         float8: bool = False) -> dict[str, float]:
         """Bytes of a parameter's local shard: the parameter, its gradient and its AdamW state, as
-        ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them. A ``frozen`` parameter
+        ``passes/mixed_precision.py`` and ``passes/zero.py`` keep them; with ``float8`` (a weight float8 linears
+        read: ``float8_weights``), in ``params`` its e4m3 copy too, one byte an element, made once a step
+        (``passes/float8.StepCasts``). A ``frozen`` parameter
         (``CapturedGraph.frozen_parameters``) has neither gradient nor state, and ZeRO leaves it whole: it is
         kept in the compute dtype (``mixed_precision.as_master``), the copy the program reads.
 
@@ -863,17 +906,18 @@ class Pricer:
         """
         numel = int(self.local_numel(val, placements))
         compute = numel * self.element_bytes(val)
+        copy = numel if float8 else 0.0
         master_bytes = _DTYPE_BYTES[master_dtype_of(self.dtype, self.master_dtype)]
         master = numel * master_bytes
         if frozen:
-            return {"params": compute, "grads": 0.0, "optimizer": 0.0}
+            return {"params": compute + copy, "grads": 0.0, "optimizer": 0.0}
         shards = self.optimizer_shards(val, placements)
         if shards == 1:
             grads = master + self._widened_gradient_bytes(numel, master_bytes, placements)
         else:
             grads = compute if self.zero_stage == 1 else master / shards
         return {
-            "params": compute,
+            "params": compute + copy,
             "grads": grads,
             "optimizer": adamw_state_bytes(numel, self.dtype, self.master_dtype, sharded=shards > 1) / shards,
         }
@@ -1045,6 +1089,13 @@ def moved_again(kept: bool, parameter: bool, src: Placements, dst: Placements, m
     and values: ``passes/rematerialize.py``, Megatron-LM's sequence-parallel linear layers). The memory
     model charges what is kept in its producer's placement, which these runtimes then hold."""
     return kept and (parameter or grows_locally(src, dst, mesh_shape))
+
+
+def moved(root: Placements, placements: Placements) -> bool:
+    """Whether a tensor placed ``root`` is redistributed on its way to be read at ``placements``: split on a mesh
+    dim in one and not in the other (gathered, or sliced), or partial in one of them (a view may move the
+    split tensor dim, not split or join the tensor)."""
+    return any(r.is_shard() != p.is_shard() or r.is_partial() != p.is_partial() for r, p in zip(root, placements))
 
 
 def gathers(root: Placements, placements: Placements) -> bool:

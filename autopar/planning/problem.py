@@ -33,6 +33,8 @@ prices the move, once per placement some reader takes (solver constraint (11)).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -583,8 +585,9 @@ def _options(node: fx.Node, captured: CapturedGraph, finder: StrategyFinder, pri
         if node.name in captured.params:
             frozen = node.name in captured.frozen_parameters()
             accumulation = Cost() if frozen else pricer.gradient_accumulation()  # frozen: no gradient to add
+            float8 = node.name in pricer.float8_weights
             return [Option(Strategy((), (p,)), with_fields(
-                accumulation, memory_bytes=sum(pricer.parameter_memory(val, p, frozen).values())))
+                accumulation, memory_bytes=sum(pricer.parameter_memory(val, p, frozen, float8).values())))
                     for p in roles.param(val)]
         if node.name in captured.user_inputs:
             return [Option(Strategy((), (p,)), Cost(memory_bytes=pricer.local_bytes(val, p), batch_memory=True))
@@ -713,7 +716,7 @@ def _root_terms(captured: CapturedGraph, decisions: dict[str, Decision], pricer:
         grad_kinds = [kinds[a.name] for a in tensor_inputs(first)]
         views = read_through_views(first, grad_kinds)
         for slot, kind in enumerate(grad_kinds):
-            if kind != "param" and views[slot] is None:
+            if kind not in WEIGHT_KINDS and views[slot] is None:
                 continue
             roots = Counter(_root_key(captured, tensor_inputs(captured.node(n))[slot]) for n in d.nodes)
             for (root, out), readers in roots.items():
@@ -733,12 +736,13 @@ def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[s
     for k, o in enumerate(consumer.options):
         alike[o.strategy.inputs[slot], o.strategy.outputs[:1]].append(k)
     terms = []
-    for ks in alike.values():
+    deltas = (functools.partial(pricer.gathered_root_delta, views=views), pricer.recast_root_delta)
+    for ks, delta_of in itertools.product(alike.values(), deltas):
         strategy = consumer.options[ks[0]].strategy
         same: dict[tuple, tuple[Cost, list[int]]] = {}  # root options with the same price change share a term
         for j, r in enumerate(root.options):
             placed = r.strategy.outputs[out]
-            delta = None if placed is None else pricer.gathered_root_delta(node, strategy, grad_kinds, slot, placed, views)
+            delta = None if placed is None else delta_of(node, strategy, grad_kinds, slot, placed)
             if delta is not None:
                 same.setdefault(_price_key(delta), (delta, []))[1].append(j)
         terms += [RootSharding(consumer.key, frozenset(ks), slot, root.key, frozenset(js), share, delta)
@@ -747,8 +751,8 @@ def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[s
 
 
 def _price_key(cost: Cost) -> tuple:
-    return (cost.compute_s, cost.grad_sync_s, cost.grad_sync_per_microbatch_s,
-            tuple(sorted(cost.comm_s.items())), cost.repeats_per_microbatch)
+    return (cost.compute_s, cost.accumulate_s, cost.grad_sync_s, cost.grad_sync_per_microbatch_s,
+            tuple(sorted(cost.comm_s.items())), cost.repeated_comm_s, cost.repeats_per_microbatch)
 
 
 def source_of(arg: fx.Node) -> tuple[fx.Node, int]:

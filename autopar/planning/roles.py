@@ -38,7 +38,7 @@ from autopar.ir.capture import (ATTENTION_QUERY_DIM, FUSED_ATTENTION, VIEWS, WEI
                                  view_root)
 from autopar.ir.layers import is_getitem, output_vals, tensor_inputs
 from autopar.planning.meshes import MeshChoice, batch_inputs, global_batch, microbatch_counts
-from autopar.ir.float8 import float8_linears, reused_casts
+from autopar.ir.float8 import float8_linears, float8_weight_placeholders, reused_casts
 from autopar.planning.pricing import Pricer
 from autopar.planning.problem import (ALLOW_ANY, PricedAlike, Problem, Roles, Rule, build_problem,
                                       placeholder_candidates, source_of)
@@ -72,7 +72,8 @@ def pricer_for(cluster: Cluster, mesh: MeshChoice, dtype: str, constraints: Cons
                   zero_dims=mesh.dims_of(*ZERO_AXES), reduce_dtype=constraints.reduce_dtype or "fp32",
                   runtime=runtime, master_dtype=constraints.master_dtype or "fp32", fp8=constraints.fp8,
                   float8=float8_linears(captured) if constraints.fp8 else frozenset(),
-                  float8_reused=reused_casts(captured) if constraints.fp8 else {})
+                  float8_reused=reused_casts(captured) if constraints.fp8 else {},
+                  float8_weights=float8_weight_placeholders(captured) if constraints.fp8 else frozenset())
 
 
 def priced_runtime(mesh: MeshChoice, constraints: Constraints) -> str:

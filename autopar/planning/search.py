@@ -411,8 +411,8 @@ class _MeshSearch:
         pricer = pricer_for(self.cluster, mesh, self.dtype, self.constraints, self.captured)
         replicated = tuple(Replicate() for _ in mesh.shape)
         frozen = self.captured.frozen_parameters()
-        state = sum(self.captured.weight(name) * sum(pricer.parameter_memory(self.captured.node(name).meta["val"],
-                                                                             replicated, name in frozen).values())
+        state = sum(self.captured.weight(name) * sum(pricer.parameter_memory(
+            self.captured.node(name).meta["val"], replicated, name in frozen, name in pricer.float8_weights).values())
                     for name in self.captured.params)
         zero_dims = mesh.dims_of(*ZERO_AXES)
         spread = math.prod(size for dim, size in enumerate(mesh.shape) if dim not in zero_dims) * mesh.stages

@@ -111,6 +111,7 @@ class ParallelModule(nn.Module):
         self.redistributes = built.redistributes
         self._dropout_ops = built.dropout_ops
         self._placeholders = stage.program.placeholders
+        self._step_casts = built.step_casts
         in_graph_sync = self._program_params.grad_sync if self.microbatches == 1 else None  # else reduced once, after
         self.program = (LoweredProgram(stage.module, self._parameter_names(), compile=compile, grad_sync=in_graph_sync,
                                        hooked_gradients=True) if lowered or compile else stage.module)
@@ -152,13 +153,14 @@ class ParallelModule(nn.Module):
         with self.autocast.set_aside("forward()"), self.randomness.drawing(), in_mode(self.training), \
                 torch.inference_mode(False) if inference else contextlib.nullcontext(), \
                 torch.no_grad() if inference else contextlib.nullcontext():
-            return self._run_program(self._program_params.begin_step(), inputs, local, on_dtensor=evaluating)
+            return self._run_program(self._step_values(), inputs, local, on_dtensor=evaluating)
 
-    def _run_program(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
+    def _run_program(self, step_values: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool,
                      deferred: bool = False, on_dtensor: bool = False) -> DTensor:
-        """The program's loss; ``deferred``: a lowered program's may still be reducing, readable after
-        ``_finish_loss`` (``LoweredProgram.start``); ``on_dtensor``: a lowered program's DTensor program runs."""
-        args = self._placeholder_values(params, inputs, local)
+        """The program's loss (``step_values``: ``_step_values``); ``deferred``: a lowered program's may still be
+        reducing, readable after ``_finish_loss`` (``LoweredProgram.start``); ``on_dtensor``: a lowered program's
+        DTensor program runs."""
+        args = self._placeholder_values(step_values, inputs, local)
         lowered = isinstance(self.program, LoweredProgram)
         with writing_buffers(self._buffers_dt):
             if lowered and on_dtensor:
@@ -191,7 +193,7 @@ class ParallelModule(nn.Module):
         total = torch.zeros(())
         scale = self.loss_scale.before_backward(list(self.parameters())) if self.loss_scale else 1.0
         with self.autocast.set_aside("step()"), self.randomness.step():
-            params = self._program_params.begin_step()
+            step_values = self._step_values()
             pieces = microbatch_pieces(args, m, self._carriers)
             weights = microbatch_weights(self._loss_reduction, pieces, self.plan, self.mesh,
                                          self.captured.user_inputs, local)
@@ -199,7 +201,7 @@ class ParallelModule(nn.Module):
             kept = [i for i, weight in enumerate(weights) if weight > 0] or list(range(m))
             for i in kept:
                 piece, weight = pieces[i], weights[i]
-                loss = self._run_program(params, piece, local, deferred=True).to_local()
+                loss = self._run_program(step_values, piece, local, deferred=True).to_local()
                 if i == kept[-1]:
                     self._program_params.arm()  # reduce gradients as the last backward produces them
                 (loss * (weight * scale)).backward()
@@ -215,16 +217,24 @@ class ParallelModule(nn.Module):
         return {i: self.captured.params[name] for i, name in enumerate(self._placeholders)
                 if name in self.captured.params}
 
-    def _placeholder_values(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor], local: bool
-                            ) -> list[Any]:
+    def _step_values(self) -> dict[str, torch.Tensor]:
+        """Placeholder name -> what the program reads for it this step, the same in every microbatch: each
+        parameter's value (``ProgramParameters.begin_step``) and the float8 casts of the weights made from them
+        (``passes/float8.StepCasts``)."""
+        params, fqn = self._program_params.begin_step(), self.captured.params
+        read = {name: params[_key(fqn[name])] for name in self._placeholders if name in fqn}
+        return {**read, **self._step_casts.made_from(read.__getitem__, self._placeholders)}
+
+    def _placeholder_values(self, step_values: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+                            local: bool) -> list[Any]:
         cg, precision = self.captured, self.plan.precision
         user = {n: in_compute_dtype(user_input(self.plan, self.mesh, n, x, local), precision)
                 for n, x in zip(cg.user_inputs, inputs)}
         buffers = reading_copies(self._buffers_dt, self._written)
         values = []
         for name in self._placeholders:
-            if name in cg.params:
-                values.append(params[_key(cg.params[name])])
+            if name in step_values:
+                values.append(step_values[name])
             elif name in cg.buffers:
                 values.append(buffers[cg.buffers[name]])
             elif name in cg.constants:

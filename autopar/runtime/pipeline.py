@@ -274,6 +274,7 @@ class PipelineParallelModule(nn.Module):
         self.loss_scale = DynamicLossScale() if plan.precision.compute == "fp16" else None  # fp16's small gradients
         self.redistributes = built.redistributes
         self._dropout_ops = built.dropout_ops
+        self._step_casts = built.step_casts  # float8 weights cast once a step (``_read_parameters``)
         self._written = written(captured.graph)  # buffers the step writes (``ir/buffer_writes.py``)
         mine = built.stages[self.pp_rank::self.pp_size]  # chunk i runs on stage i mod p
         self._sharded: dict[str, nn.Parameter] = {}  # fqn -> this rank's shard, one for all its chunks
@@ -450,10 +451,12 @@ class PipelineParallelModule(nn.Module):
         return [chunk.program for chunk in self.chunks if isinstance(chunk.program, LoweredProgram)]
 
     def _read_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
-        """Hand each chunk this step's value of every parameter it reads (``ProgramParameters.begin_step``)."""
+        """Hand each chunk this step's value of every parameter it reads (``ProgramParameters.begin_step``) and the
+        float8 casts of its weights made from them (``passes/float8.StepCasts``)."""
         fqn = self.captured.params
         for chunk in self.chunks:
             chunk.values.update({name: values[fqn[name]] for name in chunk.placeholders if name in fqn})
+            chunk.values.update(self._step_casts.made_from(chunk.values.__getitem__, chunk.placeholders))
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.reshape(()).clone()
