@@ -22,8 +22,13 @@ Sources for the presets:
   per-step latencies are the Ring/LL ones: 0.6 us per NVLink step, 2.7 us per network step;
   the fixed per-collective latency is the Ring/LL base latency, 6.6 us.
 
-Capacities are decimal (``80 * 10**9`` for "80 GB"), as the datasheets print them; the
-physical HBM is slightly larger, so this errs on the safe side for memory fitting.
+Capacities are what the driver reports a device has (``nvidia-smi``'s ``memory.total``, in MiB): H100 SXM
+81,559, H200 143,771, B200 183,359, as printed on those machines in public logs (for example NVIDIA driver
+570 on an HGX B200: "0MiB / 183359MiB"); A100 SXM4 81,920 (80GB) and 40,960 (40GB). The datasheets' "80 GB",
+"141 GB" and "180 GB" are these figures in binary units: read as decimal (``80 * 10**9``), as this catalog
+did before 2026-12-08, they left a device 7% less than it has, on top of ``memory.RESERVE_FRACTION``, and
+refused a published configuration that ran (NeMo's Llama 3.1 405B in FP8 on 128 B200s, whose float8 weight
+copies Transformer Engine holds through the step). A cluster string's ``mem=80GB`` stays decimal.
 """
 
 from __future__ import annotations
@@ -291,6 +296,7 @@ def _require_non_negative(name: str, attr: str, value: Any) -> None:
 
 GB = 10**9
 GIB = 2**30
+MIB = 2**20
 
 # NCCL src/graph/tuning.cc, Ring/LL protocol (see module docstring).
 NCCL_BASE_LATENCY_S = 6.6e-6
@@ -334,9 +340,9 @@ def _nvidia(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: int,
 
 
 A100_40GB = _nvidia("A100-40GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
-                    hbm_bytes=40 * GB, hbm_bw=1555e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
+                    hbm_bytes=40960 * MIB, hbm_bw=1555e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
 A100_80GB = _nvidia("A100-80GB", fp32=19.5e12, tf32=156e12, bf16=312e12,
-                    hbm_bytes=80 * GB, hbm_bw=2039e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
+                    hbm_bytes=81920 * MIB, hbm_bw=2039e9, nvlink_bw=230e9, net_bw=HDR_NIC_BW)
 # Hopper's fused attention runs below its GEMMs: FlashAttention-3 (Shah et al., "FlashAttention-3", arXiv
 # 2407.08608, 2024; H100 SXM5, bf16, head dim 128) reaches 590-621 TFLOP/s forward at 4k-16k tokens
 # (pytorch/benchmark PR #2391's run of it: 590, 614, 621) and 542-561 backward, cuDNN's kernels 499-518
@@ -349,11 +355,11 @@ HOPPER_ATTENTION_EFFICIENCY = (0.61, 0.53)
 # B200 4.5 dense PFLOP/s (NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs, with sparsity).
 # A100 has none: a float8 plan for it is refused.
 H100 = _nvidia("H100", fp32=67e12, tf32=494.5e12, bf16=989e12, fp8=1979e12,
-               hbm_bytes=80 * GB, hbm_bw=3350e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
+               hbm_bytes=81559 * MIB, hbm_bw=3350e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
                attention_efficiency=HOPPER_ATTENTION_EFFICIENCY)
 # H200: H100 silicon with more and faster HBM3e; same NVLink 4, so the H100 ring figure is assumed.
 H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12, fp8=1979e12,
-               hbm_bytes=141 * GB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
+               hbm_bytes=143771 * MIB, hbm_bw=4800e9, nvlink_bw=370e9, net_bw=NDR_NIC_BW,
                attention_efficiency=HOPPER_ATTENTION_EFFICIENCY)
 # B200: NVLink 5 doubles H100's per-GPU NVLink (1.8 vs 0.9 TB/s both directions); with no published
 # nccl-tests figure at hand the ring bandwidth is assumed to double too (2 x 370 GB/s). DGX B200
@@ -363,7 +369,7 @@ H200 = _nvidia("H200", fp32=67e12, tf32=494.5e12, bf16=989e12, fp8=1979e12,
 # 1.42 (0.631); 8192^3 (1.1e12 FLOPs, 99% up the ramp of compute.py) gives the plateau, 0.631 / 0.99.
 B200_MATMUL_EFFICIENCY = 0.64
 B200 = _nvidia("B200", fp32=80e12, tf32=1100e12, bf16=2250e12, fp8=4500e12,
-               hbm_bytes=180 * GB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW,
+               hbm_bytes=183359 * MIB, hbm_bw=8000e9, nvlink_bw=740e9, net_bw=NDR_NIC_BW,
                matmul_efficiency=B200_MATMUL_EFFICIENCY)
 
 # Placeholder CPU "device" for gloo runs; `autopar calibrate` measures the real figures of a machine.
