@@ -59,7 +59,9 @@ ROWS: dict[int, list[tuple[str, dict[str, Any]]]] = {  # world size -> (model, c
         ("tiny-llama", {"dp": 2, "fsdp": 0}), ("tiny-llama", {"tp": 2, "checkpointing": "selective"}),
         ("tiny-llama", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"}),
         ("tiny-llama", {"dp": 2, "fsdp": 3, "runtime": "lowered"}),
-        ("tiny-llama", {"tp": 2, "sp": 1}), ("tiny-llama", {"tp": 2, "sp": 1, "runtime": "lowered"})],
+        ("tiny-llama", {"tp": 2, "sp": 1}), ("tiny-llama", {"tp": 2, "sp": 1, "runtime": "lowered"}),
+        ("tiny-llama", {"dp": 2, "fsdp": 0, "microbatches": 2, "fp8": "tensorwise", "runtime": "lowered"}),
+        ("tiny-llama", {"tp": 2, "fp8": "tensorwise"})],
     4: [("tiny-gpt", {"dp": 2, "tp": 2}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3}),
         ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3, "runtime": "lowered"})],
 }

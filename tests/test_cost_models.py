@@ -390,7 +390,7 @@ def test_adamw_state_bytes() -> None:
 def test_usable_bytes_leaves_the_reserve() -> None:
     h100 = get_device("H100")
     assert 0 < reserve_fraction() < 0.2
-    assert usable_bytes(h100) == pytest.approx(80e9 * (1 - reserve_fraction()))
+    assert usable_bytes(h100) == pytest.approx(81559 * 2**20 * (1 - reserve_fraction()))
 
 
 # --------------------------------------------------------------------------------------------
