@@ -226,3 +226,18 @@ def test_keys_are_read_under_the_one_prefix_that_makes_every_key_a_models_name()
     assert set(with_model_prefix({"hf.model.w": t, "hf.model.b": t}, bare)) == {"model.w", "model.b"}
     mixed = {"model.w": t, "other.b": t}  # no one prefix names both: left as given, for the strict check to report
     assert with_model_prefix(mixed, wrapped) is mixed
+
+
+def test_the_full_state_dict_holds_copies_that_the_next_optimizer_step_leaves_alone(two_fake_ranks) -> None:
+    """Under data parallelism every parameter is replicated, so its ``full_tensor`` is its own storage: the
+    full state dict copies it, as it gathers a sharded one (FSDP x TP's parity run caught an AdamW step
+    taken after the dict was made moving its norm weights)."""
+    bundle = build("mlp", None, 8, None, seed=0)
+    pm = autopar.autoparallelize(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets, constraints={"dp": 2})
+    full = pm.full_state_dict()
+    before = {fqn: t.clone() for fqn, t in full.items()}
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(1.0)
+    assert full.keys() == before.keys() and all(torch.equal(full[fqn], before[fqn]) for fqn in full)

@@ -128,8 +128,9 @@ class ParallelModule(nn.Module):
         return (p for _, p in self.named_parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered to its full (global) value, on every rank."""
-        return {fqn: p.detach().full_tensor() for fqn, p in self.named_parameters()}
+        """Every parameter gathered to its full (global) value, on every rank: tensors of their own, which the
+        optimizer's next step leaves as they are (a replicated parameter's ``full_tensor`` is its own storage)."""
+        return {fqn: _own_copy(p.detach().full_tensor(), p) for fqn, p in self.named_parameters()}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
@@ -252,6 +253,12 @@ class ParallelModule(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy FQN -> full tensor or DTensor (any placement) into this rank's shards."""
         load_module_state_dict(self.state_dict(), state_dict, self._state_names, strict)
+
+
+def _own_copy(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """``full`` (``param``'s full value), copied where it shares ``param``'s storage."""
+    shares = full.untyped_storage().data_ptr() == param.to_local().untyped_storage().data_ptr()
+    return full.clone() if shares else full
 
 
 def _key(fqn: str) -> str:
