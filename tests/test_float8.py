@@ -99,7 +99,8 @@ def test_a_float8_plan_prices_the_linears_at_the_fp8_rate_and_says_so(tmp_path) 
     path.write_text(json.dumps(fp8))
     assert Plan.load(path).precision.fp8 == "tensorwise"
     shown = run_cli("show", str(path)).stdout
-    assert "linear layers in float8 (tensorwise scaling: e4m3 forward, e5m2 gradients)" in shown
+    assert ("linear layers in float8 (tensorwise scaling: e4m3 forward, e5m2 gradients), each weight read as stored "
+            "cast once a step") in shown
 
 
 def test_a_float8_linear_reduces_the_amax_of_each_split_operand_once_a_microbatch() -> None:

@@ -93,8 +93,8 @@ def precision_text(plan: Plan) -> str:
     else:
         compute = f"{pr.compute} throughout" + (f" (master weights and optimizer state in {pr.master})"
                                                  if pr.master != "fp32" else "")
-    float8 = (f"; the repeated layers' linear layers in float8 ({pr.fp8} scaling: e4m3 forward, e5m2 gradients)"
-              if pr.fp8 else "")
+    float8 = (f"; the repeated layers' linear layers in float8 ({pr.fp8} scaling: e4m3 forward, e5m2 gradients), "
+              "each weight read as stored cast once a step" if pr.fp8 else "")
     return f"{compute}, gradients reduced in {pr.reduce}{float8}"
 
 
