@@ -736,7 +736,8 @@ def _slot_terms(node: fx.Node, consumer: Decision, slot: int, grad_kinds: list[s
     for k, o in enumerate(consumer.options):
         alike[o.strategy.inputs[slot], o.strategy.outputs[:1]].append(k)
     terms = []
-    deltas = (functools.partial(pricer.gathered_root_delta, views=views), pricer.recast_root_delta)
+    deltas = (functools.partial(pricer.gathered_root_delta, views=views),) + ((pricer.recast_root_delta,)
+                                                                               if pricer.float8 else ())
     for ks, delta_of in itertools.product(alike.values(), deltas):
         strategy = consumer.options[ks[0]].strategy
         same: dict[tuple, tuple[Cost, list[int]]] = {}  # root options with the same price change share a term
