@@ -94,6 +94,7 @@ class _View:
     recipe: _Recipe
     geometry: Geometry
     spec: DTensorSpecs | None = None
+    made_geometry: Geometry | None = None  # of the recorded DTensor's local tensor, which ``geometry`` is read against
 
 
 class RecomputedValues(ChainedHooks):
@@ -128,7 +129,9 @@ class RecomputedValues(ChainedHooks):
             return self.pack_other(tensor)
         local = local_of(tensor) if isinstance(tensor, DTensor) else tensor
         spec = specs_of(tensor) if isinstance(tensor, DTensor) else None
-        return _View(self._recipe(made), geometry_of(local), spec)
+        value = made.value()
+        return _View(self._recipe(made), geometry_of(local), spec,
+                     geometry_of(local_of(value) if isinstance(value, DTensor) else value))
 
     def _viewed(self, tensor: torch.Tensor) -> _Made | None:
         """The record of the live DTensor ``tensor`` is a view of (a DTensor view, or a view of its local
@@ -150,7 +153,7 @@ class RecomputedValues(ChainedHooks):
 
     def unpack(self, saved: Any) -> Any:
         if isinstance(saved, _View):
-            return view_again(local_of(self.unpack(saved.recipe)), saved.geometry, saved.spec)
+            return view_again(local_of(self.unpack(saved.recipe)), saved.geometry, saved.spec, saved.made_geometry)
         if not isinstance(saved, _Recipe):
             return self.unpack_other(saved)
         if saved.value is None:

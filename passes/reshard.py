@@ -68,6 +68,7 @@ class _Gathered:
     source: DTensor
     placements: tuple[str, ...]
     dtype: torch.dtype  # of the gathered copy (a mixed-precision program gathers a master's shard cast to it)
+    geometry: Geometry  # of its local tensor, which a saved view's geometry is read against
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class _Regather:
     dtype: torch.dtype
     local_geometry: Geometry  # of the local view
     spec: DTensorSpecs  # of the saved DTensor
+    gathered_geometry: Geometry  # of the gathered local tensor it is a view of
 
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -109,7 +111,8 @@ class ParameterRegather(ChainedHooks):
 
     def remember(self, gathered: DTensor, source: DTensor, placements: tuple[str, ...]) -> None:
         local = local_of(gathered)
-        self._gathered[storage_address(local)] = _Gathered(weakref.ref(local), source, placements, gathered.dtype)
+        self._gathered[storage_address(local)] = _Gathered(weakref.ref(local), source, placements, gathered.dtype,
+                                                           geometry_of(local))
 
     def held(self) -> int:
         """How many of the parameters gathered in this forward are still alive (0 once it has returned:
@@ -121,7 +124,8 @@ class ParameterRegather(ChainedHooks):
         entry = self._gathered_entry(local) if local is not None else None
         if entry is None:
             return self.pack_other(tensor)
-        return _Regather(entry.source, entry.placements, entry.dtype, geometry_of(local), specs_of(tensor))
+        return _Regather(entry.source, entry.placements, entry.dtype, geometry_of(local), specs_of(tensor),
+                         entry.geometry)
 
     def _gathered_entry(self, local: torch.Tensor) -> _Gathered | None:
         """The record of the gathered parameter whose local tensor ``local`` is (a view of), if any."""
@@ -135,7 +139,7 @@ class ParameterRegather(ChainedHooks):
         with torch.no_grad():
             whole = local_of(redistribute(saved.source.to(saved.dtype), saved.placements))
         self.regathered += 1
-        return view_again(whole, saved.local_geometry, saved.spec)
+        return view_again(whole, saved.local_geometry, saved.spec, saved.gathered_geometry)
 
     @classmethod
     def active(cls) -> "ParameterRegather | None":
@@ -253,14 +257,28 @@ def specs_of(tensor: DTensor) -> DTensorSpecs:
     return tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride()
 
 
-def view_again(whole: torch.Tensor, geometry: Geometry, spec: DTensorSpecs | None = None) -> torch.Tensor:
+def view_again(whole: torch.Tensor, geometry: Geometry, spec: DTensorSpecs | None = None,
+               laid_out: Geometry | None = None) -> torch.Tensor:
     """A saved view made again from ``whole``, the local tensor it was a view of (gathered again): its
-    ``geometry``, wrapped as the DTensor ``spec`` describes where it was one."""
+    ``geometry``, wrapped as the DTensor ``spec`` describes where it was one. ``laid_out``: the geometry the
+    tensor it was a view of had, which ``geometry`` is read against; ``whole`` made again in another memory
+    layout is first copied into that one (DTensor's gather outside autograd may return a column-major copy of
+    what it returned row-major in forward: read with the forward's strides, it gave a transposed weight)."""
+    if laid_out is not None and geometry_of(whole) != laid_out:
+        whole = laid_out_as(whole, laid_out)
     local = whole.as_strided(*geometry)
     if spec is None:
         return local
     mesh, placements, shape, stride = spec
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def laid_out_as(tensor: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """``tensor``'s values in a new storage, at ``geometry`` (size, stride, storage offset) in it."""
+    size, stride, offset = geometry
+    extent = 1 + sum((n - 1) * step for n, step in zip(size, stride)) if all(size) else 0
+    storage = torch.empty(offset + extent, dtype=tensor.dtype, device=tensor.device)
+    return storage.as_strided(size, stride, offset).copy_(tensor)
 
 
 def local_of(tensor: DTensor) -> torch.Tensor:

@@ -195,3 +195,16 @@ def test_drawn_models_and_plans_train_as_one_process(two, four):
 def test_drawn_models_and_plans_train_as_one_process_heavy(two, four):
     check_parity(2, two)
     check_parity(4, four)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_an_fsdp_weight_gathered_again_in_backward_is_read_as_forward_read_it() -> None:
+    """Drawn by the heavy tier (on 4 ranks): one MLP block 2 wide and 4 hidden under FSDP on DTensor. Its output
+    projection's [2, 4] weight, a column a rank, gathered again in backward came back column-major and was read
+    with forward's row-major strides (``reshard.view_again``): the input projection's gradients were wrong."""
+    sizes = {"blocks": "m", "width": 2, "hidden": 4, "heads": 1, "out": 4}
+    (run,) = accepted_runs(4, [(sizes, {"tp": 1, "fsdp": 3})])
+    (result,) = train_parallel_many(4, [{**run, "lowered": False}])
+    assert result.plan["placements"]["blocks.0.fc_out.weight"] == ["S(1)"]
+    result.assert_matches(train_single(MODEL, sizes, BATCH, SEQ, STEPS))

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.cost_models import parse_cluster
 from autopar.testing.launch import run_on_ranks
 from autopar.planning.pricing import Pricer, redistribute_steps
+from autopar.passes.reshard import geometry_of, view_again
 
 
 def test_a_regathered_parameter_edge_runs_its_gather_again_in_backward_and_not_again_under_recompute():
@@ -119,3 +120,14 @@ def test_fsdp_holds_no_gathered_parameter_after_forward_and_gathers_what_the_pla
     # runtime restores a permuted shard's memory order after the gather (``layout.in_memory_order``)
     assert result["backward"].get("reduce_scatter", 0) > 0
     assert result["backward"] == result["predicted_backward"]
+
+
+def test_a_saved_view_is_made_again_against_the_layout_of_what_it_viewed() -> None:
+    """A gather run again in backward may return its tensor in another memory layout than forward's (DTensor's
+    outside autograd returned a [4, 2] weight column-major): the saved view's geometry is read against the
+    layout forward's had, not the new one, which would hand backward a scrambled weight."""
+    gathered = torch.arange(8.0).reshape(4, 2)  # as forward's gather returned it, row-major
+    saved = gathered[1:]  # what an op kept: a view of it
+    again = gathered.t().contiguous().t()  # the same values, gathered again column-major
+    assert not torch.equal(again.as_strided(*geometry_of(saved)), saved)
+    assert torch.equal(view_again(again, geometry_of(saved), laid_out=geometry_of(gathered)), saved)
