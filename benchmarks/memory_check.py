@@ -60,7 +60,7 @@ ROWS: dict[int, list[tuple[str, dict[str, Any]]]] = {  # world size -> (model, c
         ("tiny-llama", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "checkpointing": "full"}),
         ("tiny-llama", {"dp": 2, "fsdp": 3, "runtime": "lowered"}),
         ("tiny-llama", {"tp": 2, "sp": 1}), ("tiny-llama", {"tp": 2, "sp": 1, "runtime": "lowered"}),
-        ("tiny-llama", {"dp": 2, "fsdp": 0, "microbatches": 2, "fp8": "tensorwise", "runtime": "lowered"}),
+        ("tiny-llama", {"dp": 2, "fsdp": 0, "microbatches": 2, "fp8": "tensorwise"}),
         ("tiny-llama", {"tp": 2, "fp8": "tensorwise"})],
     4: [("tiny-gpt", {"dp": 2, "tp": 2}), ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3}),
         ("tiny-llama", {"dp": 2, "tp": 2, "fsdp": 3, "runtime": "lowered"})],
@@ -113,6 +113,7 @@ def _table(records: list[dict[str, Any]]) -> str:
     for r in records:
         plan = ", ".join(f"{k}={v}" for k, v in r["degrees"].items())
         plan += ", lowered" if r["constraints"].get("runtime") == LOWERED else ""
+        plan += f", fp8={r['constraints']['fp8']}" if r["constraints"].get("fp8") else ""
         extra = [f"m={r['microbatches']}"] if r["microbatches"] > 1 else []
         extra += [r["checkpointing"]] if r["checkpointing"] != "none" else []
         p, a, s = r["predicted"], r["adam"], r["sgd"]
