@@ -76,3 +76,17 @@ def test_an_alternative_placement_of_a_parameter_is_priced_with_its_readers_grad
     assert_alternatives_priced_exactly(problem, "w", {"mm": 0})
     assert evaluate(problem, {"w": 1, "mm": 0})[0] == pytest.approx(2e-3 + 4e-4 + 5e-4)
     assert evaluate(problem, {"w": 0, "mm": 0})[0] == pytest.approx(2e-3 + 1e-3 - 0.5 * 1e-3)
+
+
+def test_a_plan_file_without_the_optional_prices_of_an_alternative_is_explained(plan: autopar.Plan, tmp_path) -> None:
+    """An alternative's own compute and communication are optional in a plan file (``core/plan.py``'s schema):
+    one without them is explained with a dash, not a traceback (the heavy tier's fuzzing deleted them)."""
+    data = plan.to_dict()
+    entry = data["explanations"]["decisions"][data["explanations"]["index"]["blocks.0.mlp.fc_in.weight"]]
+    for row in entry["alternatives"]:
+        row.pop("compute_s", None)
+        row.pop("comm_s", None)
+    path = tmp_path / "plan.json"
+    autopar.Plan.from_dict(data).save(path)
+    shown = run_cli("explain", str(path), "blocks.0.mlp.fc_in.weight")
+    assert shown.returncode == 0 and "chosen" in shown.stdout, shown.stderr

@@ -34,8 +34,9 @@ def render(plan_data: Mapping[str, Any], name: str) -> str:
         mark = "*" if row["chosen"] else " "
         delta = "chosen" if row["chosen"] else ("+" if row["delta_s"] >= 0 else "-") + fmt_seconds(abs(row["delta_s"]))
         mem = ("+" if row["delta_memory_bytes"] >= 0 else "-") + fmt_bytes(abs(row["delta_memory_bytes"]))
-        comm = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in row["comm_s"].items()) or "-"
-        lines.append(f"{mark} {row['strategy']:<48} {delta:>12} {mem:>14}  {fmt_seconds(row['compute_s']):>11}  {comm}")
+        comm = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in row.get("comm_s", {}).items()) or "-"
+        own = fmt_seconds(row["compute_s"]) if "compute_s" in row else "-"  # both optional in a plan file
+        lines.append(f"{mark} {row['strategy']:<48} {delta:>12} {mem:>14}  {own:>11}  {comm}")
     others = [r for r in entry["alternatives"] if not r["chosen"]]
     if others:
         best = min(others, key=lambda r: r["delta_s"])
