@@ -195,7 +195,8 @@ class Float8Matmul(torch.autograd.Function):
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, weight_first: bool,
                 weight_cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         cast_weight = (lambda w: weight_cast) if weight_cast is not None else cast_e4m3
-        (scale_a, a8), (scale_b, b8) = (cast_weight(a), cast_once(b)) if weight_first else (cast_once(a), cast_weight(b))
+        (scale_a, a8), (scale_b, b8) = ((cast_weight(a), cast_once(b)) if weight_first
+                                        else (cast_once(a), cast_weight(b)))
         weight, weight8, activation8 = (a, a8, b8) if weight_first else (b, b8, a8)
         weight_needs_grad = ctx.needs_input_grad[0 if weight_first else 1]
         ctx.weight_first, ctx.out_dtypes, ctx.weight_cast = weight_first, (a.dtype, b.dtype), weight_cast is not None

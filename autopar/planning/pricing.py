@@ -511,7 +511,8 @@ class Pricer:
         priced = [(c.phase, self.collective_seconds(c), c.slot == weight and c.phase == "forward")
                   for c in self.amax_collectives(node, strategy)]
         cost.repeated_comm_s = sum(seconds for _, seconds, once in priced if not once)
-        cost.repeated_forward_comm_s = sum(seconds for phase, seconds, once in priced if phase == "forward" and not once)
+        cost.repeated_forward_comm_s = sum(seconds for phase, seconds, once in priced
+                                           if phase == "forward" and not once)
         forward = sum(seconds for phase, seconds, _ in priced if phase == "forward")
         cost.add_comm("all_reduce", sum(seconds for _, seconds, _ in priced))
         if forward:
