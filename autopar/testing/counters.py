@@ -69,12 +69,12 @@ def planned_for_dtensor(constraints: Mapping[str, Any] | None) -> dict[str, Any]
 
 
 def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: int,
-                 constraints: Mapping[str, Any], step: bool = True, forward: bool = True) -> dict[str, Any]:
+                 constraints: Mapping[str, Any], step: bool = True) -> dict[str, Any]:
     """On this rank: the built-in ``name`` planned under ``constraints`` for this world and the DTensor
     runtime (``runtime=dtensor`` unless they pin one), and parallelized on it (its collectives are the
     plan's, one per redistribute; the lowered runtime's buckets merge some: ``tests/test_lowering.py``),
-    then one forward (with ``forward``: a plan of one microbatch) and (with ``step``) one training step on one
-    batch, each counted: the plan as JSON, and the collectives of the forward and of the step per kind."""
+    then one forward and (with ``step``) one training step on one batch, each counted: the plan as JSON,
+    and the collectives of the forward and of the step per kind."""
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.testing.parity import batches
@@ -84,11 +84,9 @@ def counted_step(name: str, overrides: Mapping[str, Any] | None, global_batch: i
                          example_targets=bundle.example_targets, constraints=planned_for_dtensor(constraints),
                          lowered=False)
     (batch,) = batches(bundle, 1, seed=0)
-    counted: dict[str, Any] = {"plan": pm.plan.to_dict(), "microbatches": pm.microbatches}
-    if forward:
-        with CollectiveCounter() as forwarded:
-            pm(*batch)
-        counted["forward"] = forwarded.counts
+    with CollectiveCounter() as forward:
+        pm(*batch)
+    counted: dict[str, Any] = {"plan": pm.plan.to_dict(), "forward": forward.counts, "microbatches": pm.microbatches}
     if step:
         with CollectiveCounter() as stepped:
             pm.step(*batch)
