@@ -24,7 +24,7 @@ from autopar.core.placement import Placements, placement_to_str
 from autopar.ir.capture import WEIGHT_KINDS, CapturedGraph
 from autopar.ir.layers import reader_regions, tensor_inputs
 from autopar.planning.pricing import (AMAX_BYTES, Collective, Cost, Pricer, OverlapSlack, gathers, moved,
-                                      moved_again)
+                                      moved_again, weight_amax)
 from autopar.planning.problem import (Edge, Problem, RootSharding, SharedResharding, edge_pair, gradient_root,
                                       partial_gradient_share, read_through_views, source_of)
 from autopar.planning.solver import overlap_slack
@@ -198,11 +198,12 @@ def collective_terms(node: fx.Node, captured: CapturedGraph, strategy_of: Callab
         term = _term(c, "ring attention: a block of keys and values in one buffer, 2 elements per key element "
                         "(backward: and of their gradients), passed to the next cp rank", args[1], captured, pricer)
         terms.append({**term, "element_bytes": 2 * term["element_bytes"]})
+    weight = next((i for i, kind in enumerate(grad_kinds) if kind in WEIGHT_KINDS), None)
     for c in pricer.amax_collectives(node, strategy):  # one fp32 number: the amax of a split operand or gradient
         of = args[c.slot] if c.phase == "forward" else node
         # a weight read as stored is cast once a step (``passes/float8.StepCasts``), its amax with it
-        once = c.phase == "forward" and kinds[args[c.slot].name] in WEIGHT_KINDS and not (
-            roots[c.slot] is not None and moved(roots[c.slot], strategy.inputs[c.slot]))
+        once = weight_amax(c, weight) and not (roots[weight] is not None
+                                               and moved(roots[weight], strategy.inputs[weight]))
         why = ("float8 amax" + (" of the gradient" if c.phase == "backward" else "") + ", split on this dim"
                + (", once a step" if once else ""))
         terms.append({**_term(c, why, of, captured, pricer), "shape": [], "element_bytes": AMAX_BYTES,

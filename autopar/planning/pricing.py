@@ -508,7 +508,7 @@ class Pricer:
         """A float8 linear's amax all_reduces (``amax_collectives``) on the critical path: the weight's once a
         step, the others rerun every microbatch (``Cost.repeated_comm_s``: their bytes do not shrink with it)."""
         weight = cost.kernel.float8.weight_slot
-        priced = [(c.phase, self.collective_seconds(c), c.slot == weight and c.phase == "forward")
+        priced = [(c.phase, self.collective_seconds(c), weight_amax(c, weight))
                   for c in self.amax_collectives(node, strategy)]
         cost.repeated_comm_s = sum(seconds for _, seconds, once in priced if not once)
         cost.repeated_forward_comm_s = sum(seconds for phase, seconds, once in priced
@@ -529,8 +529,7 @@ class Pricer:
         if work is None or slot != work.weight_slot or not moved(root, strategy.inputs[slot]):
             return None
         forward, backward = self._weight_cast_time(work)
-        amax = sum(self.collective_seconds(c) for c in self.amax_collectives(node, strategy)
-                   if c.slot == slot and c.phase == "forward")
+        amax = sum(self.collective_seconds(c) for c in self.amax_collectives(node, strategy) if weight_amax(c, slot))
         # m microbatches: backward's cast m times, forward's m - 1 more (accumulate_s: each further one)
         return Cost(compute_s=backward, backward_compute_s=backward, accumulate_s=forward + backward,
                     repeated_comm_s=amax, repeated_forward_comm_s=amax)
@@ -1090,6 +1089,12 @@ def moved_again(kept: bool, parameter: bool, src: Placements, dst: Placements, m
     and values: ``passes/rematerialize.py``, Megatron-LM's sequence-parallel linear layers). The memory
     model charges what is kept in its producer's placement, which these runtimes then hold."""
     return kept and (parameter or grows_locally(src, dst, mesh_shape))
+
+
+def weight_amax(c: "Collective", weight_slot: int) -> bool:
+    """Whether ``c``, one of a float8 linear's ``amax_collectives``, reduces its weight's amax (in forward): once a
+    step where the weight is read as stored (``passes/float8.StepCasts``), every microbatch where it is ``moved``."""
+    return c.phase == "forward" and c.slot == weight_slot
 
 
 def moved(root: Placements, placements: Placements) -> bool:
